@@ -1,0 +1,83 @@
+"""The exceptions packcache raises.
+
+Every exception the library raises on purpose derives from
+:class:`PackCacheError`, and also from the builtin it refines, so callers may
+catch either::
+
+    PackCacheError
+    ├── FormatError(ValueError)           a cache file breaks docs/FORMAT.md
+    ├── OptionError(KeyError)             an unknown option key
+    │   └── ReadOnlyOptionError           writing a key that can only be read
+    ├── OptionValueError(ValueError)      an option value out of range
+    │   └── OptionTypeError(TypeError)    an option value of the wrong type
+    ├── PackResultError(TypeError)        ``pack()`` returned something uncacheable
+    └── SessionError(RuntimeError)        a session used wrongly (nested, closed)
+
+A cache *problem* (full disk, read-only file, lock timeout, …) is never raised:
+it is counted and reported through :meth:`packcache.WeightCache.stats`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FormatError",
+    "OptionError",
+    "OptionTypeError",
+    "OptionValueError",
+    "PackCacheError",
+    "PackResultError",
+    "ReadOnlyOptionError",
+    "SessionError",
+]
+
+
+class PackCacheError(Exception):
+    """Root of every exception packcache raises on purpose."""
+
+
+class FormatError(PackCacheError, ValueError):
+    """A cache file violates the format in ``docs/FORMAT.md``.
+
+    The message names the file (when known), the byte offset and the rule.
+    The cache never serves bytes from such a file: it rebuilds it as a new
+    file instead.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, offset: int | None = None) -> None:
+        self.path = path
+        self.offset = offset
+        where = []
+        if path is not None:
+            where.append(path)
+        if offset is not None:
+            where.append(f"offset {offset}")
+        prefix = f"{': '.join(where)}: " if where else ""
+        super().__init__(prefix + message)
+
+
+class OptionError(PackCacheError, KeyError):
+    """An option key that does not exist; the message names close matches."""
+
+    def __str__(self) -> str:
+        # KeyError.__str__ repr()s its argument; show the sentence as written.
+        return str(self.args[0]) if self.args else ""
+
+
+class ReadOnlyOptionError(OptionError):
+    """An attempt to write an option key that can only be read."""
+
+
+class OptionValueError(PackCacheError, ValueError):
+    """An option value outside the allowed range."""
+
+
+class OptionTypeError(OptionValueError, TypeError):
+    """An option value of the wrong type."""
+
+
+class PackResultError(PackCacheError, TypeError):
+    """``pack()`` returned something that is not a cacheable numpy array."""
+
+
+class SessionError(PackCacheError, RuntimeError):
+    """A session was used wrongly: nested in one thread, or used after it ended."""

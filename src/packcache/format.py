@@ -1,0 +1,439 @@
+"""The cache file layout: encoding and validating bytes, no I/O.
+
+``docs/FORMAT.md`` is the specification; this module is its executable form.
+Every function here takes and returns bytes and plain Python values, so the
+layout can be tested byte by byte without touching a file system.
+
+A file is a fixed header region (preamble, platform fingerprint, two commit
+slots), then aligned pack data, then an index describing the packs. A commit
+writes data and index first and a commit slot last; readers take the newest
+slot whose checksum and index both validate.
+
+Sizes and offsets read from a file are converted to Python ints before any
+arithmetic, so a hostile value cannot wrap around.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import FormatError
+
+__all__ = [
+    "DTYPE_CODES",
+    "FORMAT_VERSION",
+    "HEADER_READ_SIZE",
+    "MAGIC",
+    "Entry",
+    "Header",
+    "Slot",
+    "align_up",
+    "canonical_key",
+    "choose_slot",
+    "data_start_for",
+    "decode_header",
+    "decode_index",
+    "decode_slot",
+    "encode_entry",
+    "encode_header",
+    "encode_index",
+    "encode_slot",
+    "entry_record_size",
+    "index_size",
+    "key_digest",
+    "numpy_dtype_str",
+    "slot_offset",
+    "validate_slot_bounds",
+]
+
+MAGIC = b"\x89PKC\r\n\x1a\n"
+FORMAT_VERSION = 1
+
+PREAMBLE = struct.Struct("<8sIIIII32sI")  # magic, version, alignment, data_start, platform size, platform crc, reserved, crc
+PLATFORM_OFFSET = 64
+PLATFORM_MAX = 1984  # the fingerprint must end before the first slot
+SLOT_OFFSETS = (2048, 3072)  # in different 512-byte sectors: a torn slot write cannot hit both
+SLOT = struct.Struct("<8sQQQII20sI")  # magic, generation, index offset, index size, count, index crc, reserved, crc
+SLOT_MAGIC = b"PKCSLOT1"
+HEADER_READ_SIZE = 4096  # preamble, fingerprint and both slots lie in the first 4 KiB
+
+INDEX_HEAD = struct.Struct("<8sII")  # magic, entry count, reserved
+INDEX_MAGIC = b"PKCINDEX"
+ENTRY_FIXED = struct.Struct("<32sQQIHBB4sI")  # digest, offset, nbytes, crc, name size, ndim, reserved, dtype, key size
+
+MIN_ALIGNMENT = 64
+MAX_ALIGNMENT = 1 << 20
+MAX_NAME_BYTES = 1024
+MAX_KEY_BYTES = 65536
+MAX_NDIM = 32
+MAX_ENTRIES = 1_000_000
+MAX_INDEX_BYTES = 256 << 20
+MAX_DIM = (1 << 63) - 1
+
+#: dtype codes the format can hold: kind letter and item size, always little-endian.
+DTYPE_CODES = (
+    "b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16",
+)  # fmt: skip
+_ITEMSIZE = {code: int(code[1:]) for code in DTYPE_CODES}
+
+
+@dataclass(frozen=True)
+class Header:
+    """The immutable part of a file: layout parameters and platform fingerprint."""
+
+    alignment: int
+    data_start: int
+    platform: bytes  # canonical JSON, see :func:`canonical_key`
+    format_version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One commit record: which index is current, and its generation."""
+
+    generation: int
+    index_offset: int
+    index_size: int
+    entry_count: int
+    index_crc: int
+
+    @property
+    def committed_end(self) -> int:
+        """File offset just past this generation's index."""
+        return self.index_offset + self.index_size
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One pack stored in the file."""
+
+    name: str
+    key: bytes  # canonical JSON of the caller's key
+    digest: bytes  # sha256 over name and key, see :func:`key_digest`
+    dtype: str  # one of DTYPE_CODES
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    crc32: int
+
+
+def align_up(value: int, alignment: int) -> int:
+    """Round ``value`` up to a multiple of ``alignment`` (a power of two).
+
+    >>> align_up(65, 64)
+    128
+    """
+    return (value + alignment - 1) & ~(alignment - 1)
+
+
+def data_start_for(alignment: int) -> int:
+    """Offset of the first data byte for a given alignment.
+
+    >>> data_start_for(64), data_start_for(1 << 16)
+    (4096, 65536)
+    """
+    return max(HEADER_READ_SIZE, alignment)
+
+
+def slot_offset(index: int) -> int:
+    """File offset of commit slot ``index`` (0 or 1)."""
+    return SLOT_OFFSETS[index]
+
+
+def canonical_key(key: Mapping[str, Any] | None) -> bytes:
+    """Serialise a pack key (or platform mapping) to canonical JSON bytes.
+
+    Keys are sorted and no whitespace is emitted, so equal mappings give equal
+    bytes. NaN and infinities are refused (they are not JSON).
+
+    >>> canonical_key({"b": 1, "a": [2, 3]})
+    b'{"a":[2,3],"b":1}'
+    """
+    if key is None:
+        return b"{}"
+    if not isinstance(key, Mapping):
+        raise TypeError(f"key must be a mapping or None, not {type(key).__name__}")
+    try:
+        text = json.dumps(key, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"key is not JSON-serialisable: {exc}") from exc
+    return text.encode("ascii")
+
+
+def key_digest(name: str, key: bytes) -> bytes:
+    """The 32-byte digest that identifies a pack: sha256 over its name and key.
+
+    >>> len(key_digest("w", b"{}"))
+    32
+    """
+    return hashlib.sha256(b"packcache-key\0" + name.encode("utf-8") + b"\0" + key).digest()
+
+
+def _crc(data: bytes | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------- header
+
+
+def encode_header(alignment: int, platform: bytes) -> bytes:
+    """Bytes of a new file's header region, both commit slots empty.
+
+    Returns ``data_start_for(alignment)`` bytes: preamble, fingerprint, zeros.
+    """
+    if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}], got {alignment}")
+    if len(platform) > PLATFORM_MAX:
+        raise ValueError(f"platform fingerprint is {len(platform)} bytes, at most {PLATFORM_MAX} fit")
+    data_start = data_start_for(alignment)
+    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, alignment, data_start, len(platform), _crc(platform), bytes(32), 0)
+    head = head[:-4] + struct.pack("<I", _crc(head[:-4]))
+    region = bytearray(data_start)
+    region[: PREAMBLE.size] = head
+    region[PLATFORM_OFFSET : PLATFORM_OFFSET + len(platform)] = platform
+    return bytes(region)
+
+
+def decode_header(buf: bytes, *, path: str | None = None) -> Header:
+    """Validate and decode the preamble and fingerprint from a file's first bytes.
+
+    Raises:
+        FormatError: on any rule of docs/FORMAT.md "Preamble" being broken.
+    """
+    if len(buf) < HEADER_READ_SIZE:
+        raise FormatError(f"file is {len(buf)} bytes, shorter than the {HEADER_READ_SIZE}-byte header", path=path)
+    magic, version, alignment, data_start, psize, pcrc, reserved, crc = PREAMBLE.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise FormatError(f"bad magic {magic!r}; not a packcache file", path=path, offset=0)
+    if _crc(buf[: PREAMBLE.size - 4]) != crc:
+        raise FormatError("preamble checksum mismatch", path=path, offset=60)
+    if version != FORMAT_VERSION:
+        raise FormatError(f"format version {version} is not supported (this reader: {FORMAT_VERSION})", path=path, offset=8)
+    if reserved != bytes(32):
+        raise FormatError("reserved preamble bytes are not zero", path=path, offset=28)
+    alignment, data_start, psize = int(alignment), int(data_start), int(psize)
+    if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise FormatError(f"alignment {alignment} is not a power of two in [64, 1 MiB]", path=path, offset=12)
+    if data_start != data_start_for(alignment):
+        raise FormatError(f"data start {data_start} != max(4096, alignment)", path=path, offset=16)
+    if psize > PLATFORM_MAX:
+        raise FormatError(f"platform fingerprint size {psize} exceeds {PLATFORM_MAX}", path=path, offset=20)
+    platform = bytes(buf[PLATFORM_OFFSET : PLATFORM_OFFSET + psize])
+    if _crc(platform) != pcrc:
+        raise FormatError("platform fingerprint checksum mismatch", path=path, offset=PLATFORM_OFFSET)
+    return Header(alignment=alignment, data_start=data_start, platform=platform, format_version=int(version))
+
+
+# --------------------------------------------------------------------------- slots
+
+
+def encode_slot(slot: Slot) -> bytes:
+    """The 64 bytes of a commit slot."""
+    body = SLOT.pack(
+        SLOT_MAGIC, slot.generation, slot.index_offset, slot.index_size, slot.entry_count, slot.index_crc, bytes(20), 0
+    )
+    return body[:-4] + struct.pack("<I", _crc(body[:-4]))
+
+
+def decode_slot(buf: bytes) -> Slot | None:
+    """Decode a commit slot; ``None`` if it is empty or fails its checksum.
+
+    An invalid slot is not an error by itself: it may be a torn write, and the
+    other slot then holds the previous generation.
+    """
+    magic, generation, ioff, isize, count, icrc, reserved, crc = SLOT.unpack_from(buf, 0)
+    if magic != SLOT_MAGIC or _crc(buf[: SLOT.size - 4]) != crc or reserved != bytes(20) or generation == 0:
+        return None
+    return Slot(int(generation), int(ioff), int(isize), int(count), int(icrc))
+
+
+def choose_slot(header_buf: bytes) -> tuple[list[Slot], bool]:
+    """Valid commit slots, newest first, and whether any slot holds bytes at all.
+
+    A file whose slots are both all-zero has never been committed (it is an
+    empty cache); a file with non-zero slots none of which is valid is corrupt.
+    """
+    slots: list[Slot] = []
+    written = False
+    for off in SLOT_OFFSETS:
+        raw = header_buf[off : off + SLOT.size]
+        if any(raw):
+            written = True
+        slot = decode_slot(raw)
+        if slot is not None:
+            slots.append(slot)
+    slots.sort(key=lambda s: s.generation, reverse=True)
+    return slots, written
+
+
+# --------------------------------------------------------------------------- index
+
+
+def entry_record_size(name: str, key: bytes, ndim: int) -> int:
+    """Encoded size of one index entry, padded to 8 bytes."""
+    return align_up(ENTRY_FIXED.size + 8 * ndim + len(name.encode("utf-8")) + len(key), 8)
+
+
+def index_size(entries: Iterable[Entry]) -> int:
+    """Encoded size of an index holding ``entries``."""
+    return INDEX_HEAD.size + sum(entry_record_size(e.name, e.key, len(e.shape)) for e in entries)
+
+
+def encode_entry(entry: Entry) -> bytes:
+    """The bytes of one index entry."""
+    name = entry.name.encode("utf-8")
+    if not 1 <= len(name) <= MAX_NAME_BYTES:
+        raise ValueError(f"pack name must be 1..{MAX_NAME_BYTES} UTF-8 bytes, got {len(name)}")
+    if len(entry.key) > MAX_KEY_BYTES:
+        raise ValueError(f"pack key is {len(entry.key)} bytes of JSON, at most {MAX_KEY_BYTES} allowed")
+    if len(entry.shape) > MAX_NDIM:
+        raise ValueError(f"pack has {len(entry.shape)} dimensions, at most {MAX_NDIM} allowed")
+    if entry.dtype not in _ITEMSIZE:
+        raise ValueError(f"dtype code {entry.dtype!r} is not one of {DTYPE_CODES}")
+    fixed = ENTRY_FIXED.pack(
+        entry.digest, entry.offset, entry.nbytes, entry.crc32, len(name), len(entry.shape), 0,
+        entry.dtype.encode("ascii").ljust(4, b"\0"), len(entry.key),
+    )  # fmt: skip
+    body = fixed + struct.pack(f"<{len(entry.shape)}Q", *entry.shape) + name + entry.key
+    return body + bytes(align_up(len(body), 8) - len(body))
+
+
+def encode_index(entries: Sequence[Entry]) -> bytes:
+    """The bytes of an index listing ``entries`` in the given order."""
+    if len(entries) > MAX_ENTRIES:
+        raise ValueError(f"an index holds at most {MAX_ENTRIES} entries")
+    return INDEX_HEAD.pack(INDEX_MAGIC, len(entries), 0) + b"".join(encode_entry(e) for e in entries)
+
+
+def decode_index(
+    buf: bytes | memoryview, slot: Slot, header: Header, *, path: str | None = None
+) -> dict[str, Entry]:
+    """Validate an index against its slot and header; return entries by name.
+
+    ``buf`` must be exactly the ``slot.index_size`` bytes at ``slot.index_offset``.
+
+    Raises:
+        FormatError: naming the first rule of docs/FORMAT.md "Index" that fails.
+    """
+    base = slot.index_offset
+
+    def fail(message: str, at: int) -> FormatError:
+        return FormatError(message, path=path, offset=base + at)
+
+    if len(buf) != slot.index_size:
+        raise fail(f"index is {len(buf)} bytes, slot says {slot.index_size}", 0)
+    if _crc(buf) != slot.index_crc:
+        raise fail("index checksum mismatch", 0)
+    if len(buf) < INDEX_HEAD.size:
+        raise fail("index shorter than its 16-byte head", 0)
+    magic, count, reserved = INDEX_HEAD.unpack_from(buf, 0)
+    if magic != INDEX_MAGIC:
+        raise fail(f"bad index magic {bytes(magic)!r}", 0)
+    if reserved != 0:
+        raise fail("reserved index bytes are not zero", 12)
+    count = int(count)
+    if count != slot.entry_count:
+        raise fail(f"index holds {count} entries, slot says {slot.entry_count}", 8)
+    if count > MAX_ENTRIES:
+        raise fail(f"index holds {count} entries, more than {MAX_ENTRIES}", 8)
+
+    entries: dict[str, Entry] = {}
+    pos = INDEX_HEAD.size
+    end = len(buf)
+    for number in range(count):
+        if pos + ENTRY_FIXED.size > end:
+            raise fail(f"entry {number} runs past the end of the index", pos)
+        digest, offset, nbytes, crc, name_size, ndim, reserved, dtype_raw, key_size = ENTRY_FIXED.unpack_from(buf, pos)
+        offset, nbytes, name_size, ndim, key_size = int(offset), int(nbytes), int(name_size), int(ndim), int(key_size)
+        if reserved != 0:
+            raise fail(f"entry {number}: reserved byte is not zero", pos + 55)
+        if not 1 <= name_size <= MAX_NAME_BYTES:
+            raise fail(f"entry {number}: name size {name_size} outside 1..{MAX_NAME_BYTES}", pos + 52)
+        if ndim > MAX_NDIM:
+            raise fail(f"entry {number}: {ndim} dimensions, more than {MAX_NDIM}", pos + 54)
+        if key_size > MAX_KEY_BYTES:
+            raise fail(f"entry {number}: key size {key_size} exceeds {MAX_KEY_BYTES}", pos + 60)
+        dtype = bytes(dtype_raw).rstrip(b"\0")
+        if dtype_raw != dtype.ljust(4, b"\0") or dtype.decode("latin-1") not in _ITEMSIZE:
+            raise fail(f"entry {number}: unknown dtype code {bytes(dtype_raw)!r}", pos + 56)
+        record = align_up(ENTRY_FIXED.size + 8 * ndim + name_size + key_size, 8)
+        if pos + record > end:
+            raise fail(f"entry {number} runs past the end of the index", pos)
+        cur = pos + ENTRY_FIXED.size
+        shape = tuple(int(d) for d in struct.unpack_from(f"<{ndim}Q", buf, cur))
+        cur += 8 * ndim
+        if any(d > MAX_DIM for d in shape):
+            raise fail(f"entry {number}: dimension larger than 2**63-1", pos + ENTRY_FIXED.size)
+        try:
+            name = bytes(buf[cur : cur + name_size]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise fail(f"entry {number}: name is not valid UTF-8", cur) from None
+        cur += name_size
+        key = bytes(buf[cur : cur + key_size])
+        cur += key_size
+        if any(buf[cur : pos + record]):
+            raise fail(f"entry {number}: padding bytes are not zero", cur)
+        if name in entries:
+            raise fail(f"entry {number}: duplicate name {name!r}", pos)
+        code = dtype.decode("ascii")
+        elements = 1
+        for d in shape:
+            elements *= d
+        if elements * _ITEMSIZE[code] != nbytes:
+            raise fail(f"entry {number} ({name!r}): size {nbytes} != shape {shape} x itemsize", pos + 40)
+        if offset % header.alignment:
+            raise fail(f"entry {number} ({name!r}): offset {offset} not aligned to {header.alignment}", pos + 32)
+        if offset < header.data_start or offset + nbytes > slot.index_offset:
+            raise fail(
+                f"entry {number} ({name!r}): data [{offset}, {offset + nbytes}) outside [{header.data_start}, "
+                f"{slot.index_offset})",
+                pos + 32,
+            )
+        entries[name] = Entry(name, key, bytes(digest), code, shape, offset, nbytes, int(crc))
+        pos += record
+    if pos != end:
+        raise fail(f"{end - pos} bytes after the last entry", pos)
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values() if e.nbytes)
+    for (_, prev_end, prev_name), (start, _, name) in zip(spans, spans[1:]):
+        if start < prev_end:
+            raise fail(f"entries {prev_name!r} and {name!r} overlap at file offset {start}", 0)
+    return entries
+
+
+def validate_slot_bounds(slot: Slot, header: Header, file_size: int, *, path: str | None = None) -> None:
+    """Check a slot's index lies inside the file and within the caps.
+
+    Raises:
+        FormatError: if the index is misplaced, too large, or past the end of the file.
+    """
+    if slot.index_offset < header.data_start or slot.index_offset % header.alignment:
+        raise FormatError(
+            f"generation {slot.generation}: index offset {slot.index_offset} is before the data start "
+            f"or not aligned to {header.alignment}",
+            path=path,
+        )
+    if not INDEX_HEAD.size <= slot.index_size <= MAX_INDEX_BYTES:
+        raise FormatError(f"generation {slot.generation}: index size {slot.index_size} outside [16, 256 MiB]", path=path)
+    if slot.entry_count > MAX_ENTRIES:
+        raise FormatError(f"generation {slot.generation}: {slot.entry_count} entries, more than {MAX_ENTRIES}", path=path)
+    if slot.committed_end > file_size:
+        raise FormatError(
+            f"generation {slot.generation}: index ends at {slot.committed_end}, past the end of the "
+            f"{file_size}-byte file (truncated?)",
+            path=path,
+        )
+
+
+def numpy_dtype_str(code: str) -> str:
+    """The numpy dtype string for a format dtype code (always little-endian).
+
+    >>> numpy_dtype_str("f4"), numpy_dtype_str("u1")
+    ('<f4', '|u1')
+    """
+    return ("|" if _ITEMSIZE[code] == 1 else "<") + code
