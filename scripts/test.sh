@@ -4,5 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check src tests stress benchmarks examples
+.venv/bin/ruff format --check src
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"

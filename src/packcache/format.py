@@ -16,6 +16,7 @@ arithmetic, so a hostile value cannot wrap around.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import struct
 import zlib
@@ -55,7 +56,9 @@ __all__ = [
 MAGIC = b"\x89PKC\r\n\x1a\n"
 FORMAT_VERSION = 1
 
-PREAMBLE = struct.Struct("<8sIIIII32sI")  # magic, version, alignment, data_start, platform size, platform crc, reserved, crc
+PREAMBLE = struct.Struct(
+    "<8sIIIII32sI"
+)  # magic, version, alignment, data_start, platform size, platform crc, reserved, crc
 PLATFORM_OFFSET = 64
 PLATFORM_MAX = 1984  # the fingerprint must end before the first slot
 SLOT_OFFSETS = (2048, 3072)  # in different 512-byte sectors: a torn slot write cannot hit both
@@ -214,7 +217,9 @@ def decode_header(buf: bytes, *, path: str | None = None) -> Header:
     if _crc(buf[: PREAMBLE.size - 4]) != crc:
         raise FormatError("preamble checksum mismatch", path=path, offset=60)
     if version != FORMAT_VERSION:
-        raise FormatError(f"format version {version} is not supported (this reader: {FORMAT_VERSION})", path=path, offset=8)
+        raise FormatError(
+            f"format version {version} is not supported (this reader: {FORMAT_VERSION})", path=path, offset=8
+        )
     if reserved != bytes(32):
         raise FormatError("reserved preamble bytes are not zero", path=path, offset=28)
     alignment, data_start, psize = int(alignment), int(data_start), int(psize)
@@ -311,9 +316,7 @@ def encode_index(entries: Sequence[Entry]) -> bytes:
     return INDEX_HEAD.pack(INDEX_MAGIC, len(entries), 0) + b"".join(encode_entry(e) for e in entries)
 
 
-def decode_index(
-    buf: bytes | memoryview, slot: Slot, header: Header, *, path: str | None = None
-) -> dict[str, Entry]:
+def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: str | None = None) -> dict[str, Entry]:
     """Validate an index against its slot and header; return entries by name.
 
     ``buf`` must be exactly the ``slot.index_size`` bytes at ``slot.index_offset``.
@@ -400,7 +403,7 @@ def decode_index(
     if pos != end:
         raise fail(f"{end - pos} bytes after the last entry", pos)
     spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values() if e.nbytes)
-    for (_, prev_end, prev_name), (start, _, name) in zip(spans, spans[1:]):
+    for (_, prev_end, prev_name), (start, _, name) in itertools.pairwise(spans):
         if start < prev_end:
             raise fail(f"entries {prev_name!r} and {name!r} overlap at file offset {start}", 0)
     return entries
@@ -419,9 +422,13 @@ def validate_slot_bounds(slot: Slot, header: Header, file_size: int, *, path: st
             path=path,
         )
     if not INDEX_HEAD.size <= slot.index_size <= MAX_INDEX_BYTES:
-        raise FormatError(f"generation {slot.generation}: index size {slot.index_size} outside [16, 256 MiB]", path=path)
+        raise FormatError(
+            f"generation {slot.generation}: index size {slot.index_size} outside [16, 256 MiB]", path=path
+        )
     if slot.entry_count > MAX_ENTRIES:
-        raise FormatError(f"generation {slot.generation}: {slot.entry_count} entries, more than {MAX_ENTRIES}", path=path)
+        raise FormatError(
+            f"generation {slot.generation}: {slot.entry_count} entries, more than {MAX_ENTRIES}", path=path
+        )
     if slot.committed_end > file_size:
         raise FormatError(
             f"generation {slot.generation}: index ends at {slot.committed_end}, past the end of the "

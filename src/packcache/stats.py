@@ -1,0 +1,181 @@
+"""Heap reasons, cache states and the immutable statistics snapshot.
+
+A :class:`CacheStats` is frozen. The cache builds a new one after every change
+and publishes it with a single reference assignment, so a reader never takes a
+lock and never sees a half-updated snapshot (see DESIGN.md "What it reports").
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "FAILURE_REASONS",
+    "CacheState",
+    "CacheStats",
+    "HeapReason",
+    "derive_state",
+    "dominant_reason",
+    "sum_stats",
+    "zero_reasons",
+]
+
+
+class HeapReason(str, enum.Enum):
+    """Why a pack was served from heap instead of the cache file."""
+
+    DISABLED = "disabled"  #: caching is off (no path, or disabled by option)
+    UNNAMED = "unnamed"  #: the request had no stable name
+    READ_ONLY = "read_only"  #: the entry is missing and the file can only be read
+    LOCKED = "locked"  #: another process held the build lock past the timeout
+    OPEN_FAILED = "open_failed"  #: the file could not be opened or created
+    NO_SPACE = "no_space"  #: ENOSPC, EDQUOT or EFBIG while reserving or writing
+    WRITE_FAILED = "write_failed"  #: any other write or sync error
+    MAP_FAILED = "map_failed"  #: mapping the file failed
+    UNTRUSTED = "untrusted"  #: the file failed the ownership/permission check
+    FINALIZED = "finalized"  #: the cache was finalized; no more inserts
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Reasons that mean the cache failed to do its job (they make a cache ``degraded``).
+FAILURE_REASONS = frozenset(
+    {
+        HeapReason.READ_ONLY,
+        HeapReason.LOCKED,
+        HeapReason.OPEN_FAILED,
+        HeapReason.NO_SPACE,
+        HeapReason.WRITE_FAILED,
+        HeapReason.MAP_FAILED,
+        HeapReason.UNTRUSTED,
+    }
+)
+
+
+class CacheState(str, enum.Enum):
+    """What a cache holds, in one word (rule in :func:`derive_state`)."""
+
+    OFF = "off"
+    HEAP = "heap"
+    DEGRADED = "degraded"
+    STORED = "stored"
+    MAPPED = "mapped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def derive_state(
+    *, enabled: bool, mapped_bytes: int, heap_bytes_by_reason: Mapping[str, int], written_bytes: int
+) -> CacheState:
+    """Derive the state from what a cache holds; the first rule that applies wins.
+
+    >>> derive_state(enabled=True, mapped_bytes=0, heap_bytes_by_reason={"unnamed": 8}, written_bytes=0)
+    <CacheState.HEAP: 'heap'>
+    >>> derive_state(enabled=True, mapped_bytes=8, heap_bytes_by_reason={"unnamed": 8}, written_bytes=8).value
+    'stored'
+    """
+    heap = sum(heap_bytes_by_reason.values())
+    if not enabled:
+        return CacheState.OFF
+    if heap > 0 and mapped_bytes == 0:
+        return CacheState.HEAP
+    if any(heap_bytes_by_reason.get(r.value, 0) > 0 for r in FAILURE_REASONS):
+        return CacheState.DEGRADED
+    if written_bytes > 0:
+        return CacheState.STORED
+    return CacheState.MAPPED
+
+
+def zero_reasons() -> dict[str, int]:
+    """A fresh ``{reason: 0}`` dict with every reason present."""
+    return {r.value: 0 for r in HeapReason}
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A consistent snapshot of one cache (or of all live caches, summed).
+
+    Byte counts under "held" are packs the cache currently holds (a pack served
+    twice counts once; a released pack stops counting). ``*_total`` fields are
+    cumulative over the cache's life, for rates.
+
+    >>> CacheStats().state
+    'off'
+    """
+
+    state: str = CacheState.OFF.value
+    errno: int = 0  #: errno of the most recent failure, 0 if none
+    error: str = ""  #: message of the most recent failure
+    error_time: float = 0.0  #: time.time() of the most recent failure, 0.0 if none
+    mapped_bytes: int = 0
+    heap_bytes: int = 0
+    heap_bytes_by_reason: dict[str, int] = field(default_factory=zero_reasons)
+    heap_reason: str = "none"  #: the reason holding the most heap bytes
+    mapped_bytes_total: int = 0
+    heap_bytes_total: int = 0
+    written_bytes: int = 0  #: bytes this instance wrote to cache files
+    file_bytes: int = 0  #: size of the cache file on disk
+    hits: int = 0
+    stored: int = 0
+    heap_packs: int = 0
+    pack_seconds: float = 0.0  #: time spent inside pack() callables
+    map_seconds: float = 0.0  #: time spent opening, validating and mapping files
+    path: str = ""  #: the cache file ('' when off; for aggregates, '' unless one cache)
+
+
+def dominant_reason(heap_bytes_by_reason: Mapping[str, int]) -> str:
+    """The reason holding the most heap bytes, ``"none"`` when there are none.
+
+    Ties go to the failure reason first, then to the order of :class:`HeapReason`.
+
+    >>> dominant_reason({"unnamed": 4, "no_space": 4})
+    'no_space'
+    """
+    best, best_bytes = "none", 0
+    for reason in sorted(HeapReason, key=lambda r: r not in FAILURE_REASONS):
+        held = heap_bytes_by_reason.get(reason.value, 0)
+        if held > best_bytes:
+            best, best_bytes = reason.value, held
+    return best
+
+
+def sum_stats(snapshots: Iterable[CacheStats]) -> CacheStats:
+    """Sum snapshots into one; the state is derived again from the sums.
+
+    The most recent failure (by ``error_time``) supplies ``errno`` and ``error``.
+    With no snapshot at all the result is the ``off`` state with zeros.
+    """
+    items = list(snapshots)
+    if not items:
+        return CacheStats()
+    by_reason = {r.value: sum(s.heap_bytes_by_reason.get(r.value, 0) for s in items) for r in HeapReason}
+    latest = max(items, key=lambda s: s.error_time)
+    mapped = sum(s.mapped_bytes for s in items)
+    written = sum(s.written_bytes for s in items)
+    enabled = any(s.state != CacheState.OFF.value for s in items)
+    return CacheStats(
+        state=derive_state(
+            enabled=enabled, mapped_bytes=mapped, heap_bytes_by_reason=by_reason, written_bytes=written
+        ).value,
+        errno=latest.errno,
+        error=latest.error,
+        error_time=latest.error_time,
+        mapped_bytes=mapped,
+        heap_bytes=sum(by_reason.values()),
+        heap_bytes_by_reason=by_reason,
+        heap_reason=dominant_reason(by_reason),
+        mapped_bytes_total=sum(s.mapped_bytes_total for s in items),
+        heap_bytes_total=sum(s.heap_bytes_total for s in items),
+        written_bytes=written,
+        file_bytes=sum(s.file_bytes for s in items),
+        hits=sum(s.hits for s in items),
+        stored=sum(s.stored for s in items),
+        heap_packs=sum(s.heap_packs for s in items),
+        pack_seconds=sum(s.pack_seconds for s in items),
+        map_seconds=sum(s.map_seconds for s in items),
+        path=items[0].path if len(items) == 1 else "",
+    )
