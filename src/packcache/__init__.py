@@ -28,11 +28,11 @@ from .stats import CacheState, CacheStats, HeapReason
 __version__ = "0.1.0"
 
 __all__ = [
-    "OPTION_KEYS",
     "CacheState",
     "CacheStats",
     "FormatError",
     "HeapReason",
+    "OPTION_KEYS",
     "OptionError",
     "OptionTypeError",
     "OptionValueError",

@@ -353,13 +353,18 @@ def _validated(result: object) -> np.ndarray[Any, Any]:
         )
     if len(result.shape) > fmt.MAX_NDIM:
         raise PackResultError(f"pack() returned {result.ndim} dimensions, at most {fmt.MAX_NDIM} are supported")
-    return np.ascontiguousarray(result)
+    # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
+    return result if result.flags.c_contiguous else result.copy(order="C")
 
 
 def _read_only_view(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    view = array.view()
-    view.flags.writeable = False
-    return view
+    """A view whose buffer is read-only, so ``flags.writeable = True`` cannot undo it."""
+    if array.size == 0:
+        empty = np.empty(array.shape, dtype=array.dtype)
+        empty.flags.writeable = False
+        return empty
+    frozen = memoryview(array.reshape(-1).view(np.uint8)).toreadonly()
+    return np.frombuffer(frozen, dtype=array.dtype).reshape(array.shape)
 
 
 class Session:
@@ -462,14 +467,14 @@ class Session:
 
     def _route(self, name: str | None, pack: PackFn, key: bytes) -> np.ndarray[Any, Any]:
         cache, store = self._cache, self._cache._store
-        if not cache.enabled or store is None:
-            return self._heap(name, b"", pack, HeapReason.DISABLED, None)
-        if name is None:
-            return self._heap(None, b"", pack, HeapReason.UNNAMED, None)
-        digest = fmt.key_digest(name, key)
-        held = cache._held.get(name)
+        digest = fmt.key_digest(name, key) if name is not None else b""
+        held = cache._held.get(name) if name is not None else None
         if held is not None and held.digest == digest:
-            return held.array
+            return held.array  # the same pack again: served and counted once
+        if not cache.enabled or store is None:
+            return self._heap(name, digest, pack, HeapReason.DISABLED, None)
+        if name is None:
+            return self._heap(None, digest, pack, HeapReason.UNNAMED, None)
         if store.problem is not None and store.problem.reason is not HeapReason.MAP_FAILED:
             return self._heap(name, digest, pack, store.problem.reason, store.problem)
         entry = store.lookup(name, digest)

@@ -1,0 +1,656 @@
+"""Routing, accounting, lifetimes and concurrency of WeightCache sessions."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import packcache
+from packcache import HeapReason, PackResultError, SessionError, WeightCache
+
+
+def packs(seed: int = 0, count: int = 4) -> dict[str, np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    return {f"layers.{i}.weight": rng.standard_normal((64 + i, 32)).astype(np.float32) for i in range(count)}
+
+
+def load(cache: WeightCache, arrays: dict[str, np.ndarray[Any, Any]], key: Any = None) -> dict[str, Any]:
+    with cache.session() as s:
+        return {name: s.get_or_pack(name, lambda a=a: a.copy(), key=key) for name, a in arrays.items()}
+
+
+def never() -> np.ndarray[Any, Any]:
+    raise AssertionError("pack() must not be called on a hit")
+
+
+def test_exported_members_are_sorted_and_complete() -> None:
+    assert packcache.__all__ == sorted(packcache.__all__)
+    public = {n for n in dir(packcache) if not n.startswith("_") and not isinstance(getattr(packcache, n), type(os))}
+    assert public - {"annotations"} == set(packcache.__all__) - {"__version__"}
+
+
+def test_first_load_stores_and_second_load_maps_every_pack(tmp_path: Path) -> None:
+    arrays = packs()
+    path = tmp_path / "model.pcache"
+    with WeightCache(path) as cache:
+        served = load(cache, arrays)
+        s = cache.stats()
+    assert (s.state, s.stored, s.hits, s.heap_bytes) == ("stored", 4, 0, 0)
+    assert s.mapped_bytes == sum(a.nbytes for a in arrays.values())
+    assert s.written_bytes > s.mapped_bytes and s.file_bytes == path.stat().st_size
+    for name, a in arrays.items():
+        assert np.array_equal(served[name], a) and served[name].dtype == a.dtype
+
+    with WeightCache(path) as cache:
+        with cache.session() as sess:
+            warm = {name: sess.get_or_pack(name, never) for name in arrays}
+        s = cache.stats()
+    assert (s.state, s.stored, s.hits, s.heap_bytes, s.written_bytes) == ("mapped", 0, 4, 0, 0)
+    for name, a in arrays.items():
+        assert warm[name].tobytes() == a.tobytes()
+
+
+def test_reload_of_complete_cache_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "model.pcache"
+    arrays = packs()
+    with WeightCache(path) as cache:
+        load(cache, arrays)
+    before = path.stat()
+    lock_before = Path(str(path) + ".lock").stat()
+    time.sleep(0.01)  # make an mtime change observable if anything did write
+    for _ in range(3):
+        with WeightCache(path) as cache:
+            load(cache, arrays)
+            assert cache.stats().state == "mapped"
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    assert Path(str(path) + ".lock").stat().st_mtime_ns == lock_before.st_mtime_ns
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pcache", "model.pcache.lock"]
+
+
+def test_partial_cache_appends_missing_packs_then_full_hit(tmp_path: Path) -> None:
+    path = tmp_path / "model.pcache"
+    arrays = packs(count=6)
+    first = dict(list(arrays.items())[:3])
+    with WeightCache(path) as cache:
+        load(cache, first)
+    inode = path.stat().st_ino
+    with WeightCache(path) as cache:
+        served = load(cache, arrays)
+        s = cache.stats()
+    assert (s.state, s.hits, s.stored, s.heap_bytes) == ("stored", 3, 3, 0)
+    assert path.stat().st_ino == inode, "appending must not replace the file"
+    with WeightCache(path) as cache:
+        with cache.session() as sess:
+            warm = {n: sess.get_or_pack(n, never) for n in arrays}
+        assert (cache.stats().state, cache.stats().hits) == ("mapped", 6)
+    for n, a in arrays.items():
+        assert np.array_equal(served[n], a) and np.array_equal(warm[n], a)
+
+
+def test_stale_key_repacks_once_and_converges(tmp_path: Path) -> None:
+    path = tmp_path / "model.pcache"
+    arrays = packs()
+    with WeightCache(path) as cache:
+        load(cache, arrays, key={"packer": "fp32", "version": 1})
+    doubled = {n: a * 2 for n, a in arrays.items()}
+    with WeightCache(path) as cache:
+        served = load(cache, doubled, key={"packer": "fp32", "version": 2})
+        assert (cache.stats().stored, cache.stats().hits) == (4, 0)
+    with WeightCache(path) as cache:
+        with cache.session() as sess:
+            warm = {n: sess.get_or_pack(n, never, key={"packer": "fp32", "version": 2}) for n in arrays}
+        assert (cache.stats().state, cache.stats().hits) == ("mapped", 4)
+    for n in arrays:
+        assert np.array_equal(served[n], doubled[n]) and np.array_equal(warm[n], doubled[n])
+
+
+def test_caching_off_packs_to_heap_with_reason_disabled() -> None:
+    arrays = packs()
+    with WeightCache(None) as cache:
+        served = load(cache, arrays)
+        s = cache.stats()
+    total = sum(a.nbytes for a in arrays.values())
+    assert (s.state, s.heap_bytes, s.heap_reason, s.mapped_bytes, s.errno) == ("off", total, "disabled", 0, 0)
+    assert s.heap_bytes_by_reason["disabled"] == total and s.heap_packs == 4
+    assert set(s.heap_bytes_by_reason) == {r.value for r in HeapReason}
+    assert all(np.array_equal(served[n], a) for n, a in arrays.items())
+
+
+def test_enabled_false_turns_a_path_cache_off_and_writes_nothing(tmp_path: Path) -> None:
+    with WeightCache(tmp_path / "m.pcache", enabled=False) as cache:
+        load(cache, packs())
+        assert cache.stats().state == "off"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unnamed_pack_is_heap_but_not_a_failure(tmp_path: Path) -> None:
+    with WeightCache(tmp_path / "m.pcache") as cache:
+        with cache.session() as s:
+            a = s.get_or_pack(None, lambda: np.arange(8, dtype=np.int32))
+            assert cache.stats().state == "heap" and cache.stats().heap_reason == "unnamed"
+            s.get_or_pack("named", lambda: np.ones(4, np.float32))
+            b = s.get_or_pack(None, lambda: np.arange(8, dtype=np.int32))
+        s2 = cache.stats()
+    assert s2.state == "stored", "an unnamed pack plus a stored one is stored, not degraded"
+    assert s2.heap_bytes_by_reason["unnamed"] == 64 and s2.heap_packs == 2 and s2.errno == 0
+    assert a is not b and np.array_equal(a, b)
+
+
+def test_finalized_cache_maps_hits_and_sends_new_packs_to_heap(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    arrays = packs()
+    with WeightCache(path) as cache:
+        load(cache, arrays)
+    size = path.stat().st_size
+    with WeightCache(path) as cache:
+        cache.finalize()
+        with cache.session() as s:
+            for n in arrays:
+                s.get_or_pack(n, never)
+            extra = s.get_or_pack("extra", lambda: np.full(100, 7, np.int64))
+        st = cache.stats()
+    assert (st.hits, st.heap_packs, st.heap_bytes_by_reason["finalized"], st.heap_reason) == (4, 1, 800, "finalized")
+    assert st.state == "mapped", "finalized is not a failure: mapped + finalized heap is not degraded"
+    assert path.stat().st_size == size and int(extra.sum()) == 700
+
+
+def test_read_only_flag_maps_hits_and_sends_misses_to_heap(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    arrays = packs()
+    with WeightCache(path) as cache:
+        load(cache, dict(list(arrays.items())[:2]))
+    before = path.stat()
+    with WeightCache(path, read_only=True) as cache:
+        served = load(cache, arrays)
+        st = cache.stats()
+    assert (st.state, st.hits, st.stored, st.heap_reason) == ("degraded", 2, 0, "read_only")
+    assert st.heap_bytes == sum(a.nbytes for a in list(arrays.values())[2:])
+    assert all(np.array_equal(served[n], a) for n, a in arrays.items())
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def test_process_wide_read_only_default_applies_to_new_caches(tmp_path: Path) -> None:
+    packcache.set_option("packed_cache_read_only", True)
+    with WeightCache(tmp_path / "m.pcache") as cache:
+        load(cache, packs(count=1))
+        st = cache.stats()
+    # Nothing to map and nothing may be created: the file "cannot be opened".
+    assert (st.state, st.heap_reason, st.errno) == ("heap", "open_failed", errno.ENOENT)
+    assert not (tmp_path / "m.pcache").exists()
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=np.float16).reshape(3, 4),
+        np.array([True, False, True]),
+        np.arange(6, dtype=np.complex128).reshape(2, 3) * (1 + 2j),
+        np.array(3.5, dtype=np.float64),  # 0-d
+        np.zeros((0, 5), dtype=np.int8),  # zero-size
+        np.arange(24, dtype=np.uint16).reshape(2, 3, 4)[:, ::2, :],  # not contiguous
+        np.arange(10, dtype=np.int64),
+    ],
+    ids=["f2", "b1", "c16", "0d", "empty", "strided", "i8"],
+)
+def test_same_bytes_whatever_the_outcome(tmp_path: Path, array: np.ndarray[Any, Any]) -> None:
+    served = []
+    for path in (tmp_path / "m.pcache", tmp_path / "m.pcache", None):  # stored, hit, heap
+        with WeightCache(path) as cache, cache.session() as s:
+            served.append(s.get_or_pack("w", lambda: array))
+    for got in served:
+        assert got.dtype == array.dtype
+        assert got.shape == array.shape and got.tobytes() == np.ascontiguousarray(array).tobytes()
+        assert not got.flags.writeable
+
+
+def test_handed_out_arrays_are_read_only(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    for p in (path, path, None):
+        with WeightCache(p) as cache, cache.session() as s:
+            got = s.get_or_pack("w", lambda: np.ones(16, np.float32))
+        with pytest.raises(ValueError, match="read-only"):
+            got[0] = 2.0
+        with pytest.raises(ValueError):
+            got.flags.writeable = True
+        assert float(got[0]) == 1.0
+
+
+def test_mapped_packs_are_aligned(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    arrays = {f"w{i}": np.ones(i * 7 + 1, np.int8) for i in range(6)}
+    for _ in range(2):  # stored, then mapped
+        with WeightCache(path, alignment=4096) as cache:
+            served = load(cache, arrays)
+            for a in served.values():
+                assert a.ctypes.data % 4096 == 0
+
+
+def test_pack_requested_twice_counts_once_and_release_stops_counting(tmp_path: Path) -> None:
+    calls = []
+
+    def pack() -> np.ndarray[Any, Any]:
+        calls.append(1)
+        return np.ones(1000, np.float64)
+
+    for path in (tmp_path / "m.pcache", None):
+        calls.clear()
+        with WeightCache(path) as cache:
+            with cache.session() as s:
+                a = s.get_or_pack("w", pack)
+                b = s.get_or_pack("w", pack)
+            held = cache.stats().mapped_bytes + cache.stats().heap_bytes
+            assert a is b and held == 8000 and len(calls) == 1
+            assert cache.release("w") and not cache.release("w")
+            assert cache.stats().mapped_bytes + cache.stats().heap_bytes == 0
+            assert float(a.sum()) == 1000.0  # released, still valid
+
+
+def test_release_by_array_identity(tmp_path: Path) -> None:
+    with WeightCache(None) as cache:
+        with cache.session() as s:
+            a = s.get_or_pack(None, lambda: np.ones(4))
+        assert cache.release(a) and cache.stats().heap_bytes == 0
+
+
+def test_views_stay_valid_after_session_close_and_gc(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    arrays = packs()
+    cache = WeightCache(path)
+    stored = load(cache, arrays)
+    cache.close()
+    cache.close()  # idempotent
+    cache = WeightCache(path)
+    mapped = load(cache, arrays)
+    del cache
+    gc.collect()
+    for n, a in arrays.items():
+        assert np.array_equal(stored[n], a) and np.array_equal(mapped[n], a)
+
+
+def test_close_releases_every_pack_and_leaves_aggregate(tmp_path: Path) -> None:
+    cache = WeightCache(tmp_path / "m.pcache")
+    load(cache, packs())
+    assert cache in packcache.cache.live_caches()
+    cache.close()
+    assert cache.stats().mapped_bytes == 0 and cache not in packcache.cache.live_caches()
+    with pytest.raises(SessionError, match="closed"):
+        with cache.session():
+            pass
+
+
+def test_failing_pack_propagates_and_session_commits_what_it_stored(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+
+    def boom() -> np.ndarray[Any, Any]:
+        raise RuntimeError("packer exploded")
+
+    with WeightCache(path) as cache:
+        with pytest.raises(RuntimeError, match="packer exploded"):
+            with cache.session() as s:
+                s.get_or_pack("good", lambda: np.ones(8, np.float32))
+                s.get_or_pack("bad", boom)
+    with WeightCache(path) as cache, cache.session() as s:
+        assert float(s.get_or_pack("good", never).sum()) == 8.0
+
+
+@pytest.mark.parametrize(
+    ("result", "match"),
+    [
+        ([1, 2, 3], "numpy.ndarray"),
+        (np.array(["a"], dtype=object), "dtype"),
+        (np.arange(4, dtype=">f4"), "dtype"),
+        (np.zeros(2, dtype=[("a", "i4")]), "dtype"),
+    ],
+)
+def test_uncacheable_pack_result_raises_pack_result_error(tmp_path: Path, result: Any, match: str) -> None:
+    for path in (tmp_path / "m.pcache", None):
+        with WeightCache(path) as cache, cache.session() as s:
+            with pytest.raises(PackResultError, match=match):
+                s.get_or_pack("w", lambda: result)
+
+
+def test_invalid_arguments_raise(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="alignment"):
+        WeightCache(tmp_path / "m", alignment=100)
+    with pytest.raises(ValueError, match="platform"):
+        WeightCache(tmp_path / "m", platform={"x": "y" * 3000})
+    with pytest.raises(ValueError, match="lock_timeout"):
+        WeightCache(tmp_path / "m", lock_timeout=-1)
+    with WeightCache(tmp_path / "m") as cache, cache.session() as s:
+        with pytest.raises(TypeError, match="name"):
+            s.get_or_pack("", lambda: np.ones(1))
+        with pytest.raises(TypeError, match="JSON"):
+            s.get_or_pack("w", lambda: np.ones(1), key={"f": object()})
+        with pytest.raises(TypeError, match="mapping"):
+            s.get_or_pack("w", lambda: np.ones(1), key=[1, 2])  # type: ignore[arg-type]
+
+
+def test_session_misuse_raises_session_error(tmp_path: Path) -> None:
+    cache = WeightCache(tmp_path / "m.pcache")
+    session = cache.session()
+    with pytest.raises(SessionError, match="outside an active session"):
+        session.get_or_pack("w", lambda: np.ones(1))
+    with cache.session():
+        with pytest.raises(SessionError, match="already active"):
+            with cache.session():
+                pass
+        with pytest.raises(SessionError, match="inside this thread's own session"):
+            cache.close()
+    cache.close()
+
+
+def test_platform_change_rebuilds_once_then_maps(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    arrays = packs()
+    with WeightCache(path, platform={"torch": "2.13.0"}) as cache:
+        load(cache, arrays)
+    with WeightCache(path, platform={"torch": "2.14.0"}) as cache:
+        load(cache, arrays)
+        assert (cache.stats().state, cache.stats().stored) == ("stored", 4)
+    with WeightCache(path, platform={"torch": "2.14.0"}) as cache:
+        load(cache, arrays)
+        assert (cache.stats().state, cache.stats().hits) == ("mapped", 4)
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_sessions_of_two_threads_on_one_cache_serialise(tmp_path: Path) -> None:
+    cache = WeightCache(tmp_path / "m.pcache")
+    inside = threading.Event()
+    release = threading.Event()
+    entered_b = threading.Event()
+
+    def slow() -> np.ndarray[Any, Any]:
+        inside.set()
+        assert release.wait(5)
+        return np.ones(4)
+
+    def a() -> None:
+        with cache.session() as s:
+            s.get_or_pack("a", slow)
+
+    def b() -> None:
+        inside.wait(5)
+        with cache.session() as s:
+            entered_b.set()
+            s.get_or_pack("b", lambda: np.zeros(4))
+
+    ta, tb = threading.Thread(target=a), threading.Thread(target=b)
+    ta.start()
+    tb.start()
+    assert inside.wait(5)
+    assert not entered_b.wait(0.3), "second session entered while the first held the cache"
+    release.set()
+    ta.join(5)
+    tb.join(5)
+    assert entered_b.is_set() and cache.stats().stored == 2
+    cache.close()
+
+
+def test_two_caches_on_one_path_in_one_thread_do_not_deadlock(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    first, second = WeightCache(path), WeightCache(path, lock_timeout=0.1)
+    with first.session() as s1:
+        s1.get_or_pack("a", lambda: np.ones(4))  # first now holds the build lock
+        started = time.monotonic()
+        with second.session() as s2:
+            got = s2.get_or_pack("b", lambda: np.zeros(4))
+        assert time.monotonic() - started < 5
+    assert second.stats().heap_reason == "locked" and np.array_equal(got, np.zeros(4))
+    with second.session() as s2:
+        s2.get_or_pack("a", never)
+        s2.get_or_pack("c", lambda: np.full(4, 3.0))
+    assert second.stats().hits == 1 and second.stats().stored == 1
+    first.close()
+    second.close()
+
+
+def test_two_caches_on_one_path_in_two_threads_wait_then_map(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    arrays = packs()
+    barrier = threading.Barrier(2)
+    caches = [WeightCache(path), WeightCache(path)]
+    results: list[dict[str, Any]] = [{}, {}]
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        results[i] = load(caches[i], arrays)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    stored = sorted(c.stats().stored for c in caches)
+    hits = sorted(c.stats().hits for c in caches)
+    assert stored == [0, 4] and hits == [0, 4], "exactly one builds, the other waits and maps"
+    for r in results:
+        assert all(np.array_equal(r[n], a) for n, a in arrays.items())
+    for c in caches:
+        c.close()
+
+
+def test_stats_reads_never_wait_on_a_slow_session(tmp_path: Path) -> None:
+    """A session holds the cache for up to 2 s inside pack(); 10,000 reads finish meanwhile."""
+    cache = WeightCache(tmp_path / "m.pcache")
+    in_pack = threading.Event()
+    reads_done = threading.Event()
+    held_until_reads_done: list[bool] = []
+
+    def slow_pack() -> np.ndarray[Any, Any]:
+        in_pack.set()
+        held_until_reads_done.append(reads_done.wait(2.0))
+        return np.ones(1024, np.float32)
+
+    def loader() -> None:
+        with cache.session() as s:
+            s.get_or_pack("slow", slow_pack)
+
+    t = threading.Thread(target=loader)
+    t.start()
+    assert in_pack.wait(5)
+    durations = []
+    for i in range(10_000):
+        started = time.perf_counter()
+        if i % 2:
+            cache.stats()
+        else:
+            cache.get_option("packed_cache_heap_mib")
+        packcache.aggregate_stats() if i % 1000 == 0 else None
+        durations.append(time.perf_counter() - started)
+    reads_done.set()
+    t.join(5)
+    cache.close()
+    assert held_until_reads_done == [True], "the reads did not all finish while the session held the lock"
+    assert statistics.median(durations) < 1e-3
+    assert max(durations) < 0.5, "a read waited for the session"
+
+
+def test_stats_snapshot_is_consistent_under_contention(tmp_path: Path) -> None:
+    """Readers racing a loader never see a snapshot whose sums disagree with its parts."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        cache = WeightCache(tmp_path / "m.pcache")
+        stop = threading.Event()
+        bad: list[Any] = []
+
+        def reader() -> None:
+            while not stop.is_set():
+                s = cache.stats()
+                if s.heap_bytes != sum(s.heap_bytes_by_reason.values()):
+                    bad.append(s)
+
+        readers = [threading.Thread(target=reader) for _ in range(2)]
+        for r in readers:
+            r.start()
+        with cache.session() as s:
+            for i in range(200):
+                s.get_or_pack(None if i % 3 == 0 else f"w{i}", lambda: np.ones(16))
+        stop.set()
+        for r in readers:
+            r.join(5)
+        cache.close()
+    finally:
+        sys.setswitchinterval(old)
+    assert bad == []
+
+
+def test_aggregate_stats_sums_live_caches(tmp_path: Path) -> None:
+    before = packcache.aggregate_stats()
+    off, on = WeightCache(None), WeightCache(tmp_path / "m.pcache")
+    load(off, {"a": np.ones(10, np.int8)})
+    load(on, {"b": np.ones(20, np.int8)})
+    agg = packcache.aggregate_stats()
+    assert agg.heap_bytes - before.heap_bytes == 10 and agg.mapped_bytes - before.mapped_bytes == 20
+    assert packcache.get_option("packed_cache_mapped_bytes") == agg.mapped_bytes
+    off.close()
+    on.close()
+    assert packcache.aggregate_stats().mapped_bytes == before.mapped_bytes
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_unknown_option_key_is_a_key_error_naming_close_matches() -> None:
+    cache = WeightCache(None)
+    for get in (cache.get_option, packcache.get_option):
+        with pytest.raises(KeyError) as info:
+            get("packed_cache_heap_mb")
+        assert isinstance(info.value, packcache.OptionError)
+        assert "'packed_cache_heap_mib'" in str(info.value)
+    with pytest.raises(packcache.OptionError, match="did you mean 'packed_cache_lock_timeout'"):
+        cache.set_option("packed_cache_lock_timout", 3.0)
+    cache.close()
+
+
+def test_writing_a_read_only_key_or_a_wrong_type_raises() -> None:
+    cache = WeightCache(None)
+    with pytest.raises(packcache.ReadOnlyOptionError, match="read-only"):
+        cache.set_option("packed_cache_state", "mapped")
+    with pytest.raises(packcache.ReadOnlyOptionError):
+        packcache.set_option("packed_cache_heap_bytes", 0)
+    with pytest.raises(TypeError, match="bool"):
+        cache.set_option("packed_cache_read_only", 1)
+    with pytest.raises(packcache.OptionTypeError):
+        packcache.set_option("packed_cache_lock_timeout", "5")
+    with pytest.raises(packcache.OptionValueError, match=">= 0"):
+        cache.set_option("packed_cache_lock_timeout", -1.0)
+    with pytest.raises(packcache.OptionValueError, match="no path"):
+        cache.set_option("packed_cache_enabled", True)
+    cache.close()
+
+
+def test_option_values_match_stats(tmp_path: Path) -> None:
+    with WeightCache(tmp_path / "m.pcache") as cache:
+        load(cache, {"w": np.ones(1 << 18, np.float32)})
+        with cache.session() as s:
+            s.get_or_pack(None, lambda: np.ones(1 << 17, np.float32))
+        st = cache.stats()
+        assert cache.get_option("packed_cache_state") == st.state == "stored"
+        assert cache.get_option("packed_cache_mapped_mib") == 1.0
+        assert cache.get_option("packed_cache_heap_mib") == 0.5
+        assert cache.get_option("packed_cache_heap_bytes") == st.heap_bytes == 1 << 19
+        assert cache.get_option("packed_cache_heap_reason") == "unnamed"
+        assert cache.get_option("packed_cache_errno") == 0
+        assert cache.get_option("packed_cache_file_mib") == st.file_bytes / 2**20 > 1.0
+        cache.set_option("packed_cache_lock_timeout", 2)
+        assert cache.get_option("packed_cache_lock_timeout") == 2.0
+    for key in packcache.OPTION_KEYS:
+        packcache.get_option(key)  # every key readable process-wide
+
+
+def test_process_wide_defaults_apply_to_caches_created_afterwards(tmp_path: Path) -> None:
+    packcache.set_option("packed_cache_enabled", False)
+    packcache.set_option("packed_cache_lock_timeout", 0.5)
+    with WeightCache(tmp_path / "m.pcache") as cache:
+        assert cache.get_option("packed_cache_lock_timeout") == 0.5
+        load(cache, {"w": np.ones(3)})
+        assert cache.stats().state == "off" and cache.stats().heap_reason == "disabled"
+
+
+# --------------------------------------------------------------------------- logging
+
+
+def test_failures_log_one_error_per_reason_per_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "m.pcache"
+    with WeightCache(path) as cache:
+        load(cache, {"a": np.ones(2)})
+    caplog.set_level(logging.DEBUG, logger="packcache")
+    for _ in range(2):
+        with WeightCache(path, read_only=True) as cache:
+            load(cache, {f"miss{i}": np.ones(2) for i in range(5)})
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2, "one ERROR per reason per cache, not one per pack"
+    assert all("read_only" in r.getMessage() and str(path) in r.getMessage() for r in errors)
+    caplog.clear()
+    with WeightCache(None) as cache:
+        load(cache, {f"w{i}": np.ones(2) for i in range(3)})
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+
+
+# --------------------------------------------------------------------------- accounting vs the OS
+
+_ANON = textwrap.dedent(
+    """
+    import json, sys, numpy as np, packcache
+
+    def anonymous():
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Anonymous:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no Anonymous line")
+
+    path = sys.argv[1] if sys.argv[1] != "-" else None
+    cache = packcache.WeightCache(path)
+    base = anonymous()
+    arrays = []
+    with cache.session() as s:
+        for i in range(16):
+            a = s.get_or_pack(f"w{i}", lambda i=i: np.full(4 << 20, i, np.float32))
+            arrays.append(a)
+    touched = sum(int(a.view(np.uint8)[::4096].sum()) for a in arrays)  # one byte of every page
+    st = cache.stats()
+    print(json.dumps({"anon": anonymous() - base, "heap": st.heap_bytes, "mapped": st.mapped_bytes,
+                      "state": st.state, "touched": touched}))
+    """
+)
+
+
+def _run_anon(arg: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", _ANON, arg], capture_output=True, text=True, timeout=120, check=True)
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_heap_bytes_match_anonymous_memory_growth() -> None:
+    r = _run_anon("-")
+    assert r["state"] == "off" and r["heap"] == 256 << 20
+    assert abs(r["anon"] - r["heap"]) <= 0.03 * r["heap"], r
+
+
+def test_warm_cache_touching_every_page_adds_almost_no_anonymous_memory(tmp_path: Path) -> None:
+    path = str(tmp_path / "m.pcache")
+    cold = _run_anon(path)
+    assert cold["state"] == "stored" and cold["mapped"] == 256 << 20
+    warm = _run_anon(path)
+    assert warm["state"] == "mapped" and warm["mapped"] == 256 << 20 and warm["heap"] == 0
+    assert warm["anon"] < 0.01 * warm["mapped"], warm
