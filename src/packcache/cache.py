@@ -363,7 +363,7 @@ def _read_only_view(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         empty = np.empty(array.shape, dtype=array.dtype)
         empty.flags.writeable = False
         return empty
-    frozen = memoryview(array.reshape(-1).view(np.uint8)).toreadonly()
+    frozen = array.reshape(-1).view(np.uint8).data.toreadonly()
     return np.frombuffer(frozen, dtype=array.dtype).reshape(array.shape)
 
 
@@ -419,7 +419,13 @@ class Session:
         if store is None or not cache.enabled:
             return
         started = time.perf_counter()
-        store.refresh()
+        try:
+            store.refresh()
+        except Exception as exc:  # a cache problem must never fail a model load
+            logger.debug("packcache: unexpected error opening %s", cache.path, exc_info=True)
+            store.problem = Fault(
+                HeapReason.OPEN_FAILED, getattr(exc, "errno", 0) or 0, f"cannot open {cache.path}: {exc!r}"
+            )
         cache._map_seconds += time.perf_counter() - started
         cache._file_bytes = store.file_size
         if store.rebuild_reason and store.fd is not None and "rebuild" not in cache._logged:

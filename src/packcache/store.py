@@ -213,6 +213,9 @@ class FileStore:
                     "without the sticky bit",
                 )  # fmt: skip
                 return True
+        elif stat.S_ISDIR(lst.st_mode):
+            self.problem = Fault(HeapReason.OPEN_FAILED, errno_mod.EISDIR, f"cache path {self.path} is a directory")
+            return True
         elif not stat.S_ISREG(lst.st_mode):
             self.problem = Fault(HeapReason.UNTRUSTED, 0, f"untrusted cache file {self.path}: not a regular file")
             return True
@@ -438,9 +441,11 @@ class FileStore:
         header_bytes = fmt.encode_header(self.alignment, self.platform)
         header = fmt.decode_header(header_bytes)
         directory = os.path.dirname(os.path.abspath(self.path))
-        temp = os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        prefix = f".{os.path.basename(self.path)}.tmp-"
+        temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(4)}")
         try:
             self._ensure_dir()
+            _remove_orphans(directory, prefix)
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self.file_mode)
         except OSError as exc:
             reason = HeapReason.OPEN_FAILED
@@ -584,6 +589,22 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _remove_orphans(directory: str, prefix: str) -> None:
+    """Delete temp files left by builders that died; the caller holds the build lock."""
+    for name in os.listdir(directory):
+        if not name.startswith(prefix):
+            continue
+        pid_text = name[len(prefix) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            _unlink_quietly(os.path.join(directory, name))
+        except OSError:
+            pass  # alive, or not ours to signal: leave it
 
 
 def _unlink_quietly(path: str) -> None:
