@@ -152,8 +152,10 @@ def slot_offset(index: int) -> int:
 def canonical_key(key: Mapping[str, Any] | None) -> bytes:
     """Serialise a pack key (or platform mapping) to canonical JSON bytes.
 
-    Keys are sorted and no whitespace is emitted, so equal mappings give equal
-    bytes. NaN and infinities are refused (they are not JSON).
+    Keys are sorted and no whitespace is emitted, so the same mapping always
+    gives the same bytes. Values keep their JSON type: ``1`` and ``1.0`` differ,
+    and non-string mapping keys are turned into strings as ``json`` does. NaN
+    and infinities are refused (they are not JSON).
 
     >>> canonical_key({"b": 1, "a": [2, 3]})
     b'{"a":[2,3],"b":1}'
@@ -239,7 +241,9 @@ def decode_header(buf: bytes, *, path: str | None = None) -> Header:
 
 
 def encode_slot(slot: Slot) -> bytes:
-    """The 64 bytes of a commit slot."""
+    """The 64 bytes of a commit slot (write them at ``slot_offset(slot.generation % 2)``)."""
+    if slot.generation < 1:
+        raise ValueError(f"generations start at 1, got {slot.generation}")
     body = SLOT.pack(
         SLOT_MAGIC, slot.generation, slot.index_offset, slot.index_size, slot.entry_count, slot.index_crc, bytes(20), 0
     )
@@ -251,7 +255,11 @@ def decode_slot(buf: bytes) -> Slot | None:
 
     An invalid slot is not an error by itself: it may be a torn write, and the
     other slot then holds the previous generation.
+    Raises:
+        FormatError: if ``buf`` is shorter than a slot (64 bytes).
     """
+    if len(buf) < SLOT.size:
+        raise FormatError(f"a commit slot is {SLOT.size} bytes, got {len(buf)}")
     magic, generation, ioff, isize, count, icrc, reserved, crc = SLOT.unpack_from(buf, 0)
     if magic != SLOT_MAGIC or _crc(buf[: SLOT.size - 4]) != crc or reserved != bytes(20) or generation == 0:
         return None
@@ -263,15 +271,22 @@ def choose_slot(header_buf: bytes) -> tuple[list[Slot], bool]:
 
     A file whose slots are both all-zero has never been committed (it is an
     empty cache); a file with non-zero slots none of which is valid is corrupt.
+    Generation ``g`` lives in slot ``g % 2``; a slot holding a generation of the
+    other parity is invalid, so a writer can always tell which slot is in use.
+
+    Raises:
+        FormatError: if ``header_buf`` is shorter than the 4096-byte header.
     """
+    if len(header_buf) < HEADER_READ_SIZE:
+        raise FormatError(f"the header is {HEADER_READ_SIZE} bytes, got {len(header_buf)}")
     slots: list[Slot] = []
     written = False
-    for off in SLOT_OFFSETS:
+    for position, off in enumerate(SLOT_OFFSETS):
         raw = header_buf[off : off + SLOT.size]
         if any(raw):
             written = True
         slot = decode_slot(raw)
-        if slot is not None:
+        if slot is not None and slot.generation % 2 == position:
             slots.append(slot)
     slots.sort(key=lambda s: s.generation, reverse=True)
     return slots, written
@@ -301,6 +316,15 @@ def encode_entry(entry: Entry) -> bytes:
         raise ValueError(f"pack has {len(entry.shape)} dimensions, at most {MAX_NDIM} allowed")
     if entry.dtype not in _ITEMSIZE:
         raise ValueError(f"dtype code {entry.dtype!r} is not one of {DTYPE_CODES}")
+    if len(entry.digest) != 32:
+        raise ValueError(f"digest must be 32 bytes, got {len(entry.digest)}")
+    if any(d < 0 or d > MAX_DIM for d in entry.shape):
+        raise ValueError(f"dimensions must be in [0, 2**63-1], got {entry.shape}")
+    elements = 1
+    for d in entry.shape:
+        elements *= d
+    if elements * _ITEMSIZE[entry.dtype] != entry.nbytes:
+        raise ValueError(f"nbytes {entry.nbytes} != shape {entry.shape} x itemsize of {entry.dtype}")
     fixed = ENTRY_FIXED.pack(
         entry.digest, entry.offset, entry.nbytes, entry.crc32, len(name), len(entry.shape), 0,
         entry.dtype.encode("ascii").ljust(4, b"\0"), len(entry.key),

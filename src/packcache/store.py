@@ -433,9 +433,12 @@ class FileStore:
     def _start_writer(self) -> _Writer:
         if self.fd is not None and self.writable and self.rebuild_reason is None and self.header is not None:
             committed = self.slot.committed_end if self.slot else self.header.data_start
+            # Past the end of the file, not just past the commit: bytes of a failed
+            # commit may still be served by the process that wrote them.
+            append_at = max(committed, os.fstat(self.fd).st_size)
             self._writer = _Writer(
                 fd=self.fd, temp_path=None, header=self.header, base=dict(self.entries), added={},
-                append_at=committed, generation=(self.slot.generation if self.slot else 0) + 1,
+                append_at=append_at, generation=(self.slot.generation if self.slot else 0) + 1,
             )  # fmt: skip
             return self._writer
         header_bytes = fmt.encode_header(self.alignment, self.platform)
