@@ -81,6 +81,7 @@ class _Held:
     digest: bytes
     nbytes: int
     reason: HeapReason | None  # None: mapped (hit or stored)
+    session: int  # serial of the session that served it
 
 
 def _check_timeout(value: float) -> float:
@@ -156,6 +157,7 @@ class WeightCache:
             weakref.finalize(self, self._store.close)
         # The ledger: written only under self._lock, read by nobody but _publish.
         self._held: dict[str, _Held] = {}
+        self._session_serial = 0
         self._unnamed = 0
         self._mapped = 0
         self._heap = zero_reasons()
@@ -276,7 +278,7 @@ class WeightCache:
         elif name in self._held:
             self._drop(name)  # same name, new key: the old pack is superseded
         nbytes = int(array.nbytes)
-        self._held[name] = _Held(array, digest, nbytes, reason)
+        self._held[name] = _Held(array, digest, nbytes, reason, self._session_serial)
         if reason is None:
             self._mapped += nbytes
             self._totals["mapped"] += nbytes
@@ -389,6 +391,7 @@ class Session:
             cache._lock.release()
             raise SessionError(f"the cache {cache.path!r} is closed")
         cache._owner = threading.get_ident()
+        cache._session_serial += 1
         self._active = True
         self._refresh()
         return self
@@ -475,7 +478,7 @@ class Session:
         cache, store = self._cache, self._cache._store
         digest = fmt.key_digest(name, key) if name is not None else b""
         held = cache._held.get(name) if name is not None else None
-        if held is not None and held.digest == digest:
+        if held is not None and held.digest == digest and not self._retry(held):
             return held.array  # the same pack again: served and counted once
         if not cache.enabled or store is None:
             return self._heap(name, digest, pack, HeapReason.DISABLED, None)
@@ -525,6 +528,11 @@ class Session:
         cache._totals["stored"] += 1
         return array
 
+    def _retry(self, held: _Held) -> bool:
+        """A pack sent to heap by a failure in an earlier session is routed again: the
+        failure may be gone (lock released, space freed), and the cache should heal."""
+        return held.reason in FAILURE_REASONS and held.session != self._cache._session_serial
+
     def _pack(self, pack: PackFn) -> np.ndarray[Any, Any]:
         started = time.perf_counter()
         try:
@@ -535,16 +543,28 @@ class Session:
     def _heap(
         self, name: str | None, digest: bytes, pack: PackFn, reason: HeapReason, fault: Fault | None
     ) -> np.ndarray[Any, Any]:
+        held = self._cache._held.get(name) if name is not None else None
+        if held is not None and held.digest == digest and held.reason is not None:
+            # Still failing since an earlier session: serve the heap copy already held, not a second one.
+            self._cache._drop(name)  # type: ignore[arg-type]
+            return self._serve_heap(name, digest, held.array, reason, fault, frozen=True)
         return self._serve_heap(name, digest, self._pack(pack), reason, fault)
 
     def _serve_heap(
-        self, name: str | None, digest: bytes, array: np.ndarray[Any, Any], reason: HeapReason, fault: Fault | None
+        self,
+        name: str | None,
+        digest: bytes,
+        array: np.ndarray[Any, Any],
+        reason: HeapReason,
+        fault: Fault | None,
+        *,
+        frozen: bool = False,
     ) -> np.ndarray[Any, Any]:
         cache = self._cache
         if fault is not None:
             cache._record_failure(fault)
         else:
             cache._log(reason, f"cache {cache.path}")
-        view = _read_only_view(array)
+        view = array if frozen else _read_only_view(array)
         cache._hold(name, view, digest, reason)
         return view

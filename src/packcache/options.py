@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["OPTION_KEYS", "get_instance_option", "get_option", "set_instance_option", "set_option"]
 
 _MIB = float(1 << 20)
+_PREFIX = "packed_cache_"
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,10 @@ def _lookup(key: object) -> _Key:
         raise OptionTypeError(f"option keys are str, got {type(key).__name__}")
     spec = _KEYS.get(key)
     if spec is None:
-        close = difflib.get_close_matches(key, OPTION_KEYS, n=3, cutoff=0.6)
+        # Match on what follows the shared prefix, or every key looks close to every other.
+        tail = key.removeprefix(_PREFIX)
+        tails = [k.removeprefix(_PREFIX) for k in OPTION_KEYS]
+        close = [_PREFIX + t for t in difflib.get_close_matches(tail, tails, n=3, cutoff=0.75)]
         hint = (
             f"; did you mean {' or '.join(repr(c) for c in close)}?"
             if close

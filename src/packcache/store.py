@@ -353,6 +353,8 @@ class FileStore:
         try:
             self._ensure_dir()
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, self.file_mode)
+            if os.fstat(fd).st_uid == os.geteuid():
+                os.fchmod(fd, self.file_mode)  # the umask must not leave it unopenable for writing
         except OSError as exc:
             reason = open_failed_reason(exc.errno) if self.fd is not None else HeapReason.OPEN_FAILED
             raise _fault_from_os(exc, reason, "cannot open lock file for", self.path) from None
@@ -389,9 +391,21 @@ class FileStore:
         return self._lock_fd is not None
 
     def _ensure_dir(self) -> None:
+        """Create missing directories, each with exactly ``dir_mode`` (the umask must not widen or narrow it)."""
         directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            os.makedirs(directory, mode=self.dir_mode, exist_ok=True)
+        missing = []
+        while not os.path.isdir(directory):
+            missing.append(directory)
+            parent = os.path.dirname(directory)
+            if parent == directory:
+                break
+            directory = parent
+        for path in reversed(missing):
+            try:
+                os.mkdir(path, self.dir_mode)
+            except FileExistsError:
+                continue  # created meanwhile by another process: not ours to chmod
+            os.chmod(path, self.dir_mode)
 
     # ------------------------------------------------------------------ writing
 
@@ -428,7 +442,7 @@ class FileStore:
         return self._map_range(writer.fd, entry)
 
     def _target(self, writer: _Writer) -> str:
-        return writer.temp_path or self.path
+        return self.path if writer.temp_path is None else f"{self.path} (new file {writer.temp_path})"
 
     def _start_writer(self) -> _Writer:
         if self.fd is not None and self.writable and self.rebuild_reason is None and self.header is not None:
@@ -462,7 +476,8 @@ class FileStore:
         except OSError as exc:
             os.close(fd)
             _unlink_quietly(temp)
-            raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot write to", temp) from None
+            where = f"{self.path} (new file {temp})"
+            raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot write to", where) from None
         self._writer = _Writer(
             fd=fd, temp_path=temp, header=header, base={}, added={}, append_at=header.data_start, generation=1
         )  # fmt: skip
@@ -488,7 +503,7 @@ class FileStore:
 
     @property
     def pending(self) -> bool:
-        """True while this session has written entries that are not committed."""
+        """True while this session has a writer open (commit or abort it)."""
         return self._writer is not None
 
     def commit(self) -> None:
@@ -502,6 +517,11 @@ class FileStore:
         """
         writer = self._writer
         if writer is None:
+            return
+        if not writer.added:
+            # Every store of the session failed: nothing to commit, and a new
+            # generation (or an empty rebuilt file) must not replace the old one.
+            self.abort()
             return
         live = writer.live()
         index_at = fmt.align_up(writer.append_at, writer.header.alignment)
