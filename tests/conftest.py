@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 
 import pytest
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from packcache import cache as cache_mod
+
+# Hypothesis writes under its home directory even with database=None; keep it out of the work tree.
+set_hypothesis_home_dir(tempfile.mkdtemp(prefix="packcache-hypothesis-"))
 
 
 @pytest.fixture(autouse=True)

@@ -647,10 +647,13 @@ def test_heap_bytes_match_anonymous_memory_growth() -> None:
     assert abs(r["anon"] - r["heap"]) <= 0.03 * r["heap"], r
 
 
-def test_warm_cache_touching_every_page_adds_almost_no_anonymous_memory(tmp_path: Path) -> None:
+def test_cold_build_streams_and_warm_cache_adds_almost_no_anonymous_memory(tmp_path: Path) -> None:
     path = str(tmp_path / "m.pcache")
     cold = _run_anon(path)
     assert cold["state"] == "stored" and cold["mapped"] == 256 << 20
+    # A cold build streams: each 16 MiB heap copy is dropped once written. glibc may
+    # keep one freed chunk, so allow a few chunks, far below the 256 MiB model.
+    assert cold["anon"] < 0.15 * cold["mapped"], cold
     warm = _run_anon(path)
     assert warm["state"] == "mapped" and warm["mapped"] == 256 << 20 and warm["heap"] == 0
     assert warm["anon"] < 0.01 * warm["mapped"], warm
