@@ -13,7 +13,6 @@ keeps the two in step.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import math
@@ -347,7 +346,7 @@ def test_encoder_refuses_what_readers_reject() -> None:
         (dict(dtype=">f4"), "dtype"),
     ]:
         with pytest.raises(ValueError, match=match):
-            fmt.encode_entry(dataclasses.replace(base, **bad))
+            fmt.encode_entry(base._replace(**bad))
     with pytest.raises(ValueError, match="at most 1000000 entries"):
         fmt.encode_index([base] * 1_000_001)  # refused before anything is encoded
 

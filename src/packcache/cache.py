@@ -312,7 +312,7 @@ class WeightCache:
             written_bytes=self._totals["written"],
         )  # fmt: skip
         # One reference assignment: readers see the old or the new snapshot, never a mix.
-        self._snapshot = CacheStats(
+        self._snapshot = CacheStats.fast(
             state=state.value,
             errno=self._errno,
             error=self._error,

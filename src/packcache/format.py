@@ -22,7 +22,7 @@ import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import FormatError
 
@@ -112,9 +112,8 @@ class Slot:
         return self.index_offset + self.index_size
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One pack stored in the file."""
+class Entry(NamedTuple):
+    """One pack stored in the file (a tuple: an index may hold a million, built fast)."""
 
     name: str
     key: bytes  # canonical JSON of the caller's key

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 __all__ = [
     "FAILURE_REASONS",
@@ -55,6 +56,12 @@ FAILURE_REASONS = frozenset(
 )
 
 
+# Plain strings for the hot path: enum attribute access costs more than the rest of a snapshot.
+_FAILURE_VALUES = tuple(r.value for r in HeapReason if r in FAILURE_REASONS)
+_TIE_ORDER = _FAILURE_VALUES + tuple(r.value for r in HeapReason if r not in FAILURE_REASONS)
+_REASON_VALUES = tuple(r.value for r in HeapReason)
+
+
 class CacheState(str, enum.Enum):
     """What a cache holds, in one word (rule in :func:`derive_state`)."""
 
@@ -78,13 +85,14 @@ def derive_state(
     >>> derive_state(enabled=True, mapped_bytes=8, heap_bytes_by_reason={"unnamed": 8}, written_bytes=8).value
     'stored'
     """
-    heap = sum(heap_bytes_by_reason.values())
     if not enabled:
         return CacheState.OFF
-    if heap > 0 and mapped_bytes == 0:
+    if mapped_bytes == 0 and any(heap_bytes_by_reason.values()):
         return CacheState.HEAP
-    if any(heap_bytes_by_reason.get(r.value, 0) > 0 for r in FAILURE_REASONS):
-        return CacheState.DEGRADED
+    get = heap_bytes_by_reason.get
+    for reason in _FAILURE_VALUES:
+        if get(reason, 0) > 0:
+            return CacheState.DEGRADED
     if written_bytes > 0:
         return CacheState.STORED
     return CacheState.MAPPED
@@ -92,7 +100,7 @@ def derive_state(
 
 def zero_reasons() -> dict[str, int]:
     """A fresh ``{reason: 0}`` dict with every reason present."""
-    return {r.value: 0 for r in HeapReason}
+    return dict.fromkeys(_REASON_VALUES, 0)
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,22 @@ class CacheStats:
     map_seconds: float = 0.0  #: time spent opening, validating and mapping files
     path: str = ""  #: the cache file ('' when off; for aggregates, '' unless one cache)
 
+    @classmethod
+    def fast(cls, **fields: Any) -> CacheStats:
+        """Build a snapshot from every field, skipping the frozen ``__init__``.
+
+        The cache publishes one snapshot per request; the generated frozen
+        ``__init__`` (one ``object.__setattr__`` per field) was most of that cost.
+        """
+        if fields.keys() != _FIELD_NAMES:
+            raise TypeError(f"CacheStats.fast() needs exactly the fields {sorted(_FIELD_NAMES)}")
+        snapshot = object.__new__(cls)
+        snapshot.__dict__.update(fields)
+        return snapshot
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(CacheStats))
+
 
 def dominant_reason(heap_bytes_by_reason: Mapping[str, int]) -> str:
     """The reason holding the most heap bytes, ``"none"`` when there are none.
@@ -136,10 +160,11 @@ def dominant_reason(heap_bytes_by_reason: Mapping[str, int]) -> str:
     'no_space'
     """
     best, best_bytes = "none", 0
-    for reason in sorted(HeapReason, key=lambda r: r not in FAILURE_REASONS):
-        held = heap_bytes_by_reason.get(reason.value, 0)
+    get = heap_bytes_by_reason.get
+    for reason in _TIE_ORDER:
+        held = get(reason, 0)
         if held > best_bytes:
-            best, best_bytes = reason.value, held
+            best, best_bytes = reason, held
     return best
 
 

@@ -26,7 +26,7 @@ import secrets
 import stat
 import time
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -436,7 +436,7 @@ class FileStore:
             raise _fault_from_os(
                 exc, classify_write_errno(exc.errno), "cannot write to", self._target(writer)
             ) from None
-        entry = replace(entry, crc32=_crc32(data))
+        entry = entry._replace(crc32=_crc32(data))
         writer.add(entry)
         writer.append_at = data_end
         return self._map_range(writer.fd, entry)

@@ -1,0 +1,215 @@
+"""Core benchmarks: warm load against the bare-mmap limit, cold build against heap-only, telemetry reads.
+
+Method (printed first when run):
+
+* warm load — a complete cache of N packs is opened and every pack requested in
+  one session (hits only), versus the limit: ``open`` + ``mmap`` + one
+  ``numpy.frombuffer`` view per pack at the same offsets, with no validation or
+  bookkeeping. Both run in this process, interleaved, page cache warm.
+* cold build — a fresh cache file built from N in-memory packs (``pack()`` is a
+  copy, so the figure is the cache's own overhead: write, checksum, map, commit
+  with two fdatasyncs), versus the same session with caching off.
+* telemetry — ``stats()`` and ``get_option()`` latency while another thread holds
+  a session that is inside a slow ``pack()``, versus with no session.
+
+Each figure is the median of repeated runs with its interquartile range, and
+ratios are of medians measured in the same run. Absolute times drift on shared
+machines; the ratios are what to compare.
+
+Usage: python benchmarks/core.py [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import packcache
+from packcache import format as fmt
+
+
+def quartiles(samples: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    return q[0], statistics.median(samples), q[2]
+
+
+def timed(fn: Callable[[], object], repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def make_packs(count: int, total_bytes: int) -> dict[str, np.ndarray[Any, Any]]:
+    per = max(64, total_bytes // count // 4 * 4)
+    rng = np.random.default_rng(0)
+    return {f"layers.{i}.weight": rng.integers(-128, 127, per, dtype=np.int8) for i in range(count)}
+
+
+def build(path: str, packs: dict[str, np.ndarray[Any, Any]]) -> None:
+    with packcache.WeightCache(path) as cache, cache.session() as s:
+        for name, a in packs.items():
+            s.get_or_pack(name, lambda a=a: a.copy(), key={"packer": "copy", "version": 1})
+
+
+def warm_packcache(path: str, names: list[str]) -> None:
+    cache = packcache.WeightCache(path)
+    with cache.session() as s:
+        for name in names:
+            s.get_or_pack(name, _never, key={"packer": "copy", "version": 1})
+    assert cache.stats().hits == len(names)
+    cache.close()
+
+
+def _never() -> np.ndarray[Any, Any]:
+    raise AssertionError("warm load must not pack")
+
+
+def committed_layout(path: str) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each entry, read once outside the timed region."""
+    with open(path, "rb") as f:
+        head = f.read(fmt.HEADER_READ_SIZE)
+        header = fmt.decode_header(head)
+        slot = fmt.choose_slot(head)[0][0]
+        f.seek(slot.index_offset)
+        entries = fmt.decode_index(f.read(slot.index_size), slot, header)
+    return [(e.offset, e.nbytes) for e in entries.values()]
+
+
+def warm_limit(path: str, layout: list[tuple[int, int]]) -> None:
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    views = [np.frombuffer(mm, dtype=np.int8, count=n, offset=o) for o, n in layout]
+    assert len(views) == len(layout)
+
+
+def bench_warm(directory: str, count: int, total: int, repeat: int) -> dict[str, Any]:
+    packs = make_packs(count, total)
+    path = os.path.join(directory, f"warm-{count}.pcache")
+    build(path, packs)
+    names = list(packs)
+    layout = committed_layout(path)
+    ours, limit = [], []
+    for _ in range(repeat):  # interleaved, so drift hits both alike
+        ours += timed(lambda: warm_packcache(path, names), 1)
+        limit += timed(lambda: warm_limit(path, layout), 1)
+    o, lim = quartiles(ours), quartiles(limit)
+    return {
+        "workload": f"warm load, {count} packs, {total >> 20} MiB",
+        "packcache_s": o,
+        "limit_s": lim,
+        "ratio_to_limit": o[1] / lim[1],
+        "per_pack_us": o[1] / count * 1e6,
+    }
+
+
+def bench_cold(directory: str, count: int, total: int, repeat: int) -> dict[str, Any]:
+    packs = make_packs(count, total)
+    cached, heap = [], []
+    for i in range(repeat):
+        path = os.path.join(directory, f"cold-{count}-{i}.pcache")
+        cached += timed(lambda path=path: build(path, packs), 1)
+        heap += timed(lambda: build_off(packs), 1)
+        os.unlink(path)
+    c, h = quartiles(cached), quartiles(heap)
+    return {
+        "workload": f"cold build, {count} packs, {total >> 20} MiB",
+        "packcache_s": c,
+        "heap_only_s": h,
+        "ratio_to_heap_only": c[1] / h[1],
+    }
+
+
+def build_off(packs: dict[str, np.ndarray[Any, Any]]) -> None:
+    with packcache.WeightCache(None) as cache, cache.session() as s:
+        for name, a in packs.items():
+            s.get_or_pack(name, lambda a=a: a.copy())
+
+
+def bench_telemetry(directory: str, reads: int) -> dict[str, Any]:
+    cache = packcache.WeightCache(os.path.join(directory, "telemetry.pcache"))
+
+    def read_all() -> list[float]:
+        out = []
+        for i in range(reads):
+            started = time.perf_counter()
+            cache.stats() if i % 2 else cache.get_option("packed_cache_heap_mib")
+            out.append(time.perf_counter() - started)
+        return out
+
+    idle = read_all()
+    inside, done = threading.Event(), threading.Event()
+
+    def slow() -> np.ndarray[Any, Any]:
+        inside.set()
+        done.wait(30)
+        return np.ones(16)
+
+    def loader() -> None:
+        with cache.session() as s:
+            s.get_or_pack("slow", slow)
+
+    t = threading.Thread(target=loader)
+    t.start()
+    inside.wait(30)
+    busy = read_all()
+    done.set()
+    t.join()
+    cache.close()
+
+    def summary(xs: list[float]) -> dict[str, float]:
+        xs = sorted(xs)
+        return {"median_us": xs[len(xs) // 2] * 1e6, "p99_us": xs[int(len(xs) * 0.99)] * 1e6, "max_us": xs[-1] * 1e6}
+
+    return {"workload": f"telemetry, {reads} reads", "no_session": summary(idle), "session_held": summary(busy)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and smaller models")
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args()
+    repeat = 5 if args.quick else 15
+    print(__doc__.split("Usage:")[0].strip())
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"python {platform.python_version()}, numpy {np.__version__}, packcache {packcache.__version__}\n")
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="packcache-bench-") as d:
+        for count, total in ((100, 256 << 20), (10_000, 64 << 20)):
+            if args.quick and count > 1000:
+                count = 2000
+            results.append(bench_warm(d, count, total, repeat))
+        for count, total in ((100, 256 << 20),):
+            results.append(bench_cold(d, count, total, max(3, repeat // 3)))
+        results.append(bench_telemetry(d, 10_000))
+    for r in results:
+        print(r["workload"])
+        for k, v in r.items():
+            if k == "workload":
+                continue
+            if isinstance(v, tuple):
+                print(f"  {k:<20} median {v[1] * 1e3:9.3f} ms   IQR [{v[0] * 1e3:.3f}, {v[2] * 1e3:.3f}]")
+            elif isinstance(v, dict):
+                print(f"  {k:<20} " + "  ".join(f"{kk} {vv:.1f}" for kk, vv in v.items()))
+            else:
+                print(f"  {k:<20} {v:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
