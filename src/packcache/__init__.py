@@ -22,6 +22,7 @@ from .errors import (
     ReadOnlyOptionError,
     SessionError,
 )
+from .maintenance import CompactReport, VerifyProblem, VerifyReport, compact, verify
 from .options import OPTION_KEYS, get_option, set_option
 from .stats import CacheState, CacheStats, HeapReason
 
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheState",
     "CacheStats",
+    "CompactReport",
     "FormatError",
     "HeapReason",
     "OPTION_KEYS",
@@ -41,9 +43,13 @@ __all__ = [
     "ReadOnlyOptionError",
     "Session",
     "SessionError",
+    "VerifyProblem",
+    "VerifyReport",
     "WeightCache",
     "__version__",
     "aggregate_stats",
+    "compact",
     "get_option",
     "set_option",
+    "verify",
 ]

@@ -41,7 +41,7 @@ logger = logging.getLogger("packcache")
 PackFn = Callable[[], "np.ndarray[Any, Any]"]
 
 #: Process-wide defaults, changed through :func:`packcache.set_option`.
-DEFAULTS: dict[str, Any] = {"enabled": True, "lock_timeout": 30.0, "read_only": False}
+DEFAULTS: dict[str, Any] = {"enabled": True, "lock_timeout": 30.0, "read_only": False, "verify": False}
 
 _registry_lock = threading.Lock()
 _live: tuple[weakref.ref[WeightCache], ...] = ()
@@ -108,6 +108,9 @@ class WeightCache:
         enabled: ``False`` turns caching off; ``None`` takes ``packed_cache_enabled``.
         file_mode: permission bits of new cache files (default ``0o600``).
         dir_mode: permission bits of directories created for them (default ``0o700``).
+        verify: check each hit's checksum before serving it (reads every page of
+            the pack, so off by default); a pack that fails is packed and stored again.
+            The process-wide option ``packed_cache_verify`` forces it on too.
 
     Raises:
         ValueError/TypeError: for invalid arguments (never for a problem with the file).
@@ -132,6 +135,7 @@ class WeightCache:
         enabled: bool | None = None,
         file_mode: int = 0o600,
         dir_mode: int = 0o700,
+        verify: bool = False,
     ) -> None:
         if alignment < fmt.MIN_ALIGNMENT or alignment > fmt.MAX_ALIGNMENT or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in [64, 1048576], got {alignment}")
@@ -144,6 +148,7 @@ class WeightCache:
         self.lock_timeout = _check_timeout(DEFAULTS["lock_timeout"] if lock_timeout is None else lock_timeout)
         self.read_only = bool(read_only) or bool(DEFAULTS["read_only"])
         self.enabled = (DEFAULTS["enabled"] if enabled is None else bool(enabled)) and self.path is not None
+        self.verify = bool(verify) or bool(DEFAULTS["verify"])
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._closed = False
@@ -486,7 +491,7 @@ class Session:
             return self._heap(None, digest, pack, HeapReason.UNNAMED, None)
         if store.problem is not None and store.problem.reason is not HeapReason.MAP_FAILED:
             return self._heap(name, digest, pack, store.problem.reason, store.problem)
-        entry = store.lookup(name, digest)
+        entry = self._lookup(name, digest)
         if entry is None:
             if cache._finalized:
                 return self._heap(name, digest, pack, HeapReason.FINALIZED, None)
@@ -504,7 +509,7 @@ class Session:
                 self._refresh()  # another process may have committed while we waited
                 if store.problem is not None and store.problem.reason is not HeapReason.MAP_FAILED:
                     return self._heap(name, digest, pack, store.problem.reason, store.problem)
-                entry = store.lookup(name, digest)
+                entry = self._lookup(name, digest)
         if entry is not None:
             started = time.perf_counter()
             try:
@@ -527,6 +532,22 @@ class Session:
         cache._hold(name, array, digest, None)
         cache._totals["stored"] += 1
         return array
+
+    def _lookup(self, name: str, digest: bytes) -> fmt.Entry | None:
+        cache, store = self._cache, self._cache._store
+        assert store is not None
+        entry = store.lookup(name, digest)
+        if entry is not None and cache.verify:
+            started = time.perf_counter()
+            ok = store.checksum_ok(entry)
+            cache._map_seconds += time.perf_counter() - started
+            if not ok:
+                logger.error(
+                    "packcache: entry %r of %s at offset %d failed its checksum; packing it again",
+                    name, cache.path, entry.offset,
+                )  # fmt: skip
+                return None
+        return entry
 
     def _retry(self, held: _Held) -> bool:
         """A pack sent to heap by a failure in an earlier session is routed again: the

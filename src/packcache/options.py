@@ -71,6 +71,7 @@ _KEYS: dict[str, _Key] = {
     "packed_cache_heap_packs": _stat("heap_packs", "packs served from heap"),
     "packed_cache_enabled": _Key(bool, "caching on (True) or off (False)", attribute="enabled"),
     "packed_cache_read_only": _Key(bool, "never write; missing entries go to heap (read_only)", attribute="read_only"),
+    "packed_cache_verify": _Key(bool, "check each hit's checksum before serving it", attribute="verify"),
     "packed_cache_lock_timeout": _Key(
         float, "seconds to wait for another process's build lock", attribute="lock_timeout"
     ),

@@ -35,7 +35,18 @@ from . import format as fmt
 from .errors import FormatError
 from .stats import HeapReason
 
-__all__ = ["Fault", "FileStore", "classify_write_errno", "open_failed_reason"]
+__all__ = [
+    "Fault",
+    "FileStore",
+    "classify_write_errno",
+    "create_temp",
+    "entry_crc",
+    "open_failed_reason",
+    "pwrite_all",
+    "read_committed",
+    "read_generation",
+    "wait_for_lock",
+]
 
 _NO_SPACE_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG})
 _READ_ONLY_ERRNOS = frozenset({errno_mod.EACCES, errno_mod.EROFS, errno_mod.EPERM, errno_mod.ETXTBSY})
@@ -144,6 +155,7 @@ class FileStore:
         self.problem: Fault | None = None  # applies to every request: untrusted / open_failed / map_failed
         self.read_only_fault: Fault | None = None  # why misses cannot be stored
         self.rebuild_reason: str | None = None  # why the next store must write a new file
+        self.corrupt: set[str] = set()  # committed entries whose bytes failed their checksum
         self._lock_fd: int | None = None
         self._writer: _Writer | None = None
         self.bytes_written = 0  # every byte this store wrote to any cache file, cumulative
@@ -271,6 +283,7 @@ class FileStore:
         self.file_size = size
         self.header, self.slot, self.entries, self.mapping = None, None, {}, None
         self.rebuild_reason = None
+        self.corrupt = set()
         if self.problem is not None and self.problem.reason is HeapReason.MAP_FAILED:
             self.problem = None
         try:
@@ -279,7 +292,7 @@ class FileStore:
             if header.platform != self.platform:
                 self.rebuild_reason = "its platform fingerprint differs from this process's"
                 return
-            slot, entries = self._read_generation(head, header, size)
+            slot, entries = read_generation(self.fd, head, header, size, path=self.path)
         except FormatError as exc:
             self.rebuild_reason = f"it is invalid: {exc}"
             return
@@ -297,30 +310,10 @@ class FileStore:
                     f"cannot map {self.path}: {errno_mod.errorcode.get(err, 'E?')} ({exc})",
                 )  # fmt: skip
 
-    def _read_generation(
-        self, head: bytes, header: fmt.Header, size: int
-    ) -> tuple[fmt.Slot | None, dict[str, fmt.Entry]]:
-        assert self.fd is not None
-        slots, written = fmt.choose_slot(head)
-        if not slots:
-            if written:
-                raise FormatError("no commit slot is valid", path=self.path, offset=fmt.slot_offset(0))
-            return None, {}  # never committed: an empty cache
-        first_error: FormatError | None = None
-        for slot in slots:
-            try:
-                fmt.validate_slot_bounds(slot, header, size, path=self.path)
-                buf = os.pread(self.fd, slot.index_size, slot.index_offset)
-                return slot, fmt.decode_index(buf, slot, header, path=self.path)
-            except FormatError as exc:
-                first_error = first_error or exc
-        assert first_error is not None
-        raise first_error
-
     def lookup(self, name: str, digest: bytes) -> fmt.Entry | None:
         """The committed (or added this session) entry for ``name`` if its key matches."""
         entry = self._writer.added.get(name) if self._writer else None
-        if entry is None and (self._writer is None or self._writer.temp_path is None):
+        if entry is None and (self._writer is None or self._writer.temp_path is None) and name not in self.corrupt:
             entry = self.entries.get(name)
         if entry is None or entry.digest != digest:
             return None
@@ -340,6 +333,16 @@ class FileStore:
             raise Fault(HeapReason.MAP_FAILED, 0, f"{self.path}: entry {entry.name!r} lies outside the mapping")
         return _array(self.mapping, entry, entry.offset)
 
+    def checksum_ok(self, entry: fmt.Entry) -> bool:
+        """Whether a committed entry's bytes match its checksum; a failing entry is
+        remembered as corrupt, so :meth:`lookup` stops returning it."""
+        if self.mapping is None or entry.nbytes == 0 or entry.name not in self.entries:
+            return True
+        if entry_crc(self.mapping, entry) == entry.crc32:
+            return True
+        self.corrupt.add(entry.name)
+        return False
+
     # ------------------------------------------------------------------ locking
 
     def acquire_lock(self, timeout: float) -> None:
@@ -358,27 +361,12 @@ class FileStore:
         except OSError as exc:
             reason = open_failed_reason(exc.errno) if self.fd is not None else HeapReason.OPEN_FAILED
             raise _fault_from_os(exc, reason, "cannot open lock file for", self.path) from None
-        deadline = time.monotonic() + timeout
-        delay = 0.001
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._lock_fd = fd
-                return
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                os.close(fd)
-                raise _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot lock", self.lock_path) from None
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                os.close(fd)
-                raise Fault(
-                    HeapReason.LOCKED, errno_mod.EWOULDBLOCK,
-                    f"another process held the build lock {self.lock_path} for more than {timeout:g} s",
-                )  # fmt: skip
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.05)
+        try:
+            wait_for_lock(fd, timeout, self.lock_path)
+        except Fault:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
 
     def release_lock(self) -> None:
         """Release the build lock (closing the descriptor releases the flock)."""
@@ -457,20 +445,15 @@ class FileStore:
             return self._writer
         header_bytes = fmt.encode_header(self.alignment, self.platform)
         header = fmt.decode_header(header_bytes)
-        directory = os.path.dirname(os.path.abspath(self.path))
-        prefix = f".{os.path.basename(self.path)}.tmp-"
-        temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(4)}")
         try:
             self._ensure_dir()
-            _remove_orphans(directory, prefix)
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self.file_mode)
+            fd, temp = create_temp(self.path, self.file_mode)
         except OSError as exc:
             reason = HeapReason.OPEN_FAILED
             if exc.errno in _NO_SPACE_ERRNOS:
                 reason = HeapReason.NO_SPACE
             raise _fault_from_os(exc, reason, "cannot create a new cache file for", self.path) from None
         try:
-            os.fchmod(fd, self.file_mode)  # the umask must not widen or narrow the documented mode
             os.posix_fallocate(fd, 0, header.data_start + fmt.index_size([]))
             self._pwrite(fd, header_bytes, 0)
         except OSError as exc:
@@ -499,7 +482,7 @@ class FileStore:
         return _array(region, entry, entry.offset - start)
 
     def _pwrite(self, fd: int, data: Any, offset: int) -> None:
-        self.bytes_written += _pwrite_all(fd, data, offset)
+        self.bytes_written += pwrite_all(fd, data, offset)
 
     @property
     def pending(self) -> bool:
@@ -577,6 +560,106 @@ class FileStore:
         self._forget()
 
 
+def read_generation(
+    fd: int, head: bytes, header: fmt.Header, size: int, *, path: str | None = None
+) -> tuple[fmt.Slot | None, dict[str, fmt.Entry]]:
+    """The newest generation of an open file whose slot and index validate.
+
+    ``head`` is the file's first 4096 bytes, already checked by ``decode_header``.
+    Returns ``(None, {})`` for a file never committed.
+
+    Raises:
+        FormatError: no generation is usable (docs/FORMAT.md R14, R43).
+    """
+    slots, written = fmt.choose_slot(head)
+    if not slots:
+        if written:
+            raise FormatError("no commit slot is valid", path=path, offset=fmt.slot_offset(0))
+        return None, {}
+    first_error: FormatError | None = None
+    for slot in slots:
+        try:
+            fmt.validate_slot_bounds(slot, header, size, path=path)
+            buf = os.pread(fd, slot.index_size, slot.index_offset)
+            return slot, fmt.decode_index(buf, slot, header, path=path)
+        except FormatError as exc:
+            first_error = first_error or exc
+    assert first_error is not None
+    raise first_error
+
+
+def read_committed(fd: int, *, path: str | None = None) -> tuple[fmt.Header, fmt.Slot | None, dict[str, fmt.Entry]]:
+    """Header and newest valid generation of an open cache file (reads no pack data).
+
+    Raises:
+        FormatError: the file breaks docs/FORMAT.md. OSError: it cannot be read.
+    """
+    head = os.pread(fd, fmt.HEADER_READ_SIZE, 0)
+    header = fmt.decode_header(head, path=path)
+    slot, entries = read_generation(fd, head, header, os.fstat(fd).st_size, path=path)
+    return header, slot, entries
+
+
+def wait_for_lock(fd: int, timeout: float, lock_path: str) -> None:
+    """Take an exclusive ``flock`` on ``fd``, polling for up to ``timeout`` seconds.
+
+    ``flock`` has no timeout of its own; polling with a capped backoff keeps the
+    wait interruptible and bounded.
+
+    Raises:
+        Fault: ``locked`` (EWOULDBLOCK) on timeout; ``open_failed`` if flock itself fails.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            raise _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot lock", lock_path) from None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise Fault(
+                HeapReason.LOCKED, errno_mod.EWOULDBLOCK,
+                f"another process held the build lock {lock_path} for more than {timeout:g} s",
+            )  # fmt: skip
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.05)
+
+
+def create_temp(path: str, mode: int) -> tuple[int, str]:
+    """Create a new, empty temp file beside ``path`` with exactly ``mode``; return (fd, temp path).
+
+    ``O_EXCL | O_NOFOLLOW``: a file or symlink planted at the name is never
+    opened; another random name is tried instead. Orphans of dead builders
+    are removed first (the caller holds the build lock).
+
+    Raises:
+        OSError: the file cannot be created.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = f".{os.path.basename(path)}.tmp-"
+    _remove_orphans(directory, prefix)
+    for attempt in range(8):
+        temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+        except FileExistsError:
+            if attempt == 7:
+                raise
+            continue
+        try:
+            os.fchmod(fd, mode)  # the umask must not widen or narrow the documented mode
+        except OSError:
+            os.close(fd)
+            _unlink_quietly(temp)
+            raise
+        return fd, temp
+    raise AssertionError("unreachable")
+
+
 def _trust_problem(st: os.stat_result) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
@@ -594,12 +677,26 @@ def _array(buffer: mmap.mmap, entry: fmt.Entry, offset: int) -> np.ndarray[Any, 
     return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(entry.shape)
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> int:
+def pwrite_all(fd: int, data: Any, offset: int) -> int:
+    """``pwrite`` all of ``data`` at ``offset`` (a short write is continued); return the byte count."""
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
     return done
+
+
+_CHUNK = 8 << 20  # checksum in slices: a memoryview slice of a map copies nothing
+
+
+def entry_crc(region: mmap.mmap, entry: fmt.Entry) -> int:
+    """crc32 of an entry's bytes in a mapping of its file (reads every page of it)."""
+    crc = 0
+    for start in range(entry.offset, entry.offset + entry.nbytes, _CHUNK):
+        end = min(start + _CHUNK, entry.offset + entry.nbytes)
+        with memoryview(region) as whole, whole[start:end] as chunk:
+            crc = zlib.crc32(chunk, crc)
+    return crc & 0xFFFFFFFF
 
 
 def _crc32(data: Any) -> int:
