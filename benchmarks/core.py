@@ -6,6 +6,8 @@ Method (printed first when run):
   one session (hits only), versus the limit: ``open`` + ``mmap`` + one
   ``numpy.frombuffer`` view per pack at the same offsets, with no validation or
   bookkeeping. Both run in this process, interleaved, page cache warm.
+* warm open, checked — the same warm open with ``verify=True`` (every pack's
+  checksum computed on open, which reads every data page), versus the default.
 * cold build — a fresh cache file built from N in-memory packs (``pack()`` is a
   copy, so the figure is the cache's own overhead: write, checksum, map, commit
   with two fdatasyncs), versus the same session with caching off.
@@ -116,6 +118,32 @@ def bench_warm(directory: str, count: int, total: int, repeat: int) -> dict[str,
     }
 
 
+def bench_warm_checked(directory: str, repeat: int) -> dict[str, Any]:
+    """Warm open as shipped (structure validated, trust checked, no pack data read)
+    versus the same open verifying every pack's checksum (``verify=True``)."""
+    packs = make_packs(16, 64 << 20)
+    path = os.path.join(directory, "warm-checked.pcache")
+    build(path, packs)
+    names = list(packs)
+
+    def open_all(verify: bool) -> None:
+        with packcache.WeightCache(path, verify=verify) as cache, cache.session() as s:
+            for name in names:
+                s.get_or_pack(name, _never, key={"packer": "copy", "version": 1})
+
+    default, checked = [], []
+    for _ in range(repeat):
+        default += timed(lambda: open_all(False), 1)
+        checked += timed(lambda: open_all(True), 1)
+    d, c = quartiles(default), quartiles(checked)
+    return {
+        "workload": "warm open, 16 packs, 64 MiB: default vs verify=True",
+        "default_s": d,
+        "verify_on_open_s": c,
+        "ratio_verify_to_default": c[1] / d[1],
+    }
+
+
 def bench_cold(directory: str, count: int, total: int, repeat: int) -> dict[str, Any]:
     packs = make_packs(count, total)
     cached, heap = [], []
@@ -184,14 +212,17 @@ def main() -> None:
     args = parser.parse_args()
     repeat = 5 if args.quick else 15
     print(__doc__.split("Usage:")[0].strip())
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"python {platform.python_version()}, numpy {np.__version__}, packcache {packcache.__version__}\n")
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"python {platform.python_version()}, numpy {np.__version__}, packcache {packcache.__version__}\n"
+    )
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="packcache-bench-") as d:
         for count, total in ((100, 256 << 20), (10_000, 64 << 20)):
             if args.quick and count > 1000:
                 count = 2000
             results.append(bench_warm(d, count, total, repeat))
+        results.append(bench_warm_checked(d, repeat))
         for count, total in ((100, 256 << 20),):
             results.append(bench_cold(d, count, total, max(3, repeat // 3)))
         results.append(bench_telemetry(d, 10_000))

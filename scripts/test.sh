@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check src tests examples benchmarks
-.venv/bin/ruff format --check src
+.venv/bin/ruff check src tests examples benchmarks stress
+.venv/bin/ruff format --check src benchmarks stress
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"
