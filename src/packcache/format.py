@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -84,6 +85,9 @@ DTYPE_CODES = (
     "b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16",
 )  # fmt: skip
 _ITEMSIZE = {code: int(code[1:]) for code in DTYPE_CODES}
+_DTYPE_FIELDS = {code.encode("ascii").ljust(4, b"\0"): code for code in DTYPE_CODES}  # raw field -> code
+_DIMS = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
+_ZEROS = bytes(8)
 
 
 @dataclass(frozen=True)
@@ -370,13 +374,15 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
         raise fail(f"index holds {count} entries, more than {MAX_ENTRIES}", 8)
 
     entries: dict[str, Entry] = {}
+    data = bytes(buf)  # slices of bytes are cheap to decode; a memoryview would copy per field
     pos = INDEX_HEAD.size
-    end = len(buf)
+    end = len(data)
+    alignment, data_start, index_offset = header.alignment, header.data_start, slot.index_offset
+    # struct hands back Python ints, so the arithmetic below cannot wrap.
     for number in range(count):
         if pos + ENTRY_FIXED.size > end:
             raise fail(f"entry {number} runs past the end of the index", pos)
-        digest, offset, nbytes, crc, name_size, ndim, reserved, dtype_raw, key_size = ENTRY_FIXED.unpack_from(buf, pos)
-        offset, nbytes, name_size, ndim, key_size = int(offset), int(nbytes), int(name_size), int(ndim), int(key_size)
+        digest, offset, nbytes, crc, name_size, ndim, reserved, dtype_raw, key_size = ENTRY_FIXED.unpack_from(data, pos)
         if reserved != 0:
             raise fail(f"entry {number}: reserved byte is not zero", pos + 55)
         if not 1 <= name_size <= MAX_NAME_BYTES:
@@ -385,44 +391,39 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
             raise fail(f"entry {number}: {ndim} dimensions, more than {MAX_NDIM}", pos + 54)
         if key_size > MAX_KEY_BYTES:
             raise fail(f"entry {number}: key size {key_size} exceeds {MAX_KEY_BYTES}", pos + 60)
-        dtype = bytes(dtype_raw).rstrip(b"\0")
-        if dtype_raw != dtype.ljust(4, b"\0") or dtype.decode("latin-1") not in _ITEMSIZE:
+        code = _DTYPE_FIELDS.get(dtype_raw)
+        if code is None:
             raise fail(f"entry {number}: unknown dtype code {bytes(dtype_raw)!r}", pos + 56)
-        record = align_up(ENTRY_FIXED.size + 8 * ndim + name_size + key_size, 8)
-        if pos + record > end:
+        stop = pos + ((ENTRY_FIXED.size + 8 * ndim + name_size + key_size + 7) & ~7)
+        if stop > end:
             raise fail(f"entry {number} runs past the end of the index", pos)
         cur = pos + ENTRY_FIXED.size
-        shape = tuple(int(d) for d in struct.unpack_from(f"<{ndim}Q", buf, cur))
+        shape = _DIMS[ndim].unpack_from(data, cur)
         cur += 8 * ndim
-        if any(d > MAX_DIM for d in shape):
+        if shape and max(shape) > MAX_DIM:
             raise fail(f"entry {number}: dimension larger than 2**63-1", pos + ENTRY_FIXED.size)
         try:
-            name = bytes(buf[cur : cur + name_size]).decode("utf-8")
+            name = data[cur : cur + name_size].decode("utf-8")
         except UnicodeDecodeError:
             raise fail(f"entry {number}: name is not valid UTF-8", cur) from None
         cur += name_size
-        key = bytes(buf[cur : cur + key_size])
+        key = data[cur : cur + key_size]
         cur += key_size
-        if any(buf[cur : pos + record]):
+        if data[cur:stop] != _ZEROS[: stop - cur]:
             raise fail(f"entry {number}: padding bytes are not zero", cur)
         if name in entries:
             raise fail(f"entry {number}: duplicate name {name!r}", pos)
-        code = dtype.decode("ascii")
-        elements = 1
-        for d in shape:
-            elements *= d
-        if elements * _ITEMSIZE[code] != nbytes:
+        if math.prod(shape) * _ITEMSIZE[code] != nbytes:
             raise fail(f"entry {number} ({name!r}): size {nbytes} != shape {shape} x itemsize", pos + 40)
-        if offset % header.alignment:
-            raise fail(f"entry {number} ({name!r}): offset {offset} not aligned to {header.alignment}", pos + 32)
-        if offset < header.data_start or offset + nbytes > slot.index_offset:
+        if offset % alignment:
+            raise fail(f"entry {number} ({name!r}): offset {offset} not aligned to {alignment}", pos + 32)
+        if offset < data_start or offset + nbytes > index_offset:
             raise fail(
-                f"entry {number} ({name!r}): data [{offset}, {offset + nbytes}) outside [{header.data_start}, "
-                f"{slot.index_offset})",
+                f"entry {number} ({name!r}): data [{offset}, {offset + nbytes}) outside [{data_start}, {index_offset})",
                 pos + 32,
             )
-        entries[name] = Entry(name, key, bytes(digest), code, shape, offset, nbytes, int(crc))
-        pos += record
+        entries[name] = Entry(name, key, digest, code, shape, offset, nbytes, crc)
+        pos = stop
     if pos != end:
         raise fail(f"{end - pos} bytes after the last entry", pos)
     spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values() if e.nbytes)
