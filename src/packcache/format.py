@@ -38,6 +38,7 @@ __all__ = [
     "align_up",
     "canonical_key",
     "choose_slot",
+    "compacted_size",
     "data_start_for",
     "decode_header",
     "decode_index",
@@ -468,3 +469,15 @@ def numpy_dtype_str(code: str) -> str:
     ('<f4', '|u1')
     """
     return ("|" if _ITEMSIZE[code] == 1 else "<") + code
+
+
+def compacted_size(entries: Iterable[Entry], header: Header) -> int:
+    """Size of a file holding exactly ``entries``, laid out in offset order as compaction does.
+
+    The difference to a file's size is what compaction would reclaim.
+    """
+    ordered = sorted(entries, key=lambda e: e.offset)
+    at = header.data_start
+    for entry in ordered:
+        at = align_up(at, header.alignment) + entry.nbytes
+    return align_up(at, header.alignment) + index_size(ordered)

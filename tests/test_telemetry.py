@@ -1,0 +1,118 @@
+"""Telemetry exporters with the real libraries: OpenTelemetry SDK reader, Prometheus over HTTP."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+import packcache
+from packcache.telemetry import otel, prometheus
+
+
+@pytest.fixture
+def caches(tmp_path: Path) -> Iterator[list[packcache.WeightCache]]:
+    """One cache mapping 4000 bytes, one with 800 heap bytes under read_only."""
+    path = tmp_path / "m.pcache"
+    with packcache.WeightCache(path) as c, c.session() as s:
+        s.get_or_pack("a", lambda: np.ones(1000, np.float32))
+    mapped = packcache.WeightCache(path)
+    with mapped.session() as s:
+        s.get_or_pack("a", lambda: pytest.fail("hit expected"))
+    degraded = packcache.WeightCache(path, read_only=True)
+    with degraded.session() as s:
+        s.get_or_pack("missing", lambda: np.ones(100, np.float64))
+    yield [mapped, degraded]
+    mapped.close()
+    degraded.close()
+
+
+def otel_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    return {
+        m.name: list(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+
+
+def test_otel_gauges_report_the_aggregate(caches: list[packcache.WeightCache]) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    otel.register(provider)
+    points = otel_points(reader)
+    heap = {p.attributes["reason"]: p.value for p in points["packcache.heap_bytes"]}
+    expected = packcache.aggregate_stats()
+    assert heap == expected.heap_bytes_by_reason and heap["read_only"] >= 800
+    assert points["packcache.mapped_bytes"][0].value == expected.mapped_bytes >= 4000
+    assert points["packcache.file_bytes"][0].value == expected.file_bytes > 0
+    (state,) = points["packcache.state"]
+    assert state.attributes["state"] == expected.state == "degraded" and state.value == 4
+    provider.shutdown()
+
+
+def test_prometheus_collector_scraped_over_real_http(caches: list[packcache.WeightCache]) -> None:
+    registry = CollectorRegistry()
+    prometheus.register(registry)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        port = server.server_address[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            body = response.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+    expected = packcache.aggregate_stats()
+    assert samples[("packcache_heap_bytes", (("reason", "read_only"),))] == expected.heap_bytes_by_reason["read_only"]
+    assert samples[("packcache_mapped_bytes", ())] == expected.mapped_bytes
+    assert samples[("packcache_state", (("state", "degraded"),))] == 4
+    assert samples[("packcache_errno", ())] == expected.errno
+
+
+def test_scrapes_never_wait_on_a_session(tmp_path: Path) -> None:
+    """A scrape during a session stuck inside pack() completes: exporters read the lock-free aggregate."""
+    registry = CollectorRegistry()
+    prometheus.register(registry)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    otel.register(provider)
+    cache = packcache.WeightCache(tmp_path / "m.pcache")
+    inside, release = threading.Event(), threading.Event()
+
+    def slow() -> np.ndarray[Any, Any]:
+        inside.set()
+        assert release.wait(10)
+        return np.ones(8)
+
+    def load() -> None:
+        with cache.session() as s:
+            s.get_or_pack("slow", slow)
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        assert inside.wait(10)
+        from prometheus_client import generate_latest
+
+        assert b"packcache_mapped_bytes" in generate_latest(registry)
+        assert "packcache.heap_bytes" in otel_points(reader)
+        assert t.is_alive(), "the session was still inside pack() during both scrapes"
+    finally:
+        release.set()
+        t.join(10)
+        cache.close()
+        provider.shutdown()
