@@ -263,31 +263,31 @@ def run_child(
     argv, child_env, helpers_dir = env.python(user)
     prelude = CHILD_PRELUDE.replace(repr(TESTS_DIR), repr(helpers_dir))
     args = {"path": str(path), "steps": steps, "limits": limits or {}, "verify": verify}
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [*argv, "-c", prelude + DRIVER, json.dumps(args)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env,
         cwd=env.base,
-    )  # fmt: skip
-    watchdog = threading.Timer(CHILD_TIMEOUT, proc.kill)  # a hang is a failure, not a stuck run
-    watchdog.start()
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    try:
-        pauses = iter(on_pause or [])
-        last = ""
-        for line in proc.stdout:
-            if line == "PAUSE\n":
-                next(pauses)()
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            else:
-                last = line
-        stderr = proc.stderr.read()
-        proc.wait()
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            proc.kill()
+    ) as proc:  # fmt: skip
+        watchdog = threading.Timer(CHILD_TIMEOUT, proc.kill)  # a hang is a failure, not a stuck run
+        watchdog.start()
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        try:
+            pauses = iter(on_pause or [])
+            last = ""
+            for line in proc.stdout:
+                if line == "PAUSE\n":
+                    next(pauses)()
+                    with contextlib.suppress(BrokenPipeError):
+                        proc.stdin.write("go\n")
+                        proc.stdin.flush()
+                else:
+                    last = line
+            stderr = proc.stderr.read()
             proc.wait()
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
     result = json.loads(last)["steps"] if proc.returncode == 0 and last else []
     return ChildResult(proc.returncode, result, stderr)
 

@@ -1,0 +1,90 @@
+"""The fault matrix of ``stress/faults.py``, reduced to the rows tests/test_faults.py does not cover.
+
+Each case runs its load in a child process (as root, as root without
+``CAP_DAC_OVERRIDE``, or as the real user ``nobody``) and checks what the
+design promises: the load succeeds, every served array is bit-identical to
+``pack()``, the reason and errno are the right ones, one ERROR record per
+failing reason, no SIGBUS. The case code is the harness's own (``stress/faults.py``),
+so the default suite and the full run check the same thing. Inode exhaustion
+stands in for EDQUOT: this kernel has no tmpfs quota support (CONFIG_TMPFS_QUOTA).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from _helpers import ROOT_ONLY
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
+
+import faults
+
+REDUCED = [
+    "emfile/open",
+    "emfile/open-existing",
+    "emfile/append",
+    "emfile/rebuild",
+    "eacces-nobody/open",
+    "eacces-nodac/open",
+    "eacces-nobody/append",
+    "eacces-nodac/append",
+    "eacces-nobody/rebuild",
+    "erofs/open",
+    "erofs/rebuild",
+    "inodes/open",
+    "inodes/build",
+    "inodes/append",
+    "inodes/rebuild",
+    "efbig/open",
+    "efbig/append",
+    "efbig/rebuild",
+    "enospc/open",
+    "map/build",
+    "replace/mapped",
+    "replace-corrupt/mapped",
+    "delete/mapped",
+    "truncate/next-open",
+    "truncate/next-session-released",
+    "truncate/next-session-held",
+]
+BY_NAME = {c.name: c for c in faults.CASES}
+FLIPS = [faults.flip_case(region, seed) for region in ("header", "index", "data") for seed in range(2)]
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[faults.Env]:
+    assert os.geteuid() == 0, ROOT_ONLY
+    with faults.environment() as environment:
+        yield environment
+
+
+def test_reduced_matrix_names_existing_cases() -> None:
+    assert set(REDUCED) <= set(BY_NAME), set(REDUCED) - set(BY_NAME)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("name", REDUCED)
+def test_fault_matrix_case(env: faults.Env, name: str) -> None:
+    assert faults.run_case(env, BY_NAME[name]) == []
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("case", FLIPS, ids=[c.name for c in FLIPS])
+def test_bit_flip_never_serves_a_wrong_byte(env: faults.Env, case: faults.Case) -> None:
+    """Header/index flips: a valid open or a rebuild; data flips: found by verify(), repacked with verify=True."""
+    assert faults.run_case(env, case) == []
+
+
+@pytest.mark.root
+def test_touching_a_view_after_external_truncation_is_sigbus_documented_limit(env: faults.Env) -> None:
+    """Not a guarantee but a documented limit: any mmap user dies touching truncated pages.
+
+    packcache never truncates; this pins what happens when someone else does,
+    so docs/RELIABILITY.md can say it plainly.
+    """
+    assert faults.truncate_while_mapped_limit(env) == "child killed by SIGBUS"
