@@ -1,0 +1,64 @@
+"""Reduced runs of stress/crash.py and stress/stampede.py: real processes, real SIGKILL, small numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+STRESS_DIR = Path(__file__).resolve().parent.parent / "stress"
+
+
+def load_harness(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"stress_{name}", STRESS_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_random_sigkill_of_build_append_and_compaction_never_serves_wrong_bytes_or_loses_a_cache(
+    tmp_path: Path,
+) -> None:
+    crash = load_harness("crash")
+    result = crash.run(tmp_path, trials=30, seed=7, workers=2, calibration_runs=2)
+    assert result["failures"] == []
+    for figure in crash.MUST_BE_ZERO:
+        assert result[figure] == 0, (figure, result)
+    assert result["trials"] == 30
+    # A harness whose kills all land after the writer finished proves nothing.
+    assert result["killed_mid_write"] >= 10, result
+    assert result["uncommitted_on_disk"] >= 3, result
+    for scenario, figures in result["by_scenario"].items():
+        assert figures.get("killed_mid_write", 0) >= 1, (scenario, figures)
+
+
+def test_eight_processes_on_an_empty_cache_one_builds_the_others_map(tmp_path: Path) -> None:
+    stampede = load_harness("stampede")
+    result = stampede.stampede(tmp_path, rounds=3, processes=8, lock_timeout=60.0)
+    assert result["failures"] == []
+    assert (result["builders_per_round"], result["waiters_mapped"], result["files_one_copy"]) == ("1", 21, "3/3")
+    assert (result["mismatches"], result["errors"], result["heap_locked_packs"]) == (0, 0, 0)
+    assert stampede.passed("wait", result)
+
+
+def test_eight_processes_with_zero_lock_timeout_one_builds_the_others_pack_to_heap_locked(tmp_path: Path) -> None:
+    stampede = load_harness("stampede")
+    result = stampede.stampede(tmp_path, rounds=3, processes=8, lock_timeout=0.0)
+    assert result["failures"] == []
+    assert (result["builders_per_round"], result["files_one_copy"], result["mismatches"], result["errors"]) == (
+        "1", "3/3", 0, 0)  # fmt: skip
+    assert result["locked_processes"] + result["late_mapped"] == 21
+    assert result["heap_locked_packs"] == result["locked_processes"] * len(stampede.PACKS) > 0
+    assert stampede.passed("zero-timeout", result)
+
+
+def test_readers_mapping_while_a_writer_appends_never_see_wrong_bytes(tmp_path: Path) -> None:
+    stampede = load_harness("stampede")
+    result = stampede.mixed(tmp_path, rounds=2, processes=8)
+    assert result["failures"] == []
+    assert (result["mismatches"], result["errors"], result["regressions"]) == (0, 0, 0)
+    every_pack = 2 * (len(stampede.WARM) + len(stampede.APPENDED))
+    assert result["final_hits"] == f"{every_pack}/{every_pack}"  # after the writer, a fresh reader maps every pack
+    assert result["readers_saw_appends"] > 0  # the readers really overlapped the writer's sessions
+    assert stampede.passed("mixed", result)
