@@ -1,0 +1,471 @@
+"""Hostile-file fuzzer: mutated and synthesised cache files, opened for real.
+
+Method. Hypothesis draws a file, either
+
+* a *mutation* of a real cache file (built by packcache: two generations, five
+  dtypes, a 0-d and a zero-size pack, a non-ASCII name, alignments 64 and 4096,
+  or a header-only file): bit flips, byte writes, typed writes of interesting
+  values (0, 2^31, 2^32-1, 2^63, 2^64-1, the file size, ...) into the preamble,
+  slot, index-head and entry fields, truncation, extension, a slot copied over
+  the other; then, each independently, the index, slot and preamble/fingerprint
+  checksums are re-sealed or not, so mutations reach the deep rules; or
+* a *synthesis* from fields: alignment, data start, fingerprint, 0-5 entries
+  with arbitrary names (text or raw bytes), dtype codes (valid and not), dims,
+  sizes, offsets, key bytes and digests, index head, one or two slots with any
+  generation, and a file length that may cut anything off.
+
+Each file is written as a real file and then
+
+1. decoded with the pure ``packcache.format`` functions (the "Reading a file"
+   procedure of docs/FORMAT.md): the only allowed failure is ``FormatError``;
+2. checked with ``packcache.verify``: returns a report, never raises;
+3. opened with ``packcache.WeightCache`` in-process, one session requesting up
+   to four names (present, absent, synthesised): the only allowed outcomes are
+   a valid open (hits served from the file, misses appended) or a rebuild (a
+   new file renamed over the path). Every served array is checked to lie inside
+   its mapping (the base chain ends in an mmap, and ``[ctypes.data, +nbytes)``
+   lies within the map's address range) and, on a valid open, to hold exactly
+   the file's bytes at the offset the pure decoder gives for it; a heap pack, a
+   disagreement between the cache and the pure decoder, any other exception or
+   a case running over ``--case-seconds`` (a hang) fails the run.
+
+A crash (segfault, SIGBUS) kills the process: no summary line, non-zero exit.
+
+Prints ``fuzz: cases=... valid_opens=... format_errors=... rebuilds=...
+other_exceptions=0 views_outside=0 seconds=...`` (``format_errors``: files the
+pure decoders rejected; ``valid_opens``/``rebuilds``: what WeightCache did) and
+exits 1 on any violation, after printing the first few.
+
+Usage: python stress/fuzz.py [--cases 100000] [--quick] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import logging
+import math
+import mmap
+import os
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
+
+import packcache
+from packcache import format as fmt
+from packcache.errors import FormatError
+
+PLATFORM = {"fuzz": 1}
+PLATFORM_BYTES = fmt.canonical_key(PLATFORM)
+INTERESTING = sorted(
+    {0, 1, 2, 7, 8, 15, 16, 63, 64, 65, 127, 128, 255, 256, 1023, 1024, 1025, 2047, 2048, 3072, 4095, 4096, 4097,
+     8192, 65535, 65536, 65537, 2**20, 2**20 + 1, 2**28, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63,
+     2**64 - 1}
+)  # fmt: skip
+BAD_DTYPES = [b"", b"f16", b"bf16", b"<f4", b"F4", b"f\0", b"\0f4", b"i3", b"c32", b"\xff\xff\xff\xff"]
+MAX_FILE = 1 << 20  # synthesised files are cut at 1 MiB: a layout claiming more is simply truncated
+
+
+def base_packs() -> list[tuple[int, str, dict[str, Any] | None, np.ndarray[Any, Any]]]:
+    """(generation, name, key, array) of the real files mutated."""
+    return [
+        (1, "w0", {"v": 1}, np.arange(64, dtype=np.float32).reshape(4, 16)),
+        (1, "empty", None, np.zeros((0, 3), np.uint8)),
+        (1, "scalar", None, np.array(2.5, np.float64)),
+        (1, "ü/层.weight", {"packer": "x"}, np.arange(105, dtype=np.int16).reshape(3, 5, 7)),
+        (2, "w4", None, np.array([1 + 2j, 3 - 4j], np.complex128)),
+    ]
+
+
+PACKS = {name: (key, array) for _, name, key, array in base_packs()}
+SMALL = np.arange(4, dtype=np.float32)
+
+
+def _quiet() -> contextlib.AbstractContextManager[None]:
+    """Rebuild warnings and errors are expected here by the thousand: keep them off stderr."""
+
+    @contextlib.contextmanager
+    def quiet() -> Iterator[None]:
+        logger = logging.getLogger("packcache")
+        saved = logger.disabled
+        logger.disabled = True
+        try:
+            yield
+        finally:
+            logger.disabled = saved
+
+    return quiet()
+
+
+def build_bases(directory: str) -> list[bytes]:
+    bases = []
+    for alignment in (64, 4096):
+        path = os.path.join(directory, f"base{alignment}.pcache")
+        for generation in (1, 2):
+            with packcache.WeightCache(path, alignment=alignment, platform=PLATFORM) as cache, cache.session() as s:
+                for gen, name, key, array in base_packs():
+                    if gen == generation:
+                        s.get_or_pack(name, lambda array=array: array, key=key)
+        with open(path, "rb") as f:
+            bases.append(f.read())
+    bases.append(fmt.encode_header(64, PLATFORM_BYTES))  # created, never committed
+    return bases
+
+
+def field_offsets(data: bytes) -> list[tuple[int, int]]:
+    """(offset, width) of every integer field of a valid file: preamble, slots, index heads, entries."""
+    fields = [(8, 4), (12, 4), (16, 4), (20, 4), (24, 4), (28, 4), (60, 4)]
+    for base in fmt.SLOT_OFFSETS:
+        fields += [(base + o, w) for o, w in ((8, 8), (16, 8), (24, 8), (32, 4), (36, 4), (40, 4), (60, 4))]
+    for slot in fmt.choose_slot(data[: fmt.HEADER_READ_SIZE])[0]:
+        io = slot.index_offset
+        fields += [(io + 8, 4), (io + 12, 4)]
+        pos = io + 16
+        for _ in range(slot.entry_count):
+            name_size, ndim, _reserved, _dtype, key_size = struct.unpack_from("<HBB4sI", data, pos + 52)
+            fields += [(pos + o, w) for o, w in ((32, 8), (40, 8), (48, 4), (52, 2), (54, 1), (55, 1), (56, 4))]
+            fields += [(pos + 60, 4), *((pos + 64 + 8 * i, 8) for i in range(ndim))]
+            pos += fmt.align_up(64 + 8 * ndim + name_size + key_size, 8)
+    return fields
+
+
+def ints(width: int) -> st.SearchStrategy[int]:
+    top = (1 << (8 * width)) - 1
+    return st.one_of(st.sampled_from([v for v in INTERESTING if v <= top]), st.integers(0, top))
+
+
+def crc(data: bytes | bytearray) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def reseal(buf: bytearray, *, index: bool, slots: bool, header: bool) -> None:
+    """Recompute checksums after a mutation, so it reaches the rules behind them."""
+    if len(buf) < fmt.HEADER_READ_SIZE:
+        return
+    for base in fmt.SLOT_OFFSETS:
+        if not any(buf[base : base + 64]):
+            continue
+        if index:
+            ioff, isize = struct.unpack_from("<QQ", buf, base + 16)
+            if ioff + isize <= len(buf):
+                struct.pack_into("<I", buf, base + 36, crc(buf[ioff : ioff + isize]))
+        if slots:
+            struct.pack_into("<I", buf, base + 60, crc(buf[base : base + 60]))
+    if header:
+        psize = struct.unpack_from("<I", buf, 20)[0]
+        if psize <= fmt.PLATFORM_MAX:
+            struct.pack_into("<I", buf, 24, crc(buf[64 : 64 + psize]))
+        struct.pack_into("<I", buf, 60, crc(buf[:60]))
+
+
+@st.composite
+def mutated(draw: st.DrawFn, bases: list[bytes]) -> bytes:
+    buf = bytearray(draw(st.sampled_from(bases)))
+    fields = field_offsets(bytes(buf))
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "byte", "field", "field", "field", "truncate", "extend", "copy_slot"]))
+        if kind == "flip" and buf:
+            pos = draw(st.integers(0, len(buf) - 1))
+            buf[pos] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "byte" and buf:
+            buf[draw(st.integers(0, len(buf) - 1))] = draw(st.integers(0, 255))
+        elif kind == "field":
+            offset, width = draw(st.sampled_from(fields))
+            if offset + width <= len(buf):
+                buf[offset : offset + width] = draw(ints(width)).to_bytes(width, "little")
+        elif kind == "truncate":  # mostly past the header: a file cut short of its index is the common case
+            low = 0 if not draw(st.integers(0, 4)) else min(len(buf), fmt.HEADER_READ_SIZE)
+            del buf[draw(st.integers(low, len(buf))) :]
+        elif kind == "extend":
+            buf += draw(st.binary(max_size=64)) if draw(st.booleans()) else bytes(draw(st.integers(0, 8192)))
+        elif kind == "copy_slot" and len(buf) >= fmt.HEADER_READ_SIZE:
+            src, dst = draw(st.permutations(fmt.SLOT_OFFSETS))
+            buf[dst : dst + 64] = buf[src : src + 64]
+    reseal(buf, index=draw(st.booleans()), slots=draw(st.booleans()), header=draw(st.booleans()))
+    return bytes(buf)
+
+
+def raw_entry(
+    name: bytes, key: bytes, dtype: bytes, dims: list[int], offset: int, nbytes: int, digest: bytes, data_crc: int
+) -> bytes:
+    fixed = digest + struct.pack("<QQIHBB4sI", offset, nbytes, data_crc, len(name) & 0xFFFF, len(dims), 0,
+                                 dtype[:4].ljust(4, b"\0"), len(key))  # fmt: skip
+    body = fixed + b"".join(struct.pack("<Q", d) for d in dims) + name + key
+    return body + bytes(-len(body) % 8)
+
+
+@st.composite
+def synthesised(draw: st.DrawFn) -> bytes:
+    alignment = draw(st.sampled_from([64, 128, 4096, 1 << 16])) if draw(st.integers(0, 5)) else draw(ints(4))
+    proper = 4096 if alignment <= 4096 else alignment
+    data_start = draw(st.one_of(st.just(proper), ints(4))) if draw(st.integers(0, 9)) == 0 else proper
+    platform = PLATFORM_BYTES if draw(st.integers(0, 9)) else draw(st.binary(max_size=40))
+    preamble = fmt.MAGIC + struct.pack("<IIIII", 1, alignment & 0xFFFFFFFF, data_start, len(platform), crc(platform))
+    preamble += bytes(32)
+    preamble += struct.pack("<I", crc(preamble))
+    step = alignment if 0 < alignment <= 1 << 20 and not alignment & (alignment - 1) else 64
+    cursor = max(data_start, 4096)
+    entries = []
+    for _ in range(draw(st.integers(0, 5))):
+        if draw(st.booleans()):
+            name = draw(st.text(min_size=1, max_size=10)).encode("utf-8")
+        else:
+            name = draw(st.binary(max_size=12))
+        dtype = draw(st.one_of(st.sampled_from([c.encode() for c in fmt.DTYPE_CODES]), st.sampled_from(BAD_DTYPES)))
+        dims = draw(st.lists(st.one_of(st.integers(0, 9), ints(8)), max_size=4))
+        itemsize = int(dtype[1:]) if dtype.decode("latin-1") in fmt.DTYPE_CODES else 1
+        consistent = math.prod(dims) * itemsize
+        nbytes = consistent if draw(st.integers(0, 4)) and consistent < 1 << 64 else draw(ints(8))
+        offset = fmt.align_up(cursor, step) if draw(st.integers(0, 4)) else draw(ints(8))
+        if offset < 1 << 40 and nbytes < 1 << 40:
+            cursor = max(cursor, offset + nbytes)
+        key = b"{}" if draw(st.integers(0, 4)) else draw(st.binary(max_size=16))
+        digest = hashlib.sha256(b"packcache-key\0" + name + b"\0" + key).digest()
+        if not draw(st.integers(0, 9)):
+            digest = draw(st.binary(min_size=32, max_size=32))
+        entries.append(raw_entry(name, key, dtype, dims, offset, nbytes & (2**64 - 1), digest, 0))
+    index_offset = fmt.align_up(cursor, step) if draw(st.integers(0, 5)) else draw(ints(8))
+    count = len(entries) if draw(st.integers(0, 5)) else draw(ints(4))
+    index = fmt.INDEX_MAGIC + struct.pack("<II", count, 0) + b"".join(entries)
+    generation = draw(st.one_of(st.integers(1, 4), ints(8)))
+    slot_body = fmt.SLOT_MAGIC + struct.pack(
+        "<QQQII", generation, index_offset, len(index), count if draw(st.integers(0, 5)) else draw(ints(4)), crc(index)
+    )
+    slot_body += bytes(20)
+    slot = slot_body + struct.pack("<I", crc(slot_body))
+    region = bytearray(4096)
+    region[:64] = preamble
+    region[64 : 64 + len(platform)] = platform
+    where = fmt.slot_offset(generation % 2) if draw(st.integers(0, 5)) else draw(st.sampled_from(fmt.SLOT_OFFSETS))
+    region[where : where + 64] = slot
+    body = bytearray(region)
+    if index_offset <= MAX_FILE:
+        body += bytes(max(0, index_offset - len(body)))
+        body[index_offset : index_offset + len(index)] = index
+    body += draw(st.binary(max_size=32)) if not draw(st.integers(0, 5)) else b""
+    cut = draw(st.integers(0, len(body))) if not draw(st.integers(0, 5)) else len(body)
+    return bytes(body[:cut])
+
+
+# --------------------------------------------------------------------------- one case
+
+
+class Hang(Exception):
+    pass
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise Hang("case ran over its time bound")
+
+
+@dataclass
+class Counts:
+    cases: int = 0
+    valid_opens: int = 0
+    format_errors: int = 0
+    rebuilds: int = 0
+    other_exceptions: int = 0
+    views_outside: int = 0
+    disagreements: int = 0
+    unexpected_heap: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.other_exceptions or self.views_outside or self.disagreements or self.unexpected_heap)
+
+    def summary(self, seconds: float) -> str:
+        return (
+            f"fuzz: cases={self.cases} valid_opens={self.valid_opens} format_errors={self.format_errors} "
+            f"rebuilds={self.rebuilds} other_exceptions={self.other_exceptions} views_outside={self.views_outside} "
+            f"disagreements={self.disagreements} unexpected_heap={self.unexpected_heap} seconds={seconds:.1f}"
+        )
+
+
+def pure_read(data: bytes) -> dict[str, fmt.Entry]:
+    """docs/FORMAT.md "Reading a file" with the pure decoders; raises FormatError only."""
+    head = data[: fmt.HEADER_READ_SIZE]
+    header = fmt.decode_header(head)
+    if header.platform != PLATFORM_BYTES:
+        raise FormatError("platform differs")  # not a format error, but the cache must rebuild it too
+    slots, written = fmt.choose_slot(head)
+    if not slots:
+        if written:
+            raise FormatError("no valid slot")
+        return {}
+    first: FormatError | None = None
+    for slot in slots:
+        try:
+            fmt.validate_slot_bounds(slot, header, len(data))
+            return fmt.decode_index(data[slot.index_offset : slot.committed_end], slot, header)
+        except FormatError as exc:
+            first = first or exc
+    assert first is not None
+    raise first
+
+
+def map_range(buffer: object) -> tuple[int, int]:
+    assert isinstance(buffer, mmap.mmap)
+    if buffer.closed or len(buffer) == 0:
+        return 0, 0
+    start = np.frombuffer(buffer, np.uint8).ctypes.data  # ACCESS_READ: from_buffer would need a writable map
+    return start, start + len(buffer)
+
+
+def inside_mapping(array: np.ndarray[Any, Any]) -> bool:
+    """The array's memory lies inside the mmap its base chain ends in (zero-size arrays need no memory)."""
+    if array.nbytes == 0:
+        return True
+    base: object = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    if not isinstance(base, mmap.mmap):
+        return False
+    start, end = map_range(base)
+    address = array.ctypes.data
+    return start <= address and address + array.nbytes <= end
+
+
+def _names(data: bytes) -> list[str]:
+    """Names worth requesting: the base packs', the decodable names in the file, and one never stored."""
+    found = [name for name in PACKS]
+    with contextlib.suppress(FormatError, ValueError, struct.error):
+        found += list(pure_read(data))
+    return [*dict.fromkeys(found), "never-stored"]
+
+
+def run_case(path: str, data: bytes, picks: list[int], counts: Counts, case_seconds: float) -> None:
+    counts.cases += 1
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a new inode each case: old mappings stay valid
+    with open(path, "wb") as f:
+        f.write(data)
+    inode = os.stat(path).st_ino
+    signal.setitimer(signal.ITIMER_REAL, case_seconds)
+    try:
+        try:
+            expected: dict[str, fmt.Entry] | None = pure_read(data)
+        except FormatError:
+            counts.format_errors += 1
+            expected = None
+        packcache.verify(path)
+        names = _names(data)
+        requested = list(dict.fromkeys(names[i % len(names)] for i in picks))
+        served = {}
+        with _quiet(), packcache.WeightCache(path, platform=PLATFORM, lock_timeout=0) as cache:
+            with cache.session() as s:
+                for name in requested:
+                    key, array = PACKS.get(name, (None, SMALL))
+                    served[name] = s.get_or_pack(name, lambda array=array: array, key=key)
+            stats = cache.stats()
+            rebuilt = os.stat(path).st_ino != inode
+            check(data, expected, served, stats, rebuilt, counts)
+    except Hang as exc:
+        counts.other_exceptions += 1
+        counts.failures.append(f"hang: {exc} ({len(data)}-byte file)")
+    except Exception as exc:
+        counts.other_exceptions += 1
+        counts.failures.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def check(
+    data: bytes,
+    expected: dict[str, fmt.Entry] | None,
+    served: dict[str, np.ndarray[Any, Any]],
+    stats: packcache.CacheStats,
+    rebuilt: bool,
+    counts: Counts,
+) -> None:
+    if stats.heap_packs:
+        counts.unexpected_heap += 1
+        counts.failures.append(f"heap packs {stats.heap_bytes_by_reason} error={stats.error}")
+    if rebuilt:
+        counts.rebuilds += 1
+    elif stats.hits or stats.stored:
+        counts.valid_opens += 1
+    if (expected is None) != rebuilt:
+        # A file the pure decoders reject must be rebuilt; a valid file must be appended to, not rebuilt.
+        counts.disagreements += 1
+        counts.failures.append(f"pure decoders {'rejected' if expected is None else 'accepted'}, rebuilt={rebuilt}")
+    for name, array in served.items():
+        if not inside_mapping(array):
+            counts.views_outside += 1
+            counts.failures.append(f"view of {name!r} outside its mapping")
+            continue
+        entry = (expected or {}).get(name)
+        key = fmt.canonical_key(PACKS.get(name, (None, SMALL))[0])
+        hit = not rebuilt and entry is not None and entry.digest == fmt.key_digest(name, key)
+        if hit and entry is not None and array.tobytes() != data[entry.offset : entry.offset + entry.nbytes]:
+            counts.views_outside += 1
+            counts.failures.append(f"view of {name!r} does not hold the file's bytes at {entry.offset}")
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def fuzz(cases: int, *, chunk: int = 2000, case_seconds: float = 10.0, seed_value: int | None = None) -> Counts:
+    """Run at least ``cases`` cases; returns the counts (never raises for a violation: it is counted)."""
+    counts = Counts()
+    directory = tempfile.mkdtemp(prefix="packcache-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        bases = build_bases(directory)
+        path = os.path.join(directory, "fuzz.pcache")
+        files = st.one_of(mutated(bases), mutated(bases), synthesised())
+        round_number = 0
+        while counts.cases < cases:
+            todo = min(chunk, cases - counts.cases)
+
+            @settings(
+                max_examples=todo, database=None, deadline=None, phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )  # fmt: skip
+            @given(data=files, picks=st.lists(st.integers(0, 63), min_size=1, max_size=4))
+            def one(data: bytes, picks: list[int]) -> None:
+                run_case(path, data, picks, counts, case_seconds)
+
+            if seed_value is not None:
+                one = seed(seed_value + round_number)(one)
+            one()
+            round_number += 1
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        shutil.rmtree(directory, ignore_errors=True)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=100_000)
+    parser.add_argument("--quick", action="store_true", help="2,000 cases")
+    parser.add_argument("--seed", type=int, default=None, help="reproducible run")
+    parser.add_argument("--case-seconds", type=float, default=10.0, help="time bound of one case (a hang)")
+    args = parser.parse_args(argv)
+    set_hypothesis_home_dir(tempfile.mkdtemp(prefix="packcache-hypothesis-"))
+    started = time.monotonic()
+    counts = fuzz(2000 if args.quick else args.cases, case_seconds=args.case_seconds, seed_value=args.seed)
+    for failure in counts.failures[:20]:
+        print(f"FAIL {failure}")
+    print(counts.summary(time.monotonic() - started))
+    return 0 if counts.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
