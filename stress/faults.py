@@ -793,8 +793,9 @@ def _replace_mapped(env: Env, d: Path) -> list[str]:
     if result.died:
         return [result.died]
     problems = check_load(result.steps[0], path, hits=3, stored=0) + _touched_ok(result, 1)
-    # Same instance: the held views of a, b, c are served again (still valid); d maps from the new file.
-    problems += check_load(result.steps[2], path, hits=1, stored=0)
+    # Same instance: the held views of a, b, c stay valid for whoever holds them, but the cache
+    # serves every request from the file now at the path, so all four map from the new file.
+    problems += check_load(result.steps[2], path, hits=4, stored=0)
     return problems + check_load(result.steps[3], path, hits=4, stored=0)
 
 

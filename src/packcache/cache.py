@@ -82,6 +82,7 @@ class _Held:
     nbytes: int
     reason: HeapReason | None  # None: mapped (hit or stored)
     session: int  # serial of the session that served it
+    origin: tuple[int, int, int] | None = None  # mapped: (st_dev, st_ino, offset) of the bytes it views
 
 
 def _check_timeout(value: float) -> float:
@@ -276,14 +277,21 @@ class WeightCache:
         else:
             self._heap[held.reason.value] -= held.nbytes
 
-    def _hold(self, name: str | None, array: np.ndarray[Any, Any], digest: bytes, reason: HeapReason | None) -> None:
+    def _hold(
+        self,
+        name: str | None,
+        array: np.ndarray[Any, Any],
+        digest: bytes,
+        reason: HeapReason | None,
+        origin: tuple[int, int, int] | None = None,
+    ) -> None:
         if name is None:
             self._unnamed += 1
             name = f"\0unnamed-{self._unnamed}"  # NUL cannot start a real name's key
         elif name in self._held:
             self._drop(name)  # same name, new key: the old pack is superseded
         nbytes = int(array.nbytes)
-        self._held[name] = _Held(array, digest, nbytes, reason, self._session_serial)
+        self._held[name] = _Held(array, digest, nbytes, reason, self._session_serial, origin)
         if reason is None:
             self._mapped += nbytes
             self._totals["mapped"] += nbytes
@@ -483,7 +491,7 @@ class Session:
         cache, store = self._cache, self._cache._store
         digest = fmt.key_digest(name, key) if name is not None else b""
         held = cache._held.get(name) if name is not None else None
-        if held is not None and held.digest == digest and not self._retry(held):
+        if held is not None and held.digest == digest and not self._retry(held) and self._still_backed(name, held):
             return held.array  # the same pack again: served and counted once
         if not cache.enabled or store is None:
             return self._heap(name, digest, pack, HeapReason.DISABLED, None)
@@ -518,7 +526,7 @@ class Session:
                 return self._heap(name, digest, pack, HeapReason.MAP_FAILED, fault)
             finally:
                 cache._map_seconds += time.perf_counter() - started
-            cache._hold(name, array, digest, None)
+            cache._hold(name, array, digest, None, store.origin_of(entry))
             cache._totals["hits"] += 1
             return array
         result = self._pack(pack)
@@ -529,7 +537,7 @@ class Session:
             return self._serve_heap(name, digest, result, fault.reason, fault)
         finally:
             cache._totals["written"] = store.bytes_written
-        cache._hold(name, array, digest, None)
+        cache._hold(name, array, digest, None, store.origin_of(store.lookup(name, digest)))
         cache._totals["stored"] += 1
         return array
 
@@ -548,6 +556,19 @@ class Session:
                 )  # fmt: skip
                 return None
         return entry
+
+    def _still_backed(self, name: str | None, held: _Held) -> bool:
+        """A held mapped pack is served again only while the file still holds its bytes.
+
+        Another process may have truncated, replaced or corrupted the file since
+        (the session's refresh saw it): serving the old view again could be
+        SIGBUS on touch, so the request is routed afresh instead.
+        """
+        store = self._cache._store
+        if held.origin is None or store is None or name is None:
+            return True
+        entry = store.lookup(name, held.digest)
+        return entry is not None and store.origin_of(entry) == held.origin
 
     def _retry(self, held: _Held) -> bool:
         """A pack sent to heap by a failure in an earlier session is routed again: the

@@ -95,6 +95,7 @@ class _Writer:
     generation: int
     merged: dict[str, fmt.Entry] = field(default_factory=dict)  # base overlaid with added
     index_bytes: int = 0  # encoded size of an index listing ``merged``
+    identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file written, once asked
 
     def __post_init__(self) -> None:
         self.merged = dict(self.base)
@@ -333,6 +334,20 @@ class FileStore:
             raise Fault(HeapReason.MAP_FAILED, 0, f"{self.path}: entry {entry.name!r} lies outside the mapping")
         return _array(self.mapping, entry, entry.offset)
 
+    def origin_of(self, entry: fmt.Entry | None) -> tuple[int, int, int] | None:
+        """(st_dev, st_ino, offset) of the bytes ``entry`` names: the file it lives in now."""
+        if entry is None:
+            return None
+        writer = self._writer
+        if writer is not None and writer.added.get(entry.name) is entry:
+            if writer.identity is None:
+                st = os.fstat(writer.fd)
+                writer.identity = (st.st_dev, st.st_ino)
+            return (*writer.identity, entry.offset)
+        if self.identity is None or self.rebuild_reason is not None:
+            return None
+        return (*self.identity, entry.offset)
+
     def checksum_ok(self, entry: fmt.Entry) -> bool:
         """Whether a committed entry's bytes match its checksum; a failing entry is
         remembered as corrupt, so :meth:`lookup` stops returning it."""
@@ -359,7 +374,12 @@ class FileStore:
             if os.fstat(fd).st_uid == os.geteuid():
                 os.fchmod(fd, self.file_mode)  # the umask must not leave it unopenable for writing
         except OSError as exc:
-            reason = open_failed_reason(exc.errno) if self.fd is not None else HeapReason.OPEN_FAILED
+            if exc.errno in _NO_SPACE_ERRNOS:  # no inode or no quota left for the lock file
+                reason = HeapReason.NO_SPACE
+            elif self.fd is not None:
+                reason = open_failed_reason(exc.errno)
+            else:
+                reason = HeapReason.OPEN_FAILED
             raise _fault_from_os(exc, reason, "cannot open lock file for", self.path) from None
         try:
             wait_for_lock(fd, timeout, self.lock_path)
