@@ -54,6 +54,7 @@ import struct
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -380,7 +381,10 @@ def run_case(path: str, data: bytes, picks: list[int], counts: Counts, case_seco
         counts.failures.append(f"hang: {exc} ({len(data)}-byte file)")
     except Exception as exc:
         counts.other_exceptions += 1
-        counts.failures.append(f"{type(exc).__name__}: {exc}")
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        counts.failures.append(
+            f"{type(exc).__name__}: {exc} at {where.filename}:{where.lineno} ({len(data)}-byte file)"
+        )
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
