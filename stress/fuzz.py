@@ -278,6 +278,7 @@ class Counts:
     valid_opens: int = 0
     format_errors: int = 0
     rebuilds: int = 0
+    exhausted_rebuilds: int = 0  # valid files at the last usable generation, rebuilt to take a new pack
     other_exceptions: int = 0
     views_outside: int = 0
     disagreements: int = 0
@@ -291,6 +292,7 @@ class Counts:
     def summary(self, seconds: float) -> str:
         return (
             f"fuzz: cases={self.cases} valid_opens={self.valid_opens} format_errors={self.format_errors} "
+            f"exhausted_rebuilds={self.exhausted_rebuilds} "
             f"rebuilds={self.rebuilds} other_exceptions={self.other_exceptions} views_outside={self.views_outside} "
             f"disagreements={self.disagreements} unexpected_heap={self.unexpected_heap} seconds={seconds:.1f}"
         )
@@ -404,7 +406,16 @@ def check(
         counts.rebuilds += 1
     elif stats.hits or stats.stored:
         counts.valid_opens += 1
-    if (expected is None) != rebuilt:
+    # A valid file at the last usable generation cannot take another commit: rebuilding is right.
+    exhausted = (
+        expected is not None
+        and stats.stored > 0
+        and len(data) >= fmt.HEADER_READ_SIZE
+        and any(slot.generation + 1 >= fmt.MAX_GENERATION for slot in fmt.choose_slot(data[: fmt.HEADER_READ_SIZE])[0])
+    )
+    if exhausted and rebuilt:
+        counts.exhausted_rebuilds += 1
+    if (expected is None) != rebuilt and not (exhausted and rebuilt):
         # A file the pure decoders reject must be rebuilt; a valid file must be appended to, not rebuilt.
         counts.disagreements += 1
         counts.failures.append(f"pure decoders {'rejected' if expected is None else 'accepted'}, rebuilt={rebuilt}")

@@ -255,7 +255,7 @@ def test_encode_header_refuses_platform_overrunning_slots() -> None:
         fmt.encode_header(64, b"x" * 1985)
 
 
-@pytest.mark.parametrize("generation", [1, 2, 2**64 - 1])
+@pytest.mark.parametrize("generation", [1, 2, 2**64 - 2])
 def test_slot_round_trip(generation: int) -> None:
     slot = fmt.Slot(generation, index_offset=2**40, index_size=256 << 20, entry_count=10**6, index_crc=0xFFFFFFFF)
     raw = fmt.encode_slot(slot)
@@ -469,6 +469,11 @@ def test_reject_slot_reserved_nonzero() -> None:
 
 def test_reject_slot_generation_zero() -> None:
     assert_slot_ignored(raw_slot(generation=0))
+
+
+def test_reject_slot_generation_reserved_maximum() -> None:
+    assert_slot_ignored(raw_slot(generation=2**64 - 1))
+    assert fmt.decode_slot(raw_slot(generation=2**64 - 2)) is not None
 
 
 def test_reject_garbage_in_both_slots() -> None:
@@ -1034,12 +1039,12 @@ SLOT_BYTES = st.one_of(
 
 
 def slot_is_valid(raw: bytes) -> bool:
-    """Independent restatement of R10-R13."""
+    """Independent restatement of R10-R13 and R45."""
     return (
         raw[:8] == SLOT_MAGIC
         and struct.unpack_from("<I", raw, 60)[0] == crc(raw[:60])
         and raw[40:60] == bytes(20)
-        and struct.unpack_from("<Q", raw, 8)[0] != 0
+        and struct.unpack_from("<Q", raw, 8)[0] not in (0, 2**64 - 1)
     )
 
 

@@ -421,6 +421,10 @@ class Session:
                     cache._file_bytes = store.file_size
                 except Fault as fault:
                     cache._record_failure(fault)
+                except Exception as exc:  # a cache problem must never fail a model load
+                    logger.debug("packcache: unexpected error committing %s", cache.path, exc_info=True)
+                    store.abort()
+                    cache._record_failure(Fault(HeapReason.WRITE_FAILED, 0, f"cannot commit {cache.path}: {exc!r}"))
                 cache._totals["written"] = store.bytes_written
             if store is not None:
                 store.release_lock()
@@ -535,6 +539,10 @@ class Session:
         except Fault as fault:
             # map_failed here means written (and committed at exit) but served from heap.
             return self._serve_heap(name, digest, result, fault.reason, fault)
+        except Exception as exc:  # a cache problem must never fail a model load
+            logger.debug("packcache: unexpected error storing %r in %s", name, cache.path, exc_info=True)
+            failure = Fault(HeapReason.WRITE_FAILED, 0, f"cannot store {name!r} in {cache.path}: {exc!r}")
+            return self._serve_heap(name, digest, result, failure.reason, failure)
         finally:
             cache._totals["written"] = store.bytes_written
         cache._hold(name, array, digest, None, store.origin_of(store.lookup(name, digest)))

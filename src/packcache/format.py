@@ -80,6 +80,7 @@ MAX_NDIM = 32
 MAX_ENTRIES = 1_000_000
 MAX_INDEX_BYTES = 256 << 20
 MAX_DIM = (1 << 63) - 1
+MAX_GENERATION = (1 << 64) - 1  # reserved, never valid: see decode_slot
 
 #: dtype codes the format can hold: kind letter and item size, always little-endian.
 DTYPE_CODES = (
@@ -246,8 +247,8 @@ def decode_header(buf: bytes, *, path: str | None = None) -> Header:
 
 def encode_slot(slot: Slot) -> bytes:
     """The 64 bytes of a commit slot (write them at ``slot_offset(slot.generation % 2)``)."""
-    if slot.generation < 1:
-        raise ValueError(f"generations start at 1, got {slot.generation}")
+    if not 1 <= slot.generation < MAX_GENERATION:
+        raise ValueError(f"generation must be in [1, 2**64-2], got {slot.generation}")
     body = SLOT.pack(
         SLOT_MAGIC, slot.generation, slot.index_offset, slot.index_size, slot.entry_count, slot.index_crc, bytes(20), 0
     )
@@ -265,7 +266,9 @@ def decode_slot(buf: bytes) -> Slot | None:
     if len(buf) < SLOT.size:
         raise FormatError(f"a commit slot is {SLOT.size} bytes, got {len(buf)}")
     magic, generation, ioff, isize, count, icrc, reserved, crc = SLOT.unpack_from(buf, 0)
-    if magic != SLOT_MAGIC or _crc(buf[: SLOT.size - 4]) != crc or reserved != bytes(20) or generation == 0:
+    if magic != SLOT_MAGIC or _crc(buf[: SLOT.size - 4]) != crc or reserved != bytes(20):
+        return None
+    if generation == 0 or generation == MAX_GENERATION:  # 2**64-1 is reserved: no successor fits in a u64
         return None
     return Slot(int(generation), int(ioff), int(isize), int(count), int(icrc))
 

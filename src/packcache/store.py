@@ -387,6 +387,11 @@ class FileStore:
             os.close(fd)
             raise
         self._lock_fd = fd
+        # Only the lock holder creates temp files, so any left now belong to dead writers
+        # (a killed rebuild or compaction): reclaim their space.
+        directory = os.path.dirname(os.path.abspath(self.path))
+        with contextlib.suppress(OSError):
+            _remove_orphans(directory, f".{os.path.basename(self.path)}.tmp-")
 
     def release_lock(self) -> None:
         """Release the build lock (closing the descriptor releases the flock)."""
@@ -453,7 +458,14 @@ class FileStore:
         return self.path if writer.temp_path is None else f"{self.path} (new file {writer.temp_path})"
 
     def _start_writer(self) -> _Writer:
-        if self.fd is not None and self.writable and self.rebuild_reason is None and self.header is not None:
+        last_generation = self.slot is not None and self.slot.generation + 1 >= fmt.MAX_GENERATION
+        if (
+            self.fd is not None
+            and self.writable
+            and self.rebuild_reason is None
+            and self.header is not None
+            and not last_generation  # generation + 1 would not fit its u64: start a new file
+        ):
             committed = self.slot.committed_end if self.slot else self.header.data_start
             # Past the end of the file, not just past the commit: bytes of a failed
             # commit may still be served by the process that wrote them.
