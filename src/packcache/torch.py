@@ -1,0 +1,482 @@
+"""PyTorch integration: ``nn.Linear`` layers whose packed weights come from the cache, zero-copy.
+
+:func:`convert` walks a module, replaces every eligible ``nn.Linear`` by a
+:class:`PackedLinear` whose operands are tensors over the cache's read-only
+mapping (``torch.frombuffer``, no copy), and gives every other parameter the
+same treatment (as float32). Ineligible layers (shapes the kernel cannot take)
+stay ``nn.Linear`` and are listed in the :class:`ConversionReport`.
+
+Sources are lazy. The pack keys come from names, shapes, dtypes, the packer's
+identity and the source's identity (:class:`packcache.safetensors.SafetensorsFile`:
+size, mtime and inode; :class:`ModuleSource`: a caller-given model id), and a
+source tensor is read only inside the ``pack`` callable, which a hit never calls:
+a warm launch reads no source byte. The module may be built on the ``meta``
+device (``with torch.device("meta"): model = MyModel()``) so its own weights are
+never materialised.
+
+Packed tensors are views of a read-only file mapping: writing to them in place
+crashes the process (SIGSEGV), which is why they are buffers and parameters
+without gradients. This module imports torch; ``import packcache`` does not.
+
+>>> import torch, packcache
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+>>> from packcache.packers_torch import Int8WeightOnly
+>>> report = convert(model, packcache.WeightCache(None), Int8WeightOnly(), model_id="doctest-model")
+>>> report.converted, report.ineligible, report.stats.state
+(['0', '2'], {}, 'off')
+>>> model(torch.zeros(1, 64)).shape
+torch.Size([1, 3])
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from .cache import Session, WeightCache
+from .packers import Float32, Packer, Parts, SourceMeta
+from .packers_torch import STORAGE_DTYPES, Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
+from .stats import CacheStats
+
+__all__ = [
+    "Calibration",
+    "ConversionReport",
+    "ModuleSource",
+    "PackedLinear",
+    "TensorSource",
+    "as_tensor",
+    "convert",
+    "load_parts",
+    "materialize",
+    "record_linear_inputs",
+    "scheme_packer",
+]
+
+_NUMPY_TO_TORCH = {np.dtype(v).str: k for k, v in STORAGE_DTYPES.items() if k is not torch.bfloat16}
+
+
+class TensorSource(Protocol):
+    """Where source weights come from: metadata now, bytes only when a pack needs them."""
+
+    def meta(self, name: str) -> SourceMeta:
+        """Shape, dtype and identity of tensor ``name``; must read no tensor byte."""
+        ...
+
+    def read(self, name: str) -> np.ndarray[Any, Any]:
+        """The bytes of tensor ``name`` as a numpy array (``BF16`` as uint16 bits)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Meta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    identity: str
+
+
+_TORCH_TO_CODE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+class ModuleSource:
+    """The weights an in-memory module already holds, as a :class:`TensorSource`.
+
+    Args:
+        module: a module with real (not ``meta``) float parameters.
+        model_id: what identifies these weights across launches (a name and version,
+            a checkpoint hash). ``None``: the sha256 of every parameter's bytes, which
+            reads them all; pass an id to keep a warm launch from reading anything.
+    """
+
+    def __init__(self, module: nn.Module, model_id: str | None = None) -> None:
+        self._tensors = dict(module.named_parameters())
+        if model_id is None:
+            digest = hashlib.sha256()
+            for name, tensor in sorted(self._tensors.items()):
+                digest.update(name.encode() + b"\0" + str(tensor.dtype).encode() + str(list(tensor.shape)).encode())
+                digest.update(self.read(name).tobytes())
+            model_id = "sha256:" + digest.hexdigest()
+        self.identity = model_id
+
+    def meta(self, name: str) -> SourceMeta:
+        tensor = self._tensors[name]
+        if tensor.dtype not in _TORCH_TO_CODE:
+            raise TypeError(f"parameter {name!r} has dtype {tensor.dtype}; only float parameters can be packed")
+        return _Meta(name, tuple(tensor.shape), _TORCH_TO_CODE[tensor.dtype], self.identity)
+
+    def read(self, name: str) -> np.ndarray[Any, Any]:
+        param = self._tensors[name]
+        if param.is_meta:
+            raise ValueError(f"parameter {name!r} is on the meta device: give convert() a source")
+        tensor = param.detach().cpu().contiguous()
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).numpy().view(np.uint16)
+        return tensor.numpy()
+
+
+def as_tensor(array: np.ndarray[Any, Any], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor over ``array``'s buffer, zero-copy (``torch.frombuffer``), reshaped like it.
+
+    ``dtype`` reinterprets the bytes (``torch.bfloat16`` over uint16 bits); by default
+    the tensor has the array's own dtype. A read-only array gives a tensor over
+    read-only memory: torch cannot mark it so, and writing to it crashes.
+
+    >>> as_tensor(np.array([16256, 16320], np.uint16), torch.bfloat16).tolist()
+    [1.0, 1.5]
+    """
+    dtype = dtype if dtype is not None else _NUMPY_TO_TORCH[array.dtype.str]
+    if not array.flags.c_contiguous:
+        raise ValueError("as_tensor needs a C-contiguous array")
+    if array.nbytes == 0:
+        return torch.empty(array.shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # frombuffer warns that the buffer is not writable: read-only is the point (a shared file mapping).
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        flat = torch.frombuffer(array, dtype=dtype)
+    return flat.view(array.shape)
+
+
+class PackedLinear(nn.Module):
+    """A linear layer computing ``x @ W.T + b`` with a packer's kernel over packed operands.
+
+    Build it with :meth:`from_parts`. The operands are buffers (no gradients), usually
+    zero-copy views of the cache mapping; ``bias`` is float32 or ``None``.
+    """
+
+    def __init__(self, packer: Packer, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.packer = packer
+        self.in_features = in_features
+        self.out_features = out_features
+
+    @classmethod
+    def from_parts(cls, packer: Packer, parts: Parts, bias: np.ndarray[Any, Any] | None) -> PackedLinear:
+        """A layer over ``parts`` (a pack of ``packer``) and a float32 ``bias``; tensors are zero-copy views."""
+        if isinstance(packer, (LinearFloat32, LinearBFloat16, Int8WeightOnly)):
+            out_features, in_features = parts["weight"].shape
+        elif isinstance(packer, Int4WeightOnly):
+            out_features = parts["scales_and_zeros"].shape[1]
+            in_features = parts["scales_and_zeros"].shape[0] * packer.group_size
+        else:
+            raise TypeError(f"PackedLinear has no kernel for packer {packer!r}")
+        layer = cls(packer, in_features, out_features)
+        for part, array in parts.items():
+            dtype = torch.bfloat16 if isinstance(packer, LinearBFloat16) and part == "weight" else None
+            layer.register_buffer(part, as_tensor(array, dtype), persistent=False)
+        layer.register_buffer("bias", None if bias is None else as_tensor(bias), persistent=False)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packer = self.packer
+        flat = x.reshape(-1, self.in_features)
+        weight = self.get_buffer("weight")
+        if isinstance(packer, LinearFloat32):
+            y = torch.nn.functional.linear(flat.float(), weight)
+        elif isinstance(packer, LinearBFloat16):
+            y = torch.nn.functional.linear(flat.to(torch.bfloat16), weight).float()
+        elif isinstance(packer, Int8WeightOnly):
+            y = torch._weight_int8pack_mm(flat.float().contiguous(), weight, self.get_buffer("scales"))
+        elif isinstance(packer, Int4WeightOnly):
+            scaled = (flat.float() * self.get_buffer("input_scales")).contiguous()
+            y = torch._weight_int4pack_mm_for_cpu(
+                scaled, weight, packer.group_size, self.get_buffer("scales_and_zeros")
+            )
+        else:  # pragma: no cover - from_parts refuses other packers
+            raise TypeError(f"no kernel for {packer!r}")
+        bias = self._buffers.get("bias")
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packer={self.packer!r}"
+
+
+def load_parts(
+    session: Session,
+    name: str,
+    packer: Packer,
+    meta: SourceMeta,
+    read: Callable[[], np.ndarray[Any, Any]],
+    *,
+    stats: Callable[[], np.ndarray[Any, Any]] | None = None,
+    calibration: str | None = None,
+) -> Parts:
+    """Every part of ``packer``'s pack of source ``name``, each through ``session.get_or_pack``.
+
+    The source is read (``read()``), its statistics computed (``stats()``, for packers
+    that use them) and packed at most once, and only if some part misses; on a warm
+    launch none of it happens. Entry names are ``"<name>:<packer id>:<part>"``;
+    ``calibration`` identifies the data behind ``stats`` in the key.
+    """
+    packed: Parts | None = None
+    use_stats = packer.uses_stats and stats is not None
+
+    def pack_part(part: str) -> Callable[[], np.ndarray[Any, Any]]:
+        def pack() -> np.ndarray[Any, Any]:
+            nonlocal packed
+            if packed is None:
+                layer_stats = stats() if use_stats and stats is not None else None
+                packed = packer.checked_pack(read(), meta.dtype, layer_stats)
+            return packed[part]
+
+        return pack
+
+    key_calibration = calibration if use_stats else None
+    return {
+        part: session.get_or_pack(
+            f"{name}:{packer.id}:{part}", pack_part(part), packer.key(meta, part, key_calibration)
+        )
+        for part in packer.parts
+    }
+
+
+class Calibration:
+    """Inputs of a module's linear layers on calibration data, recorded lazily, for packers
+    that use statistics (:attr:`packcache.packers.Packer.uses_stats`, e.g. activation-aware int4).
+
+    Args:
+        identity: names the calibration data and procedure; part of every pack key that used it.
+        record: returns ``{linear module name: input rows [tokens, in_features]}``; called
+            at most once, and only when such a pack misses (never on a warm launch).
+    """
+
+    def __init__(self, identity: str, record: Callable[[], Mapping[str, np.ndarray[Any, Any]]]) -> None:
+        self.identity = identity
+        self._record = record
+        self._rows: Mapping[str, np.ndarray[Any, Any]] | None = None
+
+    def second_moment(self, name: str) -> np.ndarray[Any, Any]:
+        """``sum x x^T`` (float64 ``[in, in]``) over linear layer ``name``'s recorded input rows: ``E[x x^T]`` up to a
+        constant factor, which no packer's choice depends on (rows are pre-scaled, see :func:`record_linear_inputs`)."""
+        if self._rows is None:
+            self._rows = self._record()
+        rows = np.asarray(self._rows[name], dtype=np.float64)
+        result: np.ndarray[Any, Any] = rows.T @ rows
+        return result
+
+    def release(self) -> None:
+        """Drop the recorded rows."""
+        self._rows = None
+
+
+def record_linear_inputs(
+    module: nn.Module, run: Callable[[], None], *, balance: bool = False
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Run ``run()`` and return the input rows every ``nn.Linear``/:class:`PackedLinear` of ``module`` saw.
+
+    With ``balance``, the rows of each forward call are scaled by ``1/sqrt(rows)``, so every
+    call (every calibration text) weighs the same in ``E[x x^T]`` however long it is.
+    Layers fed the same tensor (query, key and value) share one array.
+    """
+    rows: dict[str, list[torch.Tensor]] = {}
+    handles = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(mod: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            chunk = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float().clone()
+            if balance and chunk.shape[0]:
+                chunk *= 1.0 / math.sqrt(chunk.shape[0])
+            rows.setdefault(name, []).append(chunk)
+
+        return record
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Linear, PackedLinear)):
+            handles.append(sub.register_forward_hook(hook(name)))
+    try:
+        with torch.inference_mode():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    result: dict[str, np.ndarray[Any, Any]] = {}
+    shared: dict[tuple[Any, ...], np.ndarray[Any, Any]] = {}
+    for name, chunks in rows.items():
+        tensor = torch.cat(chunks)
+        array = tensor.numpy()
+        digest = hashlib.sha256(array.tobytes()).digest()
+        result[name] = shared.setdefault((*array.shape, digest), array)
+    return result
+
+
+def materialize(module: nn.Module, source: TensorSource, prefix: str = "") -> None:
+    """Give every parameter of ``module`` (e.g. built on ``meta``) its float32 value from ``source``, on heap.
+
+    For calibration runs: this reads every source tensor and bypasses the cache.
+    """
+    from .packers import to_float32
+
+    for name, param in list(module.named_parameters()):
+        array = to_float32(source.read(prefix + name), source.meta(prefix + name).dtype)
+        if tuple(array.shape) != tuple(param.shape):
+            raise ValueError(
+                f"source tensor {prefix + name!r} has shape {list(array.shape)}, the module {list(param.shape)}"
+            )
+        owner, _, attr = name.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        target._parameters[attr] = nn.Parameter(torch.from_numpy(array), requires_grad=False)
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert` did.
+
+    Attributes:
+        converted: names of the ``nn.Linear`` modules now :class:`PackedLinear`.
+        ineligible: name → reason for ``nn.Linear`` modules the packer cannot take;
+            they stay ``nn.Linear`` (their weights come from the cache as float32).
+        parameters: names of the other parameters now served from the cache as float32.
+        packed_bytes: bytes of every array served from the cache for this module.
+        stats: the cache's statistics when the conversion ended.
+    """
+
+    converted: list[str] = field(default_factory=list)
+    ineligible: dict[str, str] = field(default_factory=dict)
+    parameters: list[str] = field(default_factory=list)
+    packed_bytes: int = 0
+    stats: CacheStats = field(default_factory=CacheStats)
+
+
+def convert(
+    module: nn.Module,
+    cache: WeightCache,
+    packer: Packer,
+    *,
+    session: Session | None = None,
+    source: TensorSource | None = None,
+    model_id: str | None = None,
+    source_prefix: str = "",
+    other: Packer | None = None,
+    calibration: Calibration | None = None,
+) -> ConversionReport:
+    """Convert ``module`` in place: packed linear layers and parameters served from ``cache``.
+
+    Args:
+        module: the model. Its parameters may live on the ``meta`` device when
+            ``source`` is given: nothing of them is read.
+        cache: the :class:`~packcache.WeightCache` the packs come from.
+        session: an active session of ``cache`` to convert in (to load several modules
+            in one session); by default a session is opened and closed here.
+        packer: the packer of eligible ``nn.Linear`` weights, one of
+            :mod:`packcache.packers_torch` (``LinearFloat32``, ``LinearBFloat16``,
+            ``Int8WeightOnly``, ``Int4WeightOnly``).
+        source: where the weights come from (e.g. a
+            :class:`~packcache.safetensors.SafetensorsFile`); ``None`` reads the
+            module's own parameters through :class:`ModuleSource`.
+        model_id: with ``source=None``, the identity of the module's weights (see :class:`ModuleSource`).
+        source_prefix: prepended to a parameter's name to find it in ``source``.
+        other: packer of every other parameter (default float32, :class:`~packcache.packers.Float32`).
+        calibration: input statistics for a packer that uses them (activation-aware int4);
+            recorded only if such a pack misses. Without it that packer packs weight-only.
+
+    Returns:
+        A :class:`ConversionReport`; ``report.stats`` is the cache's state afterwards.
+
+    Raises:
+        ValueError: a source tensor's shape differs from the module's parameter.
+        Whatever the source or a packer raises; cache problems are never raised.
+    """
+    other = other if other is not None else Float32()
+    if source is None:
+        source = ModuleSource(module, model_id)
+    report = ConversionReport()
+    try:
+        if session is None:
+            with cache.session() as own:
+                _convert(module, own, packer, other, source, source_prefix, calibration, report)
+        else:
+            _convert(module, session, packer, other, source, source_prefix, calibration, report)
+    finally:
+        if calibration is not None:
+            calibration.release()
+    report.stats = cache.stats()
+    return report
+
+
+def _convert(
+    module: nn.Module,
+    session: Session,
+    packer: Packer,
+    other: Packer,
+    source: TensorSource,
+    prefix: str,
+    calibration: Calibration | None,
+    report: ConversionReport,
+) -> None:
+    def fetch(name: str, expected: tuple[int, ...], with_packer: Packer, layer: str | None = None) -> Parts:
+        meta = source.meta(prefix + name)
+        if tuple(meta.shape) != expected:
+            raise ValueError(
+                f"source tensor {prefix + name!r} has shape {list(meta.shape)}, the module {list(expected)}"
+            )
+        stats = None
+        if calibration is not None and layer is not None:
+            stats = functools.partial(calibration.second_moment, layer)
+        parts = load_parts(
+            session, prefix + name, with_packer, meta, lambda: source.read(prefix + name),
+            stats=stats, calibration=calibration.identity if calibration is not None else None,
+        )  # fmt: skip
+        report.packed_bytes += sum(int(a.nbytes) for a in parts.values())
+        return parts
+
+    linears = [(name, sub) for name, sub in module.named_modules() if type(sub) is nn.Linear]
+    done: set[str] = set()
+    for name, linear in linears:
+        dotted = f"{name}." if name else ""
+        shape = (linear.out_features, linear.in_features)
+        reason = packer.eligible(shape)
+        if reason is not None:
+            report.ineligible[name] = reason
+            continue
+        parts = fetch(f"{dotted}weight", shape, packer, layer=name)
+        bias = fetch(f"{dotted}bias", (linear.out_features,), other)["weight"] if linear.bias is not None else None
+        _replace(module, name, PackedLinear.from_parts(packer, parts, bias))
+        report.converted.append(name)
+        done.update({f"{dotted}weight", f"{dotted}bias"})
+    for name, param in list(_named_parameters(module)):
+        if name in done:
+            continue
+        array = fetch(name, tuple(param.shape), other)["weight"]
+        owner, _, attr = name.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        target._parameters[attr] = nn.Parameter(as_tensor(array), requires_grad=False)
+        report.parameters.append(name)
+
+
+def _named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    return module.named_parameters(remove_duplicate=True)
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    if not name:
+        raise ValueError("convert() cannot replace the root module itself; wrap the nn.Linear in a container")
+    owner, _, attr = name.rpartition(".")
+    parent = root.get_submodule(owner) if owner else root
+    setattr(parent, attr, new)
+
+
+def scheme_packer(scheme: str, group_size: int = 32) -> Packer:
+    """The linear packer of a scheme name: ``fp32``, ``bf16``, ``int8`` or ``int4``.
+
+    >>> scheme_packer("int4", 64).params["group_size"]
+    64
+    """
+    table: Mapping[str, Callable[[], Packer]] = {
+        "fp32": LinearFloat32,
+        "bf16": LinearBFloat16,
+        "int8": Int8WeightOnly,
+        "int4": lambda: Int4WeightOnly(group_size),
+    }
+    if scheme not in table:
+        raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(table)}")
+    return table[scheme]()
