@@ -1,0 +1,304 @@
+"""Packers: identity, keys, behavioural fingerprints, self-contained output, and the safetensors reader."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from packcache import FormatError, PackResultError
+from packcache.packers import (
+    Float32,
+    Int8PerChannel,
+    Packer,
+    TransposeFloat32,
+    dequantize_int4,
+    fingerprint_input,
+    platform_for,
+    quantize_int4_activation_aware,
+    quantize_int4_groups,
+    to_float32,
+)
+from packcache.safetensors import SafetensorsFile
+
+
+def test_import_packcache_and_numpy_packers_does_not_import_torch() -> None:
+    code = (
+        "import sys, packcache, packcache.packers, packcache.safetensors, packcache.models\n"
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def _bf16_bits(values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_transpose_float32_converts_f16_and_bf16_and_transposes() -> None:
+    w = np.array([[1.0, -2.5, 0.125], [3.0, 4.0, -0.5]], np.float32)  # exact in f16 and bf16
+    for source, dtype in ((w.astype(np.float16), "F16"), (_bf16_bits(w), "BF16"), (w, "F32")):
+        packed = TransposeFloat32().checked_pack(source, dtype)["weight"]
+        assert packed.dtype == np.float32 and packed.flags.c_contiguous
+        np.testing.assert_array_equal(packed, w.T)
+
+
+def test_int8_per_channel_reconstructs_within_half_a_step() -> None:
+    w = fingerprint_input((16, 64))
+    parts = Int8PerChannel().checked_pack(w, "F32")
+    assert parts["weight"].dtype == np.int8 and parts["scales"].shape == (16,)
+    assert int(np.abs(parts["weight"].astype(np.int16)).max()) <= 127
+    restored = parts["weight"].astype(np.float32) * parts["scales"][:, None]
+    assert np.all(np.abs(restored - w) <= parts["scales"][:, None] * 0.5 + 1e-7)
+    assert parts["scales"][1] == 1.0  # the all-zero row gets scale 1, not a division by zero
+
+
+def test_int4_search_is_never_worse_than_round_to_nearest() -> None:
+    w = np.random.default_rng(3).standard_t(df=4, size=(32, 256)).astype(np.float32)
+    codes, scales, zeros = quantize_int4_groups(w, 32, zero_code=8)
+    searched = np.square(dequantize_int4(codes, scales, zeros, zero_code=8) - w).sum()
+    groups = w.reshape(32, 8, 32).astype(np.float64)
+    lo, hi = groups.min(axis=2, keepdims=True), groups.max(axis=2, keepdims=True)
+    step = (hi - lo) / 15
+    rtn = np.clip(np.rint((groups - lo) / step), 0, 15) * step + lo
+    plain = np.square(rtn.reshape(32, 256) - w).sum()
+    assert codes.dtype == np.uint8 and int(codes.max()) <= 15
+    assert searched < plain * 0.95  # clipping search + least squares beat plain min/max
+
+
+def test_activation_aware_int4_lowers_the_expected_output_error() -> None:
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((32, 128)).astype(np.float32)
+    x = rng.standard_normal((256, 128)) * np.geomspace(0.05, 20.0, 128)[None, :]  # a few loud features
+    h = x.T @ x / len(x)
+
+    def output_error(weight: np.ndarray[Any, Any]) -> float:
+        delta = weight - w
+        return float(np.sum((delta @ h) * delta))
+
+    plain = quantize_int4_groups(w, 32, zero_code=8)
+    codes, scales, zeros, input_scales = quantize_int4_activation_aware(w, 32, h, zero_code=8)
+    aware = dequantize_int4(codes, scales, zeros, zero_code=8) * input_scales[None, :]
+    assert output_error(aware) < 0.95 * output_error(dequantize_int4(*plain, zero_code=8))
+
+
+def test_fingerprint_is_deterministic_and_computed_once_per_process() -> None:
+    class Counting(Float32):
+        id = "test.counting"
+        calls = 0
+
+        def pack(self, source: Any, dtype: str, stats: Any = None) -> dict[str, np.ndarray[Any, Any]]:
+            type(self).calls += 1
+            return super().pack(source, dtype)
+
+    first = Counting().fingerprint()
+    assert Counting().fingerprint() == first  # a new instance with the same identity: no new pack
+    assert Counting.calls == 2  # the first computation packs twice (the determinism check)
+    assert len(first) == 64 and first == Counting().describe()["fingerprint"]
+
+
+def test_fingerprint_changes_when_the_packed_bytes_change() -> None:
+    class Scaled(Float32):
+        id = "test.scaled"
+
+        def pack(self, source: Any, dtype: str, stats: Any = None) -> dict[str, np.ndarray[Any, Any]]:
+            return {"weight": to_float32(source, dtype) * np.float32(2.0)}
+
+    class ScaledNewTorch(Scaled):  # same id and version, silently different bytes (a library upgrade)
+        def pack(self, source: Any, dtype: str, stats: Any = None) -> dict[str, np.ndarray[Any, Any]]:
+            return {"weight": to_float32(source, dtype) * np.float32(2.0) + np.float32(1e-3)}
+
+    assert Scaled().fingerprint() != ScaledNewTorch().fingerprint()
+    assert platform_for([Scaled()]) != platform_for([ScaledNewTorch()])
+
+
+def test_nondeterministic_packer_is_refused() -> None:
+    class AddressDependent(Float32):
+        id = "test.address"
+
+        def pack(self, source: Any, dtype: str, stats: Any = None) -> dict[str, np.ndarray[Any, Any]]:
+            # Like a packer that embeds a pointer in its output.
+            return {"weight": np.array([source.ctypes.data], dtype=np.int64)}
+
+    with pytest.raises(PackResultError, match="not deterministic"):
+        AddressDependent().fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        ({"weight": [1.0, 2.0]}, "plain numpy.ndarray"),
+        ({"weight": np.array(["a"], dtype=object)}, "not plain numeric"),
+        ({"weight": np.arange(4, dtype=">f4")}, "big-endian"),
+        ({"weight": np.zeros((4, 4), np.float32)[:, ::2]}, "not C-contiguous"),
+        ({"weights": np.zeros(2, np.float32)}, "must return the parts"),
+    ],
+)
+def test_pack_output_that_is_not_self_contained_is_refused(result: dict[str, Any], message: str) -> None:
+    class Bad(Packer):
+        id = "test.bad"
+        version = 1
+
+        def pack(self, source: Any, dtype: str, stats: Any = None) -> Any:
+            return result
+
+    with pytest.raises(PackResultError, match=message):
+        Bad().checked_pack(np.zeros(2, np.float32), "F32")
+
+
+def test_key_comes_from_metadata_and_changes_with_identity_shape_and_params() -> None:
+    from packcache.safetensors import TensorMeta
+
+    meta = TensorMeta(name="w", shape=(4, 8), dtype="F32", identity="model.safetensors:size=1:mtime_ns=2:ino=3")
+    key = Int8PerChannel().key(meta, "weight")
+    assert key["packer"] == "np.int8c" and key["version"] == 1 and key["source"]["identity"] == meta.identity
+    other_file = TensorMeta(name="w", shape=(4, 8), dtype="F32", identity="model.safetensors:size=1:mtime_ns=9:ino=3")
+    assert Int8PerChannel().key(other_file, "weight") != key
+    assert Int8PerChannel().key(TensorMeta("w", (4, 9), "F32", meta.identity), "weight") != key
+    assert Int8PerChannel().key(meta, "scales") != key
+
+
+def test_platform_lists_every_packer_with_its_fingerprint() -> None:
+    platform = platform_for([Int8PerChannel(), Float32(), Float32()])
+    ids = [p["id"] for p in platform["packers"]]
+    assert sorted(ids) == ["np.f32", "np.int8c"]
+    assert all(len(p["fingerprint"]) == 64 for p in platform["packers"])
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def _write_safetensors(path: Path, header: dict[str, Any], data: bytes, header_len: int | None = None) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data)
+    return path
+
+
+def test_safetensors_reads_header_then_tensor_bytes_on_demand(tmp_path: Path) -> None:
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = _bf16_bits(np.array([1.5, -2.0], np.float32))
+    header = {
+        "__metadata__": {"format": "pt"},
+        "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+        "b": {"dtype": "BF16", "shape": [2], "data_offsets": [24, 28]},
+    }
+    path = _write_safetensors(tmp_path / "m.safetensors", header, w.tobytes() + b.tobytes())
+    st = SafetensorsFile(path)
+    assert st.names() == ["w", "b"] and st.metadata == {"format": "pt"}
+    assert st.meta("b").dtype == "BF16" and st.meta("w").shape == (2, 3)
+    assert f"size={path.stat().st_size}" in st.identity and f"ino={path.stat().st_ino}" in st.identity
+    np.testing.assert_array_equal(st.read("w"), w)
+    assert to_float32(st.read("b"), "BF16").tolist() == [1.5, -2.0]
+    with pytest.raises(KeyError):
+        st.meta("missing")
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "message"),
+    [
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}}, b"\0" * 12, "need 8"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "past the end"),
+        ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unsupported dtype"),
+        ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "invalid shape"),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "invalid data_offsets"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "overlaps",
+        ),
+        ({"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, b"\0" * 8, "need"),
+    ],
+)
+def test_safetensors_rejects_hostile_headers(tmp_path: Path, header: dict[str, Any], data: bytes, message: str) -> None:
+    path = _write_safetensors(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(FormatError, match=message):
+        SafetensorsFile(path)
+
+
+def test_safetensors_rejects_a_header_length_past_the_file(tmp_path: Path) -> None:
+    path = _write_safetensors(tmp_path / "bad.safetensors", {}, b"", header_len=10**9)
+    with pytest.raises(FormatError, match="header length"):
+        SafetensorsFile(path)
+    (tmp_path / "short").write_bytes(b"\1\2")
+    with pytest.raises(FormatError, match="shorter than the 8-byte"):
+        SafetensorsFile(tmp_path / "short")
+    _write_safetensors(tmp_path / "notjson", {}, b"")
+    raw = b"{not json"
+    (tmp_path / "notjson").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(FormatError, match="not UTF-8 JSON"):
+        SafetensorsFile(tmp_path / "notjson")
+
+
+# --------------------------------------------------------------------------- torch packers
+
+
+def test_torch_packers_run_their_kernel_to_the_intended_weight() -> None:
+    import torch
+
+    from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
+    from packcache.torch import PackedLinear
+
+    w = fingerprint_input((64, 256)) * np.float32(0.1)
+    x = torch.from_numpy(fingerprint_input((5, 256)))
+    for packer in (LinearFloat32(), LinearBFloat16(), Int8WeightOnly(), *(Int4WeightOnly(g) for g in (32, 64, 128))):
+        parts = packer.checked_pack(w, "F32")
+        layer = PackedLinear.from_parts(packer, parts, bias=np.full(64, 0.5, np.float32))
+        expected = x @ torch.from_numpy(packer.intended(w, "F32")).T + 0.5
+        with torch.inference_mode():
+            got = layer(x)
+        tolerance = 0.05 if isinstance(packer, LinearBFloat16) else 1e-4
+        assert float((got - expected).abs().max()) < tolerance, packer
+        assert float((got - (x @ torch.from_numpy(w).T + 0.5)).abs().max()) < 0.2, packer  # and it approximates w
+
+
+def test_torch_platform_names_torch_version_and_cpu_capability() -> None:
+    import torch
+
+    from packcache.packers_torch import Int4WeightOnly
+
+    platform = platform_for([Int4WeightOnly(32), Float32()])
+    assert platform["torch"] == torch.__version__
+    assert platform["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert {p["id"] for p in platform["packers"]} == {"torch.int4wo", "np.f32"}
+    assert platform_for([Int4WeightOnly(64)]) != platform_for([Int4WeightOnly(32)])
+
+
+def test_int4_refuses_shapes_its_kernel_cannot_take() -> None:
+    from packcache.packers_torch import Int4WeightOnly
+
+    assert Int4WeightOnly(32).eligible((24, 64)) is not None  # out_features not a multiple of 16
+    assert Int4WeightOnly(64).eligible((32, 96)) is not None  # in_features not a multiple of the group
+    assert Int4WeightOnly(32).eligible((32, 96)) is None
+    with pytest.raises(ValueError, match="group_size"):
+        Int4WeightOnly(16)
+
+
+def test_tensors_that_are_not_self_contained_bytes_are_refused() -> None:
+    import torch
+
+    from packcache.packers_torch import tensor_to_numpy
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with pytest.raises(PackResultError, match="not standard C-contiguous"):
+        tensor_to_numpy(base.t(), "w")
+    with pytest.raises(PackResultError, match="opaque or non-dense"):
+        tensor_to_numpy(base.to_mkldnn(), "w")
+    with pytest.raises(PackResultError, match="opaque or non-dense"):
+        tensor_to_numpy(base.to_sparse(), "w")
+    with pytest.raises(PackResultError, match="autograd"):
+        tensor_to_numpy(base.clone().requires_grad_(), "w")
+    with pytest.raises(PackResultError, match="no numpy representation"):
+        tensor_to_numpy(base.to(torch.complex64), "w")
+    with pytest.raises(PackResultError, match=r"plain torch\.Tensor"):
+        tensor_to_numpy(torch.nn.Parameter(base), "w")
+    bits = tensor_to_numpy(base.to(torch.bfloat16), "w")
+    assert bits.dtype == np.uint16 and to_float32(bits, "BF16").tolist() == base.tolist()

@@ -1,0 +1,199 @@
+"""packcache.torch: packed Linear layers from the cache, zero-copy, with lazy sources."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import packcache
+from packcache.packers import Float32, platform_for
+from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
+from packcache.safetensors import SafetensorsFile
+from packcache.torch import PackedLinear, as_tensor, convert
+
+
+class Toy(nn.Module):
+    """Two int4-friendly linears, one that no int4 kernel takes (20 outputs), and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 32, bias=False)
+        self.odd = nn.Linear(32, 20)
+        self.norm = nn.LayerNorm(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.odd(self.down(torch.relu(self.up(self.norm(x)))))
+
+
+def _toy(seed: int = 0) -> Toy:
+    torch.manual_seed(seed)
+    model = Toy()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def _save(model: nn.Module, path: Path) -> Path:
+    """Write ``model``'s parameters as a safetensors file (little-endian float32)."""
+    header: dict[str, Any] = {}
+    blobs = []
+    offset = 0
+    for name, param in model.named_parameters():
+        data = param.detach().numpy().astype("<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(param.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    return path
+
+
+def _skeleton() -> Toy:
+    with torch.device("meta"):
+        return Toy()
+
+
+def _cache(path: Path | None, packer: Any) -> packcache.WeightCache:
+    return packcache.WeightCache(path, platform=platform_for([packer, Float32()]))
+
+
+X = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    ("packer", "tolerance"),
+    [(LinearFloat32(), 1e-5), (LinearBFloat16(), 0.05), (Int8WeightOnly(), 0.02), (Int4WeightOnly(32), 0.15)],
+)
+def test_convert_packs_linears_and_keeps_the_answers(packer: Any, tolerance: float) -> None:
+    model = _toy()
+    with torch.no_grad():
+        expected = model(X)
+    report = convert(model, _cache(None, packer), packer, model_id="toy-v1")
+    assert isinstance(model.up, PackedLinear) and isinstance(model.down, PackedLinear)
+    assert report.stats.state == "off" and report.stats.heap_bytes == report.packed_bytes > 0
+    if isinstance(packer, Int4WeightOnly):
+        assert report.converted == ["up", "down"]
+        assert set(report.ineligible) == {"odd"} and "multiple of 16" in report.ineligible["odd"]
+        assert type(model.odd) is nn.Linear  # ineligible layers stay as they were, listed
+    else:
+        assert report.converted == ["up", "down", "odd"] and report.ineligible == {}
+    with torch.no_grad():
+        got = model(X)
+    assert float((got - expected).abs().max()) < tolerance
+
+
+def test_cold_then_warm_launch_maps_every_weight_and_gives_identical_answers(tmp_path: Path) -> None:
+    source = _save(_toy(), tmp_path / "toy.safetensors")
+    outputs, states = [], []
+    for _ in range(2):
+        model = _skeleton()
+        cache = _cache(tmp_path / "toy.pcache", Int8WeightOnly())
+        report = convert(model, cache, Int8WeightOnly(), source=SafetensorsFile(source))
+        with torch.no_grad():
+            outputs.append(model(X))
+        states.append((report.stats.state, report.stats.heap_bytes, report.stats.mapped_bytes == report.packed_bytes))
+        cache.close()
+    assert states == [("stored", 0, True), ("mapped", 0, True)]
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_warm_launch_reads_no_source_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _save(_toy(), tmp_path / "toy.safetensors")
+    packer = Int4WeightOnly(32)
+    first = _skeleton()
+    cold = convert(first, _cache(tmp_path / "toy.pcache", packer), packer, source=SafetensorsFile(source))
+    assert cold.stats.state == "stored"
+
+    def no_reading(self: SafetensorsFile, name: str) -> np.ndarray[Any, Any]:
+        raise AssertionError(f"a warm launch read source tensor {name!r}")
+
+    monkeypatch.setattr(SafetensorsFile, "read", no_reading)
+    warm = _skeleton()
+    report = convert(warm, _cache(tmp_path / "toy.pcache", packer), packer, source=SafetensorsFile(source))
+    assert report.stats.state == "mapped" and report.stats.hits > 0 and report.stats.heap_bytes == 0
+    with torch.no_grad():
+        assert torch.equal(warm(X), first(X))
+    # The same reader does fail when a pack is really needed, so the check above can fail.
+    with pytest.raises(AssertionError, match="read source tensor"):
+        convert(_skeleton(), _cache(None, packer), packer, source=SafetensorsFile(source))
+
+
+def test_a_rewritten_source_file_is_packed_again(tmp_path: Path) -> None:
+    source = _save(_toy(0), tmp_path / "toy.safetensors")
+    convert(
+        _skeleton(), _cache(tmp_path / "toy.pcache", Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source)
+    )
+    source.unlink()
+    _save(_toy(1), source)  # new inode and mtime: the identity in every key changes
+    model = _skeleton()
+    report = convert(
+        model, _cache(tmp_path / "toy.pcache", Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source)
+    )
+    assert report.stats.stored > 0 and report.stats.hits == 0
+    reference = _toy(1)
+    with torch.no_grad():
+        assert float((model(X) - reference(X)).abs().max()) < 0.02
+
+
+def test_packed_tensors_are_zero_copy_views_of_the_cache_mapping(tmp_path: Path) -> None:
+    source = _save(_toy(), tmp_path / "toy.safetensors")
+    path = tmp_path / "toy.pcache"
+    convert(_skeleton(), _cache(path, Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source))
+    model = _skeleton()
+    convert(model, _cache(path, Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source))
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            ranges.append((start, end))
+    assert ranges, "the cache file is not mapped"
+    tensors = [
+        model.up.get_buffer("weight"),
+        model.up.get_buffer("scales"),
+        model.norm.weight,
+        model.odd.get_buffer("bias"),
+    ]
+    for tensor in tensors:
+        address = tensor.data_ptr()
+        assert any(start <= address and address + tensor.nbytes <= end for start, end in ranges)
+
+
+def test_as_tensor_shares_memory_and_silences_only_the_read_only_warning() -> None:
+    array = np.arange(8, dtype=np.float32)
+    array.flags.writeable = False
+    tensor = as_tensor(array.reshape(2, 4))
+    assert tensor.data_ptr() == array.ctypes.data and tensor.shape == (2, 4)
+    assert as_tensor(np.zeros((0, 3), np.float32)).shape == (0, 3)
+    bits = np.array([0x3F80, 0xC000], np.uint16)
+    assert as_tensor(bits, torch.bfloat16).tolist() == [1.0, -2.0]
+
+
+def test_module_source_without_model_id_hashes_the_weights() -> None:
+    from packcache.torch import ModuleSource
+
+    a, b = ModuleSource(_toy(0)), ModuleSource(_toy(1))
+    assert a.identity.startswith("sha256:") and a.identity != b.identity
+    assert ModuleSource(_toy(0)).identity == a.identity
+    assert ModuleSource(_toy(0), model_id="toy-v1").identity == "toy-v1"
+
+
+def test_source_shape_mismatch_is_an_error(tmp_path: Path) -> None:
+    class Wider(Toy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(64, 256)
+
+    source = _save(_toy(), tmp_path / "toy.safetensors")
+    with torch.device("meta"):
+        model = Wider()
+    with pytest.raises(ValueError, match="shape"):
+        convert(model, _cache(None, LinearFloat32()), LinearFloat32(), source=SafetensorsFile(source))
