@@ -296,7 +296,11 @@ class _Progress:
                 continue
             s = aggregate_stats()  # the load's cache is created inside the loader; the aggregate sees it
             done = s.hits + s.stored + s.heap_packs
-            width = max(10, min(40, os.get_terminal_size(self.stream.fileno()).columns - 50))
+            try:
+                columns = os.get_terminal_size(self.stream.fileno()).columns
+            except (OSError, ValueError):
+                columns = 80
+            width = max(10, min(40, columns - 50))
             if self.total:
                 filled = int(width * min(done, self.total) / self.total)
                 bar = f"[{'#' * filled}{' ' * (width - filled)}] {done}/{self.total}"
@@ -333,11 +337,13 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     from .memory import file_mapping_usage, smaps_rollup
 
     path = _cache_file(args)
-    before = smaps_rollup()
-    started = time.perf_counter()
     try:
+        # The tokenizer first, so the memory figures below are those of the weights.
+        tokenizer = minilm.load_tokenizer(args.model)
+        before = smaps_rollup()
+        started = time.perf_counter()
         with _Progress(getattr(minilm, "PACK_COUNT", None), sys.stderr):
-            model = minilm.load(scheme=args.scheme, cache=path, model_path=args.model)
+            model = minilm.load(scheme=args.scheme, cache=path, model_path=args.model, tokenizer=tokenizer)
     except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
         # A cache problem never lands here (it is reported in the stats); a bad model path does.
         print(f"packcache run: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)

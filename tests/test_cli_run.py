@@ -1,0 +1,86 @@
+"""`packcache run`: the main job, on the bundled all-MiniLM-L6-v2."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import packcache
+from packcache.cli import _Progress, main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main(["run", *argv, "--json"]) == 0
+    result: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return result
+
+
+def test_run_twice_stores_then_maps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = run(capsys, "--cache-dir", str(tmp_path))
+    second = run(capsys, "--cache-dir", str(tmp_path))
+    assert first["cache_file"] == second["cache_file"] == str(tmp_path / "minilm-int8.pcache")
+    assert first["stats"]["state"] == "stored" and first["stats"]["stored"] > 0
+    assert second["stats"]["state"] == "mapped" and second["stats"]["hits"] == first["stats"]["stored"]
+    assert second["stats"]["heap_bytes"] == 0 and second["stats"]["written_bytes"] == 0
+    assert set(second["stats"]) == {f.name for f in dataclasses.fields(packcache.CacheStats)}
+    assert second["embeddings_shape"] == [3, 384] and second["load_seconds"] > 0
+    memory = second["memory"]
+    assert memory["cache_mapping_size"] >= second["stats"]["mapped_bytes"] > 0
+    assert 0 < memory["cache_mapping_rss"] <= memory["cache_mapping_size"]
+    assert second["warnings"] == [], second["warnings"]
+
+
+def test_run_without_cache_reports_heap_disabled(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run(capsys, "--no-cache", "--scheme", "bf16", "--text", "one sentence", "--text", "")
+    stats = result["stats"]
+    assert result["cache_file"] is None and stats["state"] == "off"
+    assert stats["heap_bytes"] == stats["heap_bytes_by_reason"]["disabled"] > 0 and stats["mapped_bytes"] == 0
+    assert result["embeddings_shape"] == [2, 384]
+
+
+def test_run_text_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--cache-dir", str(tmp_path), "--scheme", "fp32"]) == 0
+    text = capsys.readouterr().out
+    for label in ("state         stored", "load", "packed        mapped", "heap reasons  none", "file", "memory"):
+        assert label in text, label
+
+
+def test_run_with_a_bad_model_path_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--cache-dir", str(tmp_path), "--model", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot load the model" in err and "Traceback" not in err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        raise OSError("no descriptor")  # terminal size falls back to a default width
+
+
+def test_progress_line_appears_only_after_a_second(tmp_path: Path) -> None:
+    stream = _Terminal()
+    cache = packcache.WeightCache(tmp_path / "m.pcache")
+    with _Progress(total=8, stream=stream), cache.session() as s:
+        for i in range(8):
+            s.get_or_pack(f"w{i}", lambda: np.ones(1000, np.float32))
+            if i == 0:
+                time.sleep(0.5)
+                assert stream.getvalue() == "", "nothing is drawn before a second has passed"
+        time.sleep(1.0)
+        assert "8/8" in stream.getvalue() and "packing [" in stream.getvalue()
+    assert stream.getvalue().endswith("\r\x1b[K"), "the line is cleared when the load ends"
+    cache.close()
+    quiet = io.StringIO()  # not a terminal: nothing at all
+    with _Progress(total=1, stream=quiet):
+        time.sleep(1.2)
+    assert quiet.getvalue() == "" and threading.active_count() >= 1
