@@ -324,7 +324,8 @@ def materialize(module: nn.Module, source: TensorSource, prefix: str = "") -> No
             )
         owner, _, attr = name.rpartition(".")
         target = module.get_submodule(owner) if owner else module
-        target._parameters[attr] = nn.Parameter(torch.from_numpy(array), requires_grad=False)
+        # clone(): torch's own 64-byte aligned memory, so kernels take the same path in every process.
+        target._parameters[attr] = nn.Parameter(torch.from_numpy(array).clone(), requires_grad=False)
 
 
 @dataclass

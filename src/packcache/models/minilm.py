@@ -231,16 +231,14 @@ def load_tokenizer(
     """The model's ``tokenizer.json`` set up as sentence-transformers uses it.
 
     Truncation to ``max_seq_length`` tokens (default: ``sentence_bert_config.json``'s, else
-    the model's position limit), padding to the longest text of a batch.
+    the model's position limit), no padding (:meth:`MiniLM.embed` pads each batch).
     """
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     limit = max_seq_length or files.max_seq_length or config.max_position_embeddings
     tokenizer = tokenizers.Tokenizer.from_file(str(files.tokenizer))
-    tokenizer.no_padding()
+    tokenizer.no_padding()  # MiniLM.embed pads each batch itself
     tokenizer.enable_truncation(max_length=min(int(limit), config.max_position_embeddings))
-    pad_id = tokenizer.token_to_id("[PAD]")
-    tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
     return tokenizer
 
 
@@ -280,12 +278,18 @@ class _Layer(nn.Module):
         self.output = _DenseNorm(config.intermediate_size, config)
 
 
+def _embedding(count: int, width: int) -> nn.Embedding:
+    # An explicit (uninitialised) weight skips reset_parameters: in torch 2.13 the first
+    # normal_() on a large meta tensor allocates ~70 MB of anonymous memory, for nothing.
+    return nn.Embedding(count, width, _weight=torch.empty(count, width), _freeze=True)
+
+
 class _Embeddings(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.word_embeddings = _embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = _embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = _embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
@@ -379,24 +383,34 @@ class MiniLM:
         """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over the attention mask, L2-normalised.
 
         Texts are stripped of surrounding whitespace and truncated to the tokenizer's
-        limit (256 tokens), as sentence-transformers does; batches of ``batch_size``
-        are padded to their longest text.
+        limit (256 tokens), as sentence-transformers does. They are batched longest first,
+        at most ``batch_size`` per batch, and a batch ends where a text is less than half
+        as long as its longest (padding costs as much as tokens, and torch's int8/int4 CPU
+        kernels are slow on many rows). A row's bits can depend on the other texts of the
+        call, never on where the weights came from.
         """
         if isinstance(texts, str):
             raise TypeError("embed() takes a sequence of strings; wrap a single text in a list")
         result = np.empty((len(texts), self.dimension), dtype=np.float32)
+        encodings = self.tokenizer.encode_batch([str(t).strip() for t in texts])
+        pad_id = self.tokenizer.token_to_id("[PAD]") or 0
         with torch.inference_mode():
-            for start in range(0, len(texts), batch_size):
-                chunk = [str(t).strip() for t in texts[start : start + batch_size]]
-                encodings = self.tokenizer.encode_batch(chunk)
-                ids = torch.tensor([e.ids for e in encodings], dtype=torch.long)
-                types = torch.tensor([e.type_ids for e in encodings], dtype=torch.long)
-                mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.long)
+            for rows in _batches([len(e.ids) for e in encodings], batch_size):
+                width = len(encodings[rows[0]].ids)
+                ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+                types = torch.zeros((len(rows), width), dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for row, index in enumerate(rows):
+                    encoding = encodings[index]
+                    count = len(encoding.ids)
+                    ids[row, :count] = torch.tensor(encoding.ids, dtype=torch.long)
+                    types[row, :count] = torch.tensor(encoding.type_ids, dtype=torch.long)
+                    mask[row, :count] = 1
                 hidden = self.encoder(ids, types, mask)
                 weights = mask[:, :, None].to(hidden.dtype)
                 pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
                 normalised = torch.nn.functional.normalize(pooled, p=2.0, dim=1)
-                result[start : start + len(chunk)] = normalised.numpy()
+                result[rows] = normalised.numpy()
         return result
 
     def close(self) -> None:
@@ -420,7 +434,7 @@ def _calibration(
     """Inputs of every linear layer of the float32 model on :data:`CALIBRATION_TEXTS` (one text per
     forward, so no padding token is recorded, plus all of them joined into one 256-token text)."""
     texts = [*CALIBRATION_TEXTS, " ".join(CALIBRATION_TEXTS)]
-    settings = {"texts": texts, "truncation": tokenizer.truncation, "procedure": "minilm-calibration/2"}
+    settings = {"texts": texts, "truncation": tokenizer.truncation, "procedure": "minilm-calibration/3"}
     identity = "sha256:" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
     def record() -> dict[str, np.ndarray[Any, Any]]:
@@ -435,9 +449,32 @@ def _calibration(
                 types = torch.tensor([encoding.type_ids], dtype=torch.long)
                 reference(ids, types, torch.ones_like(ids))
 
-        return record_linear_inputs(reference, run, balance=True)
+        # One thread: a BLAS's results can depend on its thread count, and the packs must not.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return record_linear_inputs(reference, run, balance=True)
+        finally:
+            torch.set_num_threads(threads)
 
     return Calibration(identity, record)
+
+
+def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped longest first: at most ``batch_size`` each, none shorter than half its first.
+
+    >>> _batches([3, 10, 9, 2, 4], 2)
+    [[1, 2], [4, 0], [3]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for index in order:
+        batch = batches[-1] if batches else None
+        if batch is None or len(batch) >= batch_size or 2 * lengths[index] < lengths[batch[0]]:
+            batches.append([index])
+        else:
+            batch.append(index)
+    return batches
 
 
 def load(
