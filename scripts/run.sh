@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The main job. Until the CLI lands this is the core quickstart example.
+# The main job: `packcache run` on the bundled all-MiniLM-L6-v2 (scheme int8).
+# Run it twice: the first launch packs and stores, the second maps.
+# Extra arguments pass through, e.g. `bash scripts/run.sh --scheme int4 --json`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python examples/quickstart.py "$@"
+exec .venv/bin/packcache run "$@"

@@ -334,12 +334,13 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    from .memory import file_mapping_usage, smaps_rollup
+    from .memory import file_mapping_usage, release_free_heap, smaps_rollup
 
     path = _cache_file(args)
     try:
         # The tokenizer first, so the memory figures below are those of the weights.
         tokenizer = minilm.load_tokenizer(args.model)
+        release_free_heap()
         before = smaps_rollup()
         started = time.perf_counter()
         with _Progress(getattr(minilm, "PACK_COUNT", None), sys.stderr):
@@ -349,6 +350,7 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         print(f"packcache run: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     load_seconds = time.perf_counter() - started
+    release_free_heap()  # freed packing temporaries are not held memory
     after_load = smaps_rollup()
     texts = list(args.text) if args.text else list(DEFAULT_TEXTS)
     embeddings = model.embed(texts)
