@@ -395,6 +395,11 @@ class Session:
         self._active = False
         self._lock_fault: Fault | None = None
 
+    @property
+    def cache(self) -> WeightCache:
+        """The :class:`WeightCache` this session loads from."""
+        return self._cache
+
     def __enter__(self) -> Session:
         cache = self._cache
         if cache._owner == threading.get_ident():

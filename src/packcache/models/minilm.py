@@ -58,6 +58,7 @@ from torch import nn
 
 from .. import format as fmt
 from ..cache import WeightCache
+from ..memory import release_free_heap
 from ..packers import Float32, Packer, platform_for
 from ..safetensors import SafetensorsFile
 from ..torch import Calibration, ConversionReport, convert, materialize, record_linear_inputs, scheme_packer
@@ -545,6 +546,10 @@ def load(
         encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
         calibration=calibration,
     )  # fmt: skip
+    if calibration is not None:
+        # The calibration ran a whole fp32 model; glibc keeps that freed memory unless asked.
+        del calibration
+        release_free_heap()
     encoder.eval()
     return MiniLM(
         scheme, weight_cache, encoder, tokenizer, report, time.perf_counter() - started, owns_cache=owns_cache
