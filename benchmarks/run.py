@@ -310,6 +310,293 @@ def bench_cold(w: Workload, first: float, directory: str, repeat: int) -> dict[s
     }
 
 
+# ---------------------------------------------------------------- fresh subprocesses
+
+
+def touch(tensors: dict[str, Any]) -> int:
+    """Read one byte of every page of every plain tensor (so mapped pages are resident)."""
+    import torch
+
+    total = 0
+    for t in tensors.values():
+        for x in t if isinstance(t, tuple) else (t,):
+            if type(x) is torch.Tensor and x.numel():
+                total += int(x.reshape(-1).view(torch.uint8)[::4096].sum())
+    return total
+
+
+def child(argv: list[str]) -> None:
+    """Entry point of the measuring subprocesses (``run.py --child KIND ...``)."""
+    from packcache.memory import release_free_heap, smaps_rollup
+
+    kind = argv[0]
+    if kind == "infer":
+        return child_infer(*argv[1:])
+    label, source, scheme, directory, mode = argv[1:6]
+    w = Workload(label, source, scheme, directory)  # packers' fingerprints before the baseline
+    if kind == "account":
+        return child_account(w, mode)
+    if mode == "repack":
+        import torchao.quantization  # noqa: F401  (the import is not weight memory)
+    gc.collect()
+    release_free_heap()
+    before = smaps_rollup()["Anonymous"]
+    if mode == "warm":
+        tensors = w.packcache_warm()
+    elif mode == "heap":
+        from packcache.torch import as_tensor
+
+        tensors = {k: as_tensor(a) for k, a in w.packcache_cold(None).items()}
+    else:
+        tensors = w.repack()
+    touch(tensors)
+    gc.collect()
+    release_free_heap()
+    growth = smaps_rollup()["Anonymous"] - before
+    print(json.dumps({"anon_growth": growth}), flush=True)
+    if kind == "worker":  # hold the weights until the parent has measured
+        sys.stdin.readline()
+    return None
+
+
+def child_account(w: Workload, mode: str) -> None:
+    """Reported heap/mapped bytes vs the OS: heap only, partial hit (half the entries in a
+    read-only cache, the rest packed to heap), full hit."""
+    import packcache
+    from packcache.memory import file_mapping_usage, release_free_heap, smaps_rollup
+
+    partial = w.cache_path + ".partial"
+    if mode == "build-partial":
+        half = w.names[: len(w.names) // 2]
+        full_names, w.names = w.names, half
+        w.packcache_cold(partial)
+        w.names = full_names
+        print(json.dumps({}))
+        return
+    path = {"heap": None, "partial": partial, "full": w.cache_path}[mode]
+    gc.collect()
+    release_free_heap()
+    before = smaps_rollup()["Anonymous"]
+    cache = packcache.WeightCache(path, platform=w.platform, read_only=mode == "partial")
+    arrays = w.load(cache)
+    from packcache.torch import as_tensor
+
+    touch({k: as_tensor(a) for k, a in arrays.items()})
+    gc.collect()
+    release_free_heap()
+    anon = smaps_rollup()["Anonymous"] - before
+    stats = cache.stats()
+    mapped_os = file_mapping_usage(path).rss if path else 0
+    print(
+        json.dumps(
+            {
+                "state": stats.state,
+                "reported_heap": stats.heap_bytes,
+                "os_anonymous_growth": anon,
+                "reported_mapped": stats.mapped_bytes,
+                "os_mapping_rss": mapped_os,
+            }
+        )
+    )
+
+
+def bench_accounting(w: Workload) -> dict[str, Any]:
+    args = [w.label, w.source, w.scheme, os.path.dirname(w.cache_path)]
+    run_child(["account", *args, "build-partial"])
+    rows = []
+    for mode in ("heap", "partial", "full"):
+        r = run_child(["account", *args, mode])
+        r["scenario"] = mode
+        total = r["reported_heap"] + r["reported_mapped"]  # every packed byte of the model
+        for what, os_key in (("heap", "os_anonymous_growth"), ("mapped", "os_mapping_rss")):
+            # error relative to the model's packed bytes (a 0-byte heap has no relative error of its own)
+            r[f"{what}_error_pct_of_packed"] = 100 * (r[f"reported_{what}"] - r[os_key]) / total
+        rows.append(r)
+    return {"workload": f"accounting: reported vs OS, {w.label} {w.scheme} (fresh processes)", "rows": rows}
+
+
+def child_infer(path: str, mode: str) -> None:
+    from packcache.models import minilm
+
+    if mode == "build":
+        minilm.load("int8", cache=path).close()
+        print(json.dumps({}))
+        return
+    tokenizer = minilm.load_tokenizer()
+    if mode == "cold":
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    started = time.perf_counter()
+    m = minilm.load("int8", cache=path, tokenizer=tokenizer)
+    load = time.perf_counter() - started
+    state = m.cache.stats().state
+    times = []
+    for _ in range(6):
+        started = time.perf_counter()
+        m.embed(TEXTS)
+        times.append(time.perf_counter() - started)
+    m.close()
+    print(json.dumps({"load_s": load, "first_s": times[0], "steady_s": sorted(times[1:])[2], "state": state}))
+
+
+def run_child(args: list[str]) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True)
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def bench_anon(w: Workload, repeat: int) -> dict[str, Any]:
+    args = [w.label, w.source, w.scheme, os.path.dirname(w.cache_path)]
+    warm, repack = [], []
+    for _ in range(repeat):
+        warm.append(run_child(["anon", *args, "warm"])["anon_growth"])
+        repack.append(run_child(["anon", *args, "repack"])["anon_growth"])
+    return {
+        "workload": f"memory: Anonymous growth for weights, {w.label} {w.scheme}",
+        "packed_bytes": w.packed_bytes,
+        "warm_anon_bytes": sorted(warm)[len(warm) // 2],
+        "repack_anon_bytes": sorted(repack)[len(repack) // 2],
+        "ratios": {
+            "warm_over_packed": sorted(warm)[len(warm) // 2] / w.packed_bytes,
+            "repack_over_packed": sorted(repack)[len(repack) // 2] / w.packed_bytes,
+        },
+    }
+
+
+def bench_workers(w: Workload, counts: tuple[int, ...]) -> dict[str, Any]:
+    from packcache.memory import file_mapping_usage, smaps_rollup
+
+    args = [w.label, w.source, w.scheme, os.path.dirname(w.cache_path)]
+    rows: dict[str, list[dict[str, float]]] = {"cache": [], "heap": []}
+    for kind, mode in (("cache", "warm"), ("heap", "heap")):
+        procs: list[tuple[subprocess.Popen[str], int]] = []
+        try:
+            for n in counts:
+                new = [
+                    subprocess.Popen(
+                        [sys.executable, __file__, "--child", "worker", *args, mode],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.DEVNULL,
+                        text=True,
+                    )
+                    for _ in range(n - len(procs))
+                ]
+                for p in new:
+                    assert p.stdout is not None
+                    procs.append((p, json.loads(p.stdout.readline())["anon_growth"]))
+                weights = [
+                    file_mapping_usage(w.cache_path, p.pid).pss if kind == "cache" else anon for p, anon in procs
+                ]
+                total = [smaps_rollup(p.pid)["Pss"] for p, _ in procs]
+                rows[kind].append(
+                    {
+                        "workers": n,
+                        "weights_pss_mib": sum(weights) / len(weights) / 2**20,
+                        "process_pss_mib": sum(total) / len(total) / 2**20,
+                    }
+                )
+        finally:
+            for p, _ in procs:
+                with contextlib.suppress(OSError):
+                    assert p.stdin is not None
+                    p.stdin.write("\n")
+                    p.stdin.close()
+                p.wait(60)
+    return {
+        "workload": f"memory: PSS per worker, {w.label} {w.scheme} ({w.packed_bytes / 2**20:.1f} MiB packed)",
+        "cache_workers": rows["cache"],
+        "heap_workers": rows["heap"],
+    }
+
+
+def plot_workers(r: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for kind, style in (("cache_workers", "o-"), ("heap_workers", "s-")):
+        xs = [row["workers"] for row in r[kind]]
+        label = "one warm packcache file" if kind == "cache_workers" else "heap (repacked in each worker)"
+        ax.plot(xs, [row["weights_pss_mib"] for row in r[kind]], style, label=f"weights: {label}")
+        ax.plot(xs, [row["process_pss_mib"] for row in r[kind]], style[0] + ":", label=f"whole process: {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([row["workers"] for row in r["cache_workers"]], [str(row["workers"]) for row in r["cache_workers"]])
+    ax.set_xlabel("workers")
+    ax.set_ylabel("PSS per worker (MiB)")
+    ax.set_title(r["workload"].replace("memory: ", ""), fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def bench_first_inference(directory: str, repeat: int) -> dict[str, Any]:
+    path = os.path.join(directory, "infer-minilm-int8.pcache")
+    run_child(["infer", path, "build"])
+    warm, cold = [], []
+    for _ in range(repeat):
+        warm.append(run_child(["infer", path, "warm"]))
+        cold.append(run_child(["infer", path, "cold"]))
+
+    def med(rows: list[dict[str, Any]], k: str) -> dict[str, float]:
+        return summary([row[k] for row in rows])
+
+    return {
+        "workload": "first inference after a warm load, minilm int8, 3 texts (fresh processes)",
+        "times": {
+            "load_page_cache_warm": med(warm, "load_s"),
+            "first_page_cache_warm": med(warm, "first_s"),
+            "steady_page_cache_warm": med(warm, "steady_s"),
+            "load_after_dontneed": med(cold, "load_s"),
+            "first_after_dontneed": med(cold, "first_s"),
+            "steady_after_dontneed": med(cold, "steady_s"),
+        },
+        "ratios": {
+            "first_over_steady_warm": med(warm, "first_s")["median_s"] / med(warm, "steady_s")["median_s"],
+            "first_over_steady_cold": med(cold, "first_s")["median_s"] / med(cold, "steady_s")["median_s"],
+        },
+        "states": sorted({row["state"] for row in warm + cold}),
+    }
+
+
+def index_size(path: str) -> int:
+    from packcache import format as fmt
+
+    with open(path, "rb") as f:
+        head = f.read(fmt.HEADER_READ_SIZE)
+    return int(fmt.choose_slot(head)[0][0].index_size)
+
+
+def bench_scaling(directory: str, repeat: int) -> dict[str, Any]:
+    rows = []
+    for count in (10, 100, 1000, 10_000):
+        total = max(count * 1024, 16 << 20)
+        warm = core.bench_warm(directory, count, total, repeat)
+        cold = core.bench_cold(directory, count, total, max(2, repeat // 2))
+        rows.append(
+            {
+                "tensors": count,
+                "bytes": total,
+                "warm_ms": warm["packcache_s"][1] * 1e3,
+                "warm_q1_ms": warm["packcache_s"][0] * 1e3,
+                "warm_q3_ms": warm["packcache_s"][2] * 1e3,
+                "warm_limit_ms": warm["limit_s"][1] * 1e3,
+                "warm_per_tensor_us": warm["per_pack_us"],
+                "cold_ms": cold["packcache_s"][1] * 1e3,
+                "cold_heap_only_ms": cold["heap_only_s"][1] * 1e3,
+                "cold_per_tensor_us": cold["packcache_s"][1] / count * 1e6,
+                "index_bytes": index_size(os.path.join(directory, f"warm-{count}.pcache")),
+            }
+        )
+        os.unlink(os.path.join(directory, f"warm-{count}.pcache"))
+    return {"workload": "scaling: synthetic int8 packs (benchmarks/core.py), page cache warm", "rows": rows}
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -342,7 +629,14 @@ def print_result(r: dict[str, Any]) -> None:
     for k, v in r.get("ratios", {}).items():
         print(f"  {k:<32} {v:10.2f}x")
     for k, v in r.items():
-        if k not in ("workload", "times", "ratios"):
+        if k in ("rows", "cache_workers", "heap_workers"):
+            print(f"  {k}:")
+            for row in v:
+                print(
+                    "    "
+                    + "  ".join(f"{kk} {vv:.2f}" if isinstance(vv, float) else f"{kk} {vv}" for kk, vv in row.items())
+                )
+        elif k not in ("workload", "times", "ratios"):
             print(f"  {k:<24} {v}")
 
 
@@ -350,7 +644,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small Llama, fewer repetitions: under 2 minutes")
     parser.add_argument("--json", default=os.path.join(HERE, "results.json"), help="results file")
+    parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "benchmarks_pss.png"), help="PSS plot")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child(args.child)
     began = time.perf_counter()
     print(__doc__.split("Usage:")[0].strip())
     info = machine()
@@ -381,6 +679,27 @@ def main() -> None:
                 for p in (w.pt_path, w.st_path):
                     os.unlink(p)
                 gc.collect()
+                if scheme == "int8" or not args.quick:
+                    r = bench_anon(w, 1 if args.quick else 3)
+                    print_result(r)
+                    results.append(r)
+                if label == "minilm" and scheme == "int8":
+                    r = bench_workers(w, (1, 2, 4, 8))
+                    print_result(r)
+                    results.append(r)
+                    plot_workers(r, args.plot)
+                    r = bench_accounting(w)
+                    print_result(r)
+                    results.append(r)
+        r = bench_scaling(d, 3 if args.quick else 9)
+        print_result(r)
+        results.append(r)
+        r = bench_first_inference(d, 2 if args.quick else 5)
+        print_result(r)
+        results.append(r)
+        r = core.bench_telemetry(d, 10_000)
+        print_result(r)
+        results.append(r)
     elapsed = time.perf_counter() - began
     print(f"\ntotal {elapsed:.1f} s")
     with open(args.json, "w") as f:
