@@ -518,11 +518,17 @@ def plot_workers(r: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    for kind, style in (("cache_workers", "o-"), ("heap_workers", "s-")):
+    for kind, style, color in (("cache_workers", "o-", "tab:blue"), ("heap_workers", "s-", "tab:red")):
         xs = [row["workers"] for row in r[kind]]
         label = "one warm packcache file" if kind == "cache_workers" else "heap (repacked in each worker)"
-        ax.plot(xs, [row["weights_pss_mib"] for row in r[kind]], style, label=f"weights: {label}")
-        ax.plot(xs, [row["process_pss_mib"] for row in r[kind]], style[0] + ":", label=f"whole process: {label}")
+        ax.plot(xs, [row["weights_pss_mib"] for row in r[kind]], style, color=color, label=f"weights: {label}")
+        ax.plot(
+            xs,
+            [row["process_pss_mib"] for row in r[kind]],
+            style[0] + ":",
+            color=color,
+            label=f"whole process: {label}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks([row["workers"] for row in r["cache_workers"]], [str(row["workers"]) for row in r["cache_workers"]])
     ax.set_xlabel("workers")
