@@ -646,6 +646,47 @@ def print_result(r: dict[str, Any]) -> None:
             print(f"  {k:<24} {v}")
 
 
+def short(s: dict[str, float]) -> str:
+    m, a, b = s["median_s"], s["q1_s"], s["q3_s"]
+    return f"{m:.2f} s ({a:.2f}-{b:.2f})" if m >= 1 else f"{m * 1e3:.2f} ms ({a * 1e3:.2f}-{b * 1e3:.2f})"
+
+
+def print_summary(results: list[dict[str, Any]], quick: bool) -> None:
+    """The warm-load and cold-build table, then the issue's targets with the measured figure (not tuned to them)."""
+    methods = ("packcache_warm", "repack", "torch_load_mmap", "safetensors_safe_open", "limit_mmap_frombuffer")
+    print("\nsummary: median (IQR) of each method; ratios of medians from this run")
+    print("| workload | packcache warm | (a) repack | (b) torch.load mmap | (c) safetensors | (d) limit "
+          "| (a)/ours | ours/(b) | ours/(c) | ours/(d) |")  # fmt: skip
+    print("|" + "---|" * 10)
+    checks = []
+    for r in results:
+        if r["workload"].startswith("warm load"):
+            q = r["ratios"]
+            name = r["workload"].removeprefix("warm load, ")
+            cells = " | ".join(short(r["times"][m]) for m in methods)
+            print(
+                f"| {name} | {cells} | {q['repack_over_packcache']:.1f}x | {q['packcache_over_torch_load']:.2f}x "
+                f"| {q['packcache_over_safetensors']:.2f}x | {q['packcache_over_limit']:.1f}x |"
+            )
+            goal = 50 if name.startswith("minilm") else 500
+            checks += [
+                (f"{name}: (a)/ours >= {goal}x" + (" (1 B model in the full run)" if goal == 500 else ""),
+                 q["repack_over_packcache"], q["repack_over_packcache"] >= goal),
+                (f"{name}: ours/(b) <= 1", q["packcache_over_torch_load"], q["packcache_over_torch_load"] <= 1),
+                (f"{name}: ours/(c) <= 1", q["packcache_over_safetensors"], q["packcache_over_safetensors"] <= 1),
+                (f"{name}: ours/(d) <= 1.5", q["packcache_over_limit"], q["packcache_over_limit"] <= 1.5),
+            ]  # fmt: skip
+        elif r["workload"].startswith("cold build"):
+            ratio = r["ratios"]["cold_over_heap_only"]
+            checks.append((f"{r['workload'].removeprefix('cold build, ')}: cold/heap <= 1.25x", ratio, ratio <= 1.25))
+        elif r["workload"].startswith("memory: Anonymous"):
+            ratio = r["ratios"]["warm_over_packed"]
+            checks.append((f"{r['workload'].split(', ', 1)[1]}: warm Anonymous < 1 % of packed", ratio, ratio < 0.01))
+    print("\ntargets" + (" (--quick: the Llama model is ~60 M params, not 1 B)" if quick else ""))
+    for what, value, ok in checks:
+        print(f"  {'met   ' if ok else 'MISSED'}  {what:<60} measured {value:.3g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small Llama, fewer repetitions: under 2 minutes")
@@ -706,6 +747,7 @@ def main() -> None:
         r = core.bench_telemetry(d, 10_000)
         print_result(r)
         results.append(r)
+    print_summary(results, args.quick)
     elapsed = time.perf_counter() - began
     print(f"\ntotal {elapsed:.1f} s")
     with open(args.json, "w") as f:
