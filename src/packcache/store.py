@@ -301,15 +301,7 @@ class FileStore:
             self.rebuild_reason = f"it cannot be read: {_describe(exc, 'reading', self.path)}"
             return
         self.header, self.slot, self.entries = header, slot, entries
-        if entries:
-            try:
-                self.mapping = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as exc:
-                err = getattr(exc, "errno", 0) or 0
-                self.problem = Fault(
-                    HeapReason.MAP_FAILED, err,
-                    f"cannot map {self.path}: {errno_mod.errorcode.get(err, 'E?')} ({exc})",
-                )  # fmt: skip
+        self._remap()
 
     def lookup(self, name: str, digest: bytes) -> fmt.Entry | None:
         """The committed (or added this session) entry for ``name`` if its key matches."""
@@ -504,14 +496,22 @@ class FileStore:
             empty.flags.writeable = False
             return empty
         start = entry.offset - entry.offset % _PAGE
+        region = self._map(fd, entry.offset + entry.nbytes - start, start)
+        return _array(region, entry, entry.offset - start)
+
+    def _map(self, fd: int, length: int, offset: int) -> mmap.mmap:
+        """A read-only shared mapping (``length`` 0: the whole file).
+
+        Raises:
+            Fault: ``map_failed`` with the errno (ENOMEM under RLIMIT_AS, for one).
+        """
         try:
-            region = mmap.mmap(fd, entry.offset + entry.nbytes - start, offset=start, access=mmap.ACCESS_READ)
+            return mmap.mmap(fd, length, offset=offset, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as exc:
             err = getattr(exc, "errno", 0) or 0
             raise Fault(
                 HeapReason.MAP_FAILED, err, f"cannot map {self.path}: {errno_mod.errorcode.get(err, 'E?')} ({exc})"
             ) from None
-        return _array(region, entry, entry.offset - start)
 
     def _pwrite(self, fd: int, data: Any, offset: int) -> None:
         self.bytes_written += pwrite_all(fd, data, offset)
@@ -565,7 +565,7 @@ class FileStore:
         self.header, self.slot = writer.header, slot
         self.entries = {e.name: e for e in live}
         self.file_size = max(os.fstat(writer.fd).st_size, slot.committed_end)
-        self.mapping = None  # remapped lazily: this session's views have their own maps
+        self.mapping = None  # replaced below; this session's views keep their own maps
         self.problem = None
         self._remap()
 
@@ -573,10 +573,9 @@ class FileStore:
         if self.fd is None or not self.entries:
             return
         try:
-            self.mapping = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:
-            err = getattr(exc, "errno", 0) or 0
-            self.problem = Fault(HeapReason.MAP_FAILED, err, f"cannot map {self.path}: ({exc})")
+            self.mapping = self._map(self.fd, 0, 0)
+        except Fault as fault:
+            self.problem = fault
 
     def abort(self) -> None:
         """Drop this session's uncommitted entries; a temp file is removed."""
