@@ -31,7 +31,7 @@ import pytest
 
 from _helpers import KIB, ROOT_ONLY, Packer, assert_same, error_records, file_state, packed
 from packcache import WeightCache
-from packcache import store as store_mod
+from packcache import paths as paths_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
 
@@ -188,7 +188,7 @@ def test_temp_file_is_created_with_o_excl_and_never_follows_a_planted_name(
 ) -> None:
     """The first random temp name the library picks is already taken: it must pick another, untouched."""
     names = iter(["0000000000000000", "1111111111111111"])
-    monkeypatch.setattr(store_mod.secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(paths_mod.secrets, "token_hex", lambda n: next(names))
     path = tmp_path / "cache" / "model.pcache"
     path.parent.mkdir(mode=0o700)
     planted = path.parent / f".model.pcache.tmp-{os.getpid()}-0000000000000000"

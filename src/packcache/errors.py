@@ -11,7 +11,8 @@ catch either::
     ├── OptionValueError(ValueError)      an option value out of range
     │   └── OptionTypeError(TypeError)    an option value of the wrong type
     ├── PackResultError(TypeError)        ``pack()`` returned something uncacheable
-    └── SessionError(RuntimeError)        a session used wrongly (nested, closed)
+    ├── SessionError(RuntimeError)        a session used wrongly (nested, closed)
+    └── UntrustedFileError(PermissionError)  a file fails the trust check (owner, mode, kind)
 
 A cache *problem* (full disk, read-only file, lock timeout, …) is never raised:
 it is counted and reported through :meth:`packcache.WeightCache.stats`.
@@ -28,6 +29,7 @@ __all__ = [
     "PackResultError",
     "ReadOnlyOptionError",
     "SessionError",
+    "UntrustedFileError",
 ]
 
 
@@ -81,3 +83,21 @@ class PackResultError(PackCacheError, TypeError):
 
 class SessionError(PackCacheError, RuntimeError):
     """A session was used wrongly: nested in one thread, or used after it ended."""
+
+
+class UntrustedFileError(PackCacheError, PermissionError):
+    """A cache, lock or temp file that packcache refuses to use: not a regular file, owned by
+    another user than the effective one or root, group/world-writable, or reached through a
+    symlink in an unsafe directory (docs/RELIABILITY.md "Trust").
+
+    :class:`~packcache.WeightCache` never raises it (the file is reported ``untrusted``
+    and packs go to heap); the maintenance entry points (``verify``, ``compact``, the CLI) do.
+    """
+
+    def __init__(self, path: str, reason: str, *, what: str = "cache file") -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"untrusted {what} {path}: {reason}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])

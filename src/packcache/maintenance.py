@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from . import format as fmt
 from .errors import FormatError
-from .store import Fault, create_temp, entry_crc, pwrite_all, read_committed, read_generation, wait_for_lock
+from .paths import create_temp
+from .store import Fault, entry_crc, pwrite_all, read_committed, read_generation, wait_for_lock
 
 __all__ = ["CompactReport", "VerifyProblem", "VerifyReport", "compact", "verify"]
 

@@ -22,7 +22,6 @@ import errno as errno_mod
 import fcntl
 import mmap
 import os
-import secrets
 import stat
 import time
 import zlib
@@ -33,13 +32,13 @@ import numpy as np
 
 from . import format as fmt
 from .errors import FormatError
+from .paths import create_temp, fsync_dir, remove_orphans, trust_problem, unlink_quietly
 from .stats import HeapReason
 
 __all__ = [
     "Fault",
     "FileStore",
     "classify_write_errno",
-    "create_temp",
     "entry_crc",
     "open_failed_reason",
     "pwrite_all",
@@ -255,7 +254,7 @@ class FileStore:
         self.fd = fd
         st = os.fstat(fd)
         self.identity = (st.st_dev, st.st_ino)
-        untrusted = _trust_problem(st)
+        untrusted = trust_problem(st)
         if untrusted:
             self.problem = Fault(HeapReason.UNTRUSTED, 0, f"untrusted cache file {self.path}: {untrusted}")
             return True
@@ -381,9 +380,8 @@ class FileStore:
         self._lock_fd = fd
         # Only the lock holder creates temp files, so any left now belong to dead writers
         # (a killed rebuild or compaction): reclaim their space.
-        directory = os.path.dirname(os.path.abspath(self.path))
         with contextlib.suppress(OSError):
-            _remove_orphans(directory, f".{os.path.basename(self.path)}.tmp-")
+            remove_orphans(self.path)
 
     def release_lock(self) -> None:
         """Release the build lock (closing the descriptor releases the flock)."""
@@ -482,7 +480,7 @@ class FileStore:
             self._pwrite(fd, header_bytes, 0)
         except OSError as exc:
             os.close(fd)
-            _unlink_quietly(temp)
+            unlink_quietly(temp)
             where = f"{self.path} (new file {temp})"
             raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot write to", where) from None
         self._writer = _Writer(
@@ -551,7 +549,7 @@ class FileStore:
             os.fdatasync(writer.fd)
             if writer.temp_path is not None:
                 os.rename(writer.temp_path, self.path)
-                _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+                fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         except OSError as exc:
             self.abort()
             raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot commit", target) from None
@@ -582,7 +580,7 @@ class FileStore:
         writer, self._writer = self._writer, None
         if writer is not None and writer.temp_path is not None:
             os.close(writer.fd)
-            _unlink_quietly(writer.temp_path)
+            unlink_quietly(writer.temp_path)
 
     def close(self) -> None:
         """Abort uncommitted work, release the lock and close descriptors. Views stay valid."""
@@ -660,47 +658,6 @@ def wait_for_lock(fd: int, timeout: float, lock_path: str) -> None:
         delay = min(delay * 2, 0.05)
 
 
-def create_temp(path: str, mode: int) -> tuple[int, str]:
-    """Create a new, empty temp file beside ``path`` with exactly ``mode``; return (fd, temp path).
-
-    ``O_EXCL | O_NOFOLLOW``: a file or symlink planted at the name is never
-    opened; another random name is tried instead. Orphans of dead builders
-    are removed first (the caller holds the build lock).
-
-    Raises:
-        OSError: the file cannot be created.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    prefix = f".{os.path.basename(path)}.tmp-"
-    _remove_orphans(directory, prefix)
-    for attempt in range(8):
-        temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(8)}")
-        try:
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
-        except FileExistsError:
-            if attempt == 7:
-                raise
-            continue
-        try:
-            os.fchmod(fd, mode)  # the umask must not widen or narrow the documented mode
-        except OSError:
-            os.close(fd)
-            _unlink_quietly(temp)
-            raise
-        return fd, temp
-    raise AssertionError("unreachable")
-
-
-def _trust_problem(st: os.stat_result) -> str | None:
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid not in (os.geteuid(), 0):
-        return f"owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
 def _array(buffer: mmap.mmap, entry: fmt.Entry, offset: int) -> np.ndarray[Any, Any]:
     dtype = np.dtype(fmt.numpy_dtype_str(entry.dtype))
     count = entry.nbytes // dtype.itemsize
@@ -732,32 +689,3 @@ def entry_crc(region: mmap.mmap, entry: fmt.Entry) -> int:
 
 def _crc32(data: Any) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_orphans(directory: str, prefix: str) -> None:
-    """Delete temp files left by builders that died; the caller holds the build lock."""
-    for name in os.listdir(directory):
-        if not name.startswith(prefix):
-            continue
-        pid_text = name[len(prefix) :].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            _unlink_quietly(os.path.join(directory, name))
-        except OSError:
-            pass  # alive, or not ours to signal: leave it
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)

@@ -1,0 +1,310 @@
+"""Opening cache paths: the one place packcache opens a cache file, its lock file or a temp file.
+
+Every entry point (:class:`~packcache.WeightCache`, :func:`~packcache.verify`,
+:func:`~packcache.compact`, ``packcache inspect``/``gc``) opens paths that another
+user may control. Three rules hold for all of them:
+
+* **Never block on a path.** Every open carries ``O_NONBLOCK``: a FIFO planted
+  at a cache or lock path is refused, it cannot hang the caller.
+* **Check what was opened, not the path.** The descriptor is ``fstat``-ed: it
+  must be a regular file, owned by the effective user or root, and not
+  group/world-writable (:func:`trust_problem`). A path that ``lstat`` saw as a
+  plain file is opened with ``O_NOFOLLOW`` and must still be the same inode, so
+  a symlink swapped in between is never followed. A symlink is followed only
+  when the directory holding it is safe (not world-writable without the sticky bit).
+* **One lock per file, whatever the spelling of its path.** The build lock
+  lives beside the *resolved* path (:func:`lock_path_for`), is re-checked after
+  ``flock`` (a lock file unlinked by a cleaner is not a lock), and a writer that
+  appends to a file in place also locks the file's own inode
+  (docs/RELIABILITY.md "The lock protocol").
+
+>>> import os, tempfile
+>>> d = tempfile.mkdtemp()
+>>> p = os.path.join(d, "m.pcache")
+>>> with open(p, "wb") as f:
+...     _ = f.write(b"x")
+>>> fd, st = open_checked(p)
+>>> st.st_size
+1
+>>> os.close(fd)
+>>> os.mkfifo(os.path.join(d, "fifo"))
+>>> open_checked(os.path.join(d, "fifo"))  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+packcache.errors.UntrustedFileError: untrusted cache file .../fifo: not a regular file (a FIFO)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+import fcntl
+import os
+import secrets
+import stat
+import time
+
+from .errors import UntrustedFileError
+
+__all__ = [
+    "create_temp",
+    "fsync_dir",
+    "lock_path_for",
+    "open_checked",
+    "open_lock",
+    "parse_temp_name",
+    "pid_alive",
+    "remove_orphans",
+    "still_linked",
+    "temp_prefix",
+    "trust_problem",
+    "unlink_quietly",
+    "wait_for_flock",
+]
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symlink",
+}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def trust_problem(st: os.stat_result) -> str | None:
+    """Why a file with status ``st`` must not be trusted, or ``None``.
+
+    Trusted: a regular file owned by the effective user or root, writable by its owner only.
+    """
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file ({_kind(st.st_mode)})"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _unsafe_directory(path: str) -> str | None:
+    parent = os.path.dirname(os.path.abspath(path))
+    pst = os.stat(parent)
+    if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
+        return f"a symlink in world-writable directory {parent} without the sticky bit"
+    return None
+
+
+def open_checked(path: str, *, write: bool = False, trust: bool = True) -> tuple[int, os.stat_result]:
+    """Open an existing cache file without blocking or following a swapped-in symlink; check what was opened.
+
+    Args:
+        path: the file.
+        write: open read-write (``O_RDWR``) instead of read-only.
+        trust: also refuse a file that fails :func:`trust_problem` (ownership and mode);
+            a non-regular file is refused either way.
+
+    Returns:
+        ``(fd, fstat of fd)``; the caller closes ``fd``.
+
+    Raises:
+        UntrustedFileError: not a regular file, a symlink in an unsafe directory, the path
+            changed while it was opened, or (``trust``) a foreign owner or a writable mode.
+        OSError: the path cannot be opened (``FileNotFoundError``, ``PermissionError``, ...).
+    """
+    lst = os.lstat(path)
+    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    if stat.S_ISLNK(lst.st_mode):
+        unsafe = _unsafe_directory(path)
+        if unsafe:
+            raise UntrustedFileError(path, unsafe)
+    elif stat.S_ISREG(lst.st_mode):
+        flags |= os.O_NOFOLLOW  # swapped for a symlink since the lstat: ELOOP, never its target
+    else:
+        raise UntrustedFileError(path, f"not a regular file ({_kind(lst.st_mode)})")
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno_mod.ELOOP:
+            raise UntrustedFileError(path, "it was replaced by a symlink while being opened") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        problem = trust_problem(st) if trust else (None if stat.S_ISREG(st.st_mode) else "not a regular file")
+        if problem is None and not stat.S_ISLNK(lst.st_mode) and (st.st_dev, st.st_ino) != (lst.st_dev, lst.st_ino):
+            problem = "it was replaced while being opened"
+        if problem is not None:
+            raise UntrustedFileError(path, problem)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def lock_path_for(path: str) -> str:
+    """The build lock's path: beside the cache file's *resolved* path, so every spelling
+    of one file (a symlink to it, ``..`` components) meets the same lock.
+
+    >>> lock_path_for("/tmp/../tmp/m.pcache")
+    '/tmp/m.pcache.lock'
+    """
+    return os.path.realpath(path) + ".lock"
+
+
+def open_lock(lock_path: str, mode: int) -> int:
+    """Open (creating it with ``mode``) a lock file: no symlink, no FIFO, no foreign owner.
+
+    Raises:
+        UntrustedFileError: the lock path is not a regular file, or fails :func:`trust_problem`.
+        OSError: it cannot be opened or created.
+    """
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, mode)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)  # the umask must not leave it unopenable for writing
+            st = os.fstat(fd)
+        problem = trust_problem(st)
+        if problem is not None:
+            raise UntrustedFileError(lock_path, problem, what="lock file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def wait_for_flock(fd: int, deadline: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, polling until ``deadline`` (``time.monotonic()``).
+
+    ``flock`` has no timeout of its own; polling with a capped backoff keeps the
+    wait interruptible and bounded. Returns False on timeout.
+
+    Raises:
+        OSError: ``flock`` itself failed (not EWOULDBLOCK).
+    """
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.05)
+
+
+def still_linked(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a cleaner may have unlinked or replaced it)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def temp_prefix(path: str) -> str:
+    """Name prefix of ``path``'s temp files: ``.<name>.tmp-`` (then ``<pid>-<16 hex digits>``)."""
+    return f".{os.path.basename(path)}.tmp-"
+
+
+def create_temp(path: str, mode: int) -> tuple[int, str]:
+    """Create a new, empty temp file beside ``path`` with exactly ``mode``; return (fd, temp path).
+
+    ``O_EXCL | O_NOFOLLOW``: a file or symlink planted at the name is never
+    opened; another random name is tried instead.
+
+    Raises:
+        OSError: the file cannot be created.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = temp_prefix(path)
+    for attempt in range(8):
+        temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+        except FileExistsError:
+            if attempt == 7:
+                raise
+            continue
+        try:
+            os.fchmod(fd, mode)  # the umask must not widen or narrow the documented mode
+        except BaseException:
+            os.close(fd)
+            unlink_quietly(temp)
+            raise
+        return fd, temp
+    raise AssertionError("unreachable")
+
+
+def parse_temp_name(name: str, prefix: str) -> int | None:
+    """The builder pid in a temp file name ``<prefix><pid>-<16 hex digits>``, or ``None`` if it is not one.
+
+    >>> parse_temp_name(".m.pcache.tmp-42-0123456789abcdef", ".m.pcache.tmp-")
+    42
+    >>> parse_temp_name(".m.pcache.tmp-draft", ".m.pcache.tmp-") is None
+    True
+    """
+    if not name.startswith(prefix):
+        return None
+    pid_text, _, token = name[len(prefix) :].partition("-")
+    if not pid_text.isdigit() or len(pid_text) > 10 or len(token) != 16:
+        return None
+    if any(c not in "0123456789abcdef" for c in token):
+        return None
+    return int(pid_text)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one we may not signal counts as alive)."""
+    if pid <= 0:
+        return True  # not a real builder pid: never treat it as dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_orphans(path: str) -> list[str]:
+    """Delete temp files of ``path`` left by builders that died; the caller holds the build lock.
+
+    Only names of the exact shape :func:`create_temp` makes, holding a regular file
+    this user may trust, whose builder pid no longer exists. Returns the removed paths.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = temp_prefix(path)
+    removed = []
+    for name in os.listdir(directory):
+        pid = parse_temp_name(name, prefix)
+        if pid is None or pid_alive(pid):
+            continue
+        candidate = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if trust_problem(os.lstat(candidate)) is None:
+                os.unlink(candidate)
+                removed.append(candidate)
+    return removed
+
+
+def fsync_dir(directory: str) -> None:
+    """``fsync`` a directory, so a rename in it is durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: str) -> None:
+    """``unlink``, ignoring any error (the file may be gone already)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
