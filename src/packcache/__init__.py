@@ -14,6 +14,7 @@ from __future__ import annotations
 from .cache import Session, WeightCache, aggregate_stats
 from .errors import (
     FormatError,
+    LockTimeoutError,
     OptionError,
     OptionTypeError,
     OptionValueError,
@@ -21,6 +22,7 @@ from .errors import (
     PackResultError,
     ReadOnlyOptionError,
     SessionError,
+    UntrustedFileError,
 )
 from .maintenance import CompactReport, VerifyProblem, VerifyReport, compact, verify
 from .options import OPTION_KEYS, get_option, set_option
@@ -34,6 +36,7 @@ __all__ = [
     "CompactReport",
     "FormatError",
     "HeapReason",
+    "LockTimeoutError",
     "OPTION_KEYS",
     "OptionError",
     "OptionTypeError",
@@ -43,6 +46,7 @@ __all__ = [
     "ReadOnlyOptionError",
     "Session",
     "SessionError",
+    "UntrustedFileError",
     "VerifyProblem",
     "VerifyReport",
     "WeightCache",

@@ -6,6 +6,7 @@ catch either::
 
     PackCacheError
     ├── FormatError(ValueError)           a cache file breaks docs/FORMAT.md
+    ├── LockTimeoutError(TimeoutError)    another process held the build lock too long
     ├── OptionError(KeyError)             an unknown option key
     │   └── ReadOnlyOptionError           writing a key that can only be read
     ├── OptionValueError(ValueError)      an option value out of range
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 __all__ = [
     "FormatError",
+    "LockTimeoutError",
     "OptionError",
     "OptionTypeError",
     "OptionValueError",
@@ -55,6 +57,14 @@ class FormatError(PackCacheError, ValueError):
             where.append(f"offset {offset}")
         prefix = f"{': '.join(where)}: " if where else ""
         super().__init__(prefix + message)
+
+
+class LockTimeoutError(PackCacheError, TimeoutError):
+    """Another process held a cache file's build lock longer than the timeout.
+
+    Raised by the maintenance entry points (``compact``); a model load never raises
+    it: its packs go to heap with reason ``locked``.
+    """
 
 
 class OptionError(PackCacheError, KeyError):

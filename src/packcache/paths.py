@@ -44,9 +44,10 @@ import secrets
 import stat
 import time
 
-from .errors import UntrustedFileError
+from .errors import LockTimeoutError, UntrustedFileError
 
 __all__ = [
+    "acquire_build_lock",
     "create_temp",
     "fsync_dir",
     "lock_path_for",
@@ -207,6 +208,34 @@ def still_linked(fd: int, path: str) -> bool:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def acquire_build_lock(path: str, timeout: float, mode: int) -> int:
+    """Take the exclusive build lock of cache file ``path``; return the lock file's descriptor.
+
+    The lock file is :func:`lock_path_for` ``path`` (created with ``mode`` if missing;
+    its directory must exist). After ``flock`` succeeds the path must still name the
+    locked file: a lock file that a cleaner unlinked or replaced meanwhile locks
+    nobody out, so it is opened again. Closing the descriptor releases the lock.
+
+    Raises:
+        LockTimeoutError: another process held the lock for more than ``timeout`` seconds.
+        UntrustedFileError: the lock path is a FIFO, symlink, foreign or writable file.
+        OSError: the lock file cannot be opened or created, or ``flock`` failed.
+    """
+    lock_path = lock_path_for(path)
+    deadline = time.monotonic() + timeout
+    while True:
+        fd = open_lock(lock_path, mode)
+        try:
+            if not wait_for_flock(fd, deadline):
+                raise LockTimeoutError(f"another process held the build lock {lock_path} for more than {timeout:g} s")
+            if still_linked(fd, lock_path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # unlinked or replaced after we opened it: lock whatever the path names now
 
 
 def temp_prefix(path: str) -> str:
