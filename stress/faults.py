@@ -712,11 +712,11 @@ def _emfile_build(env: Env, d: Path) -> list[str]:
 
 @case("emfile/append")
 def _emfile_append(env: Env, d: Path) -> list[str]:
-    """Two descriptors: the file and its mapping (mmap dups the fd), none for the lock file."""
+    """One descriptor: the file (its mappings keep none), none for the lock file."""
     path = d / "model.pcache"
     build(path, AB)
     before = snapshot(path)
-    problems, step = one_load(run_child(env, path, [load_step({**AB, "c": C})], limits={"free_fds": 2}))
+    problems, step = one_load(run_child(env, path, [load_step({**AB, "c": C})], limits={"free_fds": 1}))
     problems += step and check_load(
         step, path, hits=2, stored=0, heap={"open_failed": 64 * KIB}, errno="EMFILE", errors=("open_failed",)
     )

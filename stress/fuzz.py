@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import hashlib
 import logging
 import math
-import mmap
 import os
 import shutil
 import signal
@@ -320,16 +320,25 @@ def pure_read(data: bytes) -> dict[str, fmt.Entry]:
     raise first
 
 
-def map_range(buffer: object) -> tuple[int, int]:
-    assert isinstance(buffer, mmap.mmap)
-    if buffer.closed or len(buffer) == 0:
-        return 0, 0
-    start = np.frombuffer(buffer, np.uint8).ctypes.data  # ACCESS_READ: from_buffer would need a writable map
-    return start, start + len(buffer)
+def file_mappings() -> list[tuple[int, int, str]]:
+    """(start, end, path) of every file-backed mapping of this process, from /proc/self/maps."""
+    found = []
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip().startswith("/"):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                found.append((low, high, fields[5].strip()))
+    return found
 
 
-def inside_mapping(array: np.ndarray[Any, Any]) -> bool:
-    """The array's memory lies inside the mmap its base chain ends in (zero-size arrays need no memory)."""
+def inside_mapping(array: np.ndarray[Any, Any], path: str) -> bool:
+    """The array's memory lies inside one live mapping of the cache file (zero-size arrays need no memory).
+
+    The kernel's own table is the judge, not the library's bookkeeping: the view must
+    end in a buffer of packcache's mapping windows, and its bytes must lie inside a
+    mapping of ``path`` (or of a temp file beside it, renamed or deleted since).
+    """
     if array.nbytes == 0:
         return True
     base: object = array
@@ -337,11 +346,18 @@ def inside_mapping(array: np.ndarray[Any, Any]) -> bool:
         base = base.base
     if isinstance(base, memoryview):
         base = base.obj
-    if not isinstance(base, mmap.mmap):
+    if not isinstance(base, ctypes.Array):
         return False
-    start, end = map_range(base)
     address = array.ctypes.data
-    return start <= address and address + array.nbytes <= end
+    if not (
+        ctypes.addressof(base) <= address and address + array.nbytes <= ctypes.addressof(base) + ctypes.sizeof(base)
+    ):
+        return False
+    name = os.path.basename(path)
+    return any(
+        low <= address and address + array.nbytes <= high and os.path.basename(mapped).lstrip(".").startswith(name)
+        for low, high, mapped in file_mappings()
+    )
 
 
 def _names(data: bytes) -> list[str]:
@@ -377,7 +393,7 @@ def run_case(path: str, data: bytes, picks: list[int], counts: Counts, case_seco
                     served[name] = s.get_or_pack(name, lambda array=array: array, key=key)
             stats = cache.stats()
             rebuilt = os.stat(path).st_ino != inode
-            check(data, expected, served, stats, rebuilt, counts)
+            check(data, expected, served, stats, rebuilt, counts, path)
     except Hang as exc:
         counts.other_exceptions += 1
         counts.failures.append(f"hang: {exc} ({len(data)}-byte file)")
@@ -398,6 +414,7 @@ def check(
     stats: packcache.CacheStats,
     rebuilt: bool,
     counts: Counts,
+    path: str,
 ) -> None:
     if stats.heap_packs:
         counts.unexpected_heap += 1
@@ -420,7 +437,7 @@ def check(
         counts.disagreements += 1
         counts.failures.append(f"pure decoders {'rejected' if expected is None else 'accepted'}, rebuilt={rebuilt}")
     for name, array in served.items():
-        if not inside_mapping(array):
+        if not inside_mapping(array, path):
             counts.views_outside += 1
             counts.failures.append(f"view of {name!r} outside its mapping")
             continue

@@ -5,12 +5,18 @@ A :class:`WeightCache` owns one cache file (or none: caching off). A
 start to end, takes the cross-process build lock at its first miss, and
 commits what it stored when it ends. :meth:`Session.get_or_pack` routes each
 request to ``hit``, ``stored`` or ``heap`` (with a reason), following the
-routing table in DESIGN.md. A cache problem is counted, logged once per reason
-and answered with a heap pack; it never raises.
+routing table in docs/ROUTING.md. A cache problem is counted, logged once per
+reason and answered with a heap pack; it never raises.
 
-Statistics are published as an immutable :class:`~packcache.stats.CacheStats`
-replaced by one reference assignment, so :meth:`WeightCache.stats` and
-:func:`aggregate_stats` never wait on a session.
+Threads may share one session (a thread pool packing the layers of a cold
+build): ``pack()`` callables run concurrently, while routing, appends and the
+bookkeeping are serialised by the session's mutex, and two threads asking for
+one name make one pack.
+
+Statistics are read without any lock: the bookkeeping (:class:`_Ledger`) is
+changed under the session's mutex and read through a sequence counter, so
+:meth:`WeightCache.stats` and :func:`aggregate_stats` never wait on a session
+and never see a half-made change.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import errno as errno_mod
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -31,7 +37,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import PackResultError, SessionError
-from .stats import FAILURE_REASONS, CacheStats, HeapReason, derive_state, dominant_reason, sum_stats, zero_reasons
+from .stats import FAILURE_REASONS, CacheStats, HeapReason, derive_state, dominant_reason, zero_reasons
 from .store import Fault, FileStore
 
 __all__ = ["Session", "WeightCache", "aggregate_stats", "live_caches"]
@@ -55,11 +61,13 @@ def live_caches() -> list[WeightCache]:
 def aggregate_stats() -> CacheStats:
     """Statistics summed over every live :class:`WeightCache` in this process.
 
-    Takes no per-instance lock: each cache's published snapshot is read as is.
+    Takes no per-instance lock: each cache's statistics are read as :meth:`WeightCache.stats` reads them.
 
     >>> aggregate_stats().heap_bytes >= 0
     True
     """
+    from .stats import sum_stats
+
     return sum_stats(c.stats() for c in live_caches())
 
 
@@ -75,20 +83,219 @@ def _unregister(cache: WeightCache) -> None:
         _live = tuple(r for r in _live if r() is not None and r() is not cache)
 
 
-@dataclass
 class _Held:
-    array: np.ndarray[Any, Any]
-    digest: bytes
-    nbytes: int
-    reason: HeapReason | None  # None: mapped (hit or stored)
-    session: int  # serial of the session that served it
-    origin: tuple[int, int, int] | None = None  # mapped: (st_dev, st_ino, offset) of the bytes it views
+    """One pack the cache holds: the array it handed out and where its bytes live."""
+
+    __slots__ = ("array", "digest", "nbytes", "origin", "reason", "session")
+
+    def __init__(
+        self,
+        array: np.ndarray[Any, Any],
+        digest: bytes,
+        reason: HeapReason | None,  # None: mapped (hit or stored)
+        session: int,  # serial of the session that served it
+        origin: tuple[int, int, int] | None = None,  # mapped: (st_dev, st_ino, offset) of its bytes
+    ) -> None:
+        self.array = array
+        self.digest = digest
+        self.nbytes = int(array.nbytes)
+        self.reason = reason
+        self.session = session
+        self.origin = origin
+
+
+class _Route:
+    """A request that goes to heap, and why."""
+
+    __slots__ = ("fault", "reason")
+
+    def __init__(self, reason: HeapReason, fault: Fault | None) -> None:
+        self.reason = reason
+        self.fault = fault
+
+
+_NEEDS_LOCK = object()  # a miss that can be stored once the build lock is held
+
+
+class _Ledger:
+    """What a cache holds and what it did: the figures its statistics are made of.
+
+    Changed only by one thread at a time (under a session's mutex, or the cache's
+    instance lock outside sessions). Read by anyone without a lock, through a
+    sequence counter (a seqlock): every change makes ``seq`` odd while it runs and
+    even when it is done; a reader that sees ``seq`` odd, or changed while it copied
+    the figures, reads again, and after a few tries returns the last consistent
+    snapshot instead of waiting.
+    """
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.held: dict[str, _Held] = {}
+        self.unnamed: dict[int, _Held] = {}  # no name: their own namespace, never a user's name
+        self.unnamed_serial = 0
+        self.mapped = 0
+        self.heap = zero_reasons()
+        self.totals = {"mapped": 0, "heap": 0, "written": 0, "hits": 0, "stored": 0, "heap_packs": 0}
+        self.file_bytes = 0
+        self.errno = 0
+        self.error = ""
+        self.error_time = 0.0
+        self.pack_seconds = 0.0
+        self.map_seconds = 0.0
+        self.blocking: Fault | None = None  # the file cannot be opened or trusted
+        self.commit_fault: Fault | None = None  # the last commit failed
+        self.logged: set[str] = set()
+        self.cached: tuple[int, bool, CacheStats] | None = None
+
+    # Every method below runs under the writer's exclusion, between two increments of ``seq``.
+
+    def hold(self, name: str | None, held: _Held) -> None:
+        self.seq += 1
+        try:
+            if name is None:
+                self.unnamed_serial += 1
+                self.unnamed[self.unnamed_serial] = held
+            else:
+                old = self.held.pop(name, None)
+                if old is not None:
+                    self._uncount(old)  # same name, new key: the old pack is superseded
+                self.held[name] = held
+            if held.reason is None:
+                self.mapped += held.nbytes
+                self.totals["mapped"] += held.nbytes
+            else:
+                self.heap[held.reason.value] += held.nbytes
+                self.totals["heap"] += held.nbytes
+                self.totals["heap_packs"] += 1
+        finally:
+            self.seq += 1
+
+    def _uncount(self, held: _Held) -> None:
+        if held.reason is None:
+            self.mapped -= held.nbytes
+        else:
+            self.heap[held.reason.value] -= held.nbytes
+
+    def drop(self, name: str | None, serial: int = 0) -> None:
+        self.seq += 1
+        try:
+            self._uncount(self.held.pop(name) if name is not None else self.unnamed.pop(serial))
+        finally:
+            self.seq += 1
+
+    def reclassify(self, name: str, reason: HeapReason, session: int) -> None:
+        """A held pack's bytes are now counted under ``reason`` (heap)."""
+        self.seq += 1
+        try:
+            held = self.held[name]
+            self._uncount(held)
+            held.reason, held.session, held.origin = reason, session, None
+            self.heap[reason.value] += held.nbytes
+        finally:
+            self.seq += 1
+
+    def add(self, **amounts: float) -> None:
+        """Add to totals (``hits``, ``stored``) and timers (``pack_seconds``, ``map_seconds``)."""
+        self.seq += 1
+        try:
+            for field, amount in amounts.items():
+                if field in self.totals:
+                    self.totals[field] += int(amount)
+                else:
+                    setattr(self, field, getattr(self, field) + amount)
+        finally:
+            self.seq += 1
+
+    def set(self, **values: Any) -> None:
+        """Set plain figures (``file_bytes``, ``blocking``, ``commit_fault``, ``written``)."""
+        self.seq += 1
+        try:
+            for field, value in values.items():
+                if field == "written":
+                    self.totals["written"] = value
+                else:
+                    setattr(self, field, value)
+        finally:
+            self.seq += 1
+
+    def record_failure(self, fault: Fault) -> bool:
+        """Keep the errno and message of the latest failure; True the first time its reason is seen."""
+        self.seq += 1
+        try:
+            self.errno, self.error, self.error_time = fault.errno, fault.message, time.time()
+        finally:
+            self.seq += 1
+        return self.first(fault.reason.value)
+
+    def first(self, what: str) -> bool:
+        if what in self.logged:
+            return False
+        self.logged.add(what)
+        return True
+
+    def snapshot(self, enabled: bool, path: str) -> CacheStats:
+        """A consistent :class:`CacheStats`; never waits (see the class docstring)."""
+        for _ in range(64):
+            seq = self.seq
+            cached = self.cached
+            if cached is not None and cached[0] == seq and cached[1] == enabled:
+                return cached[2]
+            if seq & 1:
+                continue  # a change is under way in another thread
+            snapshot = self._build(enabled, path)
+            if self.seq == seq:
+                self.cached = (seq, enabled, snapshot)
+                return snapshot
+        return self.cached[2] if self.cached is not None else CacheStats()
+
+    def _build(self, enabled: bool, path: str) -> CacheStats:
+        by_reason = dict(self.heap)
+        totals = dict(self.totals)
+        failing = self.blocking is not None or self.commit_fault is not None
+        state = derive_state(
+            enabled=enabled, mapped_bytes=self.mapped, heap_bytes_by_reason=by_reason,
+            written_bytes=totals["written"], failing=failing,
+        )  # fmt: skip
+        return CacheStats.fast(
+            state=state.value,
+            errno=self.errno,
+            error=self.error,
+            error_time=self.error_time,
+            mapped_bytes=self.mapped,
+            heap_bytes=sum(by_reason.values()),
+            heap_bytes_by_reason=by_reason,
+            heap_reason=dominant_reason(by_reason),
+            mapped_bytes_total=totals["mapped"],
+            heap_bytes_total=totals["heap"],
+            written_bytes=totals["written"],
+            file_bytes=self.file_bytes,
+            hits=totals["hits"],
+            stored=totals["stored"],
+            heap_packs=totals["heap_packs"],
+            pack_seconds=self.pack_seconds,
+            map_seconds=self.map_seconds,
+            path=path,
+            failing=failing,
+        )
 
 
 def _check_timeout(value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"lock_timeout must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
+
+
+def _check_mode(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o7777:
+        raise ValueError(f"{what} must be permission bits (an int in [0, 0o7777]), got {value!r}")
+    if value & 0o022:
+        # The trust check refuses group/world-writable files and unsafe directories:
+        # a mode that makes the cache refuse its own file on the next launch is a mistake.
+        raise ValueError(
+            f"{what} {value:04o} lets other users write; packcache refuses such files as untrusted "
+            f"(use e.g. {value & ~0o022:04o})"
+        )
+    return value
 
 
 class WeightCache:
@@ -107,14 +314,15 @@ class WeightCache:
             this machine (packer versions, framework version, CPU capability).
             A file made under another platform is rebuilt.
         enabled: ``False`` turns caching off; ``None`` takes ``packed_cache_enabled``.
-        file_mode: permission bits of new cache files (default ``0o600``).
-        dir_mode: permission bits of directories created for them (default ``0o700``).
+        file_mode: permission bits of new cache files (default ``0o600``); never group/world-writable.
+        dir_mode: permission bits of directories created for them (default ``0o700``); same rule.
         verify: check each hit's checksum before serving it (reads every page of
             the pack, so off by default); a pack that fails is packed and stored again.
             The process-wide option ``packed_cache_verify`` forces it on too.
 
     Raises:
-        ValueError/TypeError: for invalid arguments (never for a problem with the file).
+        ValueError/TypeError: for invalid arguments (an empty path, a writable mode, ...),
+            never for a problem with the file.
 
     >>> import numpy as np, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -144,59 +352,60 @@ class WeightCache:
         if len(platform_bytes) > fmt.PLATFORM_MAX:
             raise ValueError(f"platform fingerprint is {len(platform_bytes)} bytes of JSON, at most 1984 allowed")
         self.path: str | None = os.fspath(path) if path is not None else None
+        if self.path is not None and (not isinstance(self.path, str) or not self.path or "\0" in self.path):
+            raise ValueError(f"path must be a non-empty file path (or None for caching off), got {path!r}")
+        _check_mode(file_mode, "file_mode")
+        _check_mode(dir_mode, "dir_mode")
         self.alignment = alignment
         self.platform = platform_bytes
         self.lock_timeout = _check_timeout(DEFAULTS["lock_timeout"] if lock_timeout is None else lock_timeout)
-        self.read_only = bool(read_only) or bool(DEFAULTS["read_only"])
         self.enabled = (DEFAULTS["enabled"] if enabled is None else bool(enabled)) and self.path is not None
         self.verify = bool(verify) or bool(DEFAULTS["verify"])
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._closed = False
         self._finalized = False
+        self._session_serial = 0
         self._store: FileStore | None = None
+        self._read_only = bool(read_only) or bool(DEFAULTS["read_only"])
         if self.path is not None:
             self._store = FileStore(
-                self.path, alignment=alignment, platform=platform_bytes, read_only=self.read_only,
+                self.path, alignment=alignment, platform=platform_bytes, read_only=self._read_only,
                 file_mode=file_mode, dir_mode=dir_mode,
             )  # fmt: skip
             weakref.finalize(self, self._store.close)
-        # The ledger: written only under self._lock, read by nobody but _publish.
-        self._held: dict[str, _Held] = {}
-        self._session_serial = 0
-        self._unnamed = 0
-        self._mapped = 0
-        self._heap = zero_reasons()
-        self._totals = {"mapped": 0, "heap": 0, "written": 0, "hits": 0, "stored": 0, "heap_packs": 0}
-        self._file_bytes = 0
-        self._errno = 0
-        self._error = ""
-        self._error_time = 0.0
-        self._pack_seconds = 0.0
-        self._map_seconds = 0.0
-        self._logged: set[str] = set()
-        self._snapshot = CacheStats()
-        self._publish()
+        self._ledger = _Ledger()
         _register(self)
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def read_only(self) -> bool:
+        """Never write (``packed_cache_read_only``). Setting it takes effect at the next session."""
+        return self._read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        self._read_only = bool(value)
+        if self._store is not None:
+            self._store.read_only = self._read_only
 
     def session(self) -> Session:
         """Start a load: a context manager holding this cache's lock until it exits.
 
         Raises:
-            SessionError: if this thread already has a session on this cache, or
-                the cache is closed.
+            SessionError: (on entry) if this thread already has a session on this cache,
+                or the cache is closed.
         """
         return Session(self)
 
     def stats(self) -> CacheStats:
-        """The latest published snapshot; never waits, takes no lock.
+        """A consistent snapshot of this cache's figures; never waits, takes no lock.
 
         >>> WeightCache(None).stats().state
         'off'
         """
-        return self._snapshot
+        return self._ledger.snapshot(self.enabled, self.path or "")
 
     def get_option(self, key: str) -> Any:
         """Read an option key (see :mod:`packcache.options`) for this cache."""
@@ -230,10 +439,19 @@ class WeightCache:
         running in another thread.
         """
         with self._locked("release()"):
-            for name, held in self._held.items():
-                if (isinstance(what, str) and name == what) or held.array is what:
-                    self._drop(name)
-                    self._publish()
+            ledger = self._ledger
+            if isinstance(what, str):
+                if what in ledger.held:
+                    ledger.drop(what)
+                    return True
+                return False
+            for name, held in ledger.held.items():
+                if held.array is what:
+                    ledger.drop(name)
+                    return True
+            for serial, held in ledger.unnamed.items():
+                if held.array is what:
+                    ledger.drop(None, serial)
                     return True
             return False
 
@@ -245,13 +463,15 @@ class WeightCache:
         if self._closed:
             return
         with self._locked("close()"):
-            for name in list(self._held):
-                self._drop(name)
+            ledger = self._ledger
+            for name in list(ledger.held):
+                ledger.drop(name)
+            for serial in list(ledger.unnamed):
+                ledger.drop(None, serial)
             if self._store is not None:
                 self._store.close()
             self._closed = True
             _unregister(self)
-            self._publish()
 
     def __enter__(self) -> WeightCache:
         return self
@@ -260,56 +480,17 @@ class WeightCache:
         self.close()
 
     def __repr__(self) -> str:
-        s = self._snapshot
+        s = self.stats()
         return f"WeightCache({self.path!r}, state={s.state!r}, mapped={s.mapped_bytes}, heap={s.heap_bytes})"
 
     # ------------------------------------------------------------------ internals
 
-    def _locked(self, what: str) -> _Acquired:
+    def _locked(self, what: str) -> threading.Lock:
         if self._owner == threading.get_ident():
             raise SessionError(f"{what} called inside this thread's own session on {self.path!r}")
-        return _Acquired(self._lock)
-
-    def _drop(self, name: str) -> None:
-        held = self._held.pop(name)
-        if held.reason is None:
-            self._mapped -= held.nbytes
-        else:
-            self._heap[held.reason.value] -= held.nbytes
-
-    def _hold(
-        self,
-        name: str | None,
-        array: np.ndarray[Any, Any],
-        digest: bytes,
-        reason: HeapReason | None,
-        origin: tuple[int, int, int] | None = None,
-    ) -> None:
-        if name is None:
-            self._unnamed += 1
-            name = f"\0unnamed-{self._unnamed}"  # NUL cannot start a real name's key
-        elif name in self._held:
-            self._drop(name)  # same name, new key: the old pack is superseded
-        nbytes = int(array.nbytes)
-        self._held[name] = _Held(array, digest, nbytes, reason, self._session_serial, origin)
-        if reason is None:
-            self._mapped += nbytes
-            self._totals["mapped"] += nbytes
-        else:
-            self._heap[reason.value] += nbytes
-            self._totals["heap"] += nbytes
-            self._totals["heap_packs"] += 1
-
-    def _record_failure(self, fault: Fault) -> None:
-        self._errno = fault.errno
-        self._error = fault.message
-        self._error_time = time.time()
-        self._log(fault.reason, fault.message, fault.errno)
+        return self._lock
 
     def _log(self, reason: HeapReason, message: str, err: int = 0) -> None:
-        if reason.value in self._logged:
-            return
-        self._logged.add(reason.value)
         if reason in FAILURE_REASONS:
             name = errno_mod.errorcode.get(err, "no errno") if err else "no errno"
             logger.error("packcache: %s [%s]: %s; packs go to heap", reason.value, name, message)
@@ -318,58 +499,48 @@ class WeightCache:
         else:
             logger.debug("packcache: %s: packs go to heap (%s)", reason.value, message)
 
-    def _publish(self) -> None:
-        by_reason = dict(self._heap)
-        state = derive_state(
-            enabled=self.enabled, mapped_bytes=self._mapped, heap_bytes_by_reason=by_reason,
-            written_bytes=self._totals["written"],
-        )  # fmt: skip
-        # One reference assignment: readers see the old or the new snapshot, never a mix.
-        self._snapshot = CacheStats.fast(
-            state=state.value,
-            errno=self._errno,
-            error=self._error,
-            error_time=self._error_time,
-            mapped_bytes=self._mapped,
-            heap_bytes=sum(by_reason.values()),
-            heap_bytes_by_reason=by_reason,
-            heap_reason=dominant_reason(by_reason),
-            mapped_bytes_total=self._totals["mapped"],
-            heap_bytes_total=self._totals["heap"],
-            written_bytes=self._totals["written"],
-            file_bytes=self._file_bytes,
-            hits=self._totals["hits"],
-            stored=self._totals["stored"],
-            heap_packs=self._totals["heap_packs"],
-            pack_seconds=self._pack_seconds,
-            map_seconds=self._map_seconds,
-            path=self.path or "",
-        )
+    def _note(self, route: _Route) -> None:
+        """Count a failure (errno, message) and log each reason once per cache."""
+        ledger = self._ledger
+        if route.fault is not None:
+            if ledger.record_failure(route.fault):
+                self._log(route.reason, route.fault.message, route.fault.errno)
+        elif ledger.first(route.reason.value):
+            self._log(route.reason, f"cache {self.path}")
 
 
-class _Acquired:
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
-def _validated(result: object) -> np.ndarray[Any, Any]:
+def _validated(result: object) -> tuple[np.ndarray[Any, Any], bool]:
+    """What ``pack()`` returned, as a plain C-contiguous array; and whether it is a new copy."""
     if not isinstance(result, np.ndarray):
         raise PackResultError(f"pack() must return a numpy.ndarray, got {type(result).__name__}")
-    dtype = result.dtype
+    masked = sys.modules.get("numpy.ma")  # imported if a MaskedArray exists; never import it here (EMFILE)
+    if masked is not None and isinstance(result, masked.MaskedArray):
+        raise PackResultError(
+            "pack() returned a numpy.ma.MaskedArray: its mask cannot be cached; return .filled(...) or .data"
+        )
+    array = result if type(result) is np.ndarray else result.view(np.ndarray)  # np.memmap, np.matrix: the bytes
+    dtype = array.dtype
     if dtype.str[1:] not in fmt.DTYPE_CODES or dtype.str[0] == ">":
         raise PackResultError(
             f"pack() returned dtype {dtype}; cacheable dtypes are little-endian {', '.join(fmt.DTYPE_CODES)}"
         )
-    if len(result.shape) > fmt.MAX_NDIM:
-        raise PackResultError(f"pack() returned {result.ndim} dimensions, at most {fmt.MAX_NDIM} are supported")
-    # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
-    return result if result.flags.c_contiguous else result.copy(order="C")
+    if len(array.shape) > fmt.MAX_NDIM:
+        raise PackResultError(f"pack() returned {array.ndim} dimensions, at most {fmt.MAX_NDIM} are supported")
+    if not fmt.shape_fits(array.shape, array.dtype.itemsize):
+        raise PackResultError(f"pack() returned shape {array.shape}, whose size does not fit 2**63-1 bytes")
+    if array.flags.c_contiguous:
+        return array, False
+    return array.copy(order="C"), True  # not np.ascontiguousarray: it turns a 0-d array into a 1-d one
+
+
+def _owns_memory(array: np.ndarray[Any, Any]) -> bool:
+    """Whether ``array``'s memory can be reached only through it: it owns it, or each base up to
+    the owner is a plain ndarray referenced by nothing but the view above it."""
+    while not array.flags.owndata:
+        if type(array.base) is not np.ndarray or sys.getrefcount(array.base) > 2:
+            return False  # a foreign buffer, or a base someone else still holds
+        array = array.base
+    return True
 
 
 def _read_only_view(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -387,13 +558,26 @@ class Session:
 
     While active it holds the cache's instance lock (other threads' sessions
     wait), and from its first miss the cross-process build lock. On exit it
-    commits what it stored and releases both.
+    waits for requests still running in other threads, commits what it stored
+    and releases both locks.
+
+    Threads may share a session: their ``pack()`` calls run concurrently; routing,
+    appends and bookkeeping are serialised; two threads asking for one name make
+    one pack (the second waits for the first and is served the same array).
     """
 
     def __init__(self, cache: WeightCache) -> None:
         self._cache = cache
         self._active = False
+        self._used = False
+        self._closing = False
+        self._serial = 0
+        self._mutex = threading.Lock()
+        self._idle = threading.Condition(self._mutex)
+        self._calls = 0
+        self._locking = threading.Lock()  # the thread waiting for the build lock holds it, not the mutex
         self._lock_fault: Fault | None = None
+        self._inflight: dict[str, threading.Event] = {}
 
     @property
     def cache(self) -> WeightCache:
@@ -402,16 +586,25 @@ class Session:
 
     def __enter__(self) -> Session:
         cache = self._cache
+        if self._used:
+            raise SessionError("a session is entered once; start another with cache.session()")
         if cache._owner == threading.get_ident():
             raise SessionError(f"a session on {cache.path!r} is already active in this thread")
         cache._lock.acquire()
-        if cache._closed:
+        try:
+            if cache._closed:
+                raise SessionError(f"the cache {cache.path!r} is closed")
+            self._used = True
+            cache._owner = threading.get_ident()
+            cache._session_serial += 1
+            self._serial = cache._session_serial
+            self._active = True
+            self._refresh()
+        except BaseException:  # KeyboardInterrupt in the refresh included: never leave the lock held
+            self._active = False
+            cache._owner = None
             cache._lock.release()
-            raise SessionError(f"the cache {cache.path!r} is closed")
-        cache._owner = threading.get_ident()
-        cache._session_serial += 1
-        self._active = True
-        self._refresh()
+            raise
         return self
 
     def __exit__(
@@ -420,27 +613,57 @@ class Session:
         cache = self._cache
         store = cache._store
         try:
+            with self._mutex:
+                self._closing = True
+                while self._calls:
+                    self._idle.wait()
             if store is not None and store.pending:
-                try:
-                    store.commit()
-                    cache._file_bytes = store.file_size
-                except Fault as fault:
-                    cache._record_failure(fault)
-                except Exception as exc:  # a cache problem must never fail a model load
-                    logger.debug("packcache: unexpected error committing %s", cache.path, exc_info=True)
-                    store.abort()
-                    cache._record_failure(Fault(HeapReason.WRITE_FAILED, 0, f"cannot commit {cache.path}: {exc!r}"))
-                cache._totals["written"] = store.bytes_written
-            if store is not None:
-                store.release_lock()
+                self._commit(store)
         finally:
             self._active = False
+            if store is not None:
+                store.release_lock()
             cache._owner = None
-            cache._publish()
             cache._lock.release()
 
+    def _commit(self, store: FileStore) -> None:
+        cache, ledger = self._cache, self._cache._ledger
+        names = store.pending_names
+        try:
+            store.commit()
+        except Fault as fault:
+            self._commit_failed(store, names, fault)
+        except Exception as exc:  # a cache problem must never fail a model load
+            logger.debug("packcache: unexpected error committing %s", cache.path, exc_info=True)
+            store.abort()
+            self._commit_failed(store, names, Fault(HeapReason.WRITE_FAILED, 0, f"cannot commit {cache.path}: {exc!r}"))
+        except BaseException as exc:  # interrupted: what was not committed is not durable
+            self._commit_failed(store, names, Fault(HeapReason.WRITE_FAILED, 0, f"commit interrupted: {exc!r}"))
+            raise
+        else:
+            ledger.set(commit_fault=None, blocking=None)
+        finally:
+            ledger.set(file_bytes=store.file_size, written=store.bytes_written)
+
+    def _commit_failed(self, store: FileStore, names: tuple[str, ...], fault: Fault) -> None:
+        """The session's stored packs that did not become durable are counted as heap, with the
+        commit's reason: they are in no committed generation, and the next launch repacks them."""
+        cache, ledger = self._cache, self._cache._ledger
+        for name in names:
+            held = ledger.held.get(name)
+            if held is None or held.reason is not None or held.session != self._serial:
+                continue
+            entry = store.lookup(name, held.digest)
+            if entry is not None and store.origin_of(entry) == held.origin:
+                continue  # committed after all (the rename happened; only the directory sync failed)
+            ledger.reclassify(name, fault.reason, self._serial)
+        ledger.set(commit_fault=fault)
+        if ledger.record_failure(fault):
+            cache._log(fault.reason, fault.message, fault.errno)
+
     def _refresh(self) -> None:
-        cache, store = self._cache, self._cache._store
+        """Read what the file holds now. Runs with exclusive access: on entry, or under the mutex."""
+        cache, store, ledger = self._cache, self._cache._store, self._cache._ledger
         if store is None or not cache.enabled:
             return
         started = time.perf_counter()
@@ -451,16 +674,14 @@ class Session:
             store.problem = Fault(
                 HeapReason.OPEN_FAILED, getattr(exc, "errno", 0) or 0, f"cannot open {cache.path}: {exc!r}"
             )
-        cache._map_seconds += time.perf_counter() - started
-        cache._file_bytes = store.file_size
-        if store.rebuild_reason and store.fd is not None and "rebuild" not in cache._logged:
-            cache._logged.add("rebuild")
+        ledger.add(map_seconds=time.perf_counter() - started)
+        ledger.set(file_bytes=store.file_size, blocking=store.problem)
+        if store.rebuild_reason and store.fd is not None and ledger.first("rebuild"):
             logger.warning(
                 "packcache: cache file %s will be rebuilt as a new file: %s", cache.path, store.rebuild_reason
             )
-        if store.problem is not None and store.problem.reason is not HeapReason.MAP_FAILED:
-            cache._record_failure(store.problem)
-        cache._publish()
+        if store.problem is not None and ledger.record_failure(store.problem):
+            cache._log(store.problem.reason, store.problem.message, store.problem.errno)
 
     def get_or_pack(self, name: str | None, pack: PackFn, key: Mapping[str, Any] | None = None) -> np.ndarray[Any, Any]:
         """Return the packed array for ``name``: mapped from the file, or packed now.
@@ -469,6 +690,8 @@ class Session:
             name: a stable name for the pack (e.g. ``"layers.0.attn.wq"``), or
                 ``None`` when there is none (the pack then goes to heap, ``unnamed``).
             pack: zero-argument callable returning a numpy array. Not called on a hit.
+                It may reuse its buffers: the cache copies what it serves from heap
+                unless the returned array is exclusively its own.
             key: JSON-serialisable mapping of everything else that identifies the
                 pack (packer id/version/params, source shape/dtype/identity). A
                 stored entry with another key is stale and is replaced.
@@ -478,90 +701,181 @@ class Session:
 
         Raises:
             PackResultError: ``pack()`` returned something that is not a cacheable array.
+            SessionError: the session is not active (or is ending).
             TypeError/ValueError: invalid ``name`` or ``key``.
             Whatever ``pack()`` raises. Cache problems are never raised.
         """
-        if not self._active:
-            raise SessionError("get_or_pack() called outside an active session (use 'with cache.session() as s')")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise TypeError(f"name must be a non-empty str or None, got {name!r}")
-        if name is not None and len(name.encode("utf-8")) > fmt.MAX_NAME_BYTES:
-            raise ValueError(f"name is longer than {fmt.MAX_NAME_BYTES} UTF-8 bytes: {name[:40]!r}...")
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"name must be a non-empty str or None, got {name!r}")
+            if len(name) * 4 > fmt.MAX_NAME_BYTES and len(name.encode("utf-8")) > fmt.MAX_NAME_BYTES:
+                raise ValueError(f"name is longer than {fmt.MAX_NAME_BYTES} UTF-8 bytes: {name[:40]!r}...")
         key_bytes = fmt.canonical_key(key)
         if len(key_bytes) > fmt.MAX_KEY_BYTES:
             raise ValueError(f"key is {len(key_bytes)} bytes of JSON, at most {fmt.MAX_KEY_BYTES} allowed")
-        cache = self._cache
+        with self._mutex:
+            if not self._active or self._closing:
+                raise SessionError("get_or_pack() called outside an active session (use 'with cache.session() as s')")
+            self._calls += 1
         try:
-            return self._route(name, pack, key_bytes)
+            cache = self._cache
+            if not cache.enabled or cache._store is None:
+                return self._heap_only(name, b"" if name is None else fmt.key_digest(name, key_bytes), pack, True)
+            if name is None:
+                return self._heap_only(None, b"", pack, False)
+            return self._route(name, pack, key_bytes, fmt.key_digest(name, key_bytes))
         finally:
-            cache._publish()
+            with self._mutex:
+                self._calls -= 1
+                if not self._calls:
+                    self._idle.notify_all()
 
-    def _route(self, name: str | None, pack: PackFn, key: bytes) -> np.ndarray[Any, Any]:
-        cache, store = self._cache, self._cache._store
-        digest = fmt.key_digest(name, key) if name is not None else b""
-        held = cache._held.get(name) if name is not None else None
+    def _heap_only(self, name: str | None, digest: bytes, pack: PackFn, disabled: bool) -> np.ndarray[Any, Any]:
+        if name is not None:
+            with self._mutex:
+                held = self._cache._ledger.held.get(name)
+                if held is not None and held.digest == digest:
+                    return held.array  # the same pack again: served and counted once
+        array, owned = self._packed(pack)
+        route = _Route(HeapReason.DISABLED if disabled else HeapReason.UNNAMED, None)
+        with self._mutex:
+            return self._serve_heap(name, digest, array, owned, route)
+
+    def _route(self, name: str, pack: PackFn, key: bytes, digest: bytes) -> np.ndarray[Any, Any]:
+        while True:
+            with self._mutex:
+                found = self._serve_existing(name, digest)
+                if isinstance(found, np.ndarray):
+                    return found
+                waiting = self._inflight.get(name)
+                if waiting is None:
+                    route = found if found is not None else self._miss_route()
+                    if route is not _NEEDS_LOCK:
+                        if isinstance(route, _Route):
+                            reused = self._reuse_heap(name, digest, route)
+                            if reused is not None:
+                                return reused
+                        mine = self._inflight[name] = threading.Event()
+                        break
+            if waiting is not None:
+                waiting.wait()  # another thread is making this pack: take its result
+                continue
+            self._take_build_lock()
+        try:
+            array, owned = self._packed(pack)
+            with self._mutex:
+                if isinstance(route, _Route):
+                    return self._serve_heap(name, digest, array, owned, route)
+                return self._store(name, key, digest, array, owned)
+        finally:
+            with self._mutex:
+                del self._inflight[name]
+            mine.set()
+
+    def _serve_existing(self, name: str, digest: bytes) -> np.ndarray[Any, Any] | _Route | None:
+        """A held or committed pack for ``(name, digest)``; a route to heap if it cannot be mapped; None: a miss."""
+        cache = self._cache
+        store, ledger = cache._store, cache._ledger
+        assert store is not None
+        held = ledger.held.get(name)
         if held is not None and held.digest == digest and not self._retry(held) and self._still_backed(name, held):
             return held.array  # the same pack again: served and counted once
-        if not cache.enabled or store is None:
-            return self._heap(name, digest, pack, HeapReason.DISABLED, None)
-        if name is None:
-            return self._heap(None, digest, pack, HeapReason.UNNAMED, None)
-        if store.problem is not None and store.problem.reason is not HeapReason.MAP_FAILED:
-            return self._heap(name, digest, pack, store.problem.reason, store.problem)
+        if store.problem is not None:
+            return None
         entry = self._lookup(name, digest)
         if entry is None:
-            if cache._finalized:
-                return self._heap(name, digest, pack, HeapReason.FINALIZED, None)
-            if cache.read_only or store.read_only_fault is not None:
-                fault = store.read_only_fault or Fault(HeapReason.READ_ONLY, 0, f"cache {cache.path} is read-only")
-                return self._heap(name, digest, pack, HeapReason.READ_ONLY, fault)
-            if self._lock_fault is not None:
-                return self._heap(name, digest, pack, self._lock_fault.reason, self._lock_fault)
-            if not store.locked:
-                try:
-                    store.acquire_lock(cache.lock_timeout)
-                except Fault as fault:
-                    self._lock_fault = fault
-                    return self._heap(name, digest, pack, fault.reason, fault)
-                self._refresh()  # another process may have committed while we waited
-                if store.problem is not None and store.problem.reason is not HeapReason.MAP_FAILED:
-                    return self._heap(name, digest, pack, store.problem.reason, store.problem)
-                entry = self._lookup(name, digest)
-        if entry is not None:
-            started = time.perf_counter()
-            try:
-                array = store.view(entry)
-            except Fault as fault:
-                return self._heap(name, digest, pack, HeapReason.MAP_FAILED, fault)
-            finally:
-                cache._map_seconds += time.perf_counter() - started
-            cache._hold(name, array, digest, None, store.origin_of(entry))
-            cache._totals["hits"] += 1
-            return array
-        result = self._pack(pack)
+            return None
+        started = time.perf_counter()
         try:
-            array = store.store(name, key, digest, result)
+            array = store.view(entry)
+        except Fault as fault:
+            return _Route(HeapReason.MAP_FAILED, fault)
+        finally:
+            ledger.add(map_seconds=time.perf_counter() - started)
+        ledger.hold(name, _Held(array, digest, None, self._serial, store.origin_of(entry)))
+        ledger.add(hits=1)
+        return array
+
+    def _miss_route(self) -> _Route | object | None:
+        """Where a miss goes: heap with a reason, the file (None), or first the build lock."""
+        cache = self._cache
+        store = cache._store
+        assert store is not None
+        if store.problem is not None:
+            return _Route(store.problem.reason, store.problem)
+        if cache._finalized:
+            return _Route(HeapReason.FINALIZED, None)
+        if cache.read_only or store.read_only_fault is not None:
+            fault = store.read_only_fault or Fault(HeapReason.READ_ONLY, 0, f"cache {cache.path} is read-only")
+            return _Route(HeapReason.READ_ONLY, fault)
+        if self._lock_fault is not None:
+            return _Route(self._lock_fault.reason, self._lock_fault)
+        if not store.locked:
+            return _NEEDS_LOCK
+        return None
+
+    def _take_build_lock(self) -> None:
+        """Wait for the build lock without holding the mutex (other threads keep serving hits),
+        then re-read the file: another process may have committed while we waited."""
+        store = self._cache._store
+        assert store is not None
+        with self._locking:
+            with self._mutex:
+                if store.locked or self._lock_fault is not None:
+                    return  # another thread of this session got it (or failed) meanwhile
+            timeout = self._cache.lock_timeout
+            try:
+                fd = store.take_lock(timeout)
+            except Fault as fault:
+                with self._mutex:
+                    self._lock_fault = fault
+                return
+            with self._mutex:
+                store.hold_lock(fd, timeout)
+                self._refresh()
+
+    def _reuse_heap(self, name: str, digest: bytes, route: _Route) -> np.ndarray[Any, Any] | None:
+        """Still failing since an earlier session: serve the heap copy already held, not a second one."""
+        ledger = self._cache._ledger
+        held = ledger.held.get(name)
+        if held is None or held.digest != digest or held.reason is None:
+            return None
+        self._cache._note(route)
+        ledger.reclassify(name, route.reason, self._serial)
+        return held.array
+
+    def _store(
+        self, name: str, key: bytes, digest: bytes, array: np.ndarray[Any, Any], owned: bool
+    ) -> np.ndarray[Any, Any]:
+        cache = self._cache
+        store, ledger = cache._store, cache._ledger
+        assert store is not None
+        if not self._active:
+            raise SessionError("the session ended while this pack was being made")
+        try:
+            view, origin = store.store(name, key, digest, array)
         except Fault as fault:
             # map_failed here means written (and committed at exit) but served from heap.
-            return self._serve_heap(name, digest, result, fault.reason, fault)
+            return self._serve_heap(name, digest, array, owned, _Route(fault.reason, fault))
         except Exception as exc:  # a cache problem must never fail a model load
             logger.debug("packcache: unexpected error storing %r in %s", name, cache.path, exc_info=True)
             failure = Fault(HeapReason.WRITE_FAILED, 0, f"cannot store {name!r} in {cache.path}: {exc!r}")
-            return self._serve_heap(name, digest, result, failure.reason, failure)
+            return self._serve_heap(name, digest, array, owned, _Route(failure.reason, failure))
         finally:
-            cache._totals["written"] = store.bytes_written
-        cache._hold(name, array, digest, None, store.origin_of(store.lookup(name, digest)))
-        cache._totals["stored"] += 1
-        return array
+            ledger.set(written=store.bytes_written)
+        ledger.hold(name, _Held(view, digest, None, self._serial, origin))
+        ledger.add(stored=1)
+        return view
 
     def _lookup(self, name: str, digest: bytes) -> fmt.Entry | None:
-        cache, store = self._cache, self._cache._store
+        cache = self._cache
+        store = cache._store
         assert store is not None
         entry = store.lookup(name, digest)
         if entry is not None and cache.verify:
             started = time.perf_counter()
             ok = store.checksum_ok(entry)
-            cache._map_seconds += time.perf_counter() - started
+            cache._ledger.add(map_seconds=time.perf_counter() - started)
             if not ok:
                 logger.error(
                     "packcache: entry %r of %s at offset %d failed its checksum; packing it again",
@@ -570,7 +884,7 @@ class Session:
                 return None
         return entry
 
-    def _still_backed(self, name: str | None, held: _Held) -> bool:
+    def _still_backed(self, name: str, held: _Held) -> bool:
         """A held mapped pack is served again only while the file still holds its bytes.
 
         Another process may have truncated, replaced or corrupted the file since
@@ -578,48 +892,43 @@ class Session:
         SIGBUS on touch, so the request is routed afresh instead.
         """
         store = self._cache._store
-        if held.origin is None or store is None or name is None:
+        if held.origin is None or store is None:
             return True
-        entry = store.lookup(name, held.digest)
-        return entry is not None and store.origin_of(entry) == held.origin
+        return store.origin_of(store.lookup(name, held.digest)) == held.origin
 
     def _retry(self, held: _Held) -> bool:
         """A pack sent to heap by a failure in an earlier session is routed again: the
         failure may be gone (lock released, space freed), and the cache should heal."""
-        return held.reason in FAILURE_REASONS and held.session != self._cache._session_serial
+        return held.reason in FAILURE_REASONS and held.session != self._serial
 
-    def _pack(self, pack: PackFn) -> np.ndarray[Any, Any]:
+    def _packed(self, pack: PackFn) -> tuple[np.ndarray[Any, Any], bool]:
+        """Call ``pack()``; return its array and whether the cache may keep it without a copy."""
         started = time.perf_counter()
         try:
-            return _validated(pack())
+            result = pack()
+            # Exclusively ours when nothing else references it (this frame's name and getrefcount's
+            # argument) and its memory is its own, or belongs to a chain of bases nothing else
+            # references: a packer reusing a scratch buffer, or keeping one, gets a copy served.
+            exclusive = type(result) is np.ndarray and sys.getrefcount(result) <= 2 and _owns_memory(result)
+            array, copied = _validated(result)
+            return array, exclusive or copied
         finally:
-            self._cache._pack_seconds += time.perf_counter() - started
-
-    def _heap(
-        self, name: str | None, digest: bytes, pack: PackFn, reason: HeapReason, fault: Fault | None
-    ) -> np.ndarray[Any, Any]:
-        held = self._cache._held.get(name) if name is not None else None
-        if held is not None and held.digest == digest and held.reason is not None:
-            # Still failing since an earlier session: serve the heap copy already held, not a second one.
-            self._cache._drop(name)  # type: ignore[arg-type]
-            return self._serve_heap(name, digest, held.array, reason, fault, frozen=True)
-        return self._serve_heap(name, digest, self._pack(pack), reason, fault)
+            elapsed = time.perf_counter() - started
+            with self._mutex:
+                self._cache._ledger.add(pack_seconds=elapsed)
 
     def _serve_heap(
-        self,
-        name: str | None,
-        digest: bytes,
-        array: np.ndarray[Any, Any],
-        reason: HeapReason,
-        fault: Fault | None,
-        *,
-        frozen: bool = False,
+        self, name: str | None, digest: bytes, array: np.ndarray[Any, Any], owned: bool, route: _Route
     ) -> np.ndarray[Any, Any]:
+        """Serve ``array`` from heap (a copy unless the cache owns it), counted under ``route.reason``."""
         cache = self._cache
-        if fault is not None:
-            cache._record_failure(fault)
-        else:
-            cache._log(reason, f"cache {cache.path}")
-        view = array if frozen else _read_only_view(array)
-        cache._hold(name, view, digest, reason)
+        cache._note(route)
+        if not owned:
+            try:
+                array = array.copy()
+            except MemoryError:  # no room for the copy: serve what pack() returned rather than fail the load
+                if cache._ledger.first("copy"):
+                    logger.warning("packcache: no memory to copy a heap pack of %s; served as pack() returned it", name)
+        view = _read_only_view(array)
+        cache._ledger.hold(name, _Held(view, digest, route.reason, self._serial))
         return view

@@ -51,6 +51,7 @@ __all__ = [
     "index_size",
     "key_digest",
     "numpy_dtype_str",
+    "shape_fits",
     "slot_offset",
     "validate_slot_bounds",
 ]
@@ -183,6 +184,20 @@ def key_digest(name: str, key: bytes) -> bytes:
     32
     """
     return hashlib.sha256(b"packcache-key\0" + name.encode("utf-8") + b"\0" + key).digest()
+
+
+def shape_fits(shape: Sequence[int], itemsize: int) -> bool:
+    """Whether an array of ``shape`` can exist: its non-zero dimensions times the item size
+    fit in 2**63 - 1 bytes (numpy refuses more even when a zero dimension makes it empty; R46).
+
+    >>> shape_fits((2**62, 0), 1), shape_fits((2**62, 0), 8)
+    (True, False)
+    """
+    size = itemsize
+    for d in shape:
+        if d:
+            size *= d
+    return size <= MAX_DIM
 
 
 def _crc(data: bytes | memoryview) -> int:
@@ -327,6 +342,8 @@ def encode_entry(entry: Entry) -> bytes:
         raise ValueError(f"digest must be 32 bytes, got {len(entry.digest)}")
     if any(d < 0 or d > MAX_DIM for d in entry.shape):
         raise ValueError(f"dimensions must be in [0, 2**63-1], got {entry.shape}")
+    if not shape_fits(entry.shape, _ITEMSIZE[entry.dtype]):
+        raise ValueError(f"shape {entry.shape} of {entry.dtype} does not fit 2**63-1 bytes (R46)")
     elements = 1
     for d in entry.shape:
         elements *= d
@@ -419,6 +436,8 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
             raise fail(f"entry {number}: duplicate name {name!r}", pos)
         if math.prod(shape) * _ITEMSIZE[code] != nbytes:
             raise fail(f"entry {number} ({name!r}): size {nbytes} != shape {shape} x itemsize", pos + 40)
+        if not nbytes and not shape_fits(shape, _ITEMSIZE[code]):
+            raise fail(f"entry {number} ({name!r}): empty shape {shape}, other dimensions over 2**63-1", pos + 64)
         if offset % alignment:
             raise fail(f"entry {number} ({name!r}): offset {offset} not aligned to {alignment}", pos + 32)
         if offset < data_start or offset + nbytes > index_offset:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from . import format as fmt
 from .errors import FormatError
-from .paths import create_temp
-from .store import Fault, entry_crc, pwrite_all, read_committed, read_generation, wait_for_lock
+from .paths import acquire_build_lock, create_temp
+from .store import entry_crc, pwrite_all, read_committed, read_generation
 
 __all__ = ["CompactReport", "VerifyProblem", "VerifyReport", "compact", "verify"]
 
@@ -155,12 +155,8 @@ def compact(path: str | os.PathLike[str], *, lock_timeout: float = 30.0) -> Comp
         TimeoutError: another process held the build lock too long.
     """
     name = os.fspath(path)
-    lock_fd = os.open(name + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    lock_fd = acquire_build_lock(name, lock_timeout, 0o600)
     try:
-        try:
-            wait_for_lock(lock_fd, lock_timeout, name + ".lock")
-        except Fault as fault:
-            raise TimeoutError(fault.message) from None
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
         try:
             return _compact_locked(name, fd)

@@ -58,7 +58,7 @@ FAILURE_REASONS = frozenset(
 
 # Plain strings for the hot path: enum attribute access costs more than the rest of a snapshot.
 _FAILURE_VALUES = tuple(r.value for r in HeapReason if r in FAILURE_REASONS)
-_TIE_ORDER = _FAILURE_VALUES + tuple(r.value for r in HeapReason if r not in FAILURE_REASONS)
+_OTHER_VALUES = tuple(r.value for r in HeapReason if r not in FAILURE_REASONS)
 _REASON_VALUES = tuple(r.value for r in HeapReason)
 
 
@@ -76,19 +76,31 @@ class CacheState(str, enum.Enum):
 
 
 def derive_state(
-    *, enabled: bool, mapped_bytes: int, heap_bytes_by_reason: Mapping[str, int], written_bytes: int
+    *,
+    enabled: bool,
+    mapped_bytes: int,
+    heap_bytes_by_reason: Mapping[str, int],
+    written_bytes: int,
+    failing: bool = False,
 ) -> CacheState:
     """Derive the state from what a cache holds; the first rule that applies wins.
+
+    ``failing``: a failure is already known (the file cannot be opened or trusted, or
+    the last commit failed), so the cache is ``degraded`` before any pack shows it.
 
     >>> derive_state(enabled=True, mapped_bytes=0, heap_bytes_by_reason={"unnamed": 8}, written_bytes=0)
     <CacheState.HEAP: 'heap'>
     >>> derive_state(enabled=True, mapped_bytes=8, heap_bytes_by_reason={"unnamed": 8}, written_bytes=8).value
     'stored'
+    >>> derive_state(enabled=True, mapped_bytes=0, heap_bytes_by_reason={}, written_bytes=0, failing=True).value
+    'degraded'
     """
     if not enabled:
         return CacheState.OFF
     if mapped_bytes == 0 and any(heap_bytes_by_reason.values()):
         return CacheState.HEAP
+    if failing:
+        return CacheState.DEGRADED
     get = heap_bytes_by_reason.get
     for reason in _FAILURE_VALUES:
         if get(reason, 0) > 0:
@@ -133,6 +145,8 @@ class CacheStats:
     pack_seconds: float = 0.0  #: time spent inside pack() callables
     map_seconds: float = 0.0  #: time spent opening, validating and mapping files
     path: str = ""  #: the cache file ('' when off; for aggregates, '' unless one cache)
+    #: a failure is known now (file cannot be opened or trusted, last commit failed), with or without packs
+    failing: bool = False
 
     @classmethod
     def fast(cls, **fields: Any) -> CacheStats:
@@ -152,20 +166,27 @@ _FIELD_NAMES = frozenset(f.name for f in fields(CacheStats))
 
 
 def dominant_reason(heap_bytes_by_reason: Mapping[str, int]) -> str:
-    """The reason holding the most heap bytes, ``"none"`` when there are none.
-
-    Ties go to the failure reason first, then to the order of :class:`HeapReason`.
+    """The reason a dashboard must see: the *failure* reason holding the most heap bytes when
+    any failure bytes exist, otherwise the reason holding the most heap bytes; ``"none"``
+    when there are none. Ties go to the order of :class:`HeapReason`.
 
     >>> dominant_reason({"unnamed": 4, "no_space": 4})
     'no_space'
+    >>> dominant_reason({"disabled": 1000, "no_space": 4})
+    'no_space'
+    >>> dominant_reason({"disabled": 1000, "unnamed": 4})
+    'disabled'
     """
-    best, best_bytes = "none", 0
     get = heap_bytes_by_reason.get
-    for reason in _TIE_ORDER:
-        held = get(reason, 0)
-        if held > best_bytes:
-            best, best_bytes = reason, held
-    return best
+    for group in (_FAILURE_VALUES, _OTHER_VALUES):  # a legitimate reason must never hide a failure
+        best, best_bytes = "none", 0
+        for reason in group:
+            held = get(reason, 0)
+            if held > best_bytes:
+                best, best_bytes = reason, held
+        if best_bytes:
+            return best
+    return "none"
 
 
 def sum_stats(snapshots: Iterable[CacheStats]) -> CacheStats:
@@ -182,9 +203,14 @@ def sum_stats(snapshots: Iterable[CacheStats]) -> CacheStats:
     mapped = sum(s.mapped_bytes for s in items)
     written = sum(s.written_bytes for s in items)
     enabled = any(s.state != CacheState.OFF.value for s in items)
+    failing = any(s.failing for s in items)
     return CacheStats(
         state=derive_state(
-            enabled=enabled, mapped_bytes=mapped, heap_bytes_by_reason=by_reason, written_bytes=written
+            enabled=enabled,
+            mapped_bytes=mapped,
+            heap_bytes_by_reason=by_reason,
+            written_bytes=written,
+            failing=failing,
         ).value,
         errno=latest.errno,
         error=latest.error,
@@ -203,4 +229,5 @@ def sum_stats(snapshots: Iterable[CacheStats]) -> CacheStats:
         pack_seconds=sum(s.pack_seconds for s in items),
         map_seconds=sum(s.map_seconds for s in items),
         path=items[0].path if len(items) == 1 else "",
+        failing=failing,
     )

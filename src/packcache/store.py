@@ -1,18 +1,25 @@
 """The cache file on disk: open, trust, validate, map, lock, append, commit.
 
-This module does the I/O; ``format.py`` decides what bytes mean. Everything
-that can go wrong with the file surfaces as a :class:`Fault`, which carries
-the heap reason, the errno and a message. The cache turns a fault into a heap
-pack and a counted, logged reason; nothing here ever fails a model load.
+This module does the I/O; ``format.py`` decides what bytes mean and
+``paths.py`` how a path is opened. Everything that can go wrong with the file
+surfaces as a :class:`Fault`, which carries the heap reason, the errno and a
+message. The cache turns a fault into a heap pack and a counted, logged
+reason; nothing here ever fails a model load.
 
-Three rules from the design shape the code:
+Rules from the design that shape the code:
 
 * A committed byte is never overwritten and the file is never truncated:
   another process may have it mapped, and shrinking a mapped file is SIGBUS.
 * A new or rebuilt file is written as a temp file, synced, then renamed over
-  the path, so a failed build never destroys the previous file.
+  the (resolved) path, so a failed build never destroys the previous file.
 * Space is reserved with ``posix_fallocate`` before writing, so a full disk
   is an errno at a known point, never a SIGBUS through a mapping.
+* One lock protocol, tied to the file rather than to the spelling of its path:
+  the sidecar build lock beside the resolved path (``paths.acquire_build_lock``),
+  and, for appends in place, an ``flock`` on the file's own inode (a hardlink,
+  or a lock file a cleaner deleted, must not let two writers append at once).
+* Mappings are few: packs are served from a :class:`~packcache.mapping.FileMap`
+  whose windows are reused, so descriptors and mappings stay O(1) in the packs.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import errno as errno_mod
 import fcntl
-import mmap
 import os
 import stat
 import time
@@ -31,8 +37,17 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
-from .errors import FormatError
-from .paths import create_temp, fsync_dir, remove_orphans, trust_problem, unlink_quietly
+from .errors import FormatError, LockTimeoutError, UntrustedFileError
+from .mapping import FileMap, Window
+from .paths import (
+    acquire_build_lock,
+    create_temp,
+    open_checked,
+    remove_orphans,
+    trust_problem,
+    unlink_quietly,
+    wait_for_flock,
+)
 from .stats import HeapReason
 
 __all__ = [
@@ -44,12 +59,10 @@ __all__ = [
     "pwrite_all",
     "read_committed",
     "read_generation",
-    "wait_for_lock",
 ]
 
 _NO_SPACE_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG})
 _READ_ONLY_ERRNOS = frozenset({errno_mod.EACCES, errno_mod.EROFS, errno_mod.EPERM, errno_mod.ETXTBSY})
-_PAGE = mmap.ALLOCATIONGRANULARITY
 
 
 class Fault(Exception):
@@ -81,20 +94,27 @@ def _fault_from_os(exc: OSError, reason: HeapReason, what: str, path: str) -> Fa
     return Fault(reason, exc.errno or 0, _describe(exc, what, path))
 
 
+def _untrusted(exc: UntrustedFileError) -> Fault:
+    return Fault(HeapReason.UNTRUSTED, 0, str(exc))
+
+
 @dataclass
 class _Writer:
     """One session's writes: target file, entries carried over, entries added."""
 
     fd: int
     temp_path: str | None  # set when building a new file that replaces the path
+    target: str  # the path a new file is renamed onto: the cache path, symlinks resolved
     header: fmt.Header
     base: dict[str, fmt.Entry]
     added: dict[str, fmt.Entry]
     append_at: int
     generation: int
+    map: FileMap
+    identity: tuple[int, int]  # (st_dev, st_ino) of the file written
+    dir_fd: int | None = None  # a new file's directory, opened before the rename (no EMFILE after it)
     merged: dict[str, fmt.Entry] = field(default_factory=dict)  # base overlaid with added
     index_bytes: int = 0  # encoded size of an index listing ``merged``
-    identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file written, once asked
 
     def __post_init__(self) -> None:
         self.merged = dict(self.base)
@@ -116,14 +136,21 @@ class _Writer:
     def live(self) -> list[fmt.Entry]:
         return sorted(self.merged.values(), key=lambda e: e.offset)
 
+    def close(self) -> None:
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+        if self.temp_path is not None:
+            os.close(self.fd)
+
 
 class FileStore:
-    """One cache file and its sidecar lock. Not thread-safe: the cache serialises calls.
+    """One cache file and its build lock. Not thread-safe: the session serialises calls.
 
     Lifecycle per session: :meth:`refresh` (read what is committed), then
-    :meth:`lookup` / :meth:`view` for hits; for misses :meth:`acquire_lock`,
-    :meth:`refresh` again, :meth:`store`; finally :meth:`commit` (or
-    :meth:`abort`) and :meth:`release_lock`.
+    :meth:`lookup` / :meth:`view` for hits; for misses :meth:`take_lock` and
+    :meth:`hold_lock`, :meth:`refresh` again, :meth:`store`; finally
+    :meth:`commit` (or :meth:`abort`) and :meth:`release_lock`.
     """
 
     def __init__(
@@ -137,10 +164,9 @@ class FileStore:
         dir_mode: int,
     ) -> None:
         self.path = path
-        self.lock_path = path + ".lock"
         self.alignment = alignment
         self.platform = platform
-        self.read_only = read_only
+        self._read_only = read_only
         self.file_mode = file_mode
         self.dir_mode = dir_mode
         # What is committed on disk, as last read.
@@ -149,28 +175,42 @@ class FileStore:
         self.header: fmt.Header | None = None
         self.slot: fmt.Slot | None = None
         self.entries: dict[str, fmt.Entry] = {}
-        self.mapping: mmap.mmap | None = None
+        self.map: FileMap | None = None
         self.file_size = 0
         self.writable = False
-        self.problem: Fault | None = None  # applies to every request: untrusted / open_failed / map_failed
+        self.problem: Fault | None = None  # applies to every request: untrusted / open_failed
         self.read_only_fault: Fault | None = None  # why misses cannot be stored
         self.rebuild_reason: str | None = None  # why the next store must write a new file
         self.corrupt: set[str] = set()  # committed entries whose bytes failed their checksum
         self._lock_fd: int | None = None
+        self._inode_locked: int | None = None  # fd whose inode this writer flock-ed
+        self._lock_deadline = 0.0
         self._writer: _Writer | None = None
+        self._stale = False  # the open mode no longer matches the configuration: reopen
         self.bytes_written = 0  # every byte this store wrote to any cache file, cumulative
+
+    @property
+    def read_only(self) -> bool:
+        """Never write. Changing it takes effect at the next :meth:`refresh` (the file is reopened)."""
+        return self._read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        if value != self._read_only:
+            self._read_only = value
+            self._stale = True  # reopened (read-write or read-only) at the next refresh outside a write
 
     # ------------------------------------------------------------------ reading
 
     def refresh(self) -> bool:
         """Bring the view of the committed file up to date; return True if it changed.
 
-        Cheap when nothing changed: one ``stat`` and one 4 KiB ``pread``. Never writes.
+        Cheap when nothing changed: one ``stat``, one ``fstat`` and one 4 KiB ``pread``. Never writes.
         """
         if self._writer is not None:
             return False  # our own uncommitted writes are newer than the disk
         try:
-            lst = os.lstat(self.path)
+            st = os.stat(self.path)
         except FileNotFoundError:
             changed = self.identity is not None or self.rebuild_reason is None
             self._forget()
@@ -184,87 +224,76 @@ class FileStore:
             self._forget()
             self.problem = _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot stat", self.path)
             return True
-        try:
-            st = os.stat(self.path)
-        except OSError as exc:
+        if stat.S_ISDIR(st.st_mode):
             self._forget()
-            self.problem = _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot stat", self.path)
+            self.problem = Fault(HeapReason.OPEN_FAILED, errno_mod.EISDIR, f"cache path {self.path} is a directory")
             return True
-        if self.fd is not None and self.identity == (st.st_dev, st.st_ino):
-            return self._reread_same_file(st.st_size)
-        return self._open(lst)
+        same = self.fd is not None and self.identity == (st.st_dev, st.st_ino) and not self._stale
+        # Opened read-only because writing was refused: try again, the refusal may be gone (chmod).
+        if same and not (not self.writable and not self.read_only and self.read_only_fault is not None):
+            return self._reread_same_file()
+        return self._open()
 
     def _forget(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)
+            os.close(self.fd)  # also drops an inode flock held on it
+            if self._inode_locked == self.fd:
+                self._inode_locked = None
         self.fd = None
         self.identity = None
         self.header = None
         self.slot = None
         self.entries = {}
-        self.mapping = None  # views keep their own reference; the map closes with the last one
+        self.map = None  # views keep their own windows; they unmap with the last of them
         self.file_size = 0
         self.writable = False
         self.problem = None
         self.read_only_fault = None
         self.rebuild_reason = None
+        self.corrupt = set()
 
-    def _open(self, lst: os.stat_result) -> bool:
+    def _open(self) -> bool:
         self._forget()
-        if stat.S_ISLNK(lst.st_mode):
-            parent = os.path.dirname(os.path.abspath(self.path))
-            try:
-                pst = os.stat(parent)
-            except OSError as exc:
-                self.problem = _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot stat directory of", self.path)
-                return True
-            if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
-                self.problem = Fault(
-                    HeapReason.UNTRUSTED, 0,
-                    f"untrusted cache file {self.path}: a symlink in world-writable directory {parent} "
-                    "without the sticky bit",
-                )  # fmt: skip
-                return True
-        elif stat.S_ISDIR(lst.st_mode):
-            self.problem = Fault(HeapReason.OPEN_FAILED, errno_mod.EISDIR, f"cache path {self.path} is a directory")
-            return True
-        elif not stat.S_ISREG(lst.st_mode):
-            self.problem = Fault(HeapReason.UNTRUSTED, 0, f"untrusted cache file {self.path}: not a regular file")
-            return True
-        # O_NONBLOCK: a FIFO planted behind a symlink must not hang the open.
-        flags = os.O_CLOEXEC | os.O_NONBLOCK
+        self._stale = False
         fd: int | None = None
-        if not self.read_only:
-            try:
-                fd = os.open(self.path, os.O_RDWR | flags)
-                self.writable = True
-            except OSError as exc:
-                if exc.errno not in _READ_ONLY_ERRNOS:
-                    self.problem = _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot open", self.path)
-                    return True
-                self.read_only_fault = _fault_from_os(exc, HeapReason.READ_ONLY, "cannot write", self.path)
-        else:
-            self.read_only_fault = Fault(HeapReason.READ_ONLY, 0, f"cache {self.path} is opened read-only")
-        if fd is None:
-            try:
-                fd = os.open(self.path, os.O_RDONLY | flags)
-            except OSError as exc:
-                self.problem = _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot open", self.path)
-                return True
-        self.fd = fd
-        st = os.fstat(fd)
-        self.identity = (st.st_dev, st.st_ino)
-        untrusted = trust_problem(st)
-        if untrusted:
-            self.problem = Fault(HeapReason.UNTRUSTED, 0, f"untrusted cache file {self.path}: {untrusted}")
+        try:
+            if not self.read_only:
+                try:
+                    fd, st = open_checked(self.path, write=True)
+                    self.writable = True
+                except OSError as exc:
+                    if isinstance(exc, UntrustedFileError) or exc.errno not in _READ_ONLY_ERRNOS:
+                        raise
+                    self.read_only_fault = _fault_from_os(exc, HeapReason.READ_ONLY, "cannot write", self.path)
+            else:
+                self.read_only_fault = Fault(HeapReason.READ_ONLY, 0, f"cache {self.path} is opened read-only")
+            if fd is None:
+                fd, st = open_checked(self.path)
+        except UntrustedFileError as exc:
+            self.problem = _untrusted(exc)
             return True
+        except FileNotFoundError:
+            self.rebuild_reason = "the cache file does not exist"  # removed since the stat
+            return True
+        except OSError as exc:
+            self.problem = _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot open", self.path)
+            return True
+        self.fd = fd
+        self.identity = (st.st_dev, st.st_ino)
+        self.map = FileMap(fd)
         self._load(st.st_size)
         return True
 
-    def _reread_same_file(self, size: int) -> bool:
+    def _reread_same_file(self) -> bool:
         assert self.fd is not None
-        if self.problem is not None and self.problem.reason is HeapReason.UNTRUSTED:
-            return False
+        st = os.fstat(self.fd)
+        untrusted = trust_problem(st)  # checked on every session: a chmod can make it trusted or not
+        if untrusted:
+            changed = self.problem is None or self.problem.reason is not HeapReason.UNTRUSTED
+            self.header, self.slot, self.entries = None, None, {}
+            self.problem = Fault(HeapReason.UNTRUSTED, 0, f"untrusted cache file {self.path}: {untrusted}")
+            return changed
+        was_untrusted = self.problem is not None and self.problem.reason is HeapReason.UNTRUSTED
         try:
             head = os.pread(self.fd, fmt.HEADER_READ_SIZE, 0)
         except OSError:
@@ -272,20 +301,26 @@ class FileStore:
         slots, _ = fmt.choose_slot(head) if len(head) >= fmt.HEADER_READ_SIZE else ([], True)
         newest = slots[0].generation if slots else None
         current = self.slot.generation if self.slot else None
-        if newest == current and size == self.file_size and self.rebuild_reason is None:
+        if (
+            not was_untrusted
+            and newest == current
+            and st.st_size == self.file_size
+            and self.rebuild_reason is None
+            and (self.header is not None or not slots)
+        ):
             return False
-        self._load(size)
+        if was_untrusted:
+            self.problem = None
+        self._load(st.st_size)
         return True
 
     def _load(self, size: int) -> None:
-        """Read and validate header and index of the open file, then map it."""
+        """Read and validate header and index of the open file (no pack byte is read)."""
         assert self.fd is not None
         self.file_size = size
-        self.header, self.slot, self.entries, self.mapping = None, None, {}, None
+        self.header, self.slot, self.entries = None, None, {}
         self.rebuild_reason = None
         self.corrupt = set()
-        if self.problem is not None and self.problem.reason is HeapReason.MAP_FAILED:
-            self.problem = None
         try:
             head = os.pread(self.fd, fmt.HEADER_READ_SIZE, 0)
             header = fmt.decode_header(head, path=self.path)
@@ -300,12 +335,12 @@ class FileStore:
             self.rebuild_reason = f"it cannot be read: {_describe(exc, 'reading', self.path)}"
             return
         self.header, self.slot, self.entries = header, slot, entries
-        self._remap()
 
     def lookup(self, name: str, digest: bytes) -> fmt.Entry | None:
         """The committed (or added this session) entry for ``name`` if its key matches."""
-        entry = self._writer.added.get(name) if self._writer else None
-        if entry is None and (self._writer is None or self._writer.temp_path is None) and name not in self.corrupt:
+        writer = self._writer
+        entry = writer.added.get(name) if writer is not None else None
+        if entry is None and (writer is None or writer.temp_path is None) and name not in self.corrupt:
             entry = self.entries.get(name)
         if entry is None or entry.digest != digest:
             return None
@@ -315,15 +350,33 @@ class FileStore:
         """A read-only array over ``entry``'s bytes in the file mapping.
 
         Raises:
-            Fault: ``map_failed`` when the file is not mapped or too short.
+            Fault: ``map_failed`` when the bytes cannot be mapped.
         """
-        if self._writer is not None and entry.name in self._writer.added:
-            return self._map_range(self._writer.fd, entry)
+        writer = self._writer
+        if writer is not None and writer.added.get(entry.name) is entry:
+            return self._array(writer.map.written(entry.offset, entry.nbytes), entry)
         if self.problem is not None:
             raise self.problem
-        if self.mapping is None or entry.offset + entry.nbytes > len(self.mapping):
-            raise Fault(HeapReason.MAP_FAILED, 0, f"{self.path}: entry {entry.name!r} lies outside the mapping")
-        return _array(self.mapping, entry, entry.offset)
+        if self.map is None or self.header is None or entry.offset + entry.nbytes > self.file_size:
+            raise Fault(HeapReason.MAP_FAILED, 0, f"{self.path}: entry {entry.name!r} lies outside the file")
+        try:
+            window = self.map.committed(entry.offset, entry.nbytes, self.file_size, self.header.data_start)
+        except OSError as exc:
+            raise self._map_fault(exc) from None
+        return self._array(window, entry)
+
+    def _array(self, window: Window, entry: fmt.Entry) -> np.ndarray[Any, Any]:
+        dtype = np.dtype(fmt.numpy_dtype_str(entry.dtype))
+        if entry.nbytes == 0:
+            empty = np.empty(entry.shape, dtype=dtype)
+            empty.flags.writeable = False
+            return empty
+        return window.array(entry.offset, entry.nbytes, dtype, entry.shape)
+
+    def _map_fault(self, exc: OSError) -> Fault:
+        err = exc.errno or 0
+        name = errno_mod.errorcode.get(err, "E?")
+        return Fault(HeapReason.MAP_FAILED, err, f"cannot map {self.path}: {name} ({exc})")
 
     def origin_of(self, entry: fmt.Entry | None) -> tuple[int, int, int] | None:
         """(st_dev, st_ino, offset) of the bytes ``entry`` names: the file it lives in now."""
@@ -331,9 +384,6 @@ class FileStore:
             return None
         writer = self._writer
         if writer is not None and writer.added.get(entry.name) is entry:
-            if writer.identity is None:
-                st = os.fstat(writer.fd)
-                writer.identity = (st.st_dev, st.st_ino)
             return (*writer.identity, entry.offset)
         if self.identity is None or self.rebuild_reason is not None:
             return None
@@ -342,28 +392,36 @@ class FileStore:
     def checksum_ok(self, entry: fmt.Entry) -> bool:
         """Whether a committed entry's bytes match its checksum; a failing entry is
         remembered as corrupt, so :meth:`lookup` stops returning it."""
-        if self.mapping is None or entry.nbytes == 0 or entry.name not in self.entries:
+        if entry.nbytes == 0 or entry.name not in self.entries:
             return True
-        if entry_crc(self.mapping, entry) == entry.crc32:
+        try:
+            data = self.view(entry)
+        except Fault:
+            return True  # not mappable: the request goes to heap as map_failed anyway
+        if _crc32(data.reshape(-1).view(np.uint8)) == entry.crc32:
             return True
         self.corrupt.add(entry.name)
         return False
 
     # ------------------------------------------------------------------ locking
 
-    def acquire_lock(self, timeout: float) -> None:
-        """Take the exclusive build lock, waiting up to ``timeout`` seconds.
+    def take_lock(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the build lock; return its descriptor.
+
+        Changes nothing in the store (call :meth:`hold_lock` with the result), so a
+        thread may wait here while other threads of the session keep serving hits.
 
         Raises:
-            Fault: ``locked`` on timeout; ``read_only``/``open_failed`` if the lock file cannot be opened.
+            Fault: ``locked`` on timeout; ``untrusted`` for a FIFO, symlink or foreign lock
+            file; ``read_only``/``no_space``/``open_failed`` if it cannot be opened.
         """
-        if self._lock_fd is not None:
-            return
         try:
             self._ensure_dir()
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, self.file_mode)
-            if os.fstat(fd).st_uid == os.geteuid():
-                os.fchmod(fd, self.file_mode)  # the umask must not leave it unopenable for writing
+            return acquire_build_lock(self.path, timeout, self.file_mode)
+        except LockTimeoutError as exc:
+            raise Fault(HeapReason.LOCKED, errno_mod.EWOULDBLOCK, str(exc)) from None
+        except UntrustedFileError as exc:
+            raise _untrusted(exc) from None
         except OSError as exc:
             if exc.errno in _NO_SPACE_ERRNOS:  # no inode or no quota left for the lock file
                 reason = HeapReason.NO_SPACE
@@ -372,19 +430,22 @@ class FileStore:
             else:
                 reason = HeapReason.OPEN_FAILED
             raise _fault_from_os(exc, reason, "cannot open lock file for", self.path) from None
-        try:
-            wait_for_lock(fd, timeout, self.lock_path)
-        except Fault:
-            os.close(fd)
-            raise
+
+    def hold_lock(self, fd: int, timeout: float) -> None:
+        """Adopt a build lock from :meth:`take_lock` (``timeout`` bounds the inode lock taken later)."""
         self._lock_fd = fd
+        self._lock_deadline = time.monotonic() + timeout
         # Only the lock holder creates temp files, so any left now belong to dead writers
         # (a killed rebuild or compaction): reclaim their space.
         with contextlib.suppress(OSError):
-            remove_orphans(self.path)
+            remove_orphans(os.path.realpath(self.path))
 
     def release_lock(self) -> None:
-        """Release the build lock (closing the descriptor releases the flock)."""
+        """Release the build lock and the inode lock (closing the lock descriptor releases its flock)."""
+        if self._inode_locked is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._inode_locked, fcntl.LOCK_UN)
+            self._inode_locked = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -412,16 +473,21 @@ class FileStore:
 
     # ------------------------------------------------------------------ writing
 
-    def store(self, name: str, key: bytes, digest: bytes, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """Write ``array`` as entry ``name`` and return a read-only view of the written bytes.
+    def store(
+        self, name: str, key: bytes, digest: bytes, array: np.ndarray[Any, Any]
+    ) -> tuple[np.ndarray[Any, Any], tuple[int, int, int]]:
+        """Write ``array`` as entry ``name``; return a read-only view of the written bytes and their origin
+        (st_dev, st_ino, offset).
 
         The caller holds the build lock. Space for the data and for the index
         that will describe it is reserved first, so the final commit cannot run
         out of space.
 
         Raises:
-            Fault: ``no_space``/``write_failed`` (nothing added), or ``map_failed``
-            (the entry was written and will be committed, but cannot be mapped).
+            Fault: ``no_space``/``write_failed`` (nothing added; ``no_space`` with EFBIG also
+            when the index would exceed the format's caps), ``locked`` (another writer holds
+            the file's inode), or ``map_failed`` (the entry was written and will be
+            committed, but cannot be mapped).
         """
         writer = self._writer or self._start_writer()
         offset = fmt.align_up(writer.append_at, writer.header.alignment)
@@ -430,10 +496,20 @@ class FileStore:
             name=name, key=key, digest=digest, dtype=array.dtype.str[1:], shape=tuple(int(d) for d in array.shape),
             offset=offset, nbytes=int(array.nbytes), crc32=0,
         )  # fmt: skip
+        index_size = writer.index_size_with(entry)
+        count = len(writer.merged) + (name not in writer.merged)
+        if index_size > fmt.MAX_INDEX_BYTES or count > fmt.MAX_ENTRIES:
+            # Readers reject an index over the caps (R17, R18, R26): a file they would refuse must never be written.
+            raise Fault(
+                HeapReason.NO_SPACE, errno_mod.EFBIG,
+                f"cannot store {name!r} in {self._target(writer)}: the index would hold {count} entries in "
+                f"{index_size} bytes, over the format's caps ({fmt.MAX_ENTRIES} entries, {fmt.MAX_INDEX_BYTES} "
+                "bytes); compact the file or use another cache file",
+            )  # fmt: skip
         data_end = offset + entry.nbytes
         index_at = fmt.align_up(data_end, writer.header.alignment)
         try:
-            os.posix_fallocate(writer.fd, offset, index_at - offset + writer.index_size_with(entry))
+            os.posix_fallocate(writer.fd, offset, index_at - offset + index_size)
             self._pwrite(writer.fd, data, offset)
         except OSError as exc:
             raise _fault_from_os(
@@ -442,18 +518,46 @@ class FileStore:
         entry = entry._replace(crc32=_crc32(data))
         writer.add(entry)
         writer.append_at = data_end
-        return self._map_range(writer.fd, entry)
+        try:
+            view = self._array(writer.map.written(entry.offset, entry.nbytes), entry)
+        except OSError as exc:
+            raise self._map_fault(exc) from None
+        return view, (*writer.identity, entry.offset)
 
     def _target(self, writer: _Writer) -> str:
         return self.path if writer.temp_path is None else f"{self.path} (new file {writer.temp_path})"
 
+    def _lock_inode(self, fd: int) -> None:
+        """``flock`` the file being appended to: the sidecar lock is per path, the file may have
+        other names (a hardlink), and a cleaner may have deleted the sidecar."""
+        if self._inode_locked == fd:
+            return
+        try:
+            taken = wait_for_flock(fd, self._lock_deadline)
+        except OSError as exc:
+            raise _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot lock", self.path) from None
+        if not taken:
+            raise Fault(
+                HeapReason.LOCKED, errno_mod.EWOULDBLOCK,
+                f"another process is appending to {self.path} through another name (a hardlink, or a lock "
+                "file that was deleted) and held it past the lock timeout",
+            )  # fmt: skip
+        self._inode_locked = fd
+
     def _start_writer(self) -> _Writer:
+        if self.fd is not None and self.writable and self.rebuild_reason is None and self.header is not None:
+            self._lock_inode(self.fd)
+            # Another writer (another name of this file) may have committed while we waited.
+            self._reread_same_file()
         last_generation = self.slot is not None and self.slot.generation + 1 >= fmt.MAX_GENERATION
         if (
             self.fd is not None
+            and self.map is not None
             and self.writable
+            and self.problem is None
             and self.rebuild_reason is None
             and self.header is not None
+            and self.identity is not None
             and not last_generation  # generation + 1 would not fit its u64: start a new file
         ):
             committed = self.slot.committed_end if self.slot else self.header.data_start
@@ -461,55 +565,39 @@ class FileStore:
             # commit may still be served by the process that wrote them.
             append_at = max(committed, os.fstat(self.fd).st_size)
             self._writer = _Writer(
-                fd=self.fd, temp_path=None, header=self.header, base=dict(self.entries), added={},
-                append_at=append_at, generation=(self.slot.generation if self.slot else 0) + 1,
+                fd=self.fd, temp_path=None, target=self.path, header=self.header, base=dict(self.entries),
+                added={}, append_at=append_at, generation=(self.slot.generation if self.slot else 0) + 1,
+                map=self.map, identity=self.identity,
             )  # fmt: skip
             return self._writer
         header_bytes = fmt.encode_header(self.alignment, self.platform)
         header = fmt.decode_header(header_bytes)
+        # A rebuild replaces the file the path resolves to: a symlinked path keeps its symlink.
+        target = os.path.realpath(self.path)
         try:
             self._ensure_dir()
-            fd, temp = create_temp(self.path, self.file_mode)
+            fd, temp = create_temp(target, self.file_mode)
         except OSError as exc:
-            reason = HeapReason.OPEN_FAILED
-            if exc.errno in _NO_SPACE_ERRNOS:
-                reason = HeapReason.NO_SPACE
+            reason = HeapReason.NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else HeapReason.OPEN_FAILED
             raise _fault_from_os(exc, reason, "cannot create a new cache file for", self.path) from None
+        dir_fd: int | None = None
         try:
+            dir_fd = os.open(os.path.dirname(target), os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
             os.posix_fallocate(fd, 0, header.data_start + fmt.index_size([]))
             self._pwrite(fd, header_bytes, 0)
+            st = os.fstat(fd)
         except OSError as exc:
             os.close(fd)
+            if dir_fd is not None:
+                os.close(dir_fd)
             unlink_quietly(temp)
             where = f"{self.path} (new file {temp})"
             raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot write to", where) from None
         self._writer = _Writer(
-            fd=fd, temp_path=temp, header=header, base={}, added={}, append_at=header.data_start, generation=1
+            fd=fd, temp_path=temp, target=target, header=header, base={}, added={}, append_at=header.data_start,
+            generation=1, map=FileMap(fd), identity=(st.st_dev, st.st_ino), dir_fd=dir_fd,
         )  # fmt: skip
         return self._writer
-
-    def _map_range(self, fd: int, entry: fmt.Entry) -> np.ndarray[Any, Any]:
-        if entry.nbytes == 0:
-            empty = np.empty(entry.shape, dtype=fmt.numpy_dtype_str(entry.dtype))
-            empty.flags.writeable = False
-            return empty
-        start = entry.offset - entry.offset % _PAGE
-        region = self._map(fd, entry.offset + entry.nbytes - start, start)
-        return _array(region, entry, entry.offset - start)
-
-    def _map(self, fd: int, length: int, offset: int) -> mmap.mmap:
-        """A read-only shared mapping (``length`` 0: the whole file).
-
-        Raises:
-            Fault: ``map_failed`` with the errno (ENOMEM under RLIMIT_AS, for one).
-        """
-        try:
-            return mmap.mmap(fd, length, offset=offset, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:
-            err = getattr(exc, "errno", 0) or 0
-            raise Fault(
-                HeapReason.MAP_FAILED, err, f"cannot map {self.path}: {errno_mod.errorcode.get(err, 'E?')} ({exc})"
-            ) from None
 
     def _pwrite(self, fd: int, data: Any, offset: int) -> None:
         self.bytes_written += pwrite_all(fd, data, offset)
@@ -518,6 +606,11 @@ class FileStore:
     def pending(self) -> bool:
         """True while this session has a writer open (commit or abort it)."""
         return self._writer is not None
+
+    @property
+    def pending_names(self) -> tuple[str, ...]:
+        """Names of the entries this session stored and has not committed yet."""
+        return tuple(self._writer.added) if self._writer is not None else ()
 
     def commit(self) -> None:
         """Make this session's entries durable.
@@ -541,6 +634,7 @@ class FileStore:
         index = fmt.encode_index(live)
         slot = fmt.Slot(writer.generation, index_at, len(index), len(live), _crc32(index))
         target = self._target(writer)
+        renamed = False
         try:
             os.posix_fallocate(writer.fd, index_at, len(index))
             self._pwrite(writer.fd, index, index_at)
@@ -548,42 +642,55 @@ class FileStore:
             self._pwrite(writer.fd, fmt.encode_slot(slot), fmt.slot_offset(slot.generation % 2))
             os.fdatasync(writer.fd)
             if writer.temp_path is not None:
-                os.rename(writer.temp_path, self.path)
-                fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+                os.rename(writer.temp_path, writer.target)
+                renamed = True
+                assert writer.dir_fd is not None
+                os.fsync(writer.dir_fd)
         except OSError as exc:
-            self.abort()
-            raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot commit", target) from None
+            if not renamed:
+                self.abort()
+                raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot commit", target) from None
+            # The new file is in place and its data synced; only the rename's durability is in doubt.
+            self._adopt(writer, slot, live)
+            raise _fault_from_os(exc, HeapReason.WRITE_FAILED, "cannot sync the directory of", self.path) from None
+        except BaseException:
+            if not renamed:
+                self.abort()  # e.g. KeyboardInterrupt: the previous generation stays, the temp goes
+            else:
+                self._adopt(writer, slot, live)
+            raise
+        self._adopt(writer, slot, live)
+
+    def _adopt(self, writer: _Writer, slot: fmt.Slot, live: list[fmt.Entry]) -> None:
+        """Make a committed writer's file and entries the store's committed state."""
         self._writer = None
+        if writer.dir_fd is not None:
+            os.close(writer.dir_fd)
+            writer.dir_fd = None
         if writer.temp_path is not None:
             self._forget()
             self.fd = writer.fd
             self.writable = True
-            st = os.fstat(writer.fd)
-            self.identity = (st.st_dev, st.st_ino)
+            self.identity = writer.identity
+            self.map = writer.map
         self.header, self.slot = writer.header, slot
         self.entries = {e.name: e for e in live}
         self.file_size = max(os.fstat(writer.fd).st_size, slot.committed_end)
-        self.mapping = None  # replaced below; this session's views keep their own maps
         self.problem = None
-        self._remap()
-
-    def _remap(self) -> None:
-        if self.fd is None or not self.entries:
-            return
-        try:
-            self.mapping = self._map(self.fd, 0, 0)
-        except Fault as fault:
-            self.problem = fault
+        self.rebuild_reason = None
+        writer.map.trim(writer.append_at)  # the builder's spare reach is never viewed: unmap it
 
     def abort(self) -> None:
-        """Drop this session's uncommitted entries; a temp file is removed."""
+        """Drop this session's uncommitted entries; a temp file is removed (views of it stay valid)."""
         writer, self._writer = self._writer, None
-        if writer is not None and writer.temp_path is not None:
-            os.close(writer.fd)
-            unlink_quietly(writer.temp_path)
+        if writer is not None:
+            writer.map.trim(writer.append_at)
+            writer.close()
+            if writer.temp_path is not None:
+                unlink_quietly(writer.temp_path)
 
     def close(self) -> None:
-        """Abort uncommitted work, release the lock and close descriptors. Views stay valid."""
+        """Abort uncommitted work, release the locks and close descriptors. Views stay valid."""
         self.abort()
         self.release_lock()
         self._forget()
@@ -629,42 +736,6 @@ def read_committed(fd: int, *, path: str | None = None) -> tuple[fmt.Header, fmt
     return header, slot, entries
 
 
-def wait_for_lock(fd: int, timeout: float, lock_path: str) -> None:
-    """Take an exclusive ``flock`` on ``fd``, polling for up to ``timeout`` seconds.
-
-    ``flock`` has no timeout of its own; polling with a capped backoff keeps the
-    wait interruptible and bounded.
-
-    Raises:
-        Fault: ``locked`` (EWOULDBLOCK) on timeout; ``open_failed`` if flock itself fails.
-    """
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            raise _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot lock", lock_path) from None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise Fault(
-                HeapReason.LOCKED, errno_mod.EWOULDBLOCK,
-                f"another process held the build lock {lock_path} for more than {timeout:g} s",
-            )  # fmt: skip
-        time.sleep(min(delay, remaining))
-        delay = min(delay * 2, 0.05)
-
-
-def _array(buffer: mmap.mmap, entry: fmt.Entry, offset: int) -> np.ndarray[Any, Any]:
-    dtype = np.dtype(fmt.numpy_dtype_str(entry.dtype))
-    count = entry.nbytes // dtype.itemsize
-    # frombuffer over an ACCESS_READ map is read-only, and the array keeps the map alive.
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(entry.shape)
-
-
 def pwrite_all(fd: int, data: Any, offset: int) -> int:
     """``pwrite`` all of ``data`` at ``offset`` (a short write is continued); return the byte count."""
     view = memoryview(data).cast("B")
@@ -677,8 +748,8 @@ def pwrite_all(fd: int, data: Any, offset: int) -> int:
 _CHUNK = 8 << 20  # checksum in slices: a memoryview slice of a map copies nothing
 
 
-def entry_crc(region: mmap.mmap, entry: fmt.Entry) -> int:
-    """crc32 of an entry's bytes in a mapping of its file (reads every page of it)."""
+def entry_crc(region: Any, entry: fmt.Entry) -> int:
+    """crc32 of an entry's bytes in a buffer mapping its whole file (reads every page of it)."""
     crc = 0
     for start in range(entry.offset, entry.offset + entry.nbytes, _CHUNK):
         end = min(start + _CHUNK, entry.offset + entry.nbytes)
