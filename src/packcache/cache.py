@@ -13,14 +13,15 @@ build): ``pack()`` callables run concurrently, while routing, appends and the
 bookkeeping are serialised by the session's mutex, and two threads asking for
 one name make one pack.
 
-Statistics are read without any lock: the bookkeeping (:class:`_Ledger`) is
-changed under the session's mutex and read through a sequence counter, so
+Statistics are read without any lock: the bookkeeping (:class:`~packcache.ledger.Ledger`)
+is changed under the session's mutex and read through a sequence counter, so
 :meth:`WeightCache.stats` and :func:`aggregate_stats` never wait on a session
 and never see a half-made change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
 import logging
 import math
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -37,7 +38,8 @@ import numpy as np
 
 from . import format as fmt
 from .errors import PackResultError, SessionError
-from .stats import FAILURE_REASONS, CacheStats, HeapReason, derive_state, dominant_reason, zero_reasons
+from .ledger import Held, Ledger
+from .stats import FAILURE_REASONS, CacheStats, HeapReason
 from .store import Fault, FileStore
 
 __all__ = ["Session", "WeightCache", "aggregate_stats", "live_caches"]
@@ -83,27 +85,6 @@ def _unregister(cache: WeightCache) -> None:
         _live = tuple(r for r in _live if r() is not None and r() is not cache)
 
 
-class _Held:
-    """One pack the cache holds: the array it handed out and where its bytes live."""
-
-    __slots__ = ("array", "digest", "nbytes", "origin", "reason", "session")
-
-    def __init__(
-        self,
-        array: np.ndarray[Any, Any],
-        digest: bytes,
-        reason: HeapReason | None,  # None: mapped (hit or stored)
-        session: int,  # serial of the session that served it
-        origin: tuple[int, int, int] | None = None,  # mapped: (st_dev, st_ino, offset) of its bytes
-    ) -> None:
-        self.array = array
-        self.digest = digest
-        self.nbytes = int(array.nbytes)
-        self.reason = reason
-        self.session = session
-        self.origin = origin
-
-
 class _Route:
     """A request that goes to heap, and why."""
 
@@ -115,168 +96,6 @@ class _Route:
 
 
 _NEEDS_LOCK = object()  # a miss that can be stored once the build lock is held
-
-
-class _Ledger:
-    """What a cache holds and what it did: the figures its statistics are made of.
-
-    Changed only by one thread at a time (under a session's mutex, or the cache's
-    instance lock outside sessions). Read by anyone without a lock, through a
-    sequence counter (a seqlock): every change makes ``seq`` odd while it runs and
-    even when it is done; a reader that sees ``seq`` odd, or changed while it copied
-    the figures, reads again, and after a few tries returns the last consistent
-    snapshot instead of waiting.
-    """
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.held: dict[str, _Held] = {}
-        self.unnamed: dict[int, _Held] = {}  # no name: their own namespace, never a user's name
-        self.unnamed_serial = 0
-        self.mapped = 0
-        self.heap = zero_reasons()
-        self.totals = {"mapped": 0, "heap": 0, "written": 0, "hits": 0, "stored": 0, "heap_packs": 0}
-        self.file_bytes = 0
-        self.errno = 0
-        self.error = ""
-        self.error_time = 0.0
-        self.pack_seconds = 0.0
-        self.map_seconds = 0.0
-        self.blocking: Fault | None = None  # the file cannot be opened or trusted
-        self.commit_fault: Fault | None = None  # the last commit failed
-        self.logged: set[str] = set()
-        self.cached: tuple[int, bool, CacheStats] | None = None
-
-    # Every method below runs under the writer's exclusion, between two increments of ``seq``.
-
-    def hold(self, name: str | None, held: _Held) -> None:
-        self.seq += 1
-        try:
-            if name is None:
-                self.unnamed_serial += 1
-                self.unnamed[self.unnamed_serial] = held
-            else:
-                old = self.held.pop(name, None)
-                if old is not None:
-                    self._uncount(old)  # same name, new key: the old pack is superseded
-                self.held[name] = held
-            if held.reason is None:
-                self.mapped += held.nbytes
-                self.totals["mapped"] += held.nbytes
-            else:
-                self.heap[held.reason.value] += held.nbytes
-                self.totals["heap"] += held.nbytes
-                self.totals["heap_packs"] += 1
-        finally:
-            self.seq += 1
-
-    def _uncount(self, held: _Held) -> None:
-        if held.reason is None:
-            self.mapped -= held.nbytes
-        else:
-            self.heap[held.reason.value] -= held.nbytes
-
-    def drop(self, name: str | None, serial: int = 0) -> None:
-        self.seq += 1
-        try:
-            self._uncount(self.held.pop(name) if name is not None else self.unnamed.pop(serial))
-        finally:
-            self.seq += 1
-
-    def reclassify(self, name: str, reason: HeapReason, session: int) -> None:
-        """A held pack's bytes are now counted under ``reason`` (heap)."""
-        self.seq += 1
-        try:
-            held = self.held[name]
-            self._uncount(held)
-            held.reason, held.session, held.origin = reason, session, None
-            self.heap[reason.value] += held.nbytes
-        finally:
-            self.seq += 1
-
-    def add(self, **amounts: float) -> None:
-        """Add to totals (``hits``, ``stored``) and timers (``pack_seconds``, ``map_seconds``)."""
-        self.seq += 1
-        try:
-            for field, amount in amounts.items():
-                if field in self.totals:
-                    self.totals[field] += int(amount)
-                else:
-                    setattr(self, field, getattr(self, field) + amount)
-        finally:
-            self.seq += 1
-
-    def set(self, **values: Any) -> None:
-        """Set plain figures (``file_bytes``, ``blocking``, ``commit_fault``, ``written``)."""
-        self.seq += 1
-        try:
-            for field, value in values.items():
-                if field == "written":
-                    self.totals["written"] = value
-                else:
-                    setattr(self, field, value)
-        finally:
-            self.seq += 1
-
-    def record_failure(self, fault: Fault) -> bool:
-        """Keep the errno and message of the latest failure; True the first time its reason is seen."""
-        self.seq += 1
-        try:
-            self.errno, self.error, self.error_time = fault.errno, fault.message, time.time()
-        finally:
-            self.seq += 1
-        return self.first(fault.reason.value)
-
-    def first(self, what: str) -> bool:
-        if what in self.logged:
-            return False
-        self.logged.add(what)
-        return True
-
-    def snapshot(self, enabled: bool, path: str) -> CacheStats:
-        """A consistent :class:`CacheStats`; never waits (see the class docstring)."""
-        for _ in range(64):
-            seq = self.seq
-            cached = self.cached
-            if cached is not None and cached[0] == seq and cached[1] == enabled:
-                return cached[2]
-            if seq & 1:
-                continue  # a change is under way in another thread
-            snapshot = self._build(enabled, path)
-            if self.seq == seq:
-                self.cached = (seq, enabled, snapshot)
-                return snapshot
-        return self.cached[2] if self.cached is not None else CacheStats()
-
-    def _build(self, enabled: bool, path: str) -> CacheStats:
-        by_reason = dict(self.heap)
-        totals = dict(self.totals)
-        failing = self.blocking is not None or self.commit_fault is not None
-        state = derive_state(
-            enabled=enabled, mapped_bytes=self.mapped, heap_bytes_by_reason=by_reason,
-            written_bytes=totals["written"], failing=failing,
-        )  # fmt: skip
-        return CacheStats.fast(
-            state=state.value,
-            errno=self.errno,
-            error=self.error,
-            error_time=self.error_time,
-            mapped_bytes=self.mapped,
-            heap_bytes=sum(by_reason.values()),
-            heap_bytes_by_reason=by_reason,
-            heap_reason=dominant_reason(by_reason),
-            mapped_bytes_total=totals["mapped"],
-            heap_bytes_total=totals["heap"],
-            written_bytes=totals["written"],
-            file_bytes=self.file_bytes,
-            hits=totals["hits"],
-            stored=totals["stored"],
-            heap_packs=totals["heap_packs"],
-            pack_seconds=self.pack_seconds,
-            map_seconds=self.map_seconds,
-            path=path,
-            failing=failing,
-        )
 
 
 def _check_timeout(value: float) -> float:
@@ -361,7 +180,11 @@ class WeightCache:
         self.lock_timeout = _check_timeout(DEFAULTS["lock_timeout"] if lock_timeout is None else lock_timeout)
         self.enabled = (DEFAULTS["enabled"] if enabled is None else bool(enabled)) and self.path is not None
         self.verify = bool(verify) or bool(DEFAULTS["verify"])
-        self._lock = threading.Lock()
+        # The instance lock: which session (and thread) owns the cache now. A condition, not a lock
+        # held across the session, so every change of owner happens inside a ``with`` block: an
+        # interrupt (Ctrl-C) can never leave the cache owned by a session that is gone.
+        self._cond = threading.Condition()
+        self._session: Session | None = None
         self._owner: int | None = None
         self._closed = False
         self._finalized = False
@@ -374,7 +197,7 @@ class WeightCache:
                 file_mode=file_mode, dir_mode=dir_mode,
             )  # fmt: skip
             weakref.finalize(self, self._store.close)
-        self._ledger = _Ledger()
+        self._ledger = Ledger()
         _register(self)
 
     # ------------------------------------------------------------------ public
@@ -438,7 +261,7 @@ class WeightCache:
         counting. Returns whether something was released. Waits for a session
         running in another thread.
         """
-        with self._locked("release()"):
+        with self._exclusive("release()"):
             ledger = self._ledger
             if isinstance(what, str):
                 if what in ledger.held:
@@ -462,7 +285,7 @@ class WeightCache:
         """
         if self._closed:
             return
-        with self._locked("close()"):
+        with self._exclusive("close()"):
             ledger = self._ledger
             for name in list(ledger.held):
                 ledger.drop(name)
@@ -485,10 +308,15 @@ class WeightCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _locked(self, what: str) -> threading.Lock:
-        if self._owner == threading.get_ident():
-            raise SessionError(f"{what} called inside this thread's own session on {self.path!r}")
-        return self._lock
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """Run the body with no session active on this cache (waiting for one in another thread)."""
+        with self._cond:
+            if self._owner == threading.get_ident():
+                raise SessionError(f"{what} called inside this thread's own session on {self.path!r}")
+            while self._session is not None:
+                self._cond.wait(0.1)  # bounded: a wake-up lost to an interrupt only costs a poll
+            yield
 
     def _log(self, reason: HeapReason, message: str, err: int = 0) -> None:
         if reason in FAILURE_REASONS:
@@ -586,45 +414,58 @@ class Session:
 
     def __enter__(self) -> Session:
         cache = self._cache
-        if self._used:
-            raise SessionError("a session is entered once; start another with cache.session()")
-        if cache._owner == threading.get_ident():
-            raise SessionError(f"a session on {cache.path!r} is already active in this thread")
-        cache._lock.acquire()
+        me = threading.get_ident()
         try:
-            if cache._closed:
-                raise SessionError(f"the cache {cache.path!r} is closed")
-            self._used = True
-            cache._owner = threading.get_ident()
-            cache._session_serial += 1
-            self._serial = cache._session_serial
-            self._active = True
-            self._refresh()
-        except BaseException:  # KeyboardInterrupt in the refresh included: never leave the lock held
-            self._active = False
-            cache._owner = None
-            cache._lock.release()
+            with cache._cond:
+                if self._used:
+                    raise SessionError("a session is entered once; start another with cache.session()")
+                if cache._owner == me:
+                    raise SessionError(f"a session on {cache.path!r} is already active in this thread")
+                while cache._session is not None:
+                    cache._cond.wait(0.1)
+                if cache._closed:
+                    raise SessionError(f"the cache {cache.path!r} is closed")
+                self._used = True
+                cache._session, cache._owner = self, me
+                cache._session_serial += 1
+                self._serial = cache._session_serial
+                self._active = True
+                self._refresh()
+            return self
+        except BaseException:  # KeyboardInterrupt in the refresh included: never leave the cache owned
+            self._end()
             raise
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        cache = self._cache
-        store = cache._store
+        store = self._cache._store
         try:
             with self._mutex:
                 self._closing = True
                 while self._calls:
-                    self._idle.wait()
+                    self._idle.wait(0.1)
             if store is not None and store.pending:
                 self._commit(store)
         finally:
-            self._active = False
+            self._end()
+
+    def _end(self) -> None:
+        """Release the build lock and the cache, if this session holds them (idempotent)."""
+        cache, store = self._cache, self._cache._store
+        self._active = False
+        with cache._cond:
+            if cache._session is not self:
+                return
             if store is not None:
+                if store.pending:  # interrupted before its commit: what it stored is not durable
+                    names = store.pending_names
+                    store.abort()
+                    interrupted = Fault(HeapReason.WRITE_FAILED, 0, f"session on {cache.path} ended before its commit")
+                    self._commit_failed(store, names, interrupted)
                 store.release_lock()
-            cache._owner = None
-            cache._lock.release()
+            cache._session, cache._owner = None, None
+            cache._cond.notify_all()
 
     def _commit(self, store: FileStore) -> None:
         cache, ledger = self._cache, self._cache._ledger
@@ -792,7 +633,7 @@ class Session:
             return _Route(HeapReason.MAP_FAILED, fault)
         finally:
             ledger.add(map_seconds=time.perf_counter() - started)
-        ledger.hold(name, _Held(array, digest, None, self._serial, store.origin_of(entry)))
+        ledger.hold(name, Held(array, digest, None, self._serial, store.origin_of(entry)))
         ledger.add(hits=1)
         return array
 
@@ -863,7 +704,7 @@ class Session:
             return self._serve_heap(name, digest, array, owned, _Route(failure.reason, failure))
         finally:
             ledger.set(written=store.bytes_written)
-        ledger.hold(name, _Held(view, digest, None, self._serial, origin))
+        ledger.hold(name, Held(view, digest, None, self._serial, origin))
         ledger.add(stored=1)
         return view
 
@@ -884,7 +725,7 @@ class Session:
                 return None
         return entry
 
-    def _still_backed(self, name: str, held: _Held) -> bool:
+    def _still_backed(self, name: str, held: Held) -> bool:
         """A held mapped pack is served again only while the file still holds its bytes.
 
         Another process may have truncated, replaced or corrupted the file since
@@ -896,7 +737,7 @@ class Session:
             return True
         return store.origin_of(store.lookup(name, held.digest)) == held.origin
 
-    def _retry(self, held: _Held) -> bool:
+    def _retry(self, held: Held) -> bool:
         """A pack sent to heap by a failure in an earlier session is routed again: the
         failure may be gone (lock released, space freed), and the cache should heal."""
         return held.reason in FAILURE_REASONS and held.session != self._serial
@@ -930,5 +771,5 @@ class Session:
                 if cache._ledger.first("copy"):
                     logger.warning("packcache: no memory to copy a heap pack of %s; served as pack() returned it", name)
         view = _read_only_view(array)
-        cache._ledger.hold(name, _Held(view, digest, route.reason, self._serial))
+        cache._ledger.hold(name, Held(view, digest, route.reason, self._serial))
         return view

@@ -1,0 +1,198 @@
+"""The bookkeeping behind a cache's statistics: what it holds, what it did, read without a lock.
+
+A :class:`Ledger` is changed by one thread at a time (the session's mutex, or
+the cache's instance lock outside sessions) and read by any thread without a
+lock, through a sequence counter (a seqlock): every change makes ``seq`` odd
+while it runs and even when it is done; a reader that sees ``seq`` odd, or
+changed while it copied the figures, reads again, and after a few tries
+returns the last consistent snapshot rather than wait. So a telemetry read
+never waits on a model load and never sees half a change (DESIGN.md "What it
+reports"), and a request costs no snapshot: one is built when someone reads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .stats import CacheStats, HeapReason, derive_state, dominant_reason, zero_reasons
+from .store import Fault
+
+__all__ = ["Held", "Ledger"]
+
+
+class Held:
+    """One pack the cache holds: the array it handed out and where its bytes live."""
+
+    __slots__ = ("array", "digest", "nbytes", "origin", "reason", "session")
+
+    def __init__(
+        self,
+        array: np.ndarray[Any, Any],
+        digest: bytes,
+        reason: HeapReason | None,  # None: mapped (hit or stored)
+        session: int,  # serial of the session that served it
+        origin: tuple[int, int, int] | None = None,  # mapped: (st_dev, st_ino, offset) of its bytes
+    ) -> None:
+        self.array = array
+        self.digest = digest
+        self.nbytes = int(array.nbytes)
+        self.reason = reason
+        self.session = session
+        self.origin = origin
+
+
+class Ledger:
+    """What a cache holds and what it did: the figures its statistics are made of (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.held: dict[str, Held] = {}
+        self.unnamed: dict[int, Held] = {}  # no name: their own namespace, never a user's name
+        self.unnamed_serial = 0
+        self.mapped = 0
+        self.heap = zero_reasons()
+        self.totals = {"mapped": 0, "heap": 0, "written": 0, "hits": 0, "stored": 0, "heap_packs": 0}
+        self.file_bytes = 0
+        self.errno = 0
+        self.error = ""
+        self.error_time = 0.0
+        self.pack_seconds = 0.0
+        self.map_seconds = 0.0
+        self.blocking: Fault | None = None  # the file cannot be opened or trusted
+        self.commit_fault: Fault | None = None  # the last commit failed
+        self.logged: set[str] = set()
+        self.cached: tuple[int, bool, CacheStats] | None = None
+
+    # Every method below runs under the writer's exclusion, between two increments of ``seq``.
+
+    def hold(self, name: str | None, held: Held) -> None:
+        self.seq += 1
+        try:
+            if name is None:
+                self.unnamed_serial += 1
+                self.unnamed[self.unnamed_serial] = held
+            else:
+                old = self.held.pop(name, None)
+                if old is not None:
+                    self._uncount(old)  # same name, new key: the old pack is superseded
+                self.held[name] = held
+            if held.reason is None:
+                self.mapped += held.nbytes
+                self.totals["mapped"] += held.nbytes
+            else:
+                self.heap[held.reason.value] += held.nbytes
+                self.totals["heap"] += held.nbytes
+                self.totals["heap_packs"] += 1
+        finally:
+            self.seq += 1
+
+    def _uncount(self, held: Held) -> None:
+        if held.reason is None:
+            self.mapped -= held.nbytes
+        else:
+            self.heap[held.reason.value] -= held.nbytes
+
+    def drop(self, name: str | None, serial: int = 0) -> None:
+        self.seq += 1
+        try:
+            self._uncount(self.held.pop(name) if name is not None else self.unnamed.pop(serial))
+        finally:
+            self.seq += 1
+
+    def reclassify(self, name: str, reason: HeapReason, session: int) -> None:
+        """A held pack's bytes are now counted under ``reason`` (heap)."""
+        self.seq += 1
+        try:
+            held = self.held[name]
+            self._uncount(held)
+            held.reason, held.session, held.origin = reason, session, None
+            self.heap[reason.value] += held.nbytes
+        finally:
+            self.seq += 1
+
+    def add(self, **amounts: float) -> None:
+        """Add to totals (``hits``, ``stored``) and timers (``pack_seconds``, ``map_seconds``)."""
+        self.seq += 1
+        try:
+            for field, amount in amounts.items():
+                if field in self.totals:
+                    self.totals[field] += int(amount)
+                else:
+                    setattr(self, field, getattr(self, field) + amount)
+        finally:
+            self.seq += 1
+
+    def set(self, **values: Any) -> None:
+        """Set plain figures (``file_bytes``, ``blocking``, ``commit_fault``, ``written``)."""
+        self.seq += 1
+        try:
+            for field, value in values.items():
+                if field == "written":
+                    self.totals["written"] = value
+                else:
+                    setattr(self, field, value)
+        finally:
+            self.seq += 1
+
+    def record_failure(self, fault: Fault) -> bool:
+        """Keep the errno and message of the latest failure; True the first time its reason is seen."""
+        self.seq += 1
+        try:
+            self.errno, self.error, self.error_time = fault.errno, fault.message, time.time()
+        finally:
+            self.seq += 1
+        return self.first(fault.reason.value)
+
+    def first(self, what: str) -> bool:
+        if what in self.logged:
+            return False
+        self.logged.add(what)
+        return True
+
+    def snapshot(self, enabled: bool, path: str) -> CacheStats:
+        """A consistent :class:`CacheStats`; never waits (see the class docstring)."""
+        for _ in range(64):
+            seq = self.seq
+            cached = self.cached
+            if cached is not None and cached[0] == seq and cached[1] == enabled:
+                return cached[2]
+            if seq & 1:
+                continue  # a change is under way in another thread
+            snapshot = self._build(enabled, path)
+            if self.seq == seq:
+                self.cached = (seq, enabled, snapshot)
+                return snapshot
+        return self.cached[2] if self.cached is not None else CacheStats()
+
+    def _build(self, enabled: bool, path: str) -> CacheStats:
+        by_reason = dict(self.heap)
+        totals = dict(self.totals)
+        failing = self.blocking is not None or self.commit_fault is not None
+        state = derive_state(
+            enabled=enabled, mapped_bytes=self.mapped, heap_bytes_by_reason=by_reason,
+            written_bytes=totals["written"], failing=failing,
+        )  # fmt: skip
+        return CacheStats.fast(
+            state=state.value,
+            errno=self.errno,
+            error=self.error,
+            error_time=self.error_time,
+            mapped_bytes=self.mapped,
+            heap_bytes=sum(by_reason.values()),
+            heap_bytes_by_reason=by_reason,
+            heap_reason=dominant_reason(by_reason),
+            mapped_bytes_total=totals["mapped"],
+            heap_bytes_total=totals["heap"],
+            written_bytes=totals["written"],
+            file_bytes=self.file_bytes,
+            hits=totals["hits"],
+            stored=totals["stored"],
+            heap_packs=totals["heap_packs"],
+            pack_seconds=self.pack_seconds,
+            map_seconds=self.map_seconds,
+            path=path,
+            failing=failing,
+        )
