@@ -755,6 +755,25 @@ def test_reject_huge_dimension_wraparound(dtype: bytes, shape: tuple[int, ...]) 
     rejects(r"entry 0 \('w'\): size 0 != shape", decode, index)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(b"f8", (2**62, 0)), (b"i1", (2**40, 2**23, 0)), (b"u1", (0, 2**62, 2)), (b"f4", (2**31, 2**31, 0))],
+)
+def test_reject_empty_entry_whose_other_dimensions_overflow(dtype: bytes, shape: tuple[int, ...]) -> None:
+    # Valid size (0 bytes), valid checksum: numpy still refuses the shape ("array is too big"),
+    # so a hit would raise out of get_or_pack. Each dim alone is legal (R34).
+    assert all(d < 2**63 for d in shape)
+    index = raw_index(raw_entry(dtype=dtype, shape=shape, nbytes=0))
+    rejects(r"entry 0 \('w'\): empty shape .* other dimensions over 2\*\*63-1", decode, index, offset=INDEX_AT + 16 + 64)
+
+
+def test_largest_legal_empty_shape_is_accepted_and_numpy_can_make_it() -> None:
+    shape = (2**62, 0, 1)
+    entries = decode(raw_index(raw_entry(dtype=b"i1", shape=shape, nbytes=0)))
+    assert entries["w"].shape == shape
+    assert np.empty(shape, np.int8).size == 0
+
+
 @pytest.mark.parametrize("offset", [4097, 4100, 4096 + 32, 8192 - 8])
 def test_reject_entry_offset_unaligned(offset: int) -> None:
     index = raw_index(raw_entry(dtype=b"u1", shape=(0,), offset=offset))

@@ -430,6 +430,7 @@ class Session:
                 cache._session_serial += 1
                 self._serial = cache._session_serial
                 self._active = True
+                cache._ledger.set(commit_fault=None)  # a new load: its own packs will say what is durable
                 self._refresh()
             return self
         except BaseException:  # KeyboardInterrupt in the refresh included: never leave the cache owned
