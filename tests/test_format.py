@@ -764,7 +764,8 @@ def test_reject_empty_entry_whose_other_dimensions_overflow(dtype: bytes, shape:
     # so a hit would raise out of get_or_pack. Each dim alone is legal (R34).
     assert all(d < 2**63 for d in shape)
     index = raw_index(raw_entry(dtype=dtype, shape=shape, nbytes=0))
-    rejects(r"entry 0 \('w'\): empty shape .* other dimensions over 2\*\*63-1", decode, index, offset=INDEX_AT + 16 + 64)
+    message = r"entry 0 \('w'\): empty shape .* other dimensions over 2\*\*63-1"
+    rejects(message, decode, index, offset=INDEX_AT + 16 + 64)
 
 
 def test_largest_legal_empty_shape_is_accepted_and_numpy_can_make_it() -> None:
