@@ -690,3 +690,56 @@ def test_a_fifo_at_the_cache_path_is_refused_without_blocking(tmp_path: Path) ->
             s.get_or_pack("w", lambda: packed(1), KEY)
         st = cache.stats()
     assert st.heap_reason == "untrusted" and "FIFO" in st.error
+
+
+def _enter_and_leave_without_exit(cache: WeightCache) -> packcache.Session:
+    """What an interrupt in the instant between a ``with`` block's end and ``__exit__`` leaves behind."""
+    session = cache.session()
+    session.__enter__()
+    session.get_or_pack("stored-then-abandoned", lambda: packed(5), KEY)
+    return session  # this frame returns: the session's ``with`` block is gone, __exit__ never ran
+
+
+def test_a_session_left_without_exit_is_ended_by_the_same_threads_next_session(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    build(path, {"w": 1})
+    cache = WeightCache(path)
+    abandoned = _enter_and_leave_without_exit(cache)
+    with cache.session() as s:  # not "already active": the abandoned session is ended first
+        assert_same(s.get_or_pack("w", lambda: packed(1), KEY), packed(1))
+    st = cache.stats()
+    # What the abandoned session stored was never committed: counted as heap, not as mapped.
+    assert st.heap_bytes_by_reason["write_failed"] == 4 * KIB and st.hits == 1
+    with pytest.raises(packcache.SessionError):
+        abandoned.get_or_pack("late", lambda: packed(6), KEY)
+    cache.close()
+    assert packcache.verify(path).ok
+
+
+def test_a_nested_session_in_the_same_thread_is_still_an_error(tmp_path: Path) -> None:
+    with WeightCache(tmp_path / "m.pcache") as cache:
+        with cache.session():
+            with pytest.raises(packcache.SessionError, match="already active in this thread"):
+                with cache.session():
+                    pass
+            with pytest.raises(packcache.SessionError, match="inside this thread's own session"):
+                cache.close()
+
+
+def test_a_session_whose_thread_died_is_ended_by_another_thread(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    build(path, {"w": 1})
+    cache = WeightCache(path)
+    worker = threading.Thread(target=_enter_and_leave_without_exit, args=(cache,))
+    worker.start()
+    worker.join()
+    done = threading.Event()
+
+    def other() -> None:
+        with cache.session() as s:
+            s.get_or_pack("w", lambda: packed(1), KEY)
+        done.set()
+
+    threading.Thread(target=other, daemon=True).start()
+    assert done.wait(10), "a session left by a dead thread blocked every other thread"
+    cache.close()

@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import numpy as np
@@ -183,7 +183,7 @@ class WeightCache:
         # The instance lock: which session (and thread) owns the cache now. A condition, not a lock
         # held across the session, so every change of owner happens inside a ``with`` block: an
         # interrupt (Ctrl-C) can never leave the cache owned by a session that is gone.
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # entered with ``with``: a C-level enter leaves no gap for an interrupt
         self._session: Session | None = None
         self._owner: int | None = None
         self._closed = False
@@ -311,12 +311,19 @@ class WeightCache:
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         """Run the body with no session active on this cache (waiting for one in another thread)."""
-        with self._cond:
-            if self._owner == threading.get_ident():
-                raise SessionError(f"{what} called inside this thread's own session on {self.path!r}")
-            while self._session is not None:
-                self._cond.wait(0.1)  # bounded: a wake-up lost to an interrupt only costs a poll
-            yield
+        while True:
+            with self._lock:
+                current = self._session
+                if current is None:
+                    yield
+                    return
+                abandoned = current._abandoned()
+                if not abandoned and self._owner == threading.get_ident():
+                    raise SessionError(f"{what} called inside this thread's own session on {self.path!r}")
+            if abandoned:
+                current._end()
+            else:
+                time.sleep(0.002)  # polled, not a condition: an interrupt cannot leave a lock half-taken
 
     def _log(self, reason: HeapReason, message: str, err: int = 0) -> None:
         if reason in FAILURE_REASONS:
@@ -401,11 +408,14 @@ class Session:
         self._closing = False
         self._serial = 0
         self._mutex = threading.Lock()
-        self._idle = threading.Condition(self._mutex)
-        self._calls = 0
+        # Requests running, per thread. The exit waits only for *other* threads': a count of the
+        # exiting thread's own is a request an interrupt cut short, which nothing will finish.
+        self._calls: dict[int, int] = {}
         self._locking = threading.Lock()  # the thread waiting for the build lock holds it, not the mutex
         self._lock_fault: Fault | None = None
         self._inflight: dict[str, threading.Event] = {}
+        self._thread = 0  # the thread that entered the session
+        self._frame: FrameType | None = None  # the frame running the ``with`` block (see _abandoned)
 
     @property
     def cache(self) -> WeightCache:
@@ -413,60 +423,109 @@ class Session:
         return self._cache
 
     def __enter__(self) -> Session:
-        cache = self._cache
-        me = threading.get_ident()
         try:
-            with cache._cond:
-                if self._used:
-                    raise SessionError("a session is entered once; start another with cache.session()")
-                if cache._owner == me:
-                    raise SessionError(f"a session on {cache.path!r} is already active in this thread")
-                while cache._session is not None:
-                    cache._cond.wait(0.1)
-                if cache._closed:
-                    raise SessionError(f"the cache {cache.path!r} is closed")
-                self._used = True
-                cache._session, cache._owner = self, me
-                cache._session_serial += 1
-                self._serial = cache._session_serial
-                self._active = True
-                cache._ledger.set(commit_fault=None)  # a new load: its own packs will say what is durable
-                self._refresh()
+            self._claim(sys._getframe(1))
             return self
         except BaseException:  # KeyboardInterrupt in the refresh included: never leave the cache owned
-            self._end()
+            # Inline, not in a helper: calling a function is itself a point where a pending interrupt is raised.
+            for _ in range(8):
+                try:
+                    self._end()
+                    break
+                except BaseException:  # another interrupt during the clean-up: finish it first
+                    continue
             raise
+
+    def _claim(self, frame: FrameType) -> None:
+        """Become the cache's session (waiting for another thread's), then read the file."""
+        cache = self._cache
+        me = threading.get_ident()
+        while True:
+            with cache._lock:
+                if self._used:
+                    raise SessionError("a session is entered once; start another with cache.session()")
+                current = cache._session
+                if current is None:
+                    if cache._closed:
+                        raise SessionError(f"the cache {cache.path!r} is closed")
+                    self._used = True
+                    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("contextlib"):
+                        frame = frame.f_back  # entered through an ExitStack: the user's frame is further out
+                    self._thread, self._frame = me, frame
+                    cache._session, cache._owner = self, me
+                    cache._session_serial += 1
+                    self._serial = cache._session_serial
+                    self._active = True
+                    cache._ledger.set(commit_fault=None)  # a new load: its own packs will say what is durable
+                    self._refresh()
+                    return
+                abandoned = current._abandoned()
+                if not abandoned and cache._owner == me:
+                    raise SessionError(f"a session on {cache.path!r} is already active in this thread")
+            if abandoned:
+                current._end()
+            else:
+                time.sleep(0.002)  # another thread's session: polled, so an interrupt cannot corrupt a wait
+
+    def _abandoned(self) -> bool:
+        """Whether nobody can end this session any more: the thread that entered it is gone, or
+        (asked from that thread) the frame that entered it has returned, so its ``with`` block was
+        left without ``__exit__`` running (an interrupt in the instant between the two)."""
+        current = sys._current_frames()
+        if self._thread not in current:
+            return True
+        if self._thread != threading.get_ident():
+            return False  # alive elsewhere: that thread will end it
+        frame: FrameType | None = sys._getframe()
+        while frame is not None:
+            if frame is self._frame:
+                return False
+            frame = frame.f_back
+        return True
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         store = self._cache._store
         try:
-            with self._mutex:
-                self._closing = True
-                while self._calls:
-                    self._idle.wait(0.1)
+            me = threading.get_ident()
+            while True:  # wait for other threads' requests still running (polled, see _claim)
+                with self._mutex:
+                    self._closing = True
+                    busy = any(count for thread, count in self._calls.items() if thread != me)
+                if not busy:
+                    break
+                time.sleep(0.001)
             if store is not None and store.pending:
                 self._commit(store)
         finally:
-            self._end()
+            interrupted: BaseException | None = None
+            for _ in range(8):  # inline for the same reason as in __enter__
+                try:
+                    self._end()
+                    break
+                except BaseException as exc:  # an interrupt during the clean-up: finish it, then raise it
+                    interrupted = interrupted or exc
+            if interrupted is not None:
+                raise interrupted
 
     def _end(self) -> None:
         """Release the build lock and the cache, if this session holds them (idempotent)."""
         cache, store = self._cache, self._cache._store
         self._active = False
-        with cache._cond:
+        with cache._lock:
             if cache._session is not self:
                 return
-            if store is not None:
-                if store.pending:  # interrupted before its commit: what it stored is not durable
-                    names = store.pending_names
-                    store.abort()
-                    interrupted = Fault(HeapReason.WRITE_FAILED, 0, f"session on {cache.path} ended before its commit")
-                    self._commit_failed(store, names, interrupted)
-                store.release_lock()
-            cache._session, cache._owner = None, None
-            cache._cond.notify_all()
+            try:
+                if store is not None:
+                    if store.pending:  # interrupted before its commit: what it stored is not durable
+                        names = store.pending_names
+                        store.abort()
+                        ended = Fault(HeapReason.WRITE_FAILED, 0, f"session on {cache.path} ended before its commit")
+                        self._commit_failed(store, names, ended)
+                    store.release_lock()
+            finally:  # whatever interrupts the clean-up, the cache is free again
+                cache._session, cache._owner, self._frame = None, None, None
 
     def _commit(self, store: FileStore) -> None:
         cache, ledger = self._cache, self._cache._ledger
@@ -555,10 +614,11 @@ class Session:
         key_bytes = fmt.canonical_key(key)
         if len(key_bytes) > fmt.MAX_KEY_BYTES:
             raise ValueError(f"key is {len(key_bytes)} bytes of JSON, at most {fmt.MAX_KEY_BYTES} allowed")
+        me = threading.get_ident()
         with self._mutex:
             if not self._active or self._closing:
                 raise SessionError("get_or_pack() called outside an active session (use 'with cache.session() as s')")
-            self._calls += 1
+            self._calls[me] = self._calls.get(me, 0) + 1
         try:
             cache = self._cache
             if not cache.enabled or cache._store is None:
@@ -568,9 +628,7 @@ class Session:
             return self._route(name, pack, key_bytes, fmt.key_digest(name, key_bytes))
         finally:
             with self._mutex:
-                self._calls -= 1
-                if not self._calls:
-                    self._idle.notify_all()
+                self._calls[me] -= 1
 
     def _heap_only(self, name: str | None, digest: bytes, pack: PackFn, disabled: bool) -> np.ndarray[Any, Any]:
         if name is not None:
@@ -585,34 +643,41 @@ class Session:
 
     def _route(self, name: str, pack: PackFn, key: bytes, digest: bytes) -> np.ndarray[Any, Any]:
         while True:
-            with self._mutex:
-                found = self._serve_existing(name, digest)
-                if isinstance(found, np.ndarray):
-                    return found
-                waiting = self._inflight.get(name)
-                if waiting is None:
-                    route = found if found is not None else self._miss_route()
-                    if route is not _NEEDS_LOCK:
-                        if isinstance(route, _Route):
-                            reused = self._reuse_heap(name, digest, route)
-                            if reused is not None:
-                                return reused
-                        mine = self._inflight[name] = threading.Event()
-                        break
-            if waiting is not None:
-                waiting.wait()  # another thread is making this pack: take its result
-                continue
-            self._take_build_lock()
-        try:
-            array, owned = self._packed(pack)
-            with self._mutex:
-                if isinstance(route, _Route):
-                    return self._serve_heap(name, digest, array, owned, route)
-                return self._store(name, key, digest, array, owned)
-        finally:
-            with self._mutex:
-                del self._inflight[name]
-            mine.set()
+            mine: threading.Event | None = None
+            try:
+                with self._mutex:
+                    found = self._serve_existing(name, digest)
+                    if isinstance(found, np.ndarray):
+                        return found
+                    waiting = self._inflight.get(name)
+                    if waiting is not None and waiting.is_set():
+                        del self._inflight[name]  # left by a request an interrupt cut short
+                        waiting = None
+                    if waiting is None:
+                        route = found if found is not None else self._miss_route()
+                        if route is not _NEEDS_LOCK:
+                            if isinstance(route, _Route):
+                                reused = self._reuse_heap(name, digest, route)
+                                if reused is not None:
+                                    return reused
+                            mine = self._inflight[name] = threading.Event()
+                if mine is None:
+                    if waiting is not None:
+                        waiting.wait()  # another thread is making this pack: take its result
+                    else:
+                        self._take_build_lock()
+                    continue
+                array, owned = self._packed(pack)
+                with self._mutex:
+                    if isinstance(route, _Route):
+                        return self._serve_heap(name, digest, array, owned, route)
+                    return self._store(name, key, digest, array, owned)
+            finally:
+                if mine is not None:
+                    mine.set()  # first: a waiter must never wait on an event nobody will set
+                    with self._mutex:
+                        if self._inflight.get(name) is mine:
+                            del self._inflight[name]
 
     def _serve_existing(self, name: str, digest: bytes) -> np.ndarray[Any, Any] | _Route | None:
         """A held or committed pack for ``(name, digest)``; a route to heap if it cannot be mapped; None: a miss."""
@@ -667,13 +732,13 @@ class Session:
                     return  # another thread of this session got it (or failed) meanwhile
             timeout = self._cache.lock_timeout
             try:
-                fd = store.take_lock(timeout)
+                store.take_lock(timeout)
             except Fault as fault:
                 with self._mutex:
                     self._lock_fault = fault
                 return
             with self._mutex:
-                store.hold_lock(fd, timeout)
+                store.hold_lock(timeout)
                 self._refresh()
 
     def _reuse_heap(self, name: str, digest: bytes, route: _Route) -> np.ndarray[Any, Any] | None:

@@ -43,12 +43,15 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Callable
 
 from .errors import LockTimeoutError, UntrustedFileError
 
 __all__ = [
     "acquire_build_lock",
+    "close_if_same",
     "create_temp",
+    "file_identity",
     "fsync_dir",
     "lock_path_for",
     "open_checked",
@@ -210,13 +213,19 @@ def still_linked(fd: int, path: str) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-def acquire_build_lock(path: str, timeout: float, mode: int) -> int:
+def acquire_build_lock(
+    path: str, timeout: float, mode: int, *, track: Callable[[int | None], None] | None = None
+) -> int:
     """Take the exclusive build lock of cache file ``path``; return the lock file's descriptor.
 
     The lock file is :func:`lock_path_for` ``path`` (created with ``mode`` if missing;
     its directory must exist). After ``flock`` succeeds the path must still name the
     locked file: a lock file that a cleaner unlinked or replaced meanwhile locks
     nobody out, so it is opened again. Closing the descriptor releases the lock.
+
+    ``track`` is told each descriptor as soon as it is opened (before it can hold the
+    lock) and ``None`` when this function closes it: a caller interrupted in the
+    instant this function returns still knows which descriptor holds the lock.
 
     Raises:
         LockTimeoutError: another process held the lock for more than ``timeout`` seconds.
@@ -228,14 +237,42 @@ def acquire_build_lock(path: str, timeout: float, mode: int) -> int:
     while True:
         fd = open_lock(lock_path, mode)
         try:
+            if track is not None:
+                track(fd)
             if not wait_for_flock(fd, deadline):
                 raise LockTimeoutError(f"another process held the build lock {lock_path} for more than {timeout:g} s")
             if still_linked(fd, lock_path):
                 return fd
         except BaseException:
             os.close(fd)
+            if track is not None:
+                track(None)
             raise
         os.close(fd)  # unlinked or replaced after we opened it: lock whatever the path names now
+        if track is not None:
+            track(None)
+
+
+def file_identity(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino) of an open descriptor."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def close_if_same(fd: int | None, identity: tuple[int, int] | None) -> None:
+    """Close ``fd`` only if it is still open on the file ``identity`` names.
+
+    Callers close first and forget the number after; an interrupt between the two
+    must not make the next clean-up close a number the process has reused since.
+    """
+    if fd is None or identity is None:
+        return
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return  # closed already
+    if (st.st_dev, st.st_ino) == identity:
+        os.close(fd)
 
 
 def temp_prefix(path: str) -> str:

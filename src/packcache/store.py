@@ -41,7 +41,9 @@ from .errors import FormatError, LockTimeoutError, UntrustedFileError
 from .mapping import FileMap, Window
 from .paths import (
     acquire_build_lock,
+    close_if_same,
     create_temp,
+    file_identity,
     open_checked,
     remove_orphans,
     trust_problem,
@@ -113,6 +115,7 @@ class _Writer:
     map: FileMap
     identity: tuple[int, int]  # (st_dev, st_ino) of the file written
     dir_fd: int | None = None  # a new file's directory, opened before the rename (no EMFILE after it)
+    dir_identity: tuple[int, int] | None = None
     merged: dict[str, fmt.Entry] = field(default_factory=dict)  # base overlaid with added
     index_bytes: int = 0  # encoded size of an index listing ``merged``
 
@@ -137,11 +140,10 @@ class _Writer:
         return sorted(self.merged.values(), key=lambda e: e.offset)
 
     def close(self) -> None:
-        if self.dir_fd is not None:
-            os.close(self.dir_fd)
-            self.dir_fd = None
+        close_if_same(self.dir_fd, self.dir_identity)
+        self.dir_fd = None
         if self.temp_path is not None:
-            os.close(self.fd)
+            close_if_same(self.fd, self.identity)
 
 
 class FileStore:
@@ -182,7 +184,8 @@ class FileStore:
         self.read_only_fault: Fault | None = None  # why misses cannot be stored
         self.rebuild_reason: str | None = None  # why the next store must write a new file
         self.corrupt: set[str] = set()  # committed entries whose bytes failed their checksum
-        self._lock_fd: int | None = None
+        self._lock_fd: tuple[int, tuple[int, int]] | None = None  # the build lock held: (fd, identity)
+        self._lock_taken: tuple[int, tuple[int, int]] | None = None  # taken, not yet adopted by a session
         self._inode_locked: int | None = None  # fd whose inode this writer flock-ed
         self._lock_deadline = 0.0
         self._writer: _Writer | None = None
@@ -235,10 +238,9 @@ class FileStore:
         return self._open()
 
     def _forget(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # also drops an inode flock held on it
-            if self._inode_locked == self.fd:
-                self._inode_locked = None
+        close_if_same(self.fd, self.identity)  # also drops an inode flock held on it
+        if self._inode_locked == self.fd:
+            self._inode_locked = None
         self.fd = None
         self.identity = None
         self.header = None
@@ -405,11 +407,11 @@ class FileStore:
 
     # ------------------------------------------------------------------ locking
 
-    def take_lock(self, timeout: float) -> int:
-        """Wait up to ``timeout`` seconds for the build lock; return its descriptor.
+    def take_lock(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the build lock (then :meth:`hold_lock` adopts it).
 
-        Changes nothing in the store (call :meth:`hold_lock` with the result), so a
-        thread may wait here while other threads of the session keep serving hits.
+        Changes nothing the session reads, so a thread may wait here while other
+        threads of the session keep serving hits.
 
         Raises:
             Fault: ``locked`` on timeout; ``untrusted`` for a FIFO, symlink or foreign lock
@@ -417,7 +419,7 @@ class FileStore:
         """
         try:
             self._ensure_dir()
-            return acquire_build_lock(self.path, timeout, self.file_mode)
+            acquire_build_lock(self.path, timeout, self.file_mode, track=self._track_lock)
         except LockTimeoutError as exc:
             raise Fault(HeapReason.LOCKED, errno_mod.EWOULDBLOCK, str(exc)) from None
         except UntrustedFileError as exc:
@@ -431,9 +433,13 @@ class FileStore:
                 reason = HeapReason.OPEN_FAILED
             raise _fault_from_os(exc, reason, "cannot open lock file for", self.path) from None
 
-    def hold_lock(self, fd: int, timeout: float) -> None:
-        """Adopt a build lock from :meth:`take_lock` (``timeout`` bounds the inode lock taken later)."""
-        self._lock_fd = fd
+    def _track_lock(self, fd: int | None) -> None:
+        # Recorded before the flock is taken: an interrupt cannot leave a held lock unrecorded.
+        self._lock_taken = None if fd is None else (fd, file_identity(fd))
+
+    def hold_lock(self, timeout: float) -> None:
+        """Adopt the build lock :meth:`take_lock` took (``timeout`` bounds the inode lock taken later)."""
+        self._lock_fd, self._lock_taken = self._lock_taken, None
         self._lock_deadline = time.monotonic() + timeout
         # Only the lock holder creates temp files, so any left now belong to dead writers
         # (a killed rebuild or compaction): reclaim their space.
@@ -446,9 +452,10 @@ class FileStore:
             with contextlib.suppress(OSError):
                 fcntl.flock(self._inode_locked, fcntl.LOCK_UN)
             self._inode_locked = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for held in (self._lock_fd, self._lock_taken):
+            if held is not None:
+                close_if_same(*held)
+        self._lock_fd = self._lock_taken = None
 
     @property
     def locked(self) -> bool:
@@ -586,16 +593,19 @@ class FileStore:
             os.posix_fallocate(fd, 0, header.data_start + fmt.index_size([]))
             self._pwrite(fd, header_bytes, 0)
             st = os.fstat(fd)
-        except OSError as exc:
+        except BaseException as exc:
             os.close(fd)
             if dir_fd is not None:
                 os.close(dir_fd)
             unlink_quietly(temp)
+            if not isinstance(exc, OSError):
+                raise
             where = f"{self.path} (new file {temp})"
             raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot write to", where) from None
         self._writer = _Writer(
             fd=fd, temp_path=temp, target=target, header=header, base={}, added={}, append_at=header.data_start,
             generation=1, map=FileMap(fd), identity=(st.st_dev, st.st_ino), dir_fd=dir_fd,
+            dir_identity=file_identity(dir_fd),
         )  # fmt: skip
         return self._writer
 
@@ -664,9 +674,8 @@ class FileStore:
     def _adopt(self, writer: _Writer, slot: fmt.Slot, live: list[fmt.Entry]) -> None:
         """Make a committed writer's file and entries the store's committed state."""
         self._writer = None
-        if writer.dir_fd is not None:
-            os.close(writer.dir_fd)
-            writer.dir_fd = None
+        close_if_same(writer.dir_fd, writer.dir_identity)
+        writer.dir_fd = None
         if writer.temp_path is not None:
             self._forget()
             self.fd = writer.fd

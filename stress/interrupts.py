@@ -1,0 +1,277 @@
+"""Interrupts: Ctrl-C at a random instant of a load never leaves a cache unusable or a file invalid.
+
+Method. One child interpreter per worker runs trials back to back. Each trial
+picks a scenario — a fresh build, an append to a valid cache, a rebuild of a
+corrupt file, or a build by four threads sharing one session — and arms a
+timer that raises ``KeyboardInterrupt`` (as a real SIGINT does, from a signal
+handler, between any two bytecodes) after a delay drawn uniformly from
+[0, T], T the median duration of uninterrupted runs of that scenario. After
+the interrupt, with the timer disarmed, the trial checks on the *same*
+``WeightCache`` instance:
+
+* a new session starts and finishes, in this thread (never "already active")
+  and then in another thread within 10 s (nothing is left locked);
+* every array served before and after the interrupt is bit-identical to ``pack()``;
+* the ledger adds up: held bytes = mapped + heap bytes of the statistics;
+* ``packcache.verify`` passes on the file (when there is one);
+
+and then that a fresh instance maps or heals every pack.
+
+Prints one summary line; exits 1 if any must-be-zero figure is not zero.
+
+Usage: python stress/interrupts.py [--trials 400] [--seed 1] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MUST_BE_ZERO = ("wrong_bytes", "unusable", "hangs", "ledger_mismatches", "verify_failures", "heal_failures", "errors")
+
+CHILD = r"""
+import faulthandler, json, os, random, signal, statistics, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import packcache
+from _helpers import packed
+
+SPEC = {f"w{i}": (i, 16 * 1024 + 64 * i) for i in range(24)}
+KEY = {"v": 1}
+armed = False
+
+
+def alarm(signum, frame):
+    if armed:
+        raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGALRM, alarm)
+
+
+def request(s, names, out):
+    for name in names:
+        seed, nbytes = SPEC[name]
+        out[name] = s.get_or_pack(name, lambda seed=seed, nbytes=nbytes: packed(seed, nbytes), KEY)
+
+
+def prepare(scenario, path):
+    for p in (path, path + ".lock"):
+        if os.path.exists(p):
+            os.unlink(p)
+    if scenario == "append":
+        with packcache.WeightCache(path) as c, c.session() as s:
+            request(s, list(SPEC)[:12], {})
+    elif scenario == "rebuild":
+        with open(path, "wb") as f:
+            f.write(os.urandom(20000))
+        os.chmod(path, 0o600)
+
+
+def load(scenario, cache, out):
+    with cache.session() as s:
+        if scenario == "threads":
+            names = list(SPEC)
+            workers = [threading.Thread(target=request, args=(s, names[i::4], out)) for i in range(4)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        else:
+            request(s, list(SPEC), out)
+
+
+def same(out):
+    return [n for n, a in out.items() if a.tobytes() != packed(*SPEC[n]).tobytes()]
+
+
+def ledger_ok(cache):
+    ledger = cache._ledger
+    held = sum(h.nbytes for h in ledger.held.values()) + sum(h.nbytes for h in ledger.unnamed.values())
+    st = cache.stats()
+    return held == st.mapped_bytes + st.heap_bytes
+
+
+def in_thread(fn, timeout=10.0):
+    done, box = threading.Event(), {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = repr(exc)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    if not done.wait(timeout):
+        return "hang"
+    return box.get("error")
+
+
+def trial(scenario, path, delay):
+    global armed
+    prepare(scenario, path)
+    cache = packcache.WeightCache(path, lock_timeout=5)
+    out = {}
+    interrupted = False
+    signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-6))
+    armed = True
+    try:
+        load(scenario, cache, out)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    result = {"interrupted": interrupted, "wrong": same(out), "ledger": ledger_ok(cache)}
+    again = {}
+    problem = None
+    try:
+        load(scenario, cache, again)  # this thread first: never "already active"
+    except BaseException as exc:
+        problem = repr(exc)
+    if problem is None:
+        problem = in_thread(lambda: load(scenario, cache, again))  # then another thread: nothing left locked
+    result["usable"] = problem
+    if problem is not None:  # leave this cache as it is (closing it could hang too) and stop the worker
+        st = cache.stats()
+        result.update(fatal=True, state=st.state, last_error=st.error, owner=cache._owner is not None,
+                      session=cache._session is not None, locked=cache._store.locked if cache._store else None)
+        return result
+    result["wrong"] += same(again)
+    result["ledger"] = result["ledger"] and ledger_ok(cache)
+    cache.close()
+    result["verify"] = [] if not os.path.exists(path) else [str(p) for p in packcache.verify(path).problems]
+    with packcache.WeightCache(path) as fresh:
+        healed = {}
+        with fresh.session() as s:
+            request(s, list(SPEC), healed)
+        st = fresh.stats()
+    result["wrong"] += same(healed)
+    result["healed"] = st.heap_bytes == 0 and st.hits + st.stored == len(SPEC)
+    if not result["healed"]:
+        result["heal_stats"] = {"heap": {k: v for k, v in st.heap_bytes_by_reason.items() if v}, "error": st.error}
+    return result
+
+
+args = json.loads(sys.stdin.read())
+path = os.path.join(args["dir"], "model.pcache")
+if args["mode"] == "calibrate":
+    times = {}
+    for scenario in args["scenarios"]:
+        runs = []
+        for _ in range(args["runs"]):
+            prepare(scenario, path)
+            with packcache.WeightCache(path) as cache:
+                started = time.perf_counter()
+                load(scenario, cache, {})
+                runs.append(time.perf_counter() - started)
+        times[scenario] = statistics.median(runs)
+    print(json.dumps(times))
+else:
+    results = []
+    for scenario, delay in args["trials"]:
+        # A hang anywhere (not only in the checked loads) dumps every thread's stack and ends the worker.
+        faulthandler.dump_traceback_later(60, exit=True)
+        try:
+            r = trial(scenario, path, delay)
+        except BaseException as exc:
+            r = {"error": f"{type(exc).__name__}: {exc}"}
+        faulthandler.cancel_dump_traceback_later()
+        r["scenario"] = scenario
+        results.append(r)
+        if r.get("fatal"):
+            break
+    print(json.dumps(results))
+"""
+
+SCENARIOS = ("build", "append", "rebuild", "threads")
+
+
+def _child(args: dict[str, Any], timeout: float) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(ROOT / "tests")], input=json.dumps(args),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"child exited {done.returncode}: {done.stderr.strip()[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(base: Path, *, trials: int, seed: int, workers: int, calibration_runs: int = 3) -> dict[str, Any]:
+    """Run the harness in ``base``; return the summary figures and the failures."""
+    started = time.perf_counter()
+    calibration_dir = base / "calibrate"
+    calibration_dir.mkdir()
+    medians = _child({"mode": "calibrate", "dir": str(calibration_dir), "scenarios": SCENARIOS,
+                      "runs": calibration_runs}, timeout=600)  # fmt: skip
+    rng = random.Random(seed)
+    plan = [(SCENARIOS[i % len(SCENARIOS)], rng.uniform(0, medians[SCENARIOS[i % len(SCENARIOS)]]))
+            for i in range(trials)]  # fmt: skip
+    chunks = [plan[i::workers] for i in range(workers)]
+
+    def work(index: int) -> list[dict[str, Any]]:
+        directory = base / f"worker{index}"
+        directory.mkdir()
+        try:
+            trials = chunks[index]
+            out: list[dict[str, Any]] = _child(
+                {"mode": "trials", "dir": str(directory), "trials": trials}, timeout=120 + 30 * len(trials)
+            )
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a worker that hung or died is a failure
+            return [{"scenario": f"worker{index}", "error": str(exc)}]
+        return out
+
+    with ThreadPoolExecutor(workers) as pool:
+        results = [r for chunk in pool.map(work, range(workers)) for r in chunk]
+    counts = dict.fromkeys(("trials", "interrupted", *MUST_BE_ZERO), 0)
+    failures: list[str] = []
+    for r in results:
+        counts["trials"] += 1
+        if "error" in r:
+            counts["errors"] += 1
+            failures.append(f"{r['scenario']}: {r['error']}")
+            continue
+        counts["interrupted"] += r["interrupted"]
+        checks = {
+            "wrong_bytes": bool(r["wrong"]),
+            "unusable": r["usable"] not in (None, "hang"),
+            "hangs": r["usable"] == "hang",
+            "ledger_mismatches": not r["ledger"],
+            "verify_failures": bool(r.get("verify")),
+            "heal_failures": not r.get("healed", True),
+        }
+        for figure, bad in checks.items():
+            if bad:
+                counts[figure] += 1
+                failures.append(f"{r['scenario']}: {figure}: {r}")
+    counts["seconds"] = round(time.perf_counter() - started, 1)
+    return {**counts, "medians_ms": {k: round(v * 1e3, 1) for k, v in medians.items()}, "failures": failures}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="packcache-interrupts-") as base:
+        result = run(Path(base), trials=args.trials, seed=args.seed, workers=args.workers)
+    for failure in result["failures"][:20]:
+        print(f"FAILED {failure}")
+    figures = " ".join(f"{k}={v}" for k, v in result.items() if k not in ("failures", "medians_ms"))
+    print(f"interrupts: {figures} medians_ms={result['medians_ms']}")
+    return 1 if any(result[k] for k in MUST_BE_ZERO) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
