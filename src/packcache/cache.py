@@ -286,11 +286,7 @@ class WeightCache:
         if self._closed:
             return
         with self._exclusive("close()"):
-            ledger = self._ledger
-            for name in list(ledger.held):
-                ledger.drop(name)
-            for serial in list(ledger.unnamed):
-                ledger.drop(None, serial)
+            self._ledger.drop_all()
             if self._store is not None:
                 self._store.close()
             self._closed = True
@@ -696,11 +692,10 @@ class Session:
         try:
             array = store.view(entry)
         except Fault as fault:
-            return _Route(HeapReason.MAP_FAILED, fault)
-        finally:
             ledger.add(map_seconds=time.perf_counter() - started)
-        ledger.hold(name, Held(array, digest, None, self._serial, store.origin_of(entry)))
-        ledger.add(hits=1)
+            return _Route(HeapReason.MAP_FAILED, fault)
+        held = Held(array, digest, None, self._serial, store.origin_of(entry))
+        ledger.hold(name, held, outcome="hits", map_seconds=time.perf_counter() - started)
         return array
 
     def _miss_route(self) -> _Route | object | None:
@@ -770,8 +765,7 @@ class Session:
             return self._serve_heap(name, digest, array, owned, _Route(failure.reason, failure))
         finally:
             ledger.set(written=store.bytes_written)
-        ledger.hold(name, Held(view, digest, None, self._serial, origin))
-        ledger.add(stored=1)
+        ledger.hold(name, Held(view, digest, None, self._serial, origin), outcome="stored")
         return view
 
     def _lookup(self, name: str, digest: bytes) -> fmt.Entry | None:

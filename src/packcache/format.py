@@ -21,7 +21,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -171,10 +171,32 @@ def canonical_key(key: Mapping[str, Any] | None) -> bytes:
     if not isinstance(key, Mapping):
         raise TypeError(f"key must be a mapping or None, not {type(key).__name__}")
     try:
-        text = json.dumps(key, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        text = _CANONICAL(key)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"key is not JSON-serialisable: {exc}") from exc
+    except RecursionError:
+        raise TypeError("key is not JSON-serialisable: it is circular or nested too deeply") from None
     return text.encode("ascii")
+
+
+def _canonical_encoder() -> Callable[[Any], str]:
+    """One JSON encoder for every key, built once: ``json.dumps`` with these arguments builds a
+    new encoder per call, which was most of the cost of a cache hit. Without a circular-reference
+    table (a shared one is not thread-safe): a circular key ends in RecursionError instead."""
+    default = json.JSONEncoder().default  # raises TypeError for what JSON cannot hold
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # no C accelerator (another Python implementation)
+        return json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
+    encode = make(None, default, json.encoder.encode_basestring_ascii, None, ":", ",", True, False, False)
+
+    def canonical(key: Any) -> str:
+        return "".join(encode(key, 0))
+
+    return canonical
+
+
+_CANONICAL = _canonical_encoder()
+_DIGEST_PREFIX = hashlib.sha256(b"packcache-key\0")
 
 
 def key_digest(name: str, key: bytes) -> bytes:
@@ -183,7 +205,9 @@ def key_digest(name: str, key: bytes) -> bytes:
     >>> len(key_digest("w", b"{}"))
     32
     """
-    return hashlib.sha256(b"packcache-key\0" + name.encode("utf-8") + b"\0" + key).digest()
+    h = _DIGEST_PREFIX.copy()
+    h.update(name.encode("utf-8") + b"\0" + key)
+    return h.digest()
 
 
 def shape_fits(shape: Sequence[int], itemsize: int) -> bool:
@@ -399,11 +423,21 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
     pos = INDEX_HEAD.size
     end = len(data)
     alignment, data_start, index_offset = header.alignment, header.data_start, slot.index_offset
+    # Hoisted: this loop runs once per pack on every warm open.
+    fixed_size, unpack_fixed, dims, itemsizes, codes = (
+        ENTRY_FIXED.size,
+        ENTRY_FIXED.unpack_from,
+        _DIMS,
+        _ITEMSIZE,
+        _DTYPE_FIELDS,
+    )
+    new_entry, prod = tuple.__new__, math.prod
+    spans: list[tuple[int, int, str]] = []
     # struct hands back Python ints, so the arithmetic below cannot wrap.
     for number in range(count):
-        if pos + ENTRY_FIXED.size > end:
+        if pos + fixed_size > end:
             raise fail(f"entry {number} runs past the end of the index", pos)
-        digest, offset, nbytes, crc, name_size, ndim, reserved, dtype_raw, key_size = ENTRY_FIXED.unpack_from(data, pos)
+        digest, offset, nbytes, crc, name_size, ndim, reserved, dtype_raw, key_size = unpack_fixed(data, pos)
         if reserved != 0:
             raise fail(f"entry {number}: reserved byte is not zero", pos + 55)
         if not 1 <= name_size <= MAX_NAME_BYTES:
@@ -412,17 +446,17 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
             raise fail(f"entry {number}: {ndim} dimensions, more than {MAX_NDIM}", pos + 54)
         if key_size > MAX_KEY_BYTES:
             raise fail(f"entry {number}: key size {key_size} exceeds {MAX_KEY_BYTES}", pos + 60)
-        code = _DTYPE_FIELDS.get(dtype_raw)
+        code = codes.get(dtype_raw)
         if code is None:
             raise fail(f"entry {number}: unknown dtype code {bytes(dtype_raw)!r}", pos + 56)
-        stop = pos + ((ENTRY_FIXED.size + 8 * ndim + name_size + key_size + 7) & ~7)
+        stop = pos + ((fixed_size + 8 * ndim + name_size + key_size + 7) & ~7)
         if stop > end:
             raise fail(f"entry {number} runs past the end of the index", pos)
-        cur = pos + ENTRY_FIXED.size
-        shape = _DIMS[ndim].unpack_from(data, cur)
+        cur = pos + fixed_size
+        shape = dims[ndim].unpack_from(data, cur)
         cur += 8 * ndim
         if shape and max(shape) > MAX_DIM:
-            raise fail(f"entry {number}: dimension larger than 2**63-1", pos + ENTRY_FIXED.size)
+            raise fail(f"entry {number}: dimension larger than 2**63-1", pos + fixed_size)
         try:
             name = data[cur : cur + name_size].decode("utf-8")
         except UnicodeDecodeError:
@@ -430,13 +464,14 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
         cur += name_size
         key = data[cur : cur + key_size]
         cur += key_size
-        if data[cur:stop] != _ZEROS[: stop - cur]:
+        if cur != stop and data[cur:stop] != _ZEROS[: stop - cur]:
             raise fail(f"entry {number}: padding bytes are not zero", cur)
         if name in entries:
             raise fail(f"entry {number}: duplicate name {name!r}", pos)
-        if math.prod(shape) * _ITEMSIZE[code] != nbytes:
+        itemsize = itemsizes[code]
+        if prod(shape) * itemsize != nbytes:
             raise fail(f"entry {number} ({name!r}): size {nbytes} != shape {shape} x itemsize", pos + 40)
-        if not nbytes and not shape_fits(shape, _ITEMSIZE[code]):
+        if not nbytes and not shape_fits(shape, itemsize):
             raise fail(f"entry {number} ({name!r}): empty shape {shape}, other dimensions over 2**63-1", pos + 64)
         if offset % alignment:
             raise fail(f"entry {number} ({name!r}): offset {offset} not aligned to {alignment}", pos + 32)
@@ -445,11 +480,14 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
                 f"entry {number} ({name!r}): data [{offset}, {offset + nbytes}) outside [{data_start}, {index_offset})",
                 pos + 32,
             )
-        entries[name] = Entry(name, key, digest, code, shape, offset, nbytes, crc)
+        # tuple.__new__: the NamedTuple's own __new__ is a Python call, most of this loop's cost.
+        entries[name] = new_entry(Entry, (name, key, digest, code, shape, offset, nbytes, crc))
+        if nbytes:
+            spans.append((offset, offset + nbytes, name))
         pos = stop
     if pos != end:
         raise fail(f"{end - pos} bytes after the last entry", pos)
-    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values() if e.nbytes)
+    spans.sort()
     for (_, prev_end, prev_name), (start, _, name) in itertools.pairwise(spans):
         if start < prev_end:
             raise fail(f"entries {prev_name!r} and {name!r} overlap at file offset {start}", 0)

@@ -68,9 +68,13 @@ class Ledger:
 
     # Every method below runs under the writer's exclusion, between two increments of ``seq``.
 
-    def hold(self, name: str | None, held: Held) -> None:
+    def hold(self, name: str | None, held: Held, *, outcome: str | None = None, map_seconds: float = 0.0) -> None:
+        """Hold a pack served now; ``outcome`` ``"hits"`` or ``"stored"`` counts it (heap packs count themselves)."""
         self.seq += 1
         try:
+            if outcome is not None:
+                self.totals[outcome] += 1
+            self.map_seconds += map_seconds
             if name is None:
                 self.unnamed_serial += 1
                 self.unnamed[self.unnamed_serial] = held
@@ -94,6 +98,17 @@ class Ledger:
             self.mapped -= held.nbytes
         else:
             self.heap[held.reason.value] -= held.nbytes
+
+    def drop_all(self) -> None:
+        """Stop holding every pack (the cache is closing)."""
+        self.seq += 1
+        try:
+            for held in (*self.held.values(), *self.unnamed.values()):
+                self._uncount(held)
+            self.held.clear()
+            self.unnamed.clear()
+        finally:
+            self.seq += 1
 
     def drop(self, name: str | None, serial: int = 0) -> None:
         self.seq += 1

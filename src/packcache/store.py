@@ -63,6 +63,7 @@ __all__ = [
     "read_generation",
 ]
 
+_DTYPES = {code: np.dtype(fmt.numpy_dtype_str(code)) for code in fmt.DTYPE_CODES}  # one object per code
 _NO_SPACE_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG})
 _READ_ONLY_ERRNOS = frozenset({errno_mod.EACCES, errno_mod.EROFS, errno_mod.EPERM, errno_mod.ETXTBSY})
 
@@ -368,7 +369,7 @@ class FileStore:
         return self._array(window, entry)
 
     def _array(self, window: Window, entry: fmt.Entry) -> np.ndarray[Any, Any]:
-        dtype = np.dtype(fmt.numpy_dtype_str(entry.dtype))
+        dtype = _DTYPES[entry.dtype]
         if entry.nbytes == 0:
             empty = np.empty(entry.shape, dtype=dtype)
             empty.flags.writeable = False
