@@ -65,7 +65,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _helpers import CHILD_PRELUDE, KIB, MIB, TESTS_DIR, fill, packed, read_only_bind, tmpfs  # noqa: E402
+from _helpers import CHILD_PRELUDE, KIB, MIB, TESTS_DIR, fill, packed, read_only_bind, tmpfs, two_appenders  # noqa: E402
+from _helpers import run_child as run_plain_child  # noqa: E402
 from packcache import WeightCache  # noqa: E402
 from packcache import format as fmt  # noqa: E402
 
@@ -763,6 +764,134 @@ def _map_build(env: Env, d: Path) -> list[str]:
         step, path, hits=0, stored=0, heap={"map_failed": 64 * MIB}, errno="ENOMEM", errors=("map_failed",)
     )
     return problems + follow_up(env, path, spec)
+
+
+# Attacks on the lock file and on the spelling of the path (docs/RELIABILITY.md "Attacks").
+
+
+def _planted_lock(env: Env, d: Path, plant: Callable[[Path], None], what: str) -> list[str]:
+    path = d / "model.pcache"
+    build(path, AB)
+    before = snapshot(path)
+    lock = Path(str(path) + ".lock")
+    lock.unlink()  # the build left its own lock file: the attacker replaces it
+    plant(lock)
+    problems, step = one_load(run_child(env, path, [load_step({**AB, "c": C})]))
+    problems += step and check_load(step, path, hits=2, stored=0, heap={"untrusted": 64 * KIB}, errors=("untrusted",))
+    logged = [m for level, m in step.get("records", []) if level == "ERROR"]
+    if step and not any(what in m for m in logged):
+        problems.append(f"the ERROR record does not say the lock file is {what}: {logged}")
+    return problems + unchanged(path, before)
+
+
+@case("lock/fifo")
+def _lock_fifo(env: Env, d: Path) -> list[str]:
+    """A FIFO planted at the lock path: refused (never opened blocking, never flock-ed)."""
+    return _planted_lock(env, d, lambda p: os.mkfifo(p, 0o600), "FIFO")
+
+
+@case("lock/symlink")
+def _lock_symlink(env: Env, d: Path) -> list[str]:
+    """A symlink planted at the lock path (to a file the attacker wants created or locked)."""
+    return _planted_lock(env, d, lambda p: p.symlink_to(d / "victim"), "symlink")
+
+
+@case("lock/foreign-owner")
+def _lock_foreign(env: Env, d: Path) -> list[str]:
+    """A lock file owned by another user, who could hold it forever."""
+
+    def plant(p: Path) -> None:
+        p.write_bytes(b"")
+        os.chown(p, FOREIGN_UID, FOREIGN_UID)
+        os.chmod(p, 0o600)
+
+    return _planted_lock(env, d, plant, f"owned by uid {FOREIGN_UID}")
+
+
+def _appenders(d: Path, how: str) -> list[str]:
+    """Two processes append to one file through two spellings of its path: nothing served changes."""
+    real = d / "real" / "model.pcache"
+    real.parent.mkdir(mode=0o700)
+    build(real, AB)
+    other = {"symlink": d / "link.pcache", "hardlink": d / "real" / "hard.pcache"}.get(how, real)
+    if how == "symlink":
+        other.symlink_to(real)
+    elif how == "hardlink":
+        os.link(real, other)
+    try:
+        result_a, result_b = two_appenders(real, other, d, delete_lock=how == "deleted-lock")
+    except (AssertionError, ValueError, subprocess.TimeoutExpired) as exc:
+        return [f"appenders failed: {exc!r}"]
+    problems = [f"appender {n} was served changed bytes: {r['same']}" for n, r in (("a", result_a), ("b", result_b))
+                if r["same"] != [True, True]]  # fmt: skip
+    from packcache import verify
+
+    report = verify(real)
+    problems += [f"verify: {p}" for p in report.problems]
+    if report.entries != 6:
+        problems.append(f"the file holds {report.entries} entries, expected 6 (both appenders' packs kept)")
+    return problems
+
+
+@case("spelling/symlink")
+def _spelling_symlink(env: Env, d: Path) -> list[str]:
+    return _appenders(d, "symlink")
+
+
+@case("spelling/hardlink")
+def _spelling_hardlink(env: Env, d: Path) -> list[str]:
+    return _appenders(d, "hardlink")
+
+
+@case("spelling/deleted-lock")
+def _spelling_deleted_lock(env: Env, d: Path) -> list[str]:
+    return _appenders(d, "deleted-lock")
+
+
+@case("emfile/many-packs")
+def _emfile_many_packs(env: Env, d: Path) -> list[str]:
+    """1,100 packs with three spare descriptors (lock, new file, its directory): none per pack."""
+    path = d / "model.pcache"
+    spec: Spec = {f"p{i}": (i, 4 * KIB) for i in range(1100)}
+    problems, step = one_load(run_child(env, path, [load_step(spec)], limits={"free_fds": 3}))
+    problems += step and check_load(step, path, hits=0, stored=1100)
+    return problems + follow_up(env, path, spec)
+
+
+INDEX_CAP_CHILD = """
+path = sys.argv[1]
+key = {"pad": "k" * 65000}
+cache = packcache.WeightCache(path)
+with cache.session() as s:
+    for i in range(4200):
+        s.get_or_pack(f"{i:05d}" + "n" * 1000, lambda i=i: packed(i, 64), key)
+first = stats_dict(cache)
+cache.close()
+cache = packcache.WeightCache(path)
+with cache.session() as s:
+    for i in range(4200):
+        s.get_or_pack(f"{i:05d}" + "n" * 1000, lambda i=i: packed(i, 64), key)
+report(first=first, second=stats_dict(cache))
+"""
+
+
+@case("caps/index")
+def _caps_index(env: Env, d: Path) -> list[str]:
+    """4,200 entries of long names and 65 KB keys: more than the 256 MiB index readers accept."""
+    path = d / "model.pcache"
+    try:
+        out = run_plain_child(INDEX_CAP_CHILD, str(path))
+    except AssertionError as exc:
+        return [str(exc)[-600:]]
+    first, second = out["first"], out["second"]
+    problems = []
+    if not (0 < first["stored"] < 4200 and first["heap_bytes_by_reason"]["no_space"] > 0):
+        problems.append(f"first load: {first['stored']} stored, heap {first['heap_bytes_by_reason']}")
+    if first["errno"] != errno_mod.EFBIG:
+        problems.append(f"errno {first['errno']}, expected EFBIG: {first['error']}")
+    if second["hits"] != first["stored"] or second["stored"] != 0 or second["written_bytes"] != 0:
+        problems.append(f"second load did not map what the first committed: {second}")
+    return problems
 
 
 # Another process replaces, deletes or truncates the file while a reader has it mapped.

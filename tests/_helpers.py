@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,49 @@ def run_child(code: str, *args: str, timeout: float = 60) -> dict[str, Any]:
     assert done.returncode == 0, f"child failed with {done.returncode}:\n{done.stderr}"
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+# One of two processes appending to one cache file, each through its own spelling of the path.
+# It stores a pack, reports STORED, holds its session until the file ``go`` exists, stores
+# another, commits, and reports whether both arrays it was served still hold their packs.
+APPENDER = """
+path, name, seed, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+cache = packcache.WeightCache(path, lock_timeout=30)
+with cache.session() as s:
+    first = s.get_or_pack(name + "-1", lambda: packed(seed, 64 * 1024), {"v": 1})
+    print("STORED", flush=True)
+    while not os.path.exists(go):   # hold the session (and its locks) until the parent says go
+        time.sleep(0.01)
+    second = s.get_or_pack(name + "-2", lambda: packed(seed + 1, 64 * 1024), {"v": 1})
+same = [a.tobytes() == packed(k, 64 * 1024).tobytes() for a, k in ((first, seed), (second, seed + 1))]
+report(same=same, stats=stats_dict(cache))
+"""
+
+
+def two_appenders(path_a: Path, path_b: Path, work: Path, *, delete_lock: bool = False) -> list[dict[str, Any]]:
+    """Run two APPENDER processes on one file through ``path_a`` and ``path_b``; return both reports.
+
+    B starts while A holds its session (``delete_lock``: after a cleaner deleted A's lock
+    file). Unfixed, B appends at once; fixed, B waits for A's lock. Either way A is let go
+    first, then B, and each reports whether what it was served stayed bit-identical.
+    """
+    go_a, go_b = work / "go-a", work / "go-b"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        a = subprocess.Popen(child_argv(APPENDER, str(path_a), "a", "10", str(go_a)), stdout=subprocess.PIPE, text=True)
+        procs.append(a)
+        assert a.stdout is not None and a.stdout.readline() == "STORED\n", "the first appender did not store"
+        if delete_lock:
+            os.unlink(os.path.realpath(path_a) + ".lock")
+        b = subprocess.Popen(child_argv(APPENDER, str(path_b), "b", "20", str(go_b)), stdout=subprocess.PIPE, text=True)
+        procs.append(b)
+        time.sleep(1.0)
+        go_a.touch()
+        out_a, _ = a.communicate(timeout=60)
+        go_b.touch()
+        out_b, _ = b.communicate(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [json.loads((out or "").strip().splitlines()[-1]) for out in (out_a, out_b)]

@@ -51,6 +51,10 @@ REDUCED = [
     "truncate/next-open",
     "truncate/next-session-released",
     "truncate/next-session-held",
+    "lock/fifo",
+    "lock/symlink",
+    "lock/foreign-owner",
+    "emfile/many-packs",
 ]
 BY_NAME = {c.name: c for c in faults.CASES}
 FLIPS = [faults.flip_case(region, seed) for region in ("header", "index", "data") for seed in range(2)]

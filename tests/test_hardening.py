@@ -10,11 +10,9 @@ The class behind each hole is closed in one place (docs/RELIABILITY.md
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +24,7 @@ import numpy as np
 import pytest
 
 import packcache
-from _helpers import KIB, assert_same, child_argv, packed, run_child
+from _helpers import KIB, assert_same, packed, run_child, two_appenders
 from packcache import WeightCache
 from packcache import format as fmt
 from packcache import store as store_mod
@@ -188,20 +186,6 @@ def test_a_request_after_the_session_ended_raises_and_the_session_waits_for_runn
 
 # --------------------------------------------------------------------------- 2. one file, several spellings
 
-APPENDER = """
-path, name, seed, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-cache = packcache.WeightCache(path, lock_timeout=30)
-with cache.session() as s:
-    first = s.get_or_pack(name + "-1", lambda: packed(seed, 64 * 1024), {"v": 1})
-    print("STORED", flush=True)
-    while not os.path.exists(go):   # hold the session (and its locks) until the parent says go
-        time.sleep(0.01)
-    second = s.get_or_pack(name + "-2", lambda: packed(seed + 1, 64 * 1024), {"v": 1})
-same = [a.tobytes() == packed(k, 64 * 1024).tobytes() for a, k in ((first, seed), (second, seed + 1))]
-report(same=same, stats=stats_dict(cache))
-"""
-
-
 def _spell(tmp_path: Path, how: str) -> tuple[Path, Path]:
     """(the path process A uses, the path process B uses) for one cache file."""
     real = tmp_path / "real" / "m.pcache"
@@ -221,27 +205,7 @@ def _spell(tmp_path: Path, how: str) -> tuple[Path, Path]:
 @pytest.mark.parametrize("how", ["symlink", "hardlink", "deleted-lock"])
 def test_two_processes_on_one_file_through_different_paths_never_change_a_served_pack(tmp_path: Path, how: str) -> None:
     path_a, path_b = _spell(tmp_path, how)
-    go_a, go_b = tmp_path / "go-a", tmp_path / "go-b"
-    a = subprocess.Popen(child_argv(APPENDER, str(path_a), "a", "10", str(go_a)), stdout=subprocess.PIPE, text=True)
-    try:
-        assert a.stdout is not None and a.stdout.readline() == "STORED\n"  # A holds the build lock now
-        if how == "deleted-lock":
-            os.unlink(str(path_a) + ".lock")
-        b = subprocess.Popen(child_argv(APPENDER, str(path_b), "b", "20", str(go_b)), stdout=subprocess.PIPE, text=True)
-        assert b.stdout is not None
-        # Unfixed, B appends while A holds its session; fixed, B waits for A's lock. Either way
-        # A goes on (and so overwrites B's bytes, unfixed) before B is let through.
-        time.sleep(1.0)
-        go_a.touch()
-        out_a, _ = a.communicate(timeout=60)
-        go_b.touch()
-        out_b, _ = b.communicate(timeout=60)
-    finally:
-        for proc in (a, locals().get("b")):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-    result_a = json.loads((out_a or "").strip().splitlines()[-1])
-    result_b = json.loads((out_b or "").strip().splitlines()[-1])
+    result_a, result_b = two_appenders(path_a, path_b, tmp_path, delete_lock=how == "deleted-lock")
     assert result_a["same"] == [True, True]
     assert result_b["same"] == [True, True], "a pack served as mapped changed under its reader"
     report = packcache.verify(path_a)

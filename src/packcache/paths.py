@@ -165,7 +165,13 @@ def open_lock(lock_path: str, mode: int) -> int:
         UntrustedFileError: the lock path is not a regular file, or fails :func:`trust_problem`.
         OSError: it cannot be opened or created.
     """
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, mode)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(lock_path, flags, mode)
+    except OSError as exc:
+        if exc.errno == errno_mod.ELOOP:
+            raise UntrustedFileError(lock_path, "a symlink", what="lock file") from None
+        raise
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:

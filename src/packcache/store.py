@@ -588,16 +588,21 @@ class FileStore:
         except OSError as exc:
             reason = HeapReason.NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else HeapReason.OPEN_FAILED
             raise _fault_from_os(exc, reason, "cannot create a new cache file for", self.path) from None
-        dir_fd: int | None = None
         try:
             dir_fd = os.open(os.path.dirname(target), os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+        except BaseException as exc:
+            os.close(fd)
+            unlink_quietly(temp)
+            if not isinstance(exc, OSError):
+                raise
+            raise _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot open the directory of", self.path) from None
+        try:
             os.posix_fallocate(fd, 0, header.data_start + fmt.index_size([]))
             self._pwrite(fd, header_bytes, 0)
             st = os.fstat(fd)
         except BaseException as exc:
             os.close(fd)
-            if dir_fd is not None:
-                os.close(dir_fd)
+            os.close(dir_fd)
             unlink_quietly(temp)
             if not isinstance(exc, OSError):
                 raise
