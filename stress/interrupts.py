@@ -185,7 +185,10 @@ else:
         try:
             r = trial(scenario, path, delay)
         except BaseException as exc:
-            r = {"error": f"{type(exc).__name__}: {exc}"}
+            import traceback
+            where = " <- ".join(f"{f.name}@{os.path.basename(f.filename)}:{f.lineno}"
+                                for f in reversed(traceback.extract_tb(exc.__traceback__)[-6:]))
+            r = {"error": f"{type(exc).__name__}: {exc} at {where}"}
         faulthandler.cancel_dump_traceback_later()
         r["scenario"] = scenario
         results.append(r)

@@ -62,3 +62,14 @@ def test_readers_mapping_while_a_writer_appends_never_see_wrong_bytes(tmp_path: 
     assert result["final_hits"] == f"{every_pack}/{every_pack}"  # after the writer, a fresh reader maps every pack
     assert result["opens_mid_append"] > 0  # the readers really opened the cache between the writer's sessions
     assert stampede.passed("mixed", result)
+
+
+def test_interrupts_at_random_instants_leave_the_cache_usable_and_the_file_valid(tmp_path: Path) -> None:
+    interrupts = load_harness("interrupts")
+    result = interrupts.run(tmp_path, trials=120, seed=3, workers=2, calibration_runs=2)
+    assert result["failures"] == []
+    for figure in interrupts.MUST_BE_ZERO:
+        assert result[figure] == 0, (figure, result)
+    assert result["trials"] == 120
+    # Most timers must fire mid-load, or the run proves nothing about interrupts.
+    assert result["interrupted"] >= 60, result
