@@ -68,7 +68,7 @@ Operands = Mapping[str, "torch.Tensor | None"]
 #: Per kernel path, the rows up to which torch's fused weight-only kernels beat dequantising the
 #: weight per call and using the path's GEMM: the crossover measured on MiniLM's layer shapes
 #: (384x384, 384x1536, 1536x384) on an AVX512-BF16/AMX Xeon, 2 threads (``docs/TORCH.md``).
-FUSED_MAX_ROWS_INT8 = {"bf16": 32, "fp32": 48}
+FUSED_MAX_ROWS_INT8 = {"bf16": 16, "fp32": 32}
 FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
 
 #: torch dtypes a pack may hold, with the numpy dtype that stores their bytes.
@@ -362,10 +362,10 @@ class LinearBFloat16(TorchPacker):
 class Int8WeightOnly(TorchPacker):
     """Per-channel symmetric int8, the operands of ``torch._weight_int8pack_mm(x, weight, scales)``.
 
-    Path ``bf16``: that fused kernel on bf16 activations for up to :attr:`fused_max_rows` rows
-    (its vectorised variant needs bf16 activations and ``in_features % 16 == 0``); for more rows,
-    ``weight * scales`` in bf16 once per call and ``linear``. Path ``fp32``: ``weight * scales``
-    in float32 once per call and ``linear``.
+    Up to :attr:`fused_max_rows` rows that fused kernel, on bf16 activations (its only vectorised
+    variant; it also needs ``in_features % 16 == 0``); for more rows the weight is converted to the
+    path's dtype once per call (bf16 on path ``bf16``, float32 on path ``fp32``) for ``linear``,
+    with the scales applied to the output or to the weight, whichever is smaller.
     """
 
     id = "torch.int8wo"
@@ -403,11 +403,18 @@ class Int8WeightOnly(TorchPacker):
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         weight, bias = _tensor(operands, "weight"), operands.get("bias")
-        if self._fused(path, x.shape[0], x.shape[1]):
+        rows, in_features = x.shape
+        if self._fused(path, rows, in_features):
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, _tensor(operands, "scales_bf16")).to(x.dtype)
             return y if bias is None else y.add_(bias)
-        # One pass: int8 times the scale, promoted to the activations' dtype, then the GEMM.
-        return F.linear(x, weight * _tensor(operands, "scales")[:, None], bias)
+        # The int8 -> float conversion is one vectorised pass (multiplying int8 by a float tensor
+        # directly is several times slower); the per-channel scale then goes on whichever is
+        # smaller, the output [rows, out] or the weight [out, in].
+        scales = _tensor(operands, "scales")
+        if rows < in_features:
+            y = F.linear(x, weight.to(x.dtype))
+            return y.mul_(scales) if bias is None else torch.addcmul(bias, y, scales)
+        return F.linear(x, weight.to(x.dtype).mul_(scales[:, None]), bias)
 
     def kernel(self, path: str, rows: int) -> str:
         if self._fused(path, rows, 16):
