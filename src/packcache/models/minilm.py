@@ -56,7 +56,7 @@ import torch
 
 from .. import format as fmt
 from ..cache import WeightCache
-from ..kernels import activation_dtype
+from ..kernels import activation_dtype, cpu_kernels
 from ..memory import release_free_heap
 from ..packers import Float32, Packer, platform_for
 from ..packers_torch import TorchPacker
@@ -79,8 +79,10 @@ __all__ = [
     "MiniLM",
     "default_cache_path",
     "default_model_path",
+    "default_scheme",
     "load",
     "load_tokenizer",
+    "pack_count",
     "platform",
 ]
 
@@ -183,6 +185,36 @@ def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
     """The ``platform=`` mapping of a MiniLM cache of ``scheme``: its packers' identities and
     fingerprints, the torch version and the CPU capability. :func:`load` builds caches with it."""
     return platform_for(_packers(scheme, group_size))
+
+
+def default_scheme() -> str:
+    """The scheme that is fast on this machine: ``int8`` where torch has its vectorised
+    weight-only kernels (an AVX2 or AVX512 CPU: on either kernel path int8 embeds as fast as
+    the float schemes, measured in ``docs/BENCHMARKS.md``, from the smallest fast cache),
+    else ``fp32`` (without them every int8/int4 product is dequantised first).
+
+    >>> default_scheme() in SCHEMES
+    True
+    """
+    return "int8" if cpu_kernels().fused_weight_only else "fp32"
+
+
+def pack_count(scheme: str, *, model_path: str | os.PathLike[str] | None = None, group_size: int = 32) -> int:
+    """How many cache entries a :func:`load` of ``scheme`` requests (hits, stores and heap packs
+    together): a progress total. Reads the checkpoint's ``config.json`` only.
+
+    Raises:
+        ValueError: unknown scheme or a bad ``config.json``; OSError: the file cannot be read.
+    """
+    linear_packer, _ = _packers(scheme, group_size)
+    skeleton = BertEncoder(BertConfig.from_file(_files(model_path).config))
+    count = 0
+    linears = {name: module for name, module in skeleton.named_modules() if type(module) is torch.nn.Linear}
+    for module in linears.values():
+        eligible = linear_packer.eligible((module.out_features, module.in_features)) is None
+        count += (len(linear_packer.parts) if eligible else 1) + (module.bias is not None)
+    owned = {f"{name}.{part}" for name in linears for part in ("weight", "bias")}
+    return count + sum(1 for name, _ in skeleton.named_parameters() if name not in owned)
 
 
 @dataclass(frozen=True)
