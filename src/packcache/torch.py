@@ -251,12 +251,15 @@ class Calibration:
         self.identity = identity
         self._record = record
         self._rows: Mapping[str, np.ndarray[Any, Any]] | None = None
+        #: Whether ``record`` ran (a pack missed); a warm launch leaves it False.
+        self.recorded = False
 
     def second_moment(self, name: str) -> np.ndarray[Any, Any]:
         """``sum x x^T`` (float64 ``[in, in]``) over linear layer ``name``'s recorded input rows: ``E[x x^T]`` up to a
         constant factor, which no packer's choice depends on (rows are pre-scaled, see :func:`record_linear_inputs`)."""
         if self._rows is None:
             self._rows = self._record()
+            self.recorded = True
         rows = np.asarray(self._rows[name], dtype=np.float64)
         result: np.ndarray[Any, Any] = rows.T @ rows
         return result

@@ -25,6 +25,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -170,6 +171,18 @@ class PackedTokens:
 # --------------------------------------------------------------------------- the skeleton
 
 
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _tree(module: _M, **children: nn.Module) -> _M:
+    """``module``, fresh from ``nn.Module.__init__``, made inference-only and holding ``children``:
+    written straight into its tables, without ``nn.Module.__setattr__``'s checks per attribute,
+    which cost more than building the whole skeleton otherwise (every warm load builds one)."""
+    module.__dict__["training"] = False
+    module._modules.update(children)
+    return module
+
+
 def _linear(in_features: int, out_features: int) -> nn.Linear:
     """An ``nn.Linear`` with ``meta`` parameters, built without running its initialisation.
 
@@ -178,8 +191,7 @@ def _linear(in_features: int, out_features: int) -> nn.Linear:
     """
     layer = nn.Linear.__new__(nn.Linear)
     nn.Module.__init__(layer)
-    # Plain attribute and parameter-table writes: nn.Module.__setattr__'s checks cost more than the rest.
-    layer.__dict__.update(in_features=in_features, out_features=out_features)
+    layer.__dict__.update(in_features=in_features, out_features=out_features, training=False)
     layer._parameters["weight"] = nn.Parameter(torch.empty(out_features, in_features, device="meta"), False)
     layer._parameters["bias"] = nn.Parameter(torch.empty(out_features, device="meta"), False)
     return layer
@@ -189,7 +201,7 @@ def _layer_norm(width: int, eps: float) -> nn.LayerNorm:
     """An ``nn.LayerNorm`` with ``meta`` parameters, built without running its initialisation."""
     norm = nn.LayerNorm.__new__(nn.LayerNorm)
     nn.Module.__init__(norm)
-    norm.__dict__.update(normalized_shape=(width,), eps=eps, elementwise_affine=True)
+    norm.__dict__.update(normalized_shape=(width,), eps=eps, elementwise_affine=True, training=False)
     norm._parameters["weight"] = nn.Parameter(torch.empty(width, device="meta"), False)
     norm._parameters["bias"] = nn.Parameter(torch.empty(width, device="meta"), False)
     return norm
@@ -198,58 +210,88 @@ def _layer_norm(width: int, eps: float) -> nn.LayerNorm:
 def _embedding(count: int, width: int) -> nn.Embedding:
     # An explicit weight skips reset_parameters (in torch 2.13 the first normal_() on a large
     # meta tensor allocates ~70 MB of anonymous memory, for nothing).
-    return nn.Embedding(count, width, _weight=torch.empty(count, width, device="meta"), _freeze=True)
+    embedding = nn.Embedding(count, width, _weight=torch.empty(count, width, device="meta"), _freeze=True)
+    embedding.training = False
+    return embedding
 
 
 class _SelfAttention(nn.Module):
+    query: nn.Linear
+    key: nn.Linear
+    value: nn.Linear
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.query = _linear(config.hidden_size, config.hidden_size)
-        self.key = _linear(config.hidden_size, config.hidden_size)
-        self.value = _linear(config.hidden_size, config.hidden_size)
+        width = config.hidden_size
+        _tree(self, query=_linear(width, width), key=_linear(width, width), value=_linear(width, width))
 
 
 class _DenseNorm(nn.Module):
+    dense: nn.Linear
+    LayerNorm: nn.LayerNorm
+
     def __init__(self, in_features: int, config: BertConfig) -> None:
         super().__init__()
-        self.dense = _linear(in_features, config.hidden_size)
-        self.LayerNorm = _layer_norm(config.hidden_size, config.layer_norm_eps)
+        norm = _layer_norm(config.hidden_size, config.layer_norm_eps)
+        _tree(self, dense=_linear(in_features, config.hidden_size), LayerNorm=norm)
 
 
 class _Attention(nn.Module):
+    output: _DenseNorm
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.add_module("self", _SelfAttention(config))
-        self.output = _DenseNorm(config.hidden_size, config)
+        _tree(self, self=_SelfAttention(config), output=_DenseNorm(config.hidden_size, config))
 
 
 class _Intermediate(nn.Module):
+    dense: nn.Linear
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = _linear(config.hidden_size, config.intermediate_size)
+        _tree(self, dense=_linear(config.hidden_size, config.intermediate_size))
 
 
 class _Layer(nn.Module):
+    attention: _Attention
+    intermediate: _Intermediate
+    output: _DenseNorm
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.attention = _Attention(config)
-        self.intermediate = _Intermediate(config)
-        self.output = _DenseNorm(config.intermediate_size, config)
+        _tree(
+            self,
+            attention=_Attention(config),
+            intermediate=_Intermediate(config),
+            output=_DenseNorm(config.intermediate_size, config),
+        )
 
 
 class _Embeddings(nn.Module):
+    word_embeddings: nn.Embedding
+    position_embeddings: nn.Embedding
+    token_type_embeddings: nn.Embedding
+    LayerNorm: nn.LayerNorm
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.word_embeddings = _embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = _embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = _embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = _layer_norm(config.hidden_size, config.layer_norm_eps)
+        _tree(
+            self,
+            word_embeddings=_embedding(config.vocab_size, config.hidden_size),
+            position_embeddings=_embedding(config.max_position_embeddings, config.hidden_size),
+            token_type_embeddings=_embedding(config.type_vocab_size, config.hidden_size),
+            LayerNorm=_layer_norm(config.hidden_size, config.layer_norm_eps),
+        )
 
 
 class _Encoder(nn.Module):
+    layer: nn.ModuleList
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+        layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+        layers.training = False
+        _tree(self, layer=layers)
 
 
 class BertEncoder(nn.Module):
@@ -265,14 +307,14 @@ class BertEncoder(nn.Module):
             embedding sums and their LayerNorm stay float32).
     """
 
+    embeddings: _Embeddings
+    encoder: _Encoder
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.config = config
         self.compute_dtype = torch.float32
-        self.embeddings = _Embeddings(config)
-        self.encoder = _Encoder(config)
-        for module in self.modules():  # inference only (what eval() does, without its per-module calls)
-            module.training = False
+        _tree(self, embeddings=_Embeddings(config), encoder=_Encoder(config))
 
     def encode(self, tokens: PackedTokens) -> torch.Tensor:
         """The last hidden states of every packed token, ``[tokens, hidden]`` in :attr:`compute_dtype`."""

@@ -482,8 +482,9 @@ def load(
         encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
         calibration=calibration, kernel_path=path,
     )  # fmt: skip
-    if calibration is not None:
-        # The calibration ran a whole fp32 model; glibc keeps that freed memory unless asked.
+    if calibration is not None and calibration.recorded:
+        # The calibration ran a whole fp32 model; glibc keeps that freed memory unless asked
+        # (not on a warm launch, where nothing was recorded: trimming the heap costs milliseconds).
         del calibration
         release_free_heap()
     return MiniLM(
