@@ -29,7 +29,7 @@ Method (printed first when run):
 Figures are medians with the interquartile range; ratios are of medians from the same
 run. Absolute times drift on a shared machine; compare the ratios.
 
-Usage: python benchmarks/inference.py [--quick] [--json FILE]
+Usage: python benchmarks/inference.py [--quick] [--json FILE] [--threads N]
 """
 
 from __future__ import annotations
@@ -462,9 +462,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads for every method (default: torch's, one per core); with another job holding "
+        "a core, 1 keeps every parallel region from stalling on a descheduled thread",
+    )
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the fresh processes of the first-embedding runs
     print(__doc__.split("Usage:")[0].strip())
-    print(f"\ncpu: {cpu_report()}")
+    print(f"\ncpu: {cpu_report()}, torch threads: {__import__('torch').get_num_threads()}")
     with tempfile.TemporaryDirectory(prefix="packcache-infer-") as d:
         results = run(d, args.quick)
     print_results(results)
@@ -473,7 +484,7 @@ def main() -> None:
         print(f"  {'met   ' if ok else 'MISSED'}  {what:<70} measured {value:.4g}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_report(), "results": results}, f, indent=2)
+            json.dump({"cpu": cpu_report(), "threads": args.threads, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
