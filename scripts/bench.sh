@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks of docs/BENCHMARKS.md: sets up the bench extras, then runs benchmarks/run.py.
-# `bash scripts/bench.sh --quick` finishes in about two minutes; without it, about 12 minutes.
+# `bash scripts/bench.sh --quick` takes about 7 minutes; without it, about 30 (measured on the shared 2-core machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
