@@ -30,6 +30,11 @@ Method (printed first when run):
   tensors, index size from the committed slot, per-tensor cost.
 * First inference (MiniLM, fresh subprocess): first ``embed`` after a warm load vs
   steady state, page cache warm and after ``posix_fadvise(DONTNEED)`` on the cache.
+* Inference and model load (``benchmarks/inference.py``, its docstring has the method):
+  embedding throughput at batch 1 and 64 for packcache fp32/bf16/int8/int4 on both kernel
+  paths against sentence-transformers fp32 and bf16 and torchao int8 weight-only, min
+  cosine vs sentence-transformers fp32; time to the first embedding in a fresh process;
+  ``minilm.load`` warm against safetensors on the source and against repacking.
 * Telemetry: ``core.bench_telemetry`` (10,000 reads with and without a session).
 
 Figures are medians with the interquartile range; ratios are of medians measured
@@ -59,6 +64,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import core  # noqa: E402  (benchmarks/core.py: quartiles, the bare-mmap limit, scaling, telemetry)
+import inference  # noqa: E402  (benchmarks/inference.py: throughput, first embedding, model load)
 
 warnings.filterwarnings("ignore", message=".*register_constant.*")
 
@@ -616,6 +622,7 @@ def machine() -> dict[str, Any]:
                 model = line.split(":", 1)[1].strip()
     return {
         "cpu": model,
+        "kernels": inference.cpu_report(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -682,6 +689,11 @@ def print_summary(results: list[dict[str, Any]], quick: bool) -> None:
         elif r["workload"].startswith("memory: Anonymous"):
             ratio = r["ratios"]["warm_over_packed"]
             checks.append((f"{r['workload'].split(', ', 1)[1]}: warm Anonymous < 1 % of packed", ratio, ratio < 0.01))
+        elif r["workload"].startswith("scaling"):
+            for row in r["rows"]:
+                ratio = row["warm_ms"] / row["warm_limit_ms"]
+                checks.append((f"core warm path, {row['tensors']} packs: / bare-mmap limit <= 3", ratio, ratio <= 3))
+    checks += inference.targets(results, inference.MIN_COSINE)
     print("\ntargets" + (" (--quick: the Llama model is ~60 M params, not 1 B)" if quick else ""))
     for what, value, ok in checks:
         print(f"  {'met   ' if ok else 'MISSED'}  {what:<60} measured {value:.3g}")
@@ -700,6 +712,7 @@ def main() -> None:
     print(__doc__.split("Usage:")[0].strip())
     info = machine()
     print(f"\nmachine: {info}")
+    print(f"kernel path facts: {inference.cpu_report()}")
     repeat, repack_repeat, cold_repeat = (5, 3, 2) if args.quick else (11, 5, 3)
     results: list[dict[str, Any]] = []
     from packcache.models import minilm
@@ -747,6 +760,9 @@ def main() -> None:
         r = core.bench_telemetry(d, 10_000)
         print_result(r)
         results.append(r)
+        found = inference.run(d, args.quick)
+        inference.print_results(found)
+        results += found
     print_summary(results, args.quick)
     elapsed = time.perf_counter() - began
     print(f"\ntotal {elapsed:.1f} s")

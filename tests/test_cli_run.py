@@ -15,6 +15,8 @@ import pytest
 
 import packcache
 from packcache.cli import _Progress, main
+from packcache.kernels import cpu_kernels
+from packcache.models import minilm
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
@@ -32,6 +34,12 @@ def test_run_twice_stores_then_maps(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert second["stats"]["heap_bytes"] == 0 and second["stats"]["written_bytes"] == 0
     assert set(second["stats"]) == {f.name for f in dataclasses.fields(packcache.CacheStats)}
     assert second["embeddings_shape"] == [3, 384] and second["load_seconds"] > 0
+    assert second["scheme"] == minilm.default_scheme() and second["scheme_chosen"] == "auto"
+    assert second["kernel_path"] == cpu_kernels().default_path and second["cpu"] == cpu_kernels().flags()
+    assert second["kernels"] and "_weight_int8pack_mm" in second["kernels"]
+    speed = second["embed"]
+    assert speed["texts"] == 3 and speed["runs"] >= 3 and speed["first_ms"] > 0 and speed["median_ms"] > 0
+    assert speed["texts_per_second"] == pytest.approx(3 / (speed["median_ms"] / 1000))
     memory = second["memory"]
     assert memory["cache_mapping_size"] >= second["stats"]["mapped_bytes"] > 0
     assert 0 < memory["cache_mapping_rss"] <= memory["cache_mapping_size"]
@@ -51,6 +59,16 @@ def test_run_text_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     text = capsys.readouterr().out
     for label in ("state         stored", "load", "packed        mapped", "heap reasons  none", "file", "memory"):
         assert label in text, label
+    assert "kernels       path fp32 (" in text and "linear(float32)" in text
+    assert "embedding     3 texts: " in text and " texts/s), first call " in text
+
+
+def test_run_forces_a_kernel_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run(capsys, "--cache-dir", str(tmp_path), "--scheme", "int4", "--kernel-path", "fp32")
+    assert result["scheme"] == "int4" and result["scheme_chosen"] == "given" and result["kernel_path"] == "fp32"
+    assert "addmm(float32)" in result["kernels"]
+    assert main(["run", "--no-cache", "--scheme", "fp32", "--kernel-path", "bf16"]) == 1  # fp32 runs fp32 only
+    assert "has no kernel path 'bf16'" in capsys.readouterr().err
 
 
 def test_run_with_a_bad_model_path_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

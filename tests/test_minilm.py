@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import packcache
+from packcache.kernels import cpu_kernels
 from packcache.models import minilm
 from packcache.safetensors import SafetensorsFile
 
@@ -82,6 +83,41 @@ def test_cold_warm_and_heap_launches_give_bit_identical_embeddings(
     assert (warm.state, warm.heap_bytes, warm.stored, warm.written_bytes) == ("mapped", 0, 0, 0)
     assert warm.mapped_bytes == runs["warm_packed"] == runs["cold_packed"]
     assert (heap.state, heap.heap_bytes_by_reason["disabled"]) == ("off", runs["heap_packed"])
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
+def test_both_kernel_paths_agree_within_the_schemes_tolerance(launches: dict[str, dict[str, Any]], scheme: str) -> None:
+    tokenizer = minilm.load_tokenizer()
+    got = {}
+    for kernel_path in ("bf16", "fp32"):
+        model = minilm.load(scheme, cache=launches[scheme]["path"], tokenizer=tokenizer, kernel_path=kernel_path)
+        assert model.kernel_path == kernel_path and f"kernel_path={kernel_path!r}" in repr(model)
+        assert model.cache.stats().state == "mapped"  # a cache made on the default path is a hit on both
+        got[kernel_path] = model.embed(SENTENCES)
+        model.close()
+    threshold = MIN_COSINE_VS_FP32[scheme]
+    for kernel_path, embeddings in got.items():
+        assert _cosines(embeddings, launches["fp32"]["cold"]).min() >= threshold, kernel_path
+        assert _cosines(embeddings, launches[scheme]["heap"]).min() >= threshold, kernel_path
+    assert _cosines(got["bf16"], got["fp32"]).min() >= threshold
+    # The heap launch ran this machine's default path: forcing that path changes nothing.
+    assert got[cpu_kernels().default_path].tobytes() == launches[scheme]["heap"].tobytes()
+
+
+@pytest.mark.parametrize("scheme", minilm.SCHEMES)
+def test_pack_count_is_what_a_load_requests(launches: dict[str, dict[str, Any]], scheme: str) -> None:
+    runs = launches[scheme]
+    assert minilm.pack_count(scheme) == runs["cold_stats"].stored == runs["warm_stats"].hits
+    assert minilm.pack_count(scheme) == runs["heap_stats"].heap_packs
+
+
+def test_fp32_runs_the_fp32_path_only(launches: dict[str, dict[str, Any]]) -> None:
+    with pytest.raises(ValueError, match="has no kernel path 'bf16'"):
+        minilm.load("fp32", cache=None, kernel_path="bf16")
+    model = minilm.load("fp32", cache=launches["fp32"]["path"], kernel_path="fp32")
+    assert model.kernel_path == "fp32" and model.kernels == "linear(float32)"
+    assert model.embed(SENTENCES).tobytes() == launches["fp32"]["warm"].tobytes()
+    model.close()
 
 
 def test_int4_warm_launch_reads_no_source_byte_and_runs_no_calibration(

@@ -14,6 +14,11 @@ Their :meth:`~packcache.packers.Packer.platform_tags` name the torch version and
 ``torch.backends.cpu.get_cpu_capability()``: the int4 layout is blocked differently
 per CPU capability, and the behavioural fingerprint catches a layout change in a new torch.
 
+Each packer also owns its forward (:meth:`TorchPacker.linear`), on each kernel path of
+:mod:`packcache.kernels` it supports (:attr:`TorchPacker.paths`). :class:`packcache.torch.PackedLinear`
+only delegates to it. The path is a runtime choice: it changes neither the packed bytes
+nor the platform fingerprint.
+
 >>> import numpy as np
 >>> parts = Int8WeightOnly().pack(np.ones((2, 4), np.float32), "F32")
 >>> parts["weight"].dtype, parts["scales"].tolist()
@@ -22,12 +27,17 @@ per CPU capability, and the behavioural fingerprint catches a layout change in a
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .errors import PackResultError
+from .kernels import KERNEL_PATHS, activation_dtype, cpu_kernels, int4_layout, requested_path
 from .packers import (
     Packer,
     Parts,
@@ -45,9 +55,21 @@ __all__ = [
     "Int8WeightOnly",
     "LinearBFloat16",
     "LinearFloat32",
+    "Operands",
     "TorchPacker",
+    "as_tensor",
     "tensor_to_numpy",
 ]
+
+#: A layer's tensors as a packer's forward reads them: the packed parts (zero-copy
+#: views) plus ``"bias"`` (or ``None``) and whatever :meth:`TorchPacker.prepare` derives.
+Operands = Mapping[str, "torch.Tensor | None"]
+
+#: Per kernel path, the rows up to which torch's fused weight-only kernels beat dequantising the
+#: weight per call and using the path's GEMM: the crossover measured on MiniLM's layer shapes
+#: (384x384, 384x1536, 1536x384) on an AVX512-BF16/AMX Xeon, 2 threads (``docs/TORCH.md``).
+FUSED_MAX_ROWS_INT8 = {"bf16": 16, "fp32": 32}
+FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
 
 #: torch dtypes a pack may hold, with the numpy dtype that stores their bytes.
 #: bfloat16 has no numpy dtype: its bits are stored as uint16 and read back as bfloat16.
@@ -97,8 +119,55 @@ def tensor_to_numpy(tensor: object, what: str) -> np.ndarray[Any, Any]:
     return array.view(STORAGE_DTYPES[tensor.dtype])
 
 
+_NUMPY_TO_TORCH = {np.dtype(v).str: k for k, v in STORAGE_DTYPES.items() if k is not torch.bfloat16}
+_first_frombuffer = threading.Lock()
+_frombuffer_warned = False
+
+
+def as_tensor(array: np.ndarray[Any, Any], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor over ``array``'s buffer, zero-copy (``torch.frombuffer``), reshaped like it.
+
+    ``dtype`` reinterprets the bytes (``torch.bfloat16`` over uint16 bits); by default
+    the tensor has the array's own dtype. A read-only array gives a tensor over
+    read-only memory: torch cannot mark it so, and writing to it crashes.
+
+    >>> as_tensor(np.array([16256, 16320], np.uint16), torch.bfloat16).tolist()
+    [1.0, 1.5]
+    """
+    global _frombuffer_warned
+    dtype = dtype if dtype is not None else _NUMPY_TO_TORCH[array.dtype.str]
+    if not array.flags.c_contiguous:
+        raise ValueError("as_tensor needs a C-contiguous array")
+    if array.nbytes == 0:
+        return torch.empty(array.shape, dtype=dtype)
+    if not _frombuffer_warned:
+        # torch warns once per process that the buffer is not writable (read-only is the point: a
+        # shared file mapping). Silencing only that first call keeps warnings.catch_warnings, which
+        # copies the filter list and is not thread-safe, off the per-tensor path of a warm load.
+        with _first_frombuffer, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            flat = torch.frombuffer(array, dtype=dtype)
+            _frombuffer_warned = _frombuffer_warned or not array.flags.writeable
+    else:
+        flat = torch.frombuffer(array, dtype=dtype)
+    return flat.view(array.shape)
+
+
 class TorchPacker(Packer):
-    """A packer whose bytes depend on torch's kernels: tagged with torch's version and CPU capability."""
+    """A packer whose bytes depend on torch's kernels (tagged with torch's version and CPU capability),
+    and which owns the forward of a layer over its packs, on each kernel path it supports.
+
+    A layer's forward is two calls: :meth:`prepare` once (what a path needs besides the mapped
+    parts, e.g. bf16 copies of per-channel vectors), then :meth:`linear` per input.
+    """
+
+    #: Kernel paths (:mod:`packcache.kernels`) this packer runs.
+    paths: ClassVar[tuple[str, ...]] = KERNEL_PATHS
+    #: Per path, the most rows for which torch's fused weight-only kernel is called (on bf16
+    #: activations, its only vectorised variant); with more rows the weight is dequantised once
+    #: per call and fed to the path's GEMM, which is faster from there (measured in
+    #: ``docs/TORCH.md``). Empty: this packer has no fused kernel.
+    fused_max_rows: ClassVar[dict[str, int]] = {}
 
     def platform_tags(self) -> dict[str, Any]:
         return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
@@ -116,9 +185,72 @@ class TorchPacker(Packer):
         """The float32 ``[out, in]`` weight a pack of ``source`` stands for, computed without the kernel."""
         raise NotImplementedError
 
-    def tolerance(self) -> float:
-        """Largest max-abs kernel error :func:`_self_check` accepts on the fingerprint input."""
-        return 1e-3
+    def tolerance(self, path: str = "fp32", rows: int = 1) -> float:
+        """Largest max-abs kernel error :func:`_self_check` accepts on the fingerprint input, on ``path``."""
+        # bf16 activations keep ~3 significant digits; over a 256-term dot product that is ~0.1.
+        return 0.5 if self.kernel_input_dtype(path, rows) == torch.bfloat16 else 1e-3
+
+    # ------------------------------------------------------------------ forward
+
+    def kernel_path(self, requested: str | None = None) -> str:
+        """The path a layer of this packer runs.
+
+        ``requested`` (``bf16``, ``fp32``, or ``None``/``"auto"`` for the rule of
+        :mod:`packcache.kernels`); ``None`` also reads ``$PACKCACHE_KERNEL_PATH``, which
+        applies only if this packer has that path.
+
+        Raises:
+            ValueError: an explicitly requested path this packer does not have, or an unknown one.
+        """
+        path = requested_path(requested)
+        if path is not None and path not in self.paths:
+            if requested is not None:
+                raise ValueError(f"packer {self.id} has no kernel path {path!r}; its paths are {', '.join(self.paths)}")
+            path = None  # the environment's choice applies only where it exists
+        if path is None:
+            default = cpu_kernels().default_path
+            path = default if default in self.paths else self.paths[0]
+        return path
+
+    def dims(self, parts: Mapping[str, Any]) -> tuple[int, int]:
+        """``(out_features, in_features)`` of the layer a pack (numpy parts or tensors) computes."""
+        out_features, in_features = parts["weight"].shape
+        return int(out_features), int(in_features)
+
+    def part_dtypes(self) -> dict[str, torch.dtype]:
+        """Parts whose stored bytes are read as another torch dtype (bf16 weights stored as uint16)."""
+        return {}
+
+    def prepare(self, operands: Operands, path: str) -> dict[str, torch.Tensor | None]:
+        """What :meth:`linear` reads on ``path``: the operands, with the small per-channel vectors
+        (bias, scales) converted to the path's dtype once instead of at every call."""
+        dtype = activation_dtype(path)
+        bias = operands.get("bias")
+        return {**operands, "bias": None if bias is None else bias.to(dtype)}
+
+    def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        """``x @ W.T + bias`` for a 2-d contiguous ``x`` in the path's dtype, with operands from
+        :meth:`prepare`; returns ``[rows, out_features]`` in the same dtype."""
+        raise NotImplementedError
+
+    def kernel(self, path: str, rows: int) -> str:
+        """The torch op :meth:`linear` runs for ``rows`` input rows on ``path`` (for reports and tests)."""
+        raise NotImplementedError
+
+    def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
+        """The dtype of the activations when they reach that op (what a test observes at dispatch)."""
+        return activation_dtype(path)
+
+    def kernels(self, path: str) -> str:
+        """Every op this packer runs on ``path``, with the row ranges: e.g. for ``repr``."""
+        small, large = self.kernel(path, 1), self.kernel(path, 1 << 30)
+        if small != large:
+            return f"{small} up to {self.fused_max_rows.get(path, 0)} rows, else {large}"
+        return small
+
+    def _use_fused(self, path: str, rows: int) -> bool:
+        """Whether :meth:`linear` calls torch's fused weight-only kernel for ``rows`` rows on ``path``."""
+        return rows <= self.fused_max_rows.get(path, 0) and cpu_kernels().fused_weight_only
 
 
 #: Fingerprints whose kernel self-check passed in this process.
@@ -126,23 +258,38 @@ _CHECKED: set[str] = set()
 
 
 def _self_check(packer: TorchPacker) -> None:
-    """Run the kernel once on the fingerprint pack and compare with the intended weight:
-    a torch whose kernel reads the layout differently (same bytes, new meaning) must
-    fail loudly here, never give wrong answers."""
-    from .torch import PackedLinear
-
+    """Run every kernel path (and on ``bf16`` both the fused kernel and the per-call dequantisation)
+    on the fingerprint pack and compare with the intended weight: a torch whose kernel reads the
+    layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers."""
     source = fingerprint_input()
     stats = fingerprint_stats() if packer.uses_stats else None
-    layer = PackedLinear.from_parts(packer, packer.checked_pack(source, "F32", stats), bias=None)
-    x = torch.from_numpy(fingerprint_input((3, source.shape[1])))
-    expected = x @ torch.from_numpy(packer.intended(source, "F32", stats)).T
-    with torch.inference_mode():
-        error = float((layer(x) - expected).abs().max())
-    if not error <= packer.tolerance():
-        raise PackResultError(
-            f"packer {packer.id} failed its kernel self-check on torch {torch.__version__}: max error {error:.3g} "
-            f"> {packer.tolerance():.3g}; the kernel no longer reads this layout, bump the packer's version"
-        )
+    parts = packer.checked_pack(source, "F32", stats)
+    dtypes = packer.part_dtypes()
+    operands: dict[str, torch.Tensor | None] = {p: as_tensor(a, dtypes.get(p)) for p, a in parts.items()}
+    operands["bias"] = None
+    weight = torch.from_numpy(packer.intended(source, "F32", stats))
+    for path in packer.paths:
+        prepared = packer.prepare(operands, path)
+        for rows in sorted({3, packer.fused_max_rows.get(path, 0) + 1}):
+            x = torch.from_numpy(fingerprint_input((rows, source.shape[1])))
+            expected = x @ weight.T
+            with torch.inference_mode():
+                got = packer.linear(prepared, x.to(activation_dtype(path)).contiguous(), path).float()
+            error = float((got - expected).abs().max())
+            if not error <= packer.tolerance(path, rows):
+                raise PackResultError(
+                    f"packer {packer.id} failed its kernel self-check on torch {torch.__version__} "
+                    f"({packer.kernel(path, rows)}, path {path}): max error {error:.3g} > "
+                    f"{packer.tolerance(path, rows):.3g}; "
+                    "the kernel no longer reads this layout, bump the packer's version"
+                )
+
+
+def _tensor(operands: Operands, name: str) -> torch.Tensor:
+    tensor = operands[name]
+    if tensor is None:
+        raise ValueError(f"operand {name!r} is missing")
+    return tensor
 
 
 def _two_d(shape: tuple[int, ...]) -> str | None:
@@ -150,10 +297,11 @@ def _two_d(shape: tuple[int, ...]) -> str | None:
 
 
 class LinearFloat32(TorchPacker):
-    """float32 weight ``[out, in]`` for ``torch.nn.functional.linear``."""
+    """float32 weight ``[out, in]`` for ``torch.nn.functional.linear``; the exact reference, so ``fp32`` path only."""
 
     id = "torch.linear.f32"
     version = 1
+    paths = ("fp32",)
 
     def eligible(self, shape: tuple[int, ...]) -> str | None:
         return _two_d(shape)
@@ -167,12 +315,19 @@ class LinearFloat32(TorchPacker):
     ) -> np.ndarray[Any, Any]:
         return to_float32(source, dtype)
 
-    def tolerance(self) -> float:
+    def tolerance(self, path: str = "fp32", rows: int = 1) -> float:
         return 1e-4
+
+    def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        return F.linear(x, _tensor(operands, "weight"), operands.get("bias"))
+
+    def kernel(self, path: str, rows: int) -> str:
+        return "linear(float32)"
 
 
 class LinearBFloat16(TorchPacker):
-    """bfloat16 weight ``[out, in]`` (round to nearest even) for ``linear`` on bfloat16 activations."""
+    """bfloat16 weight ``[out, in]`` (round to nearest even) for ``linear`` on bfloat16 activations
+    (path ``bf16``), or widened to float32 at each call (path ``fp32``)."""
 
     id = "torch.linear.bf16"
     version = 1
@@ -193,16 +348,30 @@ class LinearBFloat16(TorchPacker):
         result: np.ndarray[Any, Any] = to_float32(self.pack(source, dtype)["weight"], "BF16")
         return result
 
-    def tolerance(self) -> float:
-        return 0.5  # bf16 activations: ~3 significant digits over a 256-term dot product
+    def part_dtypes(self) -> dict[str, torch.dtype]:
+        return {"weight": torch.bfloat16}
+
+    def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        weight = _tensor(operands, "weight")
+        return F.linear(x, weight if path == "bf16" else weight.float(), operands.get("bias"))
+
+    def kernel(self, path: str, rows: int) -> str:
+        return "linear(bfloat16)" if path == "bf16" else "bf16 weight to float32 per call + linear(float32)"
 
 
 class Int8WeightOnly(TorchPacker):
-    """Per-channel symmetric int8 for ``torch._weight_int8pack_mm(x, weight, scales)`` (float32 activations)."""
+    """Per-channel symmetric int8, the operands of ``torch._weight_int8pack_mm(x, weight, scales)``.
+
+    Up to :attr:`fused_max_rows` rows that fused kernel, on bf16 activations (its only vectorised
+    variant; it also needs ``in_features % 16 == 0``); for more rows the weight is converted to the
+    path's dtype once per call (bf16 on path ``bf16``, float32 on path ``fp32``) for ``linear``,
+    with the scales applied to the output or to the weight, whichever is smaller.
+    """
 
     id = "torch.int8wo"
     version = 1
     parts = ("weight", "scales")
+    fused_max_rows = FUSED_MAX_ROWS_INT8
 
     def eligible(self, shape: tuple[int, ...]) -> str | None:
         return _two_d(shape)
@@ -221,6 +390,41 @@ class Int8WeightOnly(TorchPacker):
         result: np.ndarray[Any, Any] = weight.astype(np.float32) * scales[:, None]
         return result
 
+    def prepare(self, operands: Operands, path: str) -> dict[str, torch.Tensor | None]:
+        prepared = super().prepare(operands, path)
+        scales = _tensor(operands, "scales")
+        prepared["scales"] = scales.to(activation_dtype(path))
+        prepared["scales_bf16"] = scales.to(torch.bfloat16)  # the fused kernel's dtype, on every path
+        return prepared
+
+    def _fused(self, path: str, rows: int, in_features: int) -> bool:
+        # The vectorised kernel reads 16 (AVX512) or 8 (AVX2) input features at a time.
+        return self._use_fused(path, rows) and in_features % 16 == 0
+
+    def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        weight, bias = _tensor(operands, "weight"), operands.get("bias")
+        rows, in_features = x.shape
+        if self._fused(path, rows, in_features):
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, _tensor(operands, "scales_bf16")).to(x.dtype)
+            return y if bias is None else y.add_(bias)
+        # The int8 -> float conversion is one vectorised pass (multiplying int8 by a float tensor
+        # directly is several times slower); the per-channel scale then goes on whichever is
+        # smaller, the output [rows, out] or the weight [out, in].
+        scales = _tensor(operands, "scales")
+        if rows < in_features:
+            y = F.linear(x, weight.to(x.dtype))
+            return y.mul_(scales) if bias is None else torch.addcmul(bias, y, scales)
+        return F.linear(x, weight.to(x.dtype).mul_(scales[:, None]), bias)
+
+    def kernel(self, path: str, rows: int) -> str:
+        if self._fused(path, rows, 16):
+            return "_weight_int8pack_mm(bfloat16)"
+        dtype = "bfloat16" if path == "bf16" else "float32"
+        return f"int8 weight to {dtype} per call + linear({dtype})"
+
+    def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
+        return torch.bfloat16 if self._fused(path, rows, 16) else activation_dtype(path)
+
 
 class Int4WeightOnly(TorchPacker):
     """Grouped asymmetric int4 for ``torch._weight_int4pack_mm_for_cpu`` (float32 activations).
@@ -237,6 +441,11 @@ class Int4WeightOnly(TorchPacker):
     ``scales_and_zeros`` (float32 ``[in/g, out, 2]``; weight = (code - 8)*scale + zero)
     and ``input_scales`` (float32 ``[in]``, all ones without statistics).
 
+    Forward: path ``bf16`` calls the fused kernel on bf16 activations for up to
+    :attr:`fused_max_rows` rows; with more rows, and on path ``fp32``, the codes are read out
+    of the kernel's layout (:func:`packcache.kernels.int4_layout`, checked against torch once
+    per process) and dequantised once per call into the path's dtype for ``addmm``.
+
     Args:
         group_size: 32, 64 or 128 input features per scale.
         activation_aware: use ``stats`` when given.
@@ -247,6 +456,7 @@ class Int4WeightOnly(TorchPacker):
     parts = ("weight", "scales_and_zeros", "input_scales")
     uses_stats = True
     GROUP_SIZES = (32, 64, 128)
+    fused_max_rows = FUSED_MAX_ROWS_INT4
 
     def __init__(self, group_size: int = 32, activation_aware: bool = True) -> None:
         if group_size not in self.GROUP_SIZES:
@@ -298,5 +508,50 @@ class Int4WeightOnly(TorchPacker):
         weight = dequantize_int4(codes, scales, zeros, zero_code=8) * input_scales.astype(np.float64)[None, :]
         return weight.astype(np.float32)
 
-    def tolerance(self) -> float:
-        return 1e-3
+    def dims(self, parts: Mapping[str, Any]) -> tuple[int, int]:
+        groups, out_features, _ = parts["scales_and_zeros"].shape
+        return int(out_features), int(groups) * self.group_size
+
+    def prepare(self, operands: Operands, path: str) -> dict[str, torch.Tensor | None]:
+        prepared = super().prepare(operands, path)
+        prepared["input_scales"] = _tensor(operands, "input_scales").to(activation_dtype(path))
+        return prepared
+
+    def _fused(self, path: str, rows: int) -> bool:
+        if int4_layout() is None:
+            return True  # packcache cannot read this layout: only torch's kernel can
+        return self._use_fused(path, rows)
+
+    def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        weight, scales_and_zeros = _tensor(operands, "weight"), _tensor(operands, "scales_and_zeros")
+        bias, input_scales = operands.get("bias"), _tensor(operands, "input_scales")
+        dtype = activation_dtype(path)
+        if self._fused(path, x.shape[0]):
+            # bf16 in: the kernel's only vectorised variant (a float32 input runs its scalar reference loop).
+            fused_dtype = torch.bfloat16 if cpu_kernels().fused_weight_only else dtype
+            scaled = (x * input_scales).to(fused_dtype)
+            sz = scales_and_zeros.to(fused_dtype)
+            y = torch._weight_int4pack_mm_for_cpu(scaled, weight, self.group_size, sz).to(dtype)
+            return y if bias is None else y.add_(bias)
+        layout = int4_layout()
+        assert layout is not None
+        groups, out_features, _ = scales_and_zeros.shape
+        codes = layout.codes_t(weight, out_features, groups * self.group_size).view(groups, self.group_size, -1)
+        scale = scales_and_zeros[..., 0]
+        offset = scales_and_zeros[..., 1] - 8 * scale  # (code - 8) * scale + zero = code * scale + offset
+        # One pass over the codes: [in/g, g, out] * scale + offset, broadcast per group; transposed weight [in, out].
+        weight_t = torch.addcmul(offset.to(dtype)[:, None, :], codes, scale.to(dtype)[:, None, :])
+        # The input scales go on the weight's rows, not on the (usually larger) activations.
+        weight_t = weight_t.view(-1, out_features).mul_(input_scales[:, None])
+        return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
+
+    def kernel(self, path: str, rows: int) -> str:
+        dtype = "bfloat16" if path == "bf16" else "float32"
+        if self._fused(path, rows):
+            return f"_weight_int4pack_mm_for_cpu({'bfloat16' if cpu_kernels().fused_weight_only else dtype})"
+        return f"int4 weight to {dtype} per call + addmm({dtype})"
+
+    def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
+        if self._fused(path, rows) and cpu_kernels().fused_weight_only:
+            return torch.bfloat16
+        return activation_dtype(path)

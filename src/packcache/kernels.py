@@ -1,0 +1,215 @@
+"""Kernel paths: how packed linear layers compute on this CPU (imports torch).
+
+A *kernel path* is a runtime choice, made per process when a model is loaded. It
+never changes a packed byte or the platform fingerprint, so a cache built on one
+path is a hit on the other. There are two:
+
+``bf16``
+    Activations in bfloat16. Float weights go to oneDNN's bf16 GEMM (AMX or
+    AVX512-BF16 instructions); a weight-only int8/int4 layer calls torch's fused
+    kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``, whose only
+    vectorised variant takes bf16 activations) for a few rows, and for more rows
+    dequantises its weight to bf16 once per call and uses the bf16 GEMM.
+``fp32``
+    Activations in float32 everywhere. Quantised weights are dequantised to float32
+    once per call and multiplied by MKL's float32 GEMM. torch's fused weight-only
+    kernels are never given float32 activations: for those they run a scalar
+    reference loop, 30-60x slower than the GEMM.
+
+**The rule** (:func:`cpu_kernels`): ``bf16`` when the CPU computes bfloat16 natively
+(torch's cpuinfo reports AVX512-BF16 or AMX tiles) and torch's oneDNN runs bf16 on
+it; ``fp32`` otherwise (without native bf16 a bf16 GEMM is emulated and slower than
+float32). The float32 scheme (``torch.linear.f32``) always runs ``fp32``: it is the
+exact reference.
+
+**Forcing a path**, for tests and comparisons: the ``kernel_path=`` argument of
+:func:`packcache.torch.convert`, :meth:`packcache.torch.PackedLinear.from_parts` and
+:func:`packcache.models.minilm.load` (an error if the packer has no such path), or the
+environment variable ``PACKCACHE_KERNEL_PATH`` (``bf16``, ``fp32`` or ``auto``), which
+applies to every packer that has that path.
+
+>>> cpu_kernels().default_path in KERNEL_PATHS
+True
+>>> activation_dtype("fp32")
+torch.float32
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "KERNEL_PATHS",
+    "KERNEL_PATH_ENV",
+    "CpuKernels",
+    "Int4Layout",
+    "activation_dtype",
+    "cpu_kernels",
+    "int4_layout",
+    "requested_path",
+]
+
+#: The kernel paths, in order of preference on a machine with native bfloat16.
+KERNEL_PATHS = ("bf16", "fp32")
+#: Environment variable that forces a path for every packer that has it (``auto``: the rule).
+KERNEL_PATH_ENV = "PACKCACHE_KERNEL_PATH"
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def activation_dtype(path: str) -> torch.dtype:
+    """The dtype activations flow in on ``path``.
+
+    Raises:
+        ValueError: an unknown path.
+    """
+    try:
+        return _DTYPES[path]
+    except KeyError:
+        raise ValueError(f"unknown kernel path {path!r}: expected one of {', '.join(KERNEL_PATHS)}") from None
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """What this CPU and this torch build offer the packed kernels (see :func:`cpu_kernels`).
+
+    Attributes:
+        capability: ``torch.backends.cpu.get_cpu_capability()`` (``AVX512``, ``AVX2``, ``DEFAULT``, ...):
+            the ISA torch's own kernels were dispatched to. It also decides torch's int4 weight
+            layout, which is why it is in the platform fingerprint of int4 caches.
+        avx512_bf16: the CPU has AVX512-BF16 (``torch.cpu._is_avx512_bf16_supported``).
+        amx_tile: the CPU has AMX tiles (``torch.cpu._is_amx_tile_supported``; every such CPU has AMX-BF16).
+        onednn_bf16: torch's oneDNN is built in and runs bf16 on this CPU.
+    """
+
+    capability: str
+    avx512_bf16: bool
+    amx_tile: bool
+    onednn_bf16: bool
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bfloat16 GEMMs run on native instructions (AVX512-BF16 or AMX) through oneDNN."""
+        return (self.avx512_bf16 or self.amx_tile) and self.onednn_bf16
+
+    @property
+    def fused_weight_only(self) -> bool:
+        """Whether torch's fused int8/int4 weight-only kernels have their vectorised (bf16) variant here."""
+        return self.capability in ("AVX2", "AVX512")
+
+    @property
+    def default_path(self) -> str:
+        """The path the rule picks for a packer that has both: ``bf16`` with native bf16, else ``fp32``."""
+        return "bf16" if self.native_bf16 else "fp32"
+
+    def flags(self) -> dict[str, object]:
+        """The facts that decided the path, as a JSON-able mapping (for reports)."""
+        return {
+            "cpu_capability": self.capability,
+            "avx512_bf16": self.avx512_bf16,
+            "amx_tile": self.amx_tile,
+            "onednn_bf16": self.onednn_bf16,
+            "native_bf16": self.native_bf16,
+            "default_path": self.default_path,
+        }
+
+
+def _probe(name: str) -> bool:
+    probe = getattr(torch.cpu, name, None)  # private helpers of torch.cpu; absent means unknown, so no
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels:
+    """This machine's :class:`CpuKernels`, read once per process."""
+    onednn = bool(torch.backends.mkldnn.is_available()) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # type: ignore[no-untyped-call]
+    return CpuKernels(
+        capability=torch.backends.cpu.get_cpu_capability(),
+        avx512_bf16=_probe("_is_avx512_bf16_supported"),
+        amx_tile=_probe("_is_amx_tile_supported"),
+        onednn_bf16=onednn,
+    )
+
+
+def requested_path(requested: str | None) -> str | None:
+    """Normalise a path request: an explicit ``requested``, else ``$PACKCACHE_KERNEL_PATH``;
+    ``None`` or ``"auto"`` means "let the rule choose".
+
+    Raises:
+        ValueError: a value that is not a path nor ``auto`` (naming where it came from).
+    """
+    source = "kernel_path"
+    if requested is None:
+        requested, source = os.environ.get(KERNEL_PATH_ENV) or None, KERNEL_PATH_ENV
+    if requested is None or requested == "auto":
+        return None
+    if requested not in KERNEL_PATHS:
+        raise ValueError(f"{source}={requested!r}: expected one of {', '.join(KERNEL_PATHS)} or 'auto'")
+    return requested
+
+
+# --------------------------------------------------------------------------- int4 layout
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """How ``torch._convert_weight_to_int4pack_for_cpu`` lays out codes ``[N, K]`` as bytes ``[N, K/2]``.
+
+    Rows are cut into blocks of ``block`` output channels; a block holds, for each input
+    feature k, ``block/2`` bytes. In a full block with ``halves`` the low nibble of byte j
+    is row j and the high nibble row ``j + block/2``; otherwise (a short last block, or
+    no vectorised layout) the low nibble is row 2j and the high nibble row 2j + 1.
+    """
+
+    block: int
+    halves: bool
+
+    def codes_t(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """The codes (0..15) as uint8 ``[in_features, out_features]``: the transposed weight, ready for ``x @ W.T``."""
+        n, k, block = out_features, in_features, self.block
+        out = torch.empty(k, n, dtype=torch.uint8)
+        flat = packed.reshape(-1)
+        full = n // block
+        if full:
+            src = flat[: full * k * block // 2].view(full, k, block // 2).permute(1, 0, 2)
+            dst = out[:, : full * block].view(k, full, block)
+            if self.halves:
+                low, high = dst[..., : block // 2], dst[..., block // 2 :]
+            else:
+                low, high = dst[..., 0::2], dst[..., 1::2]
+            torch.bitwise_and(src, 15, out=low)
+            torch.bitwise_right_shift(src, 4, out=high)
+        rest = n - full * block
+        if rest:
+            src = flat[full * k * block // 2 :].view(k, rest // 2)
+            dst = out[:, full * block :]
+            torch.bitwise_and(src, 15, out=dst[:, 0::2])
+            torch.bitwise_right_shift(src, 4, out=dst[:, 1::2])
+        return out
+
+
+#: Probe shape: one full block at every block size (32 or 64) and a short one of 16 rows.
+_PROBE_SHAPE = (80, 64)
+
+
+@functools.cache
+def int4_layout() -> Int4Layout | None:
+    """The int4 layout of this torch on this CPU, checked once per process by packing a probe
+    and reading it back; ``None`` if packcache cannot read it (then int4 layers always call
+    the fused kernel, never the per-call dequantisation)."""
+    capability = cpu_kernels().capability
+    # torch's block is Vectorized<float>::size() * 4: 64 on AVX512, else 32; only the AVX builds split halves.
+    layout = Int4Layout(64, True) if capability == "AVX512" else Int4Layout(32, capability == "AVX2")
+    n, k = _PROBE_SHAPE
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    if tuple(packed.shape) != (n, k // 2) or not torch.equal(layout.codes_t(packed, n, k).t().to(torch.int32), codes):
+        return None
+    return layout

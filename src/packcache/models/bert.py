@@ -1,0 +1,373 @@
+"""A BERT encoder in plain torch, over token-packed batches (imports torch).
+
+The skeleton is built on the ``meta`` device without running any initialisation:
+its weights come from :func:`packcache.torch.convert` (served from the cache) or
+:func:`packcache.torch.materialize`. Parameter names match Hugging Face's
+``BertModel`` checkpoints.
+
+The forward pass runs on *packed tokens*: the real tokens of every sequence of a
+call are concatenated into one ``[tokens, hidden]`` matrix, so the linear layers,
+GELU, LayerNorm and residual adds never compute a padding token, and each packed
+layer is called once per call, which is what amortises its per-call work (the
+dequantisation of an int8/int4 weight, see :mod:`packcache.kernels`). Only the
+attention needs whole sequences: each :class:`AttentionGroup` of sequences of
+similar length is padded for ``scaled_dot_product_attention`` and unpadded after.
+
+>>> batch = PackedTokens.build([[101, 7, 102], [101, 102]], [[0, 0, 0], [0, 0]], [2])
+>>> batch.ids.tolist(), batch.positions.tolist(), batch.lengths
+([101, 7, 102, 101, 102], [0, 1, 2, 0, 1], [3, 2])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+__all__ = ["AttentionGroup", "BertConfig", "BertEncoder", "PackedTokens"]
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The fields of a BERT ``config.json`` the encoder needs."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 384
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 12
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> BertConfig:
+        """Read ``config.json``; unknown fields are ignored.
+
+        Raises:
+            ValueError: an activation other than ``gelu``, or heads that do not divide the width.
+        """
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        fields = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
+        config = cls(**fields)
+        if config.hidden_act != "gelu":
+            raise ValueError(f"{path}: hidden_act {config.hidden_act!r} is not supported (only 'gelu')")
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(f"{path}: hidden_size is not a multiple of num_attention_heads")
+        return config
+
+
+# --------------------------------------------------------------------------- packed tokens
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Consecutive sequences of a :class:`PackedTokens` attended together, padded to the longest.
+
+    Attributes:
+        start, end: their rows in the packed matrix.
+        batch, length: the padded shape ``[batch, length]``.
+        gather: long ``[batch * length]``: the packed row of each padded position (a padded
+            position repeats the group's first row, masked out as a key); ``None`` without padding.
+        scatter: long ``[end - start]``: the padded position of each real token; ``None`` without padding.
+        key_mask: bool ``[batch, 1, 1, length]`` for the attention (True: attend); ``None`` without padding.
+    """
+
+    start: int
+    end: int
+    batch: int
+    length: int
+    gather: torch.Tensor | None
+    scatter: torch.Tensor | None
+    key_mask: torch.Tensor | None
+
+    @classmethod
+    def of(cls, start: int, lengths: Sequence[int]) -> AttentionGroup:
+        """The group of sequences of ``lengths`` whose tokens start at packed row ``start``."""
+        batch, longest, total = len(lengths), max(lengths), sum(lengths)
+        if min(lengths) == longest:
+            return cls(start, start + total, batch, longest, None, None, None)
+        mask = torch.zeros(batch, longest, dtype=torch.bool)
+        for i, length in enumerate(lengths):
+            mask[i, :length] = True
+        flat = mask.view(-1)
+        scatter = flat.nonzero().view(-1)
+        gather = torch.full((batch * longest,), start, dtype=torch.long)
+        gather[scatter] = torch.arange(start, start + total)
+        return cls(start, start + total, batch, longest, gather, scatter, mask[:, None, None, :])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, out: torch.Tensor) -> None:
+        """Scaled dot-product attention of this group's rows of packed ``q``, ``k``, ``v`` ``[tokens, width]``,
+        written to the same rows of ``out``."""
+        width = q.shape[1]
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            rows = x[self.start : self.end] if self.gather is None else x.index_select(0, self.gather)
+            return rows.view(self.batch, self.length, heads, width // heads).transpose(1, 2)
+
+        context = nn.functional.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=self.key_mask)
+        context = context.transpose(1, 2).reshape(self.batch * self.length, width)
+        if self.scatter is None:
+            out[self.start : self.end] = context
+        else:
+            torch.index_select(context, 0, self.scatter, out=out[self.start : self.end])
+
+
+@dataclass(frozen=True)
+class PackedTokens:
+    """Token sequences concatenated without padding, with the groups their attention runs in.
+
+    Build it with :meth:`build`. ``ids``, ``types`` and ``positions`` are long ``[tokens]``;
+    ``lengths`` gives each sequence's token count, in packed order.
+    """
+
+    ids: torch.Tensor
+    types: torch.Tensor
+    positions: torch.Tensor
+    lengths: list[int]
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def build(
+        cls, ids: Sequence[Sequence[int]], types: Sequence[Sequence[int]], group_sizes: Sequence[int]
+    ) -> PackedTokens:
+        """Pack sequences (token ids and type ids, in packed order), cut into attention groups of
+        ``group_sizes`` consecutive sequences each (they must add up to ``len(ids)``).
+
+        Raises:
+            ValueError: group sizes that do not cover the sequences, or an empty sequence.
+        """
+        if sum(group_sizes) != len(ids) or any(size <= 0 for size in group_sizes):
+            raise ValueError(f"group sizes {list(group_sizes)} do not cover {len(ids)} sequences")
+        lengths = [len(seq) for seq in ids]
+        if any(length == 0 for length in lengths):
+            raise ValueError("a sequence has no token (an encoded text holds at least [CLS] and [SEP])")
+        flat_ids = [token for seq in ids for token in seq]
+        flat_types = [token for seq in types for token in seq]
+        positions = [p for length in lengths for p in range(length)]
+        groups: list[AttentionGroup] = []
+        first = row = 0
+        for size in group_sizes:
+            members = lengths[first : first + size]
+            groups.append(AttentionGroup.of(row, members))
+            first, row = first + size, row + sum(members)
+        as_long = torch.tensor
+        return cls(
+            as_long(flat_ids, dtype=torch.long),
+            as_long(flat_types, dtype=torch.long),
+            as_long(positions, dtype=torch.long),
+            lengths,
+            groups,
+        )
+
+
+# --------------------------------------------------------------------------- the skeleton
+
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _tree(module: _M, **children: nn.Module) -> _M:
+    """``module``, fresh from ``nn.Module.__init__``, made inference-only and holding ``children``:
+    written straight into its tables, without ``nn.Module.__setattr__``'s checks per attribute,
+    which cost more than building the whole skeleton otherwise (every warm load builds one)."""
+    module.__dict__["training"] = False
+    module._modules.update(children)
+    return module
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    """An ``nn.Linear`` with ``meta`` parameters, built without running its initialisation.
+
+    ``nn.Linear.__init__`` runs ``reset_parameters`` (kaiming init) even on ``meta``: a third of a
+    warm load's time for nothing, since :func:`~packcache.torch.convert` replaces every weight.
+    """
+    layer = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(layer)
+    layer.__dict__.update(in_features=in_features, out_features=out_features, training=False)
+    layer._parameters["weight"] = nn.Parameter(torch.empty(out_features, in_features, device="meta"), False)
+    layer._parameters["bias"] = nn.Parameter(torch.empty(out_features, device="meta"), False)
+    return layer
+
+
+def _layer_norm(width: int, eps: float) -> nn.LayerNorm:
+    """An ``nn.LayerNorm`` with ``meta`` parameters, built without running its initialisation."""
+    norm = nn.LayerNorm.__new__(nn.LayerNorm)
+    nn.Module.__init__(norm)
+    norm.__dict__.update(normalized_shape=(width,), eps=eps, elementwise_affine=True, training=False)
+    norm._parameters["weight"] = nn.Parameter(torch.empty(width, device="meta"), False)
+    norm._parameters["bias"] = nn.Parameter(torch.empty(width, device="meta"), False)
+    return norm
+
+
+def _embedding(count: int, width: int) -> nn.Embedding:
+    # An explicit weight skips reset_parameters (in torch 2.13 the first normal_() on a large
+    # meta tensor allocates ~70 MB of anonymous memory, for nothing).
+    embedding = nn.Embedding(count, width, _weight=torch.empty(count, width, device="meta"), _freeze=True)
+    embedding.training = False
+    return embedding
+
+
+class _SelfAttention(nn.Module):
+    query: nn.Linear
+    key: nn.Linear
+    value: nn.Linear
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        width = config.hidden_size
+        _tree(self, query=_linear(width, width), key=_linear(width, width), value=_linear(width, width))
+
+
+class _DenseNorm(nn.Module):
+    dense: nn.Linear
+    LayerNorm: nn.LayerNorm
+
+    def __init__(self, in_features: int, config: BertConfig) -> None:
+        super().__init__()
+        norm = _layer_norm(config.hidden_size, config.layer_norm_eps)
+        _tree(self, dense=_linear(in_features, config.hidden_size), LayerNorm=norm)
+
+
+class _Attention(nn.Module):
+    output: _DenseNorm
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        _tree(self, self=_SelfAttention(config), output=_DenseNorm(config.hidden_size, config))
+
+
+class _Intermediate(nn.Module):
+    dense: nn.Linear
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        _tree(self, dense=_linear(config.hidden_size, config.intermediate_size))
+
+
+class _Layer(nn.Module):
+    attention: _Attention
+    intermediate: _Intermediate
+    output: _DenseNorm
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        _tree(
+            self,
+            attention=_Attention(config),
+            intermediate=_Intermediate(config),
+            output=_DenseNorm(config.intermediate_size, config),
+        )
+
+
+class _Embeddings(nn.Module):
+    word_embeddings: nn.Embedding
+    position_embeddings: nn.Embedding
+    token_type_embeddings: nn.Embedding
+    LayerNorm: nn.LayerNorm
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        _tree(
+            self,
+            word_embeddings=_embedding(config.vocab_size, config.hidden_size),
+            position_embeddings=_embedding(config.max_position_embeddings, config.hidden_size),
+            token_type_embeddings=_embedding(config.type_vocab_size, config.hidden_size),
+            LayerNorm=_layer_norm(config.hidden_size, config.layer_norm_eps),
+        )
+
+
+class _Encoder(nn.Module):
+    layer: nn.ModuleList
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+        layers.training = False
+        _tree(self, layer=layers)
+
+
+class BertEncoder(nn.Module):
+    """A BERT encoder whose parameter names match Hugging Face's ``BertModel`` checkpoints.
+
+    Built on ``meta`` (see the module docstring). :meth:`encode` runs packed tokens;
+    :meth:`forward` takes the usual padded ``[batch, tokens]`` inputs.
+
+    Attributes:
+        compute_dtype: the dtype of the activations between the layers: ``torch.float32``,
+            or ``torch.bfloat16`` on the ``bf16`` kernel path (attention, GELU, residual adds
+            and LayerNorm inputs then run in bf16; LayerNorm accumulates in float32, and the
+            embedding sums and their LayerNorm stay float32).
+    """
+
+    embeddings: _Embeddings
+    encoder: _Encoder
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.compute_dtype = torch.float32
+        _tree(self, embeddings=_Embeddings(config), encoder=_Encoder(config))
+
+    def encode(self, tokens: PackedTokens) -> torch.Tensor:
+        """The last hidden states of every packed token, ``[tokens, hidden]`` in :attr:`compute_dtype`."""
+        heads = self.config.num_attention_heads
+        emb = self.embeddings
+        hidden = emb.word_embeddings(tokens.ids) + emb.position_embeddings(tokens.positions)
+        hidden = emb.LayerNorm(hidden + emb.token_type_embeddings(tokens.types)).to(self.compute_dtype)
+        for layer in self.encoder.layer:
+            assert isinstance(layer, _Layer)
+            attention = layer.attention.get_submodule("self")
+            assert isinstance(attention, _SelfAttention)
+            q, k, v = attention.query(hidden), attention.key(hidden), attention.value(hidden)
+            context = torch.empty_like(q)
+            for group in tokens.groups:
+                group.attend(q, k, v, heads, context)
+            out = layer.attention.output
+            # In place on the layers' fresh outputs: every large new tensor costs its page faults again.
+            hidden = out.LayerNorm(out.dense(context).add_(hidden))
+            inner = torch.ops.aten.gelu_(layer.intermediate.dense(hidden))
+            hidden = layer.output.LayerNorm(layer.output.dense(inner).add_(hidden))
+        result: torch.Tensor = hidden
+        return result
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Padded inputs ``[batch, length]`` (``mask`` 1 at real tokens); returns ``[batch, length, hidden]``
+        in :attr:`compute_dtype`, zeros at padded positions."""
+        batch, length = input_ids.shape
+        valid = mask.reshape(-1).bool()
+        positions = torch.arange(length, dtype=torch.long).expand(batch, length).reshape(-1)[valid]
+        counts = mask.bool().sum(dim=1)
+        if bool((counts == 0).any()):
+            raise ValueError("a row of the mask has no token")
+        tokens = PackedTokens(
+            input_ids.reshape(-1)[valid],
+            token_type_ids.reshape(-1)[valid],
+            positions,
+            counts.tolist(),
+            [_masked_group(mask.bool())],
+        )
+        packed = self.encode(tokens)
+        out = packed.new_zeros(batch * length, packed.shape[1])
+        out[valid] = packed
+        return out.view(batch, length, -1)
+
+
+def _masked_group(mask: torch.Tensor) -> AttentionGroup:
+    """The one attention group of a padded batch whose real tokens are ``mask`` (bool ``[batch, length]``)."""
+    batch, length = mask.shape
+    flat = mask.reshape(-1)
+    total = int(flat.sum())
+    if total == batch * length:
+        return AttentionGroup(0, total, batch, length, None, None, None)
+    scatter = flat.nonzero().view(-1)
+    gather = torch.zeros(batch * length, dtype=torch.long)
+    gather[scatter] = torch.arange(total)
+    return AttentionGroup(0, total, batch, length, gather, scatter, mask[:, None, None, :])
