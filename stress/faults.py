@@ -292,6 +292,23 @@ def run_child(
     return ChildResult(proc.returncode, result, stderr)
 
 
+def run_cli(env: Env, *argv: str, user: str = "root", timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m packcache ARGV`` as ``user`` in a fresh interpreter.
+
+    A hang (a FIFO opened for reading blocks forever) is a failure, not a stuck run:
+    ``subprocess.TimeoutExpired`` propagates after ``timeout`` seconds, the child killed.
+    """
+    prefix, child_env, _ = env.python(user)
+    return subprocess.run(
+        [*prefix, "-m", "packcache", *argv],
+        env=child_env,
+        cwd=env.base,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 # --------------------------------------------------------------------------- checks
 
 
