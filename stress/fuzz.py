@@ -612,12 +612,11 @@ def safetensors_files(draw: st.DrawFn) -> bytes:
 
 
 def _value_end(text: str, start: int) -> int:
-    """Where the JSON value starting at ``start`` ends (a list or a string, as the generator writes them)."""
-    if text[start] == "[":
-        return text.index("]", start) + 1
-    if text[start] == '"':
-        return text.index('"', start + 1) + 1
-    return start
+    """Where the JSON value starting at ``start`` ends (a list or a string, as the generator writes them);
+    ``start`` itself (an insertion) when an earlier edit broke it."""
+    closing = {"[": "]", '"': '"'}.get(text[start : start + 1])
+    end = text.find(closing, start + 1) if closing else -1
+    return end + 1 if end >= 0 else start
 
 
 def run_safetensors_case(path: str, data: bytes, counts: Counts) -> None:
