@@ -74,6 +74,7 @@ def _mib(n: int) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache inspect FILE``: :func:`packcache.inspect`, formatted; exit 0."""
     report = inspect(args.file)
     info = report.to_dict()
     trust = "trusted" if report.trusted else f"UNTRUSTED: {report.trust_problem} (WeightCache refuses it)"
@@ -95,6 +96,7 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache verify FILE``: :func:`packcache.verify`, formatted; exit 1 on any problem (untrusted included)."""
     report = verify(args.file)
     data = {
         "path": report.path,
@@ -115,6 +117,7 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_compact(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache compact FILE``: :func:`packcache.compact`, formatted; exit 0."""
     report = compact(args.file, lock_timeout=args.lock_timeout)
     data = dataclasses.asdict(report) | {"reclaimed_bytes": report.reclaimed_bytes}
     text = (
@@ -131,6 +134,7 @@ def cmd_compact(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache gc DIR --max-bytes N``: :func:`packcache.gc`, formatted; exit 1 while DIR does not fit."""
     report = gc(args.dir, args.max_bytes, dry_run=args.dry_run)
     data = {
         "dir": report.directory,
@@ -335,12 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.set_defaults(func=cmd_run)
 
-    ins = sub.add_parser("inspect", help="show a cache file's header, generation, platform and entries")
+    ins = sub.add_parser(
+        "inspect",
+        help="show a cache file's header, generation, platform, entries, and whether the cache would trust it",
+    )
     ins.add_argument("file")
     ins.add_argument("--json", action="store_true")
     ins.set_defaults(func=cmd_inspect)
 
-    ver = sub.add_parser("verify", help="check structure and every pack's checksum (exit 1 on the first problem)")
+    ver = sub.add_parser("verify", help="check trust, structure and every pack's checksum (exit 1 on any problem)")
     ver.add_argument("file")
     ver.add_argument("--json", action="store_true")
     ver.set_defaults(func=cmd_verify)
@@ -351,7 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     com.add_argument("--json", action="store_true")
     com.set_defaults(func=cmd_compact)
 
-    gc = sub.add_parser("gc", help="remove stale and least recently used cache files until DIR fits")
+    gc = sub.add_parser(
+        "gc",
+        help="remove stale and least recently used cache files of this user until DIR fits (under their build locks)",
+    )
     gc.add_argument("dir")
     gc.add_argument("--max-bytes", type=int, required=True, help="byte budget for the cache files in DIR")
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")

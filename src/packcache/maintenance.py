@@ -167,6 +167,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """No problem at all: structure, checksums and trust."""
         return not self.problems
 
 
@@ -265,6 +266,7 @@ class CompactReport:
 
     @property
     def reclaimed_bytes(self) -> int:
+        """Bytes the file shrank by."""
         return self.bytes_before - self.bytes_after
 
 
@@ -445,6 +447,7 @@ class InspectReport:
 
     @property
     def trusted(self) -> bool:
+        """Whether WeightCache would use this file (``trust_problem`` is None)."""
         return self.trust_problem is None
 
     def to_dict(self) -> dict[str, Any]:
@@ -583,6 +586,7 @@ class GcReport:
 
     @property
     def fits(self) -> bool:
+        """Whether the directory's packcache files now fit ``max_bytes``."""
         return self.bytes_after <= self.max_bytes
 
 
