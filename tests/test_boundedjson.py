@@ -30,7 +30,7 @@ def depth_of(value: Any) -> int:
     return 0
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(value=JSON_VALUES, ensure_ascii=st.booleans(), indent=st.sampled_from([None, 1]))
 def test_nesting_depth_is_exact_on_any_json_text(value: Any, ensure_ascii: bool, indent: int | None) -> None:
     data = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent).encode("utf-8", "surrogatepass")
@@ -45,6 +45,17 @@ def test_nesting_depth_carries_its_state_across_chunk_boundaries(value: Any, chu
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(boundedjson, "_CHUNK", chunk)
         assert boundedjson.nesting_depth(data, 1000)[0] == depth_of(value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=JSON_VALUES, limit=st.integers(0, 6), cut=st.integers(0, 40))
+def test_the_fast_depth_check_agrees_with_the_exact_one(value: Any, limit: int, cut: int) -> None:
+    """The no-backslash fast path is exact on JSON, and never says 'shallow' for anything deeper."""
+    data = json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    assert boundedjson._shallow(data, limit) == (depth_of(value) <= limit)
+    truncated = data[: len(data) - cut]  # not JSON any more: may say "measure", never a wrong "shallow"
+    if boundedjson._shallow(truncated, limit):
+        assert boundedjson.nesting_depth(truncated, 1000)[0] <= limit
 
 
 @settings(max_examples=300, deadline=None)

@@ -116,20 +116,30 @@ _DIGIT_MAP = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))  # d
 _LONG_DIGITS = b"1" * (MAX_INT_DIGITS + 1)
 
 
+_ONE_KIND = bytes.maketrans(b"{}", b"[]")
+_FAST_STRUCTURE = 1 << 20  # above this much structure, measure exactly (vectorised) instead
+
+
 def _shallow(data: bytes, limit: int) -> bool:
     """Whether ``data`` surely nests no deeper than ``limit`` (fast; False means: measure exactly).
 
-    Without a backslash no quote is escaped, so only quotes and brackets matter: a
-    100 KB safetensors header shrinks to a few thousand bytes before numpy sees it.
+    Without a backslash no quote is escaped, so the text between quote pairs is
+    strings and the rest is structure: a 100 KB safetensors header shrinks to a
+    few KB of brackets. Each pass of ``replace`` then removes the innermost level
+    (braces mapped to brackets first, so two kinds of pair never vanish in one pass).
     """
     if data.count(b"[") + data.count(b"{") <= limit:
         return True  # most pack keys: too few brackets to nest past the limit at all
     if b"\\" in data:
         return nesting_depth(data, limit)[0] <= limit
-    structure = np.frombuffer(data.translate(None, _STRUCTURE), np.uint8)
-    in_string = np.cumsum(structure == _QUOTE, dtype=np.int64) % 2 == 1
-    depth = np.cumsum(np.where(in_string, 0, _BRACKET[structure]))
-    return int(depth.max()) <= limit
+    brackets = b"".join(data.translate(None, _STRUCTURE).split(b'"')[::2]).translate(_ONE_KIND)
+    if len(brackets) > _FAST_STRUCTURE:
+        return nesting_depth(data, limit)[0] <= limit
+    for _ in range(limit):
+        brackets = brackets.replace(b"[]", b"")
+        if not brackets:
+            return True
+    return False  # deeper than the limit, or unbalanced (not JSON): measure exactly
 
 
 def loads(
