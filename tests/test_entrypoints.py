@@ -33,7 +33,7 @@ from packcache import WeightCache, compact, maintenance, verify
 from packcache import format as fmt
 from packcache.cli import main
 from packcache.errors import LockTimeoutError, UntrustedFileError
-from packcache.paths import lock_path_for
+from packcache.paths import lock_path_for, pid_alive
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
 
@@ -433,10 +433,12 @@ def test_gc_does_not_hang_on_a_fifo_planted_at_a_lock_path(tmp_path: Path) -> No
 
 
 def dead_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
+    """The pid of a process that has exited (and been reaped), and that no new process has taken since."""
+    while True:
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        if not pid_alive(proc.pid):
+            return proc.pid
 
 
 def test_gc_keeps_a_users_file_named_like_a_temp_file(tmp_path: Path) -> None:
