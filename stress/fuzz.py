@@ -29,14 +29,31 @@ Each file is written as a real file and then
    disagreement between the cache and the pure decoder, any other exception or
    a case running over ``--case-seconds`` (a hang) fails the run.
 
+4. handed to the maintenance entry points, which may only raise the library's
+   ``FormatError``/``UntrustedFileError``/``OSError``: ``packcache.inspect`` and
+   ``packcache inspect`` (text and ``--json``, exit 0 or 1, never a traceback), and
+   ``packcache.compact`` of a copy of the file, which must reject exactly the files
+   the pure decoders reject (fingerprint aside) and otherwise leave a file that
+   verifies, with every kept pack's bytes unchanged.
+
+A second target draws *safetensors* files: a valid header and data, then
+hostile JSON spliced in (nesting thousands deep, integers of 40 to 5,000 digits,
+dtypes and shapes of the wrong JSON type, NaN, duplicate names), offsets that
+overlap or leave the file, a header length past the file, raw byte edits of the
+header, truncation. ``SafetensorsFile`` may only raise ``FormatError`` (with an
+offset), and a header it accepts must read back every tensor's exact bytes.
+
 A crash (segfault, SIGBUS) kills the process: no summary line, non-zero exit.
 
 Prints ``fuzz: cases=... valid_opens=... format_errors=... rebuilds=...
-other_exceptions=0 views_outside=0 seconds=...`` (``format_errors``: files the
-pure decoders rejected; ``valid_opens``/``rebuilds``: what WeightCache did) and
-exits 1 on any violation, after printing the first few.
+other_exceptions=0 views_outside=0 ... inspected=... compacted=... compact_rejected=...
+safetensors_cases=... safetensors_valid=... safetensors_rejected=... seconds=...``
+(``format_errors``: files the pure decoders rejected; ``valid_opens``/``rebuilds``:
+what WeightCache did; ``other_exceptions`` counts every exception outside the
+allowed ones, in every target) and exits 1 on any violation, after printing the
+first few.
 
-Usage: python stress/fuzz.py [--cases 100000] [--quick] [--seed N]
+Usage: python stress/fuzz.py [--cases 100000] [--safetensors-cases 100000] [--quick] [--seed N]
 """
 
 from __future__ import annotations
@@ -45,6 +62,8 @@ import argparse
 import contextlib
 import ctypes
 import hashlib
+import io
+import json
 import logging
 import math
 import os
@@ -67,7 +86,11 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 import packcache
 from packcache import format as fmt
-from packcache.errors import FormatError
+from packcache.cli import main as cli_main
+from packcache.errors import FormatError, UntrustedFileError
+from packcache.safetensors import DTYPES, SafetensorsFile
+
+ALLOWED = (FormatError, UntrustedFileError, OSError)  # what a maintenance entry point may raise
 
 PLATFORM = {"fuzz": 1}
 PLATFORM_BYTES = fmt.canonical_key(PLATFORM)
@@ -283,6 +306,12 @@ class Counts:
     views_outside: int = 0
     disagreements: int = 0
     unexpected_heap: int = 0
+    inspected: int = 0  # files packcache.inspect read (the rest: FormatError)
+    compacted: int = 0  # files packcache.compact rewrote
+    compact_rejected: int = 0  # files it refused with FormatError (exactly those the pure decoders reject)
+    safetensors_cases: int = 0
+    safetensors_valid: int = 0
+    safetensors_rejected: int = 0  # FormatError, each naming an offset
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -294,15 +323,28 @@ class Counts:
             f"fuzz: cases={self.cases} valid_opens={self.valid_opens} format_errors={self.format_errors} "
             f"exhausted_rebuilds={self.exhausted_rebuilds} "
             f"rebuilds={self.rebuilds} other_exceptions={self.other_exceptions} views_outside={self.views_outside} "
-            f"disagreements={self.disagreements} unexpected_heap={self.unexpected_heap} seconds={seconds:.1f}"
+            f"disagreements={self.disagreements} unexpected_heap={self.unexpected_heap} "
+            f"inspected={self.inspected} compacted={self.compacted} compact_rejected={self.compact_rejected} "
+            f"safetensors_cases={self.safetensors_cases} safetensors_valid={self.safetensors_valid} "
+            f"safetensors_rejected={self.safetensors_rejected} seconds={seconds:.1f}"
         )
 
+    def other(self, exc: BaseException, what: str, size: int) -> None:
+        self.other_exceptions += 1
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" at {where.filename}:{where.lineno}" if where else ""
+        self.failures.append(f"{what}: {type(exc).__name__}: {str(exc)[:200]}{at} ({size}-byte file)")
 
-def pure_read(data: bytes) -> dict[str, fmt.Entry]:
-    """docs/FORMAT.md "Reading a file" with the pure decoders; raises FormatError only."""
+
+def pure_read(data: bytes, *, platform: bool = True) -> dict[str, fmt.Entry]:
+    """docs/FORMAT.md "Reading a file" with the pure decoders; raises FormatError only.
+
+    ``platform``: also reject a fingerprint other than the fuzzer's (the cache rebuilds
+    such a file; compaction, which keeps any fingerprint, does not care).
+    """
     head = data[: fmt.HEADER_READ_SIZE]
     header = fmt.decode_header(head)
-    if header.platform != PLATFORM_BYTES:
+    if platform and header.platform != PLATFORM_BYTES:
         raise FormatError("platform differs")  # not a format error, but the cache must rebuild it too
     slots, written = fmt.choose_slot(head)
     if not slots:
@@ -394,6 +436,7 @@ def run_case(path: str, data: bytes, picks: list[int], counts: Counts, case_seco
             stats = cache.stats()
             rebuilt = os.stat(path).st_ino != inode
             check(data, expected, served, stats, rebuilt, counts, path)
+        entry_points(path + ".copy", data, counts)
     except Hang as exc:
         counts.other_exceptions += 1
         counts.failures.append(f"hang: {exc} ({len(data)}-byte file)")
@@ -449,12 +492,222 @@ def check(
             counts.failures.append(f"view of {name!r} does not hold the file's bytes at {entry.offset}")
 
 
+def entry_points(path: str, data: bytes, counts: Counts) -> None:
+    """inspect (library and CLI) and compact on a fresh copy of the case's file."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)
+    try:
+        packcache.inspect(path)
+        counts.inspected += 1
+    except ALLOWED:
+        pass
+    except Exception as exc:
+        counts.other(exc, "inspect", len(data))
+    for argv in (["inspect", path], ["inspect", path, "--json"]):
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = cli_main(argv)
+            if code not in (0, 1) or (code == 1 and err.getvalue().count("\n") != 1):
+                counts.other_exceptions += 1
+                counts.failures.append(f"packcache {' '.join(argv[:1])}: exit {code}, stderr {err.getvalue()[:200]!r}")
+            elif code == 0 and "--json" in argv:
+                json.loads(out.getvalue())
+        except Exception as exc:
+            counts.other(exc, f"packcache {' '.join(argv)}", len(data))
+    try:
+        expected: dict[str, fmt.Entry] | None = pure_read(data, platform=False)
+    except FormatError:
+        expected = None
+    try:
+        report = packcache.compact(path, lock_timeout=0)
+    except FormatError:
+        counts.compact_rejected += 1
+        if expected is not None:
+            counts.disagreements += 1
+            counts.failures.append("compact rejected a file the pure decoders accept")
+        return
+    except ALLOWED as exc:
+        counts.other(exc, "compact (not a format error on a plain file)", len(data))
+        return
+    except Exception as exc:
+        counts.other(exc, "compact", len(data))
+        return
+    counts.compacted += 1
+    check_compacted(path, data, expected, report, counts)
+
+
+def check_compacted(
+    path: str, data: bytes, expected: dict[str, fmt.Entry] | None, report: packcache.CompactReport, counts: Counts
+) -> None:
+    """A compacted file verifies, and holds every kept pack's bytes as the original did."""
+    if expected is None:
+        counts.disagreements += 1
+        counts.failures.append("compact accepted a file the pure decoders reject")
+        return
+    with open(path, "rb") as f:
+        after = f.read()
+    try:
+        entries = pure_read(after, platform=False)
+    except FormatError as exc:
+        counts.disagreements += 1
+        counts.failures.append(f"compact wrote a file the pure decoders reject: {exc}")
+        return
+    problems = packcache.verify(path).problems
+    if problems or set(entries) != set(expected) - set(report.dropped):
+        counts.disagreements += 1
+        counts.failures.append(f"compacted file: problems {problems[:2]}, entries {sorted(entries)[:5]}")
+        return
+    for name, entry in entries.items():
+        old = expected[name]
+        if after[entry.offset : entry.offset + entry.nbytes] != data[old.offset : old.offset + old.nbytes]:
+            counts.disagreements += 1
+            counts.failures.append(f"compaction changed the bytes of {name!r}")
+
+
+# --------------------------------------------------------------------------- safetensors files
+
+SAFETENSORS_DTYPES = sorted(DTYPES)
+DEEP = st.integers(65, 20_000).map(lambda n: "[" * n + "]" * n)
+HUGE_INT = st.integers(41, 5000).map(lambda n: "9" * n)
+HOSTILE_JSON = st.one_of(
+    DEEP,
+    HUGE_INT,
+    st.integers(65, 3000).map(lambda n: '{"a":' * n + "1" + "}" * n),
+    st.sampled_from(['["F32"]', '{"F32": 1}', "null", "true", "1.5", '"F32"', "NaN", "-Infinity", "[]", "{}",
+                     "[1, 2, 3]", f"[{2**63}]", f"[{2**64 + 5}, 0]", "[-1]", '[0, "8"]', "[true, 2]",
+                     "[" + ", ".join(["1"] * 65) + "]"]),
+)  # fmt: skip
+
+
+@st.composite
+def safetensors_files(draw: st.DrawFn) -> bytes:
+    """A valid safetensors file, then (mostly) something hostile done to its header or its length."""
+    tensors: dict[str, Any] = {}
+    data = bytearray()
+    for i in range(draw(st.integers(0, 4))):
+        dtype = draw(st.sampled_from(SAFETENSORS_DTYPES))
+        shape = draw(st.lists(st.integers(0, 5), max_size=3))
+        nbytes = math.prod(shape) * DTYPES[dtype][1]
+        tensors[f"t{i}.{draw(st.text(max_size=4))}"] = {
+            "dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + nbytes],
+        }  # fmt: skip
+        data += draw(st.binary(min_size=nbytes, max_size=nbytes))
+    if draw(st.booleans()):
+        tensors["__metadata__"] = {"format": "pt"}
+    text = json.dumps(tensors, ensure_ascii=draw(st.booleans()))
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["splice", "splice", "overlap", "duplicate", "edit"]))
+        names = [n for n in tensors if n != "__metadata__"]
+        if kind == "splice" and names:  # a field of one tensor becomes hostile JSON
+            victim = json.dumps(draw(st.sampled_from(names)))
+            field_name = draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
+            at = text.find(f'"{field_name}": ', text.find(victim))
+            if at >= 0:
+                start = at + len(field_name) + 4
+                end = _value_end(text, start)
+                text = text[:start] + draw(HOSTILE_JSON) + text[end:]
+        elif kind == "splice":
+            text = draw(HOSTILE_JSON)
+        elif kind == "overlap" and len(names) >= 2:
+            text = text.replace('"data_offsets": [0, ', '"data_offsets": [1, ', 1)
+        elif kind == "duplicate" and names:
+            victim = json.dumps(names[0])
+            text = text.replace("{", "{" + victim + ': {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}, ', 1)
+        elif kind == "edit" and text:
+            pos = draw(st.integers(0, len(text) - 1))
+            text = text[:pos] + draw(st.sampled_from(list('[]{}",:\\0-9e'))) + text[pos + 1 :]
+    raw = text.encode("utf-8", "surrogatepass")
+    header_len = len(raw) if draw(st.integers(0, 9)) else draw(ints(8))
+    body = struct.pack("<Q", header_len) + raw + bytes(data)
+    if not draw(st.integers(0, 5)):
+        body = body[: draw(st.integers(0, len(body)))]
+    return body
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the JSON value starting at ``start`` ends (a list or a string, as the generator writes them);
+    ``start`` itself (an insertion) when an earlier edit broke it."""
+    closing = {"[": "]", '"': '"'}.get(text[start : start + 1])
+    end = text.find(closing, start + 1) if closing else -1
+    return end + 1 if end >= 0 else start
+
+
+def run_safetensors_case(path: str, data: bytes, counts: Counts) -> None:
+    counts.safetensors_cases += 1
+    with open(path, "wb") as f:
+        f.write(data)
+    try:
+        source = SafetensorsFile(path)
+    except FormatError as exc:
+        counts.safetensors_rejected += 1
+        if exc.offset is None or not 0 <= exc.offset <= len(data):
+            counts.other_exceptions += 1
+            counts.failures.append(f"safetensors FormatError without a file offset: {exc}")
+        return
+    except Exception as exc:
+        counts.other(exc, "SafetensorsFile", len(data))
+        return
+    counts.safetensors_valid += 1
+    header_len = struct.unpack_from("<Q", data)[0]
+    try:
+        for name in source.names():
+            array = source.read(name)
+            span = source._spans[name]
+            if array.tobytes() != data[span.begin : span.begin + span.nbytes] or array.nbytes != span.nbytes:
+                counts.disagreements += 1
+                counts.failures.append(f"safetensors tensor {name!r} read other bytes than the file's")
+            if span.begin < 8 + header_len:
+                counts.disagreements += 1
+                counts.failures.append(f"safetensors tensor {name!r} starts inside the header")
+    except Exception as exc:
+        counts.other(exc, "SafetensorsFile.read", len(data))
+
+
+def fuzz_safetensors(cases: int, counts: Counts, *, seed_value: int | None = None, chunk: int = 5000) -> None:
+    directory = tempfile.mkdtemp(prefix="packcache-fuzz-st-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        path = os.path.join(directory, "model.safetensors")
+        done, round_number = 0, 0
+        while done < cases:
+            todo = min(chunk, cases - done)
+
+            @settings(
+                max_examples=todo, database=None, deadline=None, phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )  # fmt: skip
+            @given(data=safetensors_files())
+            def one(data: bytes) -> None:
+                run_safetensors_case(path, data, counts)
+
+            if seed_value is not None:
+                one = seed(seed_value + 7919 * (round_number + 1))(one)
+            before = counts.safetensors_cases
+            one()
+            done += counts.safetensors_cases - before
+            round_number += 1
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------- driver
 
 
-def fuzz(cases: int, *, chunk: int = 2000, case_seconds: float = 10.0, seed_value: int | None = None) -> Counts:
-    """Run at least ``cases`` cases; returns the counts (never raises for a violation: it is counted)."""
+def fuzz(
+    cases: int,
+    *,
+    chunk: int = 2000,
+    case_seconds: float = 10.0,
+    seed_value: int | None = None,
+    safetensors_cases: int = 0,
+) -> Counts:
+    """Run at least ``cases`` cache-file cases and ``safetensors_cases`` safetensors cases;
+    returns the counts (never raises for a violation: it is counted)."""
     counts = Counts()
+    fuzz_safetensors(safetensors_cases, counts, seed_value=seed_value)
     directory = tempfile.mkdtemp(prefix="packcache-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     try:
@@ -486,13 +739,19 @@ def fuzz(cases: int, *, chunk: int = 2000, case_seconds: float = 10.0, seed_valu
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=100_000)
-    parser.add_argument("--quick", action="store_true", help="2,000 cases")
+    parser.add_argument("--safetensors-cases", type=int, default=100_000)
+    parser.add_argument("--quick", action="store_true", help="2,000 cases of each target")
     parser.add_argument("--seed", type=int, default=None, help="reproducible run")
     parser.add_argument("--case-seconds", type=float, default=10.0, help="time bound of one case (a hang)")
     args = parser.parse_args(argv)
     set_hypothesis_home_dir(tempfile.mkdtemp(prefix="packcache-hypothesis-"))
     started = time.monotonic()
-    counts = fuzz(2000 if args.quick else args.cases, case_seconds=args.case_seconds, seed_value=args.seed)
+    counts = fuzz(
+        2000 if args.quick else args.cases,
+        case_seconds=args.case_seconds,
+        seed_value=args.seed,
+        safetensors_cases=2000 if args.quick else args.safetensors_cases,
+    )
     for failure in counts.failures[:20]:
         print(f"FAIL {failure}")
     print(counts.summary(time.monotonic() - started))

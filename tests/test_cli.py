@@ -128,7 +128,10 @@ def test_gc_removes_stale_then_least_recently_used_but_never_a_locked_file(
         os.utime(tmp_path / f"{name}.pcache", (t, t))
     os.utime(tmp_path / "busy.pcache", (0, 0))  # least recently used of all, but locked below
     (tmp_path / "corrupt.pcache").write_bytes(fmt.MAGIC + bytes(5000))
-    (tmp_path / ".x.pcache.tmp-999999-ab").write_bytes(b"partial")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a builder that died: its pid names no process now
+    orphan = f".x.pcache.tmp-{gone.pid}-0123456789abcdef"
+    (tmp_path / orphan).write_bytes(b"partial")
     (tmp_path / "notes.txt").write_text("not a cache file")
     size = (tmp_path / "old.pcache").stat().st_size
     holder = os.open(tmp_path / "busy.pcache.lock", os.O_RDWR)
@@ -138,7 +141,7 @@ def test_gc_removes_stale_then_least_recently_used_but_never_a_locked_file(
     finally:
         os.close(holder)
     removed = [Path(r["path"]).name for r in report["removed"]]
-    assert set(removed[:2]) == {".x.pcache.tmp-999999-ab", "corrupt.pcache"}, "stale files go first"
+    assert set(removed[:2]) == {orphan, "corrupt.pcache"}, "stale files go first"
     assert removed[2:] == ["old.pcache"], "then the least recently used, skipping the locked one"
     assert report["skipped_locked"] == [str(tmp_path / "busy.pcache")]
     assert code == 0 and report["bytes_after"] <= 3 * size

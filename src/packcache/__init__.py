@@ -24,7 +24,19 @@ from .errors import (
     SessionError,
     UntrustedFileError,
 )
-from .maintenance import CompactReport, VerifyProblem, VerifyReport, compact, verify
+from .maintenance import (
+    CompactReport,
+    GcFile,
+    GcReport,
+    InspectEntry,
+    InspectReport,
+    VerifyProblem,
+    VerifyReport,
+    compact,
+    gc,
+    inspect,
+    verify,
+)
 from .options import OPTION_KEYS, get_option, set_option
 from .stats import CacheState, CacheStats, HeapReason
 
@@ -35,7 +47,11 @@ __all__ = [
     "CacheStats",
     "CompactReport",
     "FormatError",
+    "GcFile",
+    "GcReport",
     "HeapReason",
+    "InspectEntry",
+    "InspectReport",
     "LockTimeoutError",
     "OPTION_KEYS",
     "OptionError",
@@ -53,7 +69,9 @@ __all__ = [
     "__version__",
     "aggregate_stats",
     "compact",
+    "gc",
     "get_option",
+    "inspect",
     "set_option",
     "verify",
 ]

@@ -7,10 +7,8 @@ Exit codes: 0 success, 1 a check failed (or the work could not be done),
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import errno as errno_mod
-import fcntl
 import importlib
 import json
 import os
@@ -20,11 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from . import format as fmt
 from .cache import aggregate_stats
-from .errors import FormatError
-from .maintenance import compact, verify
-from .store import read_committed
+from .errors import FormatError, LockTimeoutError, UntrustedFileError
+from .maintenance import compact, gc, inspect, verify
 
 __all__ = ["default_cache_dir", "main", "sanitize"]
 
@@ -74,79 +70,33 @@ def _mib(n: int) -> str:
 
 
 # --------------------------------------------------------------------------- inspect / verify / compact
-
-
-def _inspect(path: str) -> dict[str, Any]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        header, slot, entries = read_committed(fd, path=path)
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    ordered = sorted(entries.values(), key=lambda e: e.offset)
-    live = sum(e.nbytes for e in ordered)
-    try:
-        platform: Any = json.loads(header.platform) if header.platform else {}
-    except ValueError:
-        platform = header.platform.decode("latin-1")
-    return {
-        "path": path,
-        "format_version": header.format_version,
-        "generation": slot.generation if slot else 0,
-        "alignment": header.alignment,
-        "data_start": header.data_start,
-        "platform": platform,
-        "file_bytes": size,
-        "live_bytes": live,
-        "index_bytes": slot.index_size if slot else 0,
-        "reclaimable_bytes": max(0, size - fmt.compacted_size(ordered, header)) if slot else 0,
-        "entries": [
-            {
-                "name": e.name,
-                "packer": _packer_of(e.key),
-                "dtype": e.dtype,
-                "shape": list(e.shape),
-                "offset": e.offset,
-                "nbytes": e.nbytes,
-            }
-            for e in ordered
-        ],
-    }
-
-
-def _packer_of(key: bytes) -> str:
-    try:
-        value = json.loads(key)
-    except ValueError:
-        return "?"
-    if isinstance(value, dict):
-        packer = value.get("packer", "")
-        version = value.get("version", value.get("packer_version"))
-        return f"{packer}/{version}" if packer and version is not None else str(packer)
-    return ""
+# The policy lives in packcache.maintenance; these only format its reports.
 
 
 def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
-    info = _inspect(args.file)
+    """``packcache inspect FILE``: :func:`packcache.inspect`, formatted; exit 0."""
+    report = inspect(args.file)
+    info = report.to_dict()
+    trust = "trusted" if report.trusted else f"UNTRUSTED: {report.trust_problem} (WeightCache refuses it)"
     lines = [
-        f"file          {sanitize(info['path'])}",
-        f"format        version {info['format_version']}, generation {info['generation']}, "
-        f"alignment {info['alignment']}",
-        f"platform      {sanitize(json.dumps(info['platform'], sort_keys=True))}",
-        f"size          {info['file_bytes']} bytes: live {info['live_bytes']}, index {info['index_bytes']}, "
-        f"reclaimable by compaction {info['reclaimable_bytes']}",
-        f"entries       {len(info['entries'])}",
+        f"file          {sanitize(report.path)}",
+        f"owner         uid {report.owner_uid}, gid {report.owner_gid}, mode {report.mode:04o}: {sanitize(trust)}",
+        f"format        version {report.format_version}, generation {report.generation}, alignment {report.alignment}",
+        f"platform      {sanitize(json.dumps(report.platform, sort_keys=True))}",
+        f"size          {report.file_bytes} bytes: live {report.live_bytes}, index {report.index_bytes}, "
+        f"reclaimable by compaction {report.reclaimable_bytes}",
+        f"entries       {len(report.entries)}",
     ]
     lines += [
-        f"  {sanitize(e['name'])}  {sanitize(e['packer']) or '-'}  {e['dtype']}{tuple(e['shape'])}  "
-        f"offset {e['offset']}  {e['nbytes']} bytes"
-        for e in info["entries"]
+        f"  {sanitize(e.name)}  {sanitize(e.packer) or '-'}  {e.dtype}{e.shape}  offset {e.offset}  {e.nbytes} bytes"
+        for e in report.entries
     ]
     out.emit(info, "\n".join(lines))
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache verify FILE``: :func:`packcache.verify`, formatted; exit 1 on any problem (untrusted included)."""
     report = verify(args.file)
     data = {
         "path": report.path,
@@ -154,6 +104,8 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
         "generation": report.generation,
         "entries": report.entries,
         "checked_bytes": report.checked_bytes,
+        "trusted": report.trust_problem is None,
+        "trust_problem": report.trust_problem,
         "problems": [{"entry": p.entry, "offset": p.offset, "message": p.message} for p in report.problems],
     }
     if report.ok:
@@ -165,11 +117,12 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_compact(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache compact FILE``: :func:`packcache.compact`, formatted; exit 0."""
     report = compact(args.file, lock_timeout=args.lock_timeout)
     data = dataclasses.asdict(report) | {"reclaimed_bytes": report.reclaimed_bytes}
     text = (
         f"compacted {sanitize(report.path)}: {report.bytes_before} -> {report.bytes_after} bytes "
-        f"({report.reclaimed_bytes} reclaimed), {report.entries} entries kept"
+        f"({report.reclaimed_bytes} reclaimed), {report.entries} entries kept, generation {report.generation}"
     )
     if report.dropped:
         text += f"; dropped {len(report.dropped)} failing their checksum: {', '.join(map(sanitize, report.dropped))}"
@@ -180,83 +133,28 @@ def cmd_compact(args: argparse.Namespace, out: _Out) -> int:
 # --------------------------------------------------------------------------- gc
 
 
-def _lock_held(lock_path: str) -> bool:
-    """Whether a live process holds the build lock (we try to take it without waiting)."""
-    try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing releases a lock we took
-    return False
-
-
 def cmd_gc(args: argparse.Namespace, out: _Out) -> int:
-    directory, budget = args.dir, args.max_bytes
-    candidates = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name.endswith(".lock") or not os.path.isfile(path) or os.path.islink(path):
-            continue
-        try:
-            st = os.stat(path)
-            with open(path, "rb") as f:
-                magic = f.read(len(fmt.MAGIC))
-        except OSError:
-            continue  # unreadable: not ours to judge
-        orphan_temp = name.startswith(".") and ".tmp-" in name
-        if magic != fmt.MAGIC and not orphan_temp:
-            continue  # not ours: never touched
-        stale = orphan_temp or _invalid(path)
-        candidates.append({"path": path, "bytes": st.st_size, "stale": stale, "last_used": st.st_atime})
-    total = sum(c["bytes"] for c in candidates)
-    removed, kept_busy = [], []
-    # Stale files first, then least recently used (atime: reloading a cache writes nothing,
-    # so access time is the only use record; with relatime it is updated at most daily).
-    for c in sorted(candidates, key=lambda c: (not c["stale"], c["last_used"])):
-        if total <= budget and not c["stale"]:
-            break
-        lock = c["path"] + ".lock"
-        if _lock_held(lock):
-            kept_busy.append(c["path"])
-            continue
-        if not args.dry_run:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(c["path"])
-        total -= c["bytes"]
-        removed.append(c)
+    """``packcache gc DIR --max-bytes N``: :func:`packcache.gc`, formatted; exit 1 while DIR does not fit."""
+    report = gc(args.dir, args.max_bytes, dry_run=args.dry_run)
     data = {
-        "dir": directory,
-        "max_bytes": budget,
-        "bytes_after": total,
-        "dry_run": args.dry_run,
-        "removed": [{"path": c["path"], "bytes": c["bytes"], "stale": c["stale"]} for c in removed],
-        "skipped_locked": kept_busy,
+        "dir": report.directory,
+        "max_bytes": report.max_bytes,
+        "bytes_before": report.bytes_before,
+        "bytes_after": report.bytes_after,
+        "dry_run": report.dry_run,
+        "removed": [{"path": f.path, "bytes": f.bytes, "stale": f.stale, "reason": f.reason} for f in report.removed],
+        "kept": [dataclasses.asdict(f) for f in report.kept],
+        "skipped_locked": [f.path for f in report.kept if f.busy],
     }
-    verb = "would remove" if args.dry_run else "removed"
-    lines = [f"{verb} {sanitize(c['path'])} ({c['bytes']} bytes{', stale' if c['stale'] else ''})" for c in removed]
-    lines += [f"kept {sanitize(p)}: a live process holds its build lock" for p in kept_busy]
-    lines.append(f"{sanitize(directory)}: {total} bytes in cache files (budget {budget})")
+    verb = "would remove" if report.dry_run else "removed"
+    lines = [
+        f"{verb} {sanitize(f.path)} ({f.bytes} bytes{', stale' if f.stale else ''}): {sanitize(f.reason)}"
+        for f in report.removed
+    ]
+    lines += [f"kept {sanitize(f.path)}: {sanitize(f.reason)}" for f in report.kept]
+    lines.append(f"{sanitize(report.directory)}: {report.bytes_after} bytes in cache files (budget {report.max_bytes})")
     out.emit(data, "\n".join(lines))
-    return EXIT_OK if total <= budget else EXIT_FAILED
-
-
-def _invalid(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        read_committed(fd, path=path)
-    except (FormatError, OSError):
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return EXIT_OK if report.fits else EXIT_FAILED
 
 
 # --------------------------------------------------------------------------- run
@@ -492,12 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.set_defaults(func=cmd_run)
 
-    ins = sub.add_parser("inspect", help="show a cache file's header, generation, platform and entries")
+    ins = sub.add_parser(
+        "inspect",
+        help="show a cache file's header, generation, platform, entries, and whether the cache would trust it",
+    )
     ins.add_argument("file")
     ins.add_argument("--json", action="store_true")
     ins.set_defaults(func=cmd_inspect)
 
-    ver = sub.add_parser("verify", help="check structure and every pack's checksum (exit 1 on the first problem)")
+    ver = sub.add_parser("verify", help="check trust, structure and every pack's checksum (exit 1 on any problem)")
     ver.add_argument("file")
     ver.add_argument("--json", action="store_true")
     ver.set_defaults(func=cmd_verify)
@@ -508,7 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     com.add_argument("--json", action="store_true")
     com.set_defaults(func=cmd_compact)
 
-    gc = sub.add_parser("gc", help="remove stale and least recently used cache files until DIR fits")
+    gc = sub.add_parser(
+        "gc",
+        help="remove stale and least recently used cache files of this user until DIR fits (under their build locks)",
+    )
     gc.add_argument("dir")
     gc.add_argument("--max-bytes", type=int, required=True, help="byte budget for the cache files in DIR")
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
@@ -525,11 +429,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors and 0 on --help
         return int(exc.code or 0)
     out = _Out(sys.stdout, getattr(args, "json", False))
+    # A hostile file or path ends here as one sanitised line (names in messages may hold
+    # escape sequences or newlines), never as a traceback. Anything else is a bug: let it show.
     try:
         return int(args.func(args, out))
     except FormatError as exc:
         print(f"packcache {args.command}: not a valid cache file: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
-    except (OSError, TimeoutError) as exc:
-        print(f"packcache {args.command}: {sanitize(str(exc))}", file=sys.stderr)
+    except (UntrustedFileError, LockTimeoutError, OSError) as exc:
+        print(f"packcache {args.command}: {sanitize(_describe(exc))}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _describe(exc: OSError) -> str:
+    """``str(exc)``, with the errno's name in front for a bare OSError (``[Errno 2]`` says less than ENOENT)."""
+    if isinstance(exc, (UntrustedFileError, LockTimeoutError)) or exc.errno is None:
+        return str(exc)
+    name = errno_mod.errorcode.get(exc.errno, str(exc.errno))
+    where = f": {exc.filename}" if exc.filename is not None else ""
+    return f"{name}: {exc.strerror}{where}"

@@ -7,6 +7,14 @@ the header. :class:`SafetensorsFile` reads and validates only the header when it
 opens the file; a tensor's bytes are read (``pread``) when :meth:`SafetensorsFile.read`
 asks for them, which a warm packcache launch never does.
 
+Everything in the header is untrusted: a malformed header (bad JSON, nesting past
+64 levels, integers past 40 digits, wrong types, dimensions past 2**63 - 1, offsets
+that overlap or leave the file, duplicate names) is a :class:`~packcache.errors.FormatError`
+naming the file and the byte offset (the header JSON starts at offset 8), never another
+exception. The file is opened without blocking and without following a symlink swapped
+in after the check (:func:`packcache.paths.open_checked`): a FIFO at the path is refused,
+not waited on. A source checkpoint may belong to anyone, so ownership is not checked.
+
 The *identity* of a file (:attr:`SafetensorsFile.identity`) is its size, mtime and
 inode: a pack key built from it changes when the file is replaced or rewritten,
 without reading the content.
@@ -28,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError
+from . import boundedjson
+from .errors import FormatError, UntrustedFileError
+from .paths import open_checked
 
-__all__ = ["DTYPES", "MAX_HEADER_BYTES", "SafetensorsFile", "TensorMeta"]
+__all__ = ["DTYPES", "MAX_DIM", "MAX_HEADER_BYTES", "MAX_NDIM", "SafetensorsFile", "TensorMeta"]
 
 #: safetensors dtype code -> (numpy dtype that holds its bytes, item size). ``BF16`` has no
 #: numpy dtype: its bytes are returned as ``uint16`` and the code says how to read them.
@@ -49,6 +60,11 @@ DTYPES: dict[str, tuple[str, int]] = {
 
 #: Headers larger than this are refused (the reference implementation caps them at 100 MB too).
 MAX_HEADER_BYTES = 100_000_000
+#: Largest dimension accepted: torch and numpy index with int64.
+MAX_DIM = (1 << 63) - 1
+#: Most dimensions accepted: numpy's limit (``NPY_MAXDIMS``), so :meth:`SafetensorsFile.read` can shape it.
+MAX_NDIM = 64
+_HEADER_AT = 8  # the header JSON starts after its 8-byte length
 
 
 @dataclass(frozen=True)
@@ -82,18 +98,24 @@ class SafetensorsFile:
         path: the ``.safetensors`` file.
 
     Raises:
-        FormatError: the header is malformed (the message names the file and the rule).
+        FormatError: the header is malformed (the message names the file, the byte offset
+            and the rule).
+        UntrustedFileError: the path is not a regular file (a FIFO, a device, a directory),
+            or a symlink in a world-writable directory without the sticky bit.
         OSError: the file cannot be opened or read.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        with open(self.path, "rb") as f:
-            st = os.fstat(f.fileno())
+        fd, st = _open(self.path)
+        try:
             self.size = st.st_size
+            self._inode = (st.st_dev, st.st_ino)
             #: size, mtime and inode: changes when the file is replaced or rewritten.
             self.identity = f"{os.path.basename(self.path)}:size={st.st_size}:mtime_ns={st.st_mtime_ns}:ino={st.st_ino}"
-            self._spans, self.metadata = _parse_header(f, self.path, st.st_size, self.identity)
+            self._spans, self.metadata = _parse_header(fd, self.path, st.st_size, self.identity)
+        finally:
+            os.close(fd)
 
     def names(self) -> list[str]:
         """Tensor names in file order."""
@@ -119,9 +141,16 @@ class SafetensorsFile:
     def read(self, name: str) -> np.ndarray[Any, Any]:
         """Read one tensor's bytes now (``pread``) into a new array (``BF16`` as ``uint16``).
 
+        The bytes come from the file whose header was parsed: a file replaced since
+        (another inode at the path) is refused rather than read, since its header may
+        place the tensor elsewhere.
+
         Raises:
             KeyError: no tensor of that name.
-            OSError: the read failed; FormatError: the file is shorter than its header says.
+            FormatError: the file is now shorter than its header says (truncated after it
+                was opened), or was replaced; the offset is where the bytes are missing.
+            UntrustedFileError: the path is no longer a regular file.
+            OSError: the read failed.
         """
         span = self._spans.get(name)
         if span is None:
@@ -129,12 +158,21 @@ class SafetensorsFile:
         buffer = bytearray(span.nbytes)
         view = memoryview(buffer)
         done = 0
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, st = _open(self.path)
         try:
+            if (st.st_dev, st.st_ino) != self._inode:
+                raise FormatError(
+                    f"tensor {_short(name)}: the file was replaced since its header was read; open it again",
+                    path=self.path, offset=span.begin,
+                )  # fmt: skip
             while done < span.nbytes:
                 got = os.preadv(fd, [view[done:]], span.begin + done)
                 if got == 0:
-                    raise FormatError(f"tensor {name!r} ends past the end of the file", path=self.path)
+                    raise FormatError(
+                        f"tensor {_short(name)} needs bytes [{span.begin}, {span.begin + span.nbytes}) "
+                        f"but the file ends at {span.begin + done} (truncated after it was opened?)",
+                        path=self.path, offset=span.begin + done,
+                    )  # fmt: skip
                 done += got
         finally:
             os.close(fd)
@@ -142,59 +180,106 @@ class SafetensorsFile:
         return np.frombuffer(buffer, dtype=dtype).reshape(span.meta.shape)
 
 
-def _parse_header(f: Any, path: str, size: int, identity: str) -> tuple[dict[str, _Span], dict[str, str]]:
-    if size < 8:
-        raise FormatError(f"file is {size} bytes, shorter than the 8-byte header length", path=path)
-    (header_len,) = struct.unpack("<Q", f.read(8))
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-        raise FormatError(f"header length {header_len} exceeds the file ({size} bytes) or the cap", path=path)
-    raw = f.read(header_len)
-    if len(raw) != header_len:
-        raise FormatError("file is shorter than its header length", path=path, offset=8)
+def _open(path: str) -> tuple[int, os.stat_result]:
+    """Open without blocking or following a swapped-in symlink; a source checkpoint may be anyone's."""
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"header is not UTF-8 JSON: {exc}", path=path, offset=8) from None
+        return open_checked(path, trust=False)
+    except UntrustedFileError as exc:
+        raise UntrustedFileError(path, exc.reason, what="safetensors file") from None
+
+
+def _pread_exact(fd: int, size: int, offset: int, path: str) -> bytes:
+    chunks = []
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, size - done, offset + done)
+        if not chunk:
+            raise FormatError(f"file ends at byte {offset + done}, inside its header", path=path, offset=offset + done)
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
+
+
+def _parse_header(fd: int, path: str, size: int, identity: str) -> tuple[dict[str, _Span], dict[str, str]]:
+    if size < _HEADER_AT:
+        raise FormatError(f"file is {size} bytes, shorter than the 8-byte header length", path=path, offset=0)
+    (header_len,) = struct.unpack("<Q", _pread_exact(fd, _HEADER_AT, 0, path))
+    if header_len > MAX_HEADER_BYTES or _HEADER_AT + header_len > size:
+        raise FormatError(
+            f"header length {header_len} exceeds the file ({size} bytes) or the {MAX_HEADER_BYTES}-byte cap",
+            path=path, offset=0,
+        )  # fmt: skip
+    raw = _pread_exact(fd, header_len, _HEADER_AT, path)
+    header = boundedjson.loads(raw, path=path, base_offset=_HEADER_AT, what="header", unique_keys=True)
     if not isinstance(header, dict):
-        raise FormatError("header is not a JSON object", path=path, offset=8)
-    data_start = 8 + header_len
+        raise FormatError(f"header is a JSON {_json_type(header)}, not an object", path=path, offset=_HEADER_AT)
+    data_start = _HEADER_AT + header_len
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise FormatError("__metadata__ must map strings to strings", path=path, offset=8)
-    spans: list[tuple[int, int, str, _Span]] = []
-    for name, info in header.items():
-        spans.append(_span(name, info, path, data_start, size, identity))
-    spans.sort(key=lambda s: (s[0], s[1]))
-    end = 0
-    for begin, stop, name, _ in spans:
-        if begin < end:
-            raise FormatError(f"tensor {name!r} overlaps the tensor before it", path=path)
-        end = max(end, stop)
-    ordered = sorted(spans, key=lambda s: s[0])
-    return {name: span for _, _, name, span in ordered}, dict(metadata)
+        raise FormatError(
+            "__metadata__ must map strings to strings", path=path, offset=_where(raw, "__metadata__")
+        )  # fmt: skip
+    spans = [_span(name, info, raw, path, data_start, size, identity) for name, info in header.items()]
+    # Non-empty tensors must not share bytes: one byte read as two tensors is a file built to confuse.
+    ordered = sorted(spans, key=lambda s: (s.begin, s.nbytes))
+    end = data_start
+    for span in ordered:
+        if span.nbytes == 0:
+            continue
+        if span.begin < end:
+            where = _where(raw, span.meta.name)
+            raise FormatError(f"tensor {_short(span.meta.name)} overlaps the tensor before it", path=path, offset=where)
+        end = span.begin + span.nbytes
+    return {span.meta.name: span for span in ordered}, dict(metadata)
 
 
-def _span(name: str, info: Any, path: str, data_start: int, size: int, identity: str) -> tuple[int, int, str, _Span]:
-    if not isinstance(info, dict):
-        raise FormatError(f"entry {name!r} is not an object", path=path)
+def _where(raw: bytes, name: str) -> int:
+    """File offset of ``name``'s member in the header (its first spelling found), else the header start."""
+    for spelling in (json.dumps(name), json.dumps(name, ensure_ascii=False)):
+        at = raw.find(spelling.encode("utf-8", "surrogatepass"))
+        if at >= 0:
+            return _HEADER_AT + at
+    return _HEADER_AT
+
+
+def _span(name: str, info: Any, raw: bytes, path: str, data_start: int, size: int, identity: str) -> _Span:
+    def fail(message: str) -> FormatError:
+        return FormatError(f"tensor {_short(name)} {message}", path=path, offset=_where(raw, name))
+
+    # Plain loops and ``type(x) is int`` (bool is an int to isinstance): a 1 B-parameter
+    # model has ~1,000 entries, and this runs on every launch, warm ones included.
+    if type(info) is not dict:
+        raise fail(f"is a JSON {_json_type(info)}, not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPES:
-        raise FormatError(f"tensor {name!r} has unsupported dtype {dtype!r}", path=path)
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise FormatError(f"tensor {name!r} has an invalid shape {shape!r}", path=path)
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise FormatError(f"tensor {name!r} has invalid data_offsets {offsets!r}", path=path)
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise fail(f"has unsupported dtype {_short(dtype)}")
+    if type(shape) is not list or len(shape) > MAX_NDIM:
+        raise fail(f"has an invalid shape {_short(shape)} (a list of at most {MAX_NDIM} dimensions)")
+    for dim in shape:
+        if type(dim) is not int or dim < 0 or dim > MAX_DIM:
+            raise fail(f"has an invalid shape {_short(shape)} (each dimension an integer in [0, 2**63-1])")
+    if type(offsets) is not list or len(offsets) != 2:
+        raise fail(f"has invalid data_offsets {_short(offsets)}")
     begin, stop = offsets
+    if type(begin) is not int or type(stop) is not int or not 0 <= begin <= stop:
+        raise fail(f"has invalid data_offsets {_short(offsets)}")
     # Python ints: no overflow however large the claimed shape.
     expected = math.prod(shape) * DTYPES[dtype][1]
     if stop - begin != expected:
-        raise FormatError(f"tensor {name!r} spans {stop - begin} bytes, its dtype and shape need {expected}", path=path)
+        raise fail(f"spans {stop - begin} bytes, its dtype and shape need {expected}")
     if data_start + stop > size:
-        raise FormatError(f"tensor {name!r} ends at byte {data_start + stop}, past the end of the file", path=path)
-    meta = TensorMeta(name=name, shape=tuple(shape), dtype=dtype, identity=identity)
-    return begin, stop, name, _Span(meta, data_start + begin, expected)
+        raise fail(f"ends at byte {data_start + stop}, past the end of the file ({size} bytes)")
+    return _Span(TensorMeta(name, tuple(shape), dtype, identity), data_start + begin, expected)
+
+
+def _json_type(value: object) -> str:
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def _short(value: object) -> str:
+    """A bounded repr of a hostile value (a 100 MB name or list must not become a 100 MB message)."""
+    return _REPR.repr(value)

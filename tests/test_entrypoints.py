@@ -1,0 +1,657 @@
+"""The maintenance entry points (compact, verify, inspect, gc, the CLI) under attack: issue 10.
+
+Every entry point opens paths the way WeightCache does (packcache.paths): never
+blocking on a FIFO, never following a symlink swapped in, checking what was
+opened; and every writer or deleter takes the one build lock of the file's
+resolved path. Each test reproduces an attack the reporter ran on this machine
+(as root, with the real user ``nobody`` on the other side): real FIFOs,
+symlinks, hard links, ``chown`` to a service uid, live builders in other
+processes. Anything that could hang runs in a subprocess with a timeout, so a
+regression fails instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from _helpers import KIB, ROOT_ONLY, child_argv, file_state, packed
+from packcache import WeightCache, compact, maintenance, verify
+from packcache import format as fmt
+from packcache.cli import main
+from packcache.errors import LockTimeoutError, UntrustedFileError
+from packcache.paths import lock_path_for, pid_alive
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
+
+import faults
+
+NOBODY = faults.NOBODY
+AB: faults.Spec = {"a": (1, 16 * KIB), "b": (2, 16 * KIB)}
+HANG = 30.0  # seconds: far more than any of these takes; reaching it means something blocked
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[faults.Env]:
+    assert os.geteuid() == 0, ROOT_ONLY
+    with faults.environment() as environment:
+        yield environment
+
+
+def build(path: Path, spec: faults.Spec = AB, **options: Any) -> None:
+    faults.build(path, spec, **options)
+
+
+def superseded(path: Path) -> None:
+    """A cache holding AB (as faults.build and the child loads pack it) whose first versions were
+    all replaced: compaction has bytes to reclaim."""
+    with WeightCache(path) as cache, cache.session() as s:
+        for name, (seed, nbytes) in AB.items():
+            s.get_or_pack(name, lambda seed=seed, nbytes=nbytes: packed(seed + 100, nbytes), key={"old": True})
+    build(path)
+
+
+def load_as(env: faults.Env, path: Path, spec: faults.Spec, user: str) -> dict[str, Any]:
+    result = faults.run_child(env, path, [faults.load_step(spec)], user=user)
+    assert result.died is None, result.died
+    step: dict[str, Any] = result.steps[0]
+    return step
+
+
+def cli(*argv: str, timeout: float = HANG) -> subprocess.CompletedProcess[str]:
+    """``python -m packcache ARGV`` as root in a fresh process, bounded in time."""
+    return subprocess.run(
+        [sys.executable, "-m", "packcache", *argv], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+HOLD_LOCK = """
+import fcntl
+with open(sys.argv[1], "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    sys.stdin.read()  # held until the parent closes our stdin
+"""
+
+
+@contextlib.contextmanager
+def lock_held_by_another_process(lock_path: str) -> Iterator[None]:
+    """A real second process holds an exclusive flock on ``lock_path`` for the duration."""
+    with subprocess.Popen(child_argv(HOLD_LOCK, lock_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as holder:  # fmt: skip
+        assert holder.stdin is not None and holder.stdout is not None
+        try:
+            assert holder.stdout.readline() == "locked\n"
+            yield
+        finally:
+            holder.stdin.close()
+            holder.wait(HANG)
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def write_cache(path: Path, key: bytes = b"{}", platform: bytes = b"{}", generation: int = 1) -> None:
+    """A valid one-pack cache built byte by byte: keys and fingerprints no WeightCache would write."""
+    data = np.arange(16, dtype=np.float32)
+    header = fmt.encode_header(64, platform)
+    entry = fmt.Entry("w", key, fmt.key_digest("w", key), "f4", (16,), len(header), data.nbytes,
+                      zlib.crc32(data.tobytes()))  # fmt: skip
+    index_at = fmt.align_up(len(header) + data.nbytes, 64)
+    index = fmt.encode_index([entry])
+    slot = fmt.Slot(generation, index_at, len(index), 1, zlib.crc32(index))
+    body = bytearray(header) + data.tobytes()
+    body += bytes(index_at - len(body)) + index
+    at = fmt.slot_offset(generation % 2)
+    body[at : at + 64] = fmt.encode_slot(slot)
+    path.write_bytes(bytes(body))
+    os.chmod(path, 0o600)
+
+
+def set_generation(path: Path, generation: int) -> None:
+    """Move a valid cache's newest commit to ``generation`` (the other slot cleared), checksums resealed."""
+    raw = bytearray(path.read_bytes())
+    newest = fmt.choose_slot(bytes(raw[: fmt.HEADER_READ_SIZE]))[0][0]
+    for offset in fmt.SLOT_OFFSETS:
+        raw[offset : offset + 64] = bytes(64)
+    at = fmt.slot_offset(generation % 2)
+    raw[at : at + 64] = fmt.encode_slot(dataclasses.replace(newest, generation=generation))
+    path.write_bytes(bytes(raw))
+
+
+# =========================================================================== item 4: trust in every entry point
+
+
+@pytest.mark.root
+def test_compact_refuses_a_file_planted_by_another_user(tmp_path: Path) -> None:
+    """Root's cache refuses a file owned by nobody; compact used to rewrite it as root's own file."""
+    path = tmp_path / "model.pcache"
+    superseded(path)
+    os.chown(path, NOBODY, NOBODY)
+    before = file_state(path)
+    with pytest.raises(UntrustedFileError, match="owned by uid 65534"):
+        compact(path)
+    assert file_state(path) == before and os.stat(path).st_uid == NOBODY
+    assert names(tmp_path) == ["model.pcache", "model.pcache.lock"], "no temp file, no new lock file"
+    with WeightCache(path) as cache:  # and the cache still refuses it: nothing was laundered
+        with cache.session() as s:
+            s.get_or_pack("a", lambda: packed(*AB["a"]))
+        assert cache.stats().heap_bytes_by_reason["untrusted"] == 16 * KIB
+
+
+@pytest.mark.parametrize("attack", ["group-writable", "world-writable", "symlink-in-open-dir"])
+def test_compact_refuses_what_the_cache_refuses_and_writes_nothing(tmp_path: Path, attack: str) -> None:
+    real = tmp_path / "real" / "model.pcache"
+    real.parent.mkdir()
+    superseded(real)
+    path = real
+    if attack == "group-writable":
+        os.chmod(real, 0o620)
+    elif attack == "world-writable":
+        os.chmod(real, 0o602)
+    else:
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o777)  # anyone may swap the link: WeightCache refuses it
+        path = shared / "model.pcache"
+        path.symlink_to(real)
+    before = file_state(real)
+    with pytest.raises(UntrustedFileError):
+        compact(path)
+    assert file_state(real) == before
+    assert all(".tmp-" not in n for n in names(real.parent)) and names(tmp_path / "real") == sorted(
+        ["model.pcache", "model.pcache.lock"]
+    )
+
+
+@pytest.mark.root
+def test_every_entry_point_reports_a_foreign_file_as_untrusted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify never says ok, inspect shows the verdict, compact refuses, gc leaves it: one rule everywhere."""
+    path = tmp_path / "model.pcache"
+    build(path)
+    os.chown(path, NOBODY, NOBODY)
+    before = file_state(path)
+    report = verify(path)
+    assert not report.ok and report.trust_problem is not None and "owned by uid 65534" in report.trust_problem
+    assert report.checked_bytes == 32 * KIB, "a read-only check of the bytes still runs"
+    assert maintenance.inspect(path).trust_problem == report.trust_problem
+    assert main(["verify", str(path)]) == 1
+    assert "FAILED: structure at offset 0: untrusted: owned by uid 65534" in capsys.readouterr().out
+    assert main(["inspect", str(path)]) == 0
+    assert "UNTRUSTED: owned by uid 65534" in capsys.readouterr().out
+    assert main(["compact", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "untrusted cache file" in err and "Traceback" not in err
+    assert main(["gc", str(tmp_path), "--max-bytes", "0"]) == 1
+    assert "owned by uid 65534" in capsys.readouterr().out
+    assert file_state(path) == before
+
+
+@pytest.mark.root
+def test_nobody_compacts_its_own_cache_but_not_another_users(env: faults.Env) -> None:
+    """As the real second user: its own file is compacted and stays its own; a foreign one is refused."""
+    d = env.case_dir("nobody-compact")
+    os.chown(d, NOBODY, NOBODY)
+    mine, theirs = d / "mine.pcache", d / "theirs.pcache"
+    for path in (mine, theirs):
+        superseded(path)
+        os.chmod(path, 0o640)
+    for owned in (mine, Path(f"{mine}.lock")):
+        os.chown(owned, NOBODY, NOBODY)
+    os.chown(theirs, faults.FOREIGN_UID, faults.FOREIGN_UID)
+    os.chmod(theirs, 0o644)  # readable by nobody: what stops compact must be the trust check
+    before = file_state(theirs)
+    done = faults.run_cli(env, "compact", str(mine), "--json", user="nobody")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["reclaimed_bytes"] > 0
+    st = os.stat(mine)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOBODY, 0o640)
+    refused = faults.run_cli(env, "compact", str(theirs), user="nobody")
+    assert refused.returncode == 1 and "owned by uid 12345" in refused.stderr and "Traceback" not in refused.stderr
+    assert file_state(theirs) == before
+    assert faults.check_load(load_as(env, mine, {}, "nobody"), mine, hits=0, stored=0) == []
+
+
+# =========================================================================== item 6: compact keeps the owner
+
+
+@pytest.mark.root
+def test_compact_as_root_keeps_the_group_a_service_reads_through(env: faults.Env) -> None:
+    """A root-owned 0640 cache in the service's group: after root compacts it, the service still maps it
+    (compact used to leave root:root 0640, which the service cannot open: heap on every launch)."""
+    d = env.case_dir("service-group")
+    path = d / "model.pcache"
+    superseded(path)
+    os.chown(path, 0, NOBODY)
+    os.chmod(path, 0o640)
+    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=2, stored=0) == []
+    assert compact(path).reclaimed_bytes > 0
+    st = os.stat(path)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, NOBODY, 0o640)
+    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=2, stored=0) == []
+
+
+@pytest.mark.root
+def test_compact_as_root_leaves_a_service_users_cache_loadable_by_the_service(env: faults.Env) -> None:
+    """The reporter's case: compact as root on nobody's cache used to leave a root-owned file nobody could open."""
+    d = env.case_dir("service-owned")
+    os.chown(d, NOBODY, NOBODY)
+    path = d / "model.pcache"
+    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=0, stored=2) == []
+    before = file_state(path)
+    with pytest.raises(UntrustedFileError, match="owned by uid 65534"):
+        compact(path)  # root refuses it as WeightCache does: compact it as nobody instead
+    assert file_state(path) == before
+    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=2, stored=0) == []
+    done = faults.run_cli(env, "compact", str(path), user="nobody")
+    assert done.returncode == 0, done.stderr
+    assert os.stat(path).st_uid == NOBODY
+    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=2, stored=0) == []
+
+
+@pytest.mark.root
+def test_compact_that_cannot_keep_the_owner_leaves_the_original_and_no_temp(env: faults.Env) -> None:
+    """nobody may read and trust root's cache in its own directory, but must not turn it into nobody's file."""
+    d = env.case_dir("cannot-chown")
+    os.chown(d, NOBODY, NOBODY)
+    path = d / "model.pcache"
+    superseded(path)
+    os.chmod(path, 0o644)  # root's, so nobody trusts it and may read it
+    os.chown(f"{path}.lock", NOBODY, NOBODY)  # nobody may take the lock: the owner is what must stop it
+    before = file_state(path)
+    done = faults.run_cli(env, "compact", str(path), user="nobody")
+    assert done.returncode == 1 and "run compact as the file's owner" in done.stderr, done.stderr
+    assert file_state(path) == before and os.stat(path).st_uid == 0
+    assert names(d) == ["model.pcache", "model.pcache.lock"], "the temp file was removed"
+
+
+def test_compact_keeps_mode_bits_and_a_symlinked_path_stays_a_symlink(tmp_path: Path) -> None:
+    real = tmp_path / "real" / "model.pcache"
+    real.parent.mkdir()
+    superseded(real)
+    os.chmod(real, 0o640)
+    link = tmp_path / "link.pcache"
+    link.symlink_to(real)
+    inode = os.stat(real).st_ino
+    report = compact(link)
+    assert report.reclaimed_bytes > 0
+    assert link.is_symlink() and os.readlink(link) == str(real), "the link was replaced by a regular file"
+    assert os.stat(real).st_ino != inode and stat.S_IMODE(os.stat(real).st_mode) == 0o640
+    assert names(tmp_path) == ["link.pcache", "real"], "the temp and the lock live beside the real file"
+    assert names(real.parent) == ["model.pcache", "model.pcache.lock"]
+    assert verify(link).ok
+
+
+def test_compact_through_a_symlink_waits_for_the_lock_a_builder_holds_on_the_real_file(tmp_path: Path) -> None:
+    """One lock per file: the builder locks <real>.lock; compact through a link must meet that lock."""
+    real = tmp_path / "real" / "model.pcache"
+    real.parent.mkdir()
+    superseded(real)
+    link = tmp_path / "link.pcache"
+    link.symlink_to(real)
+    with lock_held_by_another_process(lock_path_for(str(real))):
+        before = file_state(real)
+        with pytest.raises(LockTimeoutError, match="build lock") as raised:
+            compact(link, lock_timeout=0.2)
+        assert isinstance(raised.value, TimeoutError)
+        assert file_state(real) == before
+        assert main(["compact", str(link), "--lock-timeout", "0.1"]) == 1
+    assert compact(link).reclaimed_bytes > 0
+
+
+def test_compact_interrupted_mid_copy_keeps_the_original_and_removes_its_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (KeyboardInterrupt) after the header is written: nothing of the attempt survives."""
+    path = tmp_path / "model.pcache"
+    superseded(path)
+    before = file_state(path)
+    real_pwrite = maintenance.pwrite_all
+    offsets: list[int] = []
+
+    def interrupted(fd: int, data: Any, offset: int) -> int:
+        offsets.append(offset)
+        if len(offsets) == 2:
+            raise KeyboardInterrupt
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(maintenance, "pwrite_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        compact(path)
+    assert offsets == [0, 4096], "interrupted in the middle of copying the packs"
+    assert file_state(path) == before
+    assert names(tmp_path) == ["model.pcache", "model.pcache.lock"]
+
+
+@pytest.mark.root
+def test_compact_on_a_full_disk_keeps_the_original_and_removes_its_temp(tmp_path: Path) -> None:
+    from _helpers import fill, tmpfs
+
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        path = mnt / "model.pcache"
+        superseded(path)
+        fill(mnt, leave_free=8 * KIB)
+        before = file_state(path)
+        with pytest.raises(OSError) as raised:
+            compact(path)
+        assert raised.value.errno == 28  # ENOSPC
+        assert file_state(path) == before
+        assert sorted(n for n in names(mnt) if n != "filler") == ["model.pcache", "model.pcache.lock"]
+
+
+# =========================================================================== item 9: FIFOs and other non-files
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _socket(path: Path) -> None:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    sock.close()
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _device(path: Path) -> None:
+    path.symlink_to("/dev/zero")  # a character device, reached through a symlink in a safe directory
+
+
+def _link_to_fifo(path: Path) -> None:
+    os.mkfifo(path.parent / "hidden-fifo")
+    path.symlink_to(path.parent / "hidden-fifo")
+
+
+NOT_FILES = [_fifo, _socket, _directory, _device, _link_to_fifo]
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
+@pytest.mark.parametrize("plant", NOT_FILES, ids=[p.__name__.strip("_") for p in NOT_FILES])
+def test_cli_refuses_a_non_file_at_the_cache_path_without_hanging(tmp_path: Path, command: str, plant: Any) -> None:
+    path = tmp_path / "model.pcache"
+    plant(path)
+    locks = {f"{path}.lock", lock_path_for(str(path))}  # beside the link, and beside what it names (/dev/zero)
+    existed = {lock: os.path.lexists(lock) for lock in locks}
+    done = cli(command, str(path))  # TimeoutExpired: it blocked (a FIFO opened for reading)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    said = done.stdout + done.stderr
+    assert "Traceback" not in said and "not a regular file" in said, said
+    assert {lock: os.path.lexists(lock) for lock in locks} == existed, "no lock file created for what is no cache"
+
+
+def test_verify_and_compact_never_block_the_build_lock_on_a_fifo(tmp_path: Path) -> None:
+    """The reporter's worst case: compact held the build lock while blocked, so every builder went to 'locked'."""
+    path = tmp_path / "model.pcache"
+    os.mkfifo(path)
+    code = (
+        "import packcache\n"
+        "try:\n    packcache.compact(sys.argv[1])\nexcept packcache.UntrustedFileError as e:\n    print('refused', e)\n"
+        "print('verify', packcache.verify(sys.argv[1]).problems[0].message)\n"
+    )
+    done = subprocess.run(child_argv(code, str(path)), capture_output=True, text=True, timeout=HANG)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "refused untrusted cache file" in done.stdout and "verify untrusted: not a regular file (a FIFO)" in done.stdout
+    )
+    with WeightCache(tmp_path / "other.pcache", lock_timeout=0) as cache, cache.session() as s:
+        s.get_or_pack("w", lambda: packed(0))  # a builder next door is not stuck behind anything
+        assert cache.stats().stored == 1
+
+
+def test_gc_does_not_hang_on_a_fifo_planted_at_a_lock_path(tmp_path: Path) -> None:
+    path = tmp_path / "model.pcache"
+    build(path)
+    Path(f"{path}.lock").unlink()
+    os.mkfifo(f"{path}.lock")
+    done = cli("gc", str(tmp_path), "--max-bytes", "0", "--json")
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert report["removed"] == [] and "not a regular file (a FIFO)" in report["kept"][0]["reason"]
+    assert path.exists() and stat.S_ISFIFO(os.lstat(f"{path}.lock").st_mode), "the FIFO is not ours to remove"
+
+
+# =========================================================================== item 8: gc deletes only what is ours
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped), and that no new process has taken since."""
+    while True:
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        if not pid_alive(proc.pid):
+            return proc.pid
+
+
+def test_gc_keeps_a_users_file_named_like_a_temp_file(tmp_path: Path) -> None:
+    build(tmp_path / "m.pcache")
+    pid = dead_pid()
+    planted = [
+        ".notes.tmp-draft",
+        ".m.pcache.tmp-draft",
+        f".m.pcache.tmp-{pid}-0123",
+        f".m.pcache.tmp-{pid}-ABCDEF0123456789",
+    ]
+    for name in planted:
+        (tmp_path / name).write_text("a user's own words")
+    orphan = tmp_path / f".m.pcache.tmp-{pid}-0123456789abcdef"
+    orphan.write_bytes(b"partial build")
+    assert main(["gc", str(tmp_path), "--max-bytes", str(10**9)]) == 0
+    assert not orphan.exists(), "a dead builder's temp file is stale"
+    for name in planted:
+        assert (tmp_path / name).read_text() == "a user's own words", name
+
+
+def test_gc_keeps_a_live_builders_temp_file(tmp_path: Path) -> None:
+    """A builder mid-build (temp file written, build lock held) in another process: gc must not touch it."""
+    path = tmp_path / "m.pcache"
+    code = (
+        "cache = packcache.WeightCache(sys.argv[1])\n"
+        "with cache.session() as s:\n"
+        "    s.get_or_pack('a', lambda: packed(1))\n"
+        "    print('building', flush=True)\n"
+        "    sys.stdin.readline()\n"
+        "    s.get_or_pack('b', lambda: packed(2))\n"
+        "report(**stats_dict(cache))\n"
+    )
+    with subprocess.Popen(child_argv(code, str(path)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as builder:  # fmt: skip
+        assert builder.stdin is not None and builder.stdout is not None
+        try:
+            assert builder.stdout.readline() == "building\n"
+            temps = [n for n in names(tmp_path) if ".tmp-" in n]
+            assert len(temps) == 1 and not path.exists()
+            assert main(["gc", str(tmp_path), "--max-bytes", "0"]) == 1  # over budget: the temp cannot go
+            assert [n for n in names(tmp_path) if ".tmp-" in n] == temps
+            builder.stdin.write("go\n")
+            builder.stdin.close()
+            out = builder.stdout.read()
+            assert builder.wait(HANG) == 0
+        finally:
+            if builder.poll() is None:
+                builder.kill()
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert (stats["state"], stats["stored"], stats["errno"], stats["heap_bytes"]) == ("stored", 2, 0, 0), stats
+    assert verify(path).ok and verify(path).entries == 2
+
+
+def test_gc_keeps_a_dead_builders_temp_while_another_process_holds_the_caches_lock(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    build(path)
+    orphan = tmp_path / f".m.pcache.tmp-{dead_pid()}-0123456789abcdef"
+    orphan.write_bytes(b"partial")
+    with lock_held_by_another_process(f"{path}.lock"):
+        report = maintenance.gc(tmp_path, 0)
+    assert report.removed == () and orphan.exists() and path.exists()
+    assert {Path(k.path).name for k in report.kept} == {orphan.name, "m.pcache"}
+    assert all("holds the build lock" in k.reason for k in report.kept)
+    assert {Path(f.path).name for f in maintenance.gc(tmp_path, 0).removed} == {orphan.name, "m.pcache"}
+
+
+@pytest.mark.root
+def test_gc_as_root_leaves_a_service_users_cache_and_temp_alone(tmp_path: Path) -> None:
+    build(tmp_path / "svc.pcache")
+    build(tmp_path / "mine.pcache")
+    orphan = tmp_path / f".svc.pcache.tmp-{dead_pid()}-0123456789abcdef"
+    orphan.write_bytes(b"partial")
+    for owned in (tmp_path / "svc.pcache", tmp_path / "svc.pcache.lock", orphan):
+        os.chown(owned, NOBODY, NOBODY)
+    report = maintenance.gc(tmp_path, 0)
+    assert [Path(f.path).name for f in report.removed] == ["mine.pcache"]
+    assert {Path(k.path).name: k.reason for k in report.kept} == {
+        "svc.pcache": "owned by uid 65534: gc removes only files of its own user (0)",
+        orphan.name: "owned by uid 65534: gc removes only files of its own user (0)",
+    }
+    assert not report.fits and orphan.exists() and (tmp_path / "svc.pcache").exists()
+
+
+def test_gc_never_follows_or_removes_symlinks_and_leaves_hard_links_alone(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    build(elsewhere / "precious.pcache")
+    d = tmp_path / "cache"
+    d.mkdir()
+    (d / "link.pcache").symlink_to(elsewhere / "precious.pcache")
+    (d / f".precious.pcache.tmp-{dead_pid()}-0123456789abcdef").symlink_to(elsewhere / "precious.pcache")
+    os.link(elsewhere / "precious.pcache", d / "twin.pcache")
+    before = file_state(elsewhere / "precious.pcache")
+    report = maintenance.gc(d, 0)
+    assert report.removed == ()
+    assert [(Path(k.path).name, k.reason) for k in report.kept] == [
+        ("twin.pcache", "it has 2 hard links: removing one name frees nothing")
+    ]
+    assert len(os.listdir(d)) == 3 and file_state(elsewhere / "precious.pcache") == before
+
+
+def test_gc_removes_stale_then_least_recently_used_and_counts_each_inode_once(tmp_path: Path) -> None:
+    for i, name in enumerate(["old", "mid", "new"]):
+        build(tmp_path / f"{name}.pcache")
+        os.utime(tmp_path / f"{name}.pcache", (1000 * (i + 1), 1000 * (i + 1)))
+    (tmp_path / "corrupt.pcache").write_bytes(fmt.MAGIC + bytes(5000))
+    (tmp_path / "notes.txt").write_text("not a cache file")
+    size = (tmp_path / "old.pcache").stat().st_size
+    dry = maintenance.gc(tmp_path, 2 * size, dry_run=True)
+    assert [Path(f.path).name for f in dry.removed] == ["corrupt.pcache", "old.pcache"] and dry.fits
+    assert len(os.listdir(tmp_path)) == 8, "a dry run removes nothing (and creates no lock file)"
+    report = maintenance.gc(tmp_path, 2 * size)
+    assert report.removed == dry.removed and report.bytes_before == 3 * size + 5008
+    assert report.bytes_after == 2 * size and report.fits
+    assert names(tmp_path) == sorted(
+        ["corrupt.pcache.lock", "mid.pcache", "mid.pcache.lock", "new.pcache", "new.pcache.lock", "notes.txt",
+         "old.pcache.lock"]
+    ), "lock files are never removed"  # fmt: skip
+
+
+# =========================================================================== item 14: generation overflow
+
+
+def test_compact_at_the_last_usable_generation_restarts_the_generation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "model.pcache"
+    superseded(path)
+    set_generation(path, 2**64 - 2)
+    assert verify(path).ok and verify(path).generation == 2**64 - 2
+    with WeightCache(path) as cache, cache.session() as s:  # a process mapping the old file
+        held = {name: s.get_or_pack(name, lambda: pytest.fail("hit expected")) for name in AB}
+    assert main(["compact", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["generation"] == 1
+    for name, (seed, nbytes) in AB.items():
+        assert held[name].tobytes() == packed(seed, nbytes).tobytes(), "old mappings stay valid"
+    assert verify(path).ok and verify(path).generation == 1
+    with WeightCache(path) as cache:
+        with cache.session() as s:
+            for name in AB:
+                s.get_or_pack(name, lambda: pytest.fail("hit expected"))
+            s.get_or_pack("c", lambda: packed(9))
+        assert (cache.stats().hits, cache.stats().stored) == (2, 1)
+    assert verify(path).generation == 2, "the restarted file takes appends as usual"
+
+
+# =========================================================================== item 15: inspect on any valid file
+
+DEEP = b"[" * 5000 + b"]" * 5000
+
+
+@pytest.mark.parametrize(
+    ("key", "platform"),
+    [
+        (DEEP, b"{}"),
+        (b'{"packer":' + b"[" * 2000 + b"]" * 2000 + b',"version":1}', b"{}"),
+        (b'{"packer":"x","version":' + b"9" * 5000 + b"}", b"{}"),
+        (b"{}", b"[" * 992 + b"]" * 992),
+        (b"{}", b'{"cpu":"\xff\xfe"}'),
+        (b"\xff\x00not json", b'{"n":' + b"1" * 1900 + b"}"),
+    ],
+    ids=["deep-key", "deep-packer", "huge-int-key", "deep-platform", "non-utf8-platform", "garbage-key-huge-int"],
+)
+def test_inspect_shows_placeholders_for_hostile_keys_and_platforms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key: bytes, platform: bytes
+) -> None:
+    path = tmp_path / "model.pcache"
+    write_cache(path, key=key, platform=platform)
+    assert verify(path).ok, "a valid file: the format does not parse keys"
+    for argv in (["inspect", str(path)], ["inspect", str(path), "--json"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and len(out) < 20_000
+    info = json.loads(out)
+    assert info["entries"][0]["name"] == "w" and info["entries"][0]["shape"] == [16]
+    if key != b"{}":
+        assert info["entries"][0]["packer"] in ("?", "")
+    if platform != b"{}":
+        assert isinstance(info["platform"], str) and info["platform"].startswith("<")
+
+
+# =========================================================================== the CLI: one line, never a traceback
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
+def test_cli_names_a_hostile_path_on_one_sanitised_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    path = tmp_path / "evil\x1b[2J\nname.pcache"
+    for make in (lambda: None, lambda: path.write_bytes(b"\x89PKC\r\n\x1a\n" + b"\xff" * 5000)):
+        make()
+        assert main([command, str(path)]) == 1
+        captured = capsys.readouterr()
+        said = captured.err or captured.out
+        assert "\x1b" not in said and "Traceback" not in said and "evil\\x1b[2J\\nname" in said
+        if captured.err:
+            assert captured.err.count("\n") == 1
+
+
+def test_cli_gc_on_something_that_is_no_directory_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("x")
+    assert main(["gc", str(tmp_path / "file"), "--max-bytes", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("packcache gc: ENOTDIR") and err.count("\n") == 1
+
+
+def test_write_cache_builds_what_the_reader_accepts(tmp_path: Path) -> None:
+    """The byte-by-byte builder above writes what the format's reader accepts (or those tests prove nothing)."""
+    path = tmp_path / "m.pcache"
+    write_cache(path, key=b'{"packer":"f4","version":3}', generation=5)
+    report = maintenance.inspect(path)
+    assert (report.generation, report.entries[0].packer, report.entries[0].nbytes) == (5, "f4/3", 64)
+    assert verify(path).ok
