@@ -25,7 +25,6 @@ Every entry point opens paths through :mod:`packcache.paths` and keeps the rules
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import reprlib
 import stat
@@ -85,28 +84,16 @@ def _open_read_only(name: str) -> tuple[int, os.stat_result, str | None]:
         OSError: it cannot be opened.
     """
     try:
-        fd, st = open_checked(name, trust=False)
+        fd, st = open_checked(name, trust=False, noatime=True)
         verdict = trust_problem(st)
     except UntrustedFileError as exc:
         if not os.path.islink(name):
             raise
         # A symlink in an unsafe directory: the cache refuses the path; what it names today
         # can still be looked at (no-follow, non-blocking, regular files only).
-        fd, st = open_checked(os.path.realpath(name), trust=False)
+        fd, st = open_checked(os.path.realpath(name), trust=False, noatime=True)
         verdict = exc.reason
-    _leave_atime(fd)
     return fd, st, verdict
-
-
-def _leave_atime(fd: int) -> None:
-    """Reads through ``fd`` leave the file's access time alone (``O_NOATIME``).
-
-    Access time is gc's only record of use (a warm load writes nothing else), and an
-    operator's look is no use. Only the owner (or root) may set the flag: others' reads
-    touch atime as any reader's would.
-    """
-    with contextlib.suppress(OSError):
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NOATIME)
 
 
 def _chunks(fd: int, offset: int, nbytes: int, buffer: bytearray, path: str) -> Iterator[memoryview]:
@@ -293,24 +280,23 @@ def compact(path: str | os.PathLike[str], *, lock_timeout: float = 30.0) -> Comp
     """
     name = os.fspath(path)
     # Trust first: an untrusted file or a FIFO is refused before anything is created.
-    fd, st = open_checked(name)
-    _leave_atime(fd)
+    fd, st = open_checked(name, noatime=True)
     descriptors = [fd]
     try:
         real = os.path.realpath(name)
         if not still_linked(fd, real):
             raise UntrustedFileError(name, "it was replaced while being opened")
         lock_path = lock_path_for(real)
-        lock_existed = os.path.lexists(lock_path)
-        lock_fd = acquire_build_lock(real, lock_timeout, _lock_mode(real, stat.S_IMODE(st.st_mode)))
+        lock_fd = acquire_build_lock(
+            real, lock_timeout, _lock_mode(real, stat.S_IMODE(st.st_mode)),
+            # Whoever can use the cache must be able to lock it too.
+            on_created=lambda created: _keep_owner(created, st, lock_path),
+        )  # fmt: skip
         descriptors.append(lock_fd)
-        if not lock_existed:
-            _keep_owner(lock_fd, st, lock_path)  # whoever can use the cache must be able to lock it too
         if not still_linked(fd, real):
             # A builder renamed a rebuilt file over the path before we got the lock: compact that one.
-            fd, st = open_checked(real)
+            fd, st = open_checked(real, noatime=True)
             descriptors.append(fd)
-            _leave_atime(fd)
         return _compact_locked(name, real, fd, st)
     finally:
         for descriptor in reversed(descriptors):
@@ -700,10 +686,10 @@ def _temp_candidate(directory: str, entry: str, lst: os.stat_result) -> _Candida
 def _cache_candidate(path: str) -> _Candidate | None:
     """A file that starts with packcache's magic; stale if it breaks docs/FORMAT.md."""
     try:
-        fd, st = open_checked(path, trust=False)  # a read-only look: no owner check needed yet
+        # A read-only look (no owner check needed yet) that must not make the file the most recently used.
+        fd, st = open_checked(path, trust=False, noatime=True)
     except OSError:
         return None  # unreadable, or swapped for something else since the lstat: not ours to judge
-    _leave_atime(fd)  # this look must not make the file the most recently used one
     try:
         if os.pread(fd, len(fmt.MAGIC), 0) != fmt.MAGIC:
             return None  # not a packcache file: never touched
@@ -725,13 +711,16 @@ def _remove(c: _Candidate, dry_run: bool) -> tuple[str, bool] | None:
         return f"its builder (pid {c.pid}) is alive", True
     lock_path = lock_path_for(c.cache_path)
     lock_fd = None
-    if not (dry_run and not os.path.lexists(lock_path)):  # a dry run creates no lock file
-        try:
-            lock_fd = acquire_build_lock(c.cache_path, 0, _lock_mode(c.cache_path, stat.S_IMODE(c.st.st_mode)))
-        except LockTimeoutError:
-            return f"a live process holds the build lock {lock_path}", True
-        except OSError as exc:  # a FIFO, symlink or foreign file at the lock path: refused, never waited on
-            return f"cannot take the build lock: {exc}", False
+    try:
+        lock_fd = acquire_build_lock(
+            c.cache_path, 0, _lock_mode(c.cache_path, stat.S_IMODE(c.st.st_mode)), create=not dry_run
+        )  # a dry run creates no lock file
+    except LockTimeoutError:
+        return f"a live process holds the build lock {lock_path}", True
+    except FileNotFoundError:
+        pass  # dry run, and no lock file: nobody can hold it
+    except OSError as exc:  # a FIFO, symlink or foreign file at the lock path: refused, never waited on
+        return f"cannot take the build lock: {exc}", False
     try:
         try:
             now = os.lstat(c.path)

@@ -102,7 +102,9 @@ def _unsafe_directory(path: str) -> str | None:
     return None
 
 
-def open_checked(path: str, *, write: bool = False, trust: bool = True) -> tuple[int, os.stat_result]:
+def open_checked(
+    path: str, *, write: bool = False, trust: bool = True, noatime: bool = False
+) -> tuple[int, os.stat_result]:
     """Open an existing cache file without blocking or following a swapped-in symlink; check what was opened.
 
     Args:
@@ -110,6 +112,9 @@ def open_checked(path: str, *, write: bool = False, trust: bool = True) -> tuple
         write: open read-write (``O_RDWR``) instead of read-only.
         trust: also refuse a file that fails :func:`trust_problem` (ownership and mode);
             a non-regular file is refused either way.
+        noatime: reads leave the access time alone (``O_NOATIME``; only the owner or root
+            may ask, others' reads touch it as any reader's would). Access time is ``gc``'s
+            record of use: an operator's look must not count as one.
 
     Returns:
         ``(fd, fstat of fd)``; the caller closes ``fd``.
@@ -130,7 +135,12 @@ def open_checked(path: str, *, write: bool = False, trust: bool = True) -> tuple
     else:
         raise UntrustedFileError(path, f"not a regular file ({_kind(lst.st_mode)})")
     try:
-        fd = os.open(path, flags)
+        try:
+            fd = os.open(path, flags | (os.O_NOATIME if noatime else 0))
+        except PermissionError:
+            if not noatime:
+                raise
+            fd = os.open(path, flags)  # not the owner: O_NOATIME is refused (EPERM), read as anyone
     except OSError as exc:
         if exc.errno == errno_mod.ELOOP:
             raise UntrustedFileError(path, "it was replaced by a symlink while being opened") from None
@@ -158,16 +168,30 @@ def lock_path_for(path: str) -> str:
     return os.path.realpath(path) + ".lock"
 
 
-def open_lock(lock_path: str, mode: int) -> int:
-    """Open (creating it with ``mode``) a lock file: no symlink, no FIFO, no foreign owner.
+def open_lock(lock_path: str, mode: int, *, create: bool = True) -> tuple[int, bool]:
+    """Open a lock file (creating it with ``mode`` if ``create``): no symlink, no FIFO, no foreign owner.
+
+    Returns:
+        ``(fd, created)``: whether this call created the file.
 
     Raises:
-        UntrustedFileError: the lock path is not a regular file, or fails :func:`trust_problem`.
+        UntrustedFileError: the lock path is a symlink, not a regular file, or fails :func:`trust_problem`.
+        FileNotFoundError: it does not exist and ``create`` is false.
         OSError: it cannot be opened or created.
     """
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    created = False
     try:
-        fd = os.open(lock_path, flags, mode)
+        try:
+            fd = os.open(lock_path, flags)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:
+                fd = os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, mode)
+                created = True
+            except FileExistsError:  # another process created it meanwhile
+                fd = os.open(lock_path, flags)
     except OSError as exc:
         if exc.errno == errno_mod.ELOOP:
             raise UntrustedFileError(lock_path, "a symlink", what="lock file") from None
@@ -183,7 +207,7 @@ def open_lock(lock_path: str, mode: int) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, created
 
 
 def wait_for_flock(fd: int, deadline: float) -> bool:
@@ -220,7 +244,13 @@ def still_linked(fd: int, path: str) -> bool:
 
 
 def acquire_build_lock(
-    path: str, timeout: float, mode: int, *, track: Callable[[int | None], None] | None = None
+    path: str,
+    timeout: float,
+    mode: int,
+    *,
+    track: Callable[[int | None], None] | None = None,
+    create: bool = True,
+    on_created: Callable[[int], None] | None = None,
 ) -> int:
     """Take the exclusive build lock of cache file ``path``; return the lock file's descriptor.
 
@@ -232,6 +262,9 @@ def acquire_build_lock(
     ``track`` is told each descriptor as soon as it is opened (before it can hold the
     lock) and ``None`` when this function closes it: a caller interrupted in the
     instant this function returns still knows which descriptor holds the lock.
+    ``create=False`` never creates the lock file (``FileNotFoundError`` if it is missing);
+    ``on_created`` is called with the descriptor of a lock file this call created (to give
+    it an owner, say) before it is locked.
 
     Raises:
         LockTimeoutError: another process held the lock for more than ``timeout`` seconds.
@@ -241,10 +274,12 @@ def acquire_build_lock(
     lock_path = lock_path_for(path)
     deadline = time.monotonic() + timeout
     while True:
-        fd = open_lock(lock_path, mode)
+        fd, created = open_lock(lock_path, mode, create=create)
         try:
             if track is not None:
                 track(fd)
+            if created and on_created is not None:
+                on_created(fd)
             if not wait_for_flock(fd, deadline):
                 raise LockTimeoutError(f"another process held the build lock {lock_path} for more than {timeout:g} s")
             if still_linked(fd, lock_path):
