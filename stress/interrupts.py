@@ -81,7 +81,9 @@ def load(scenario, cache, out):
     with cache.session() as s:
         if scenario == "threads":
             names = list(SPEC)
-            workers = [threading.Thread(target=request, args=(s, names[i::4], out)) for i in range(4)]
+            # Daemons: an interrupt inside Thread.start() can leave CPython's own start-up event
+            # locked (its Condition.wait is not interrupt-safe), and such a thread never ends.
+            workers = [threading.Thread(target=request, args=(s, names[i::4], out), daemon=True) for i in range(4)]
             for w in workers:
                 w.start()
             for w in workers:
@@ -194,7 +196,8 @@ else:
         results.append(r)
         if r.get("fatal"):
             break
-    print(json.dumps(results))
+    print(json.dumps(results), flush=True)
+    os._exit(0)  # do not wait at shutdown for threads the interrupts left blocked in CPython's threading
 """
 
 SCENARIOS = ("build", "append", "rebuild", "threads")
