@@ -610,18 +610,24 @@ class Session:
         key_bytes = fmt.canonical_key(key)
         if len(key_bytes) > fmt.MAX_KEY_BYTES:
             raise ValueError(f"key is {len(key_bytes)} bytes of JSON, at most {fmt.MAX_KEY_BYTES} allowed")
+        cache = self._cache
+        cached = cache.enabled and cache._store is not None
+        digest = fmt.key_digest(name, key_bytes) if name is not None else b""
         me = threading.get_ident()
         with self._mutex:
             if not self._active or self._closing:
                 raise SessionError("get_or_pack() called outside an active session (use 'with cache.session() as s')")
+            if cached and name is not None:
+                found = self._serve_existing(name, digest)
+                if isinstance(found, np.ndarray):
+                    return found  # a hit, served without leaving the mutex: nothing to wait for at exit
             self._calls[me] = self._calls.get(me, 0) + 1
         try:
-            cache = self._cache
-            if not cache.enabled or cache._store is None:
-                return self._heap_only(name, b"" if name is None else fmt.key_digest(name, key_bytes), pack, True)
+            if not cached:
+                return self._heap_only(name, digest, pack, True)
             if name is None:
                 return self._heap_only(None, b"", pack, False)
-            return self._route(name, pack, key_bytes, fmt.key_digest(name, key_bytes))
+            return self._route(name, pack, key_bytes, digest)
         finally:
             with self._mutex:
                 self._calls[me] -= 1

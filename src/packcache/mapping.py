@@ -97,9 +97,8 @@ class Window:
 
     def array(self, offset: int, nbytes: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
         """A read-only array over ``nbytes`` at file offset ``offset`` (inside this window)."""
-        return np.frombuffer(
-            self.buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset - self.start
-        ).reshape(shape)
+        flat = np.frombuffer(self.buffer, dtype, nbytes // dtype.itemsize, offset - self.start)
+        return flat if len(shape) == 1 else flat.reshape(shape)
 
     def trim(self, used_end: int) -> None:
         """Unmap the pages past ``used_end`` (never viewed): the mapping ends at the data."""
