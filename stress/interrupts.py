@@ -77,17 +77,36 @@ def prepare(scenario, path):
         os.chmod(path, 0o600)
 
 
-def load(scenario, cache, out):
+class Crew:
+    # Four worker threads, started before any timer is armed: CPython's own Thread.start()
+    # waits on a Condition, which an interrupt can leave locked (a CPython limit, not the cache's).
+
+    def __init__(self):
+        self.go = threading.Event()
+        self.jobs = []
+        self.threads = [threading.Thread(target=self.work, args=(i,), daemon=True) for i in range(4)]
+        for t in self.threads:
+            t.start()
+
+    def work(self, i):
+        self.go.wait()
+        s, names, out = self.jobs[0]
+        try:
+            request(s, names[i::4], out)
+        except packcache.SessionError:
+            pass  # the session ended (interrupted) while this worker still had requests
+
+    def run(self, s, out):
+        self.jobs.append((s, list(SPEC), out))
+        self.go.set()
+        for t in self.threads:
+            t.join()
+
+
+def load(scenario, cache, out, crew=None):
     with cache.session() as s:
         if scenario == "threads":
-            names = list(SPEC)
-            # Daemons: an interrupt inside Thread.start() can leave CPython's own start-up event
-            # locked (its Condition.wait is not interrupt-safe), and such a thread never ends.
-            workers = [threading.Thread(target=request, args=(s, names[i::4], out), daemon=True) for i in range(4)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
+            (crew or Crew()).run(s, out)
         else:
             request(s, list(SPEC), out)
 
@@ -124,11 +143,12 @@ def trial(scenario, path, delay):
     prepare(scenario, path)
     cache = packcache.WeightCache(path, lock_timeout=5)
     out = {}
+    crew = Crew() if scenario == "threads" else None
     interrupted = False
     signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-6))
     armed = True
     try:
-        load(scenario, cache, out)
+        load(scenario, cache, out, crew)
     except KeyboardInterrupt:
         interrupted = True
     finally:
