@@ -206,3 +206,19 @@ def two_appenders(path_a: Path, path_b: Path, work: Path, *, delete_lock: bool =
             if proc.poll() is None:
                 proc.kill()
     return [json.loads((out or "").strip().splitlines()[-1]) for out in (out_a, out_b)]
+
+
+def save_safetensors(model: Any, path: Path) -> Path:
+    """Write a torch module's parameters as a safetensors file (little-endian float32); return ``path``."""
+    import struct
+
+    header: dict[str, Any] = {}
+    blobs, offset = [], 0
+    for name, param in model.named_parameters():
+        data = param.detach().numpy().astype("<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(param.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    return path

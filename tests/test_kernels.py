@@ -6,9 +6,7 @@ each packed layer calls and the dtype of what it receives. Speed is measured in 
 
 from __future__ import annotations
 
-import json
 import platform
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import packcache
+from _helpers import save_safetensors
 from packcache.kernels import KERNEL_PATH_ENV, activation_dtype, cpu_kernels, int4_layout
 from packcache.packers import Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
@@ -172,23 +171,10 @@ def test_a_path_is_forced_by_argument_or_environment(monkeypatch: pytest.MonkeyP
         Int8WeightOnly().kernel_path()
 
 
-def _save(model: nn.Module, path: Path) -> Path:
-    header: dict[str, Any] = {}
-    blobs, offset = [], 0
-    for name, param in model.named_parameters():
-        data = param.detach().numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(param.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
-    return path
-
-
 @pytest.mark.parametrize("packer", QUANTISED, ids=lambda p: p.id)
 def test_a_cache_built_on_one_path_is_a_hit_on_the_other(tmp_path: Path, packer: TorchPacker) -> None:
     reference = _toy()
-    source = _save(reference, tmp_path / "toy.safetensors")
+    source = save_safetensors(reference, tmp_path / "toy.safetensors")
     x = torch.randn(300, 64, generator=torch.Generator().manual_seed(3))
     outputs, platforms = {}, set()
     for path in ("bf16", "fp32"):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import torch
 from torch import nn
 
 import packcache
+from _helpers import save_safetensors
 from packcache.packers import Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.safetensors import SafetensorsFile
@@ -39,21 +38,6 @@ def _toy(seed: int = 0) -> Toy:
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
     return model
-
-
-def _save(model: nn.Module, path: Path) -> Path:
-    """Write ``model``'s parameters as a safetensors file (little-endian float32)."""
-    header: dict[str, Any] = {}
-    blobs = []
-    offset = 0
-    for name, param in model.named_parameters():
-        data = param.detach().numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(param.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
-    return path
 
 
 def _skeleton() -> Toy:
@@ -91,7 +75,7 @@ def test_convert_packs_linears_and_keeps_the_answers(packer: Any, tolerance: flo
 
 
 def test_cold_then_warm_launch_maps_every_weight_and_gives_identical_answers(tmp_path: Path) -> None:
-    source = _save(_toy(), tmp_path / "toy.safetensors")
+    source = save_safetensors(_toy(), tmp_path / "toy.safetensors")
     outputs, states = [], []
     for _ in range(2):
         model = _skeleton()
@@ -106,7 +90,7 @@ def test_cold_then_warm_launch_maps_every_weight_and_gives_identical_answers(tmp
 
 
 def test_warm_launch_reads_no_source_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    source = _save(_toy(), tmp_path / "toy.safetensors")
+    source = save_safetensors(_toy(), tmp_path / "toy.safetensors")
     packer = Int4WeightOnly(32)
     first = _skeleton()
     cold = convert(first, _cache(tmp_path / "toy.pcache", packer), packer, source=SafetensorsFile(source))
@@ -127,12 +111,12 @@ def test_warm_launch_reads_no_source_byte(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_a_rewritten_source_file_is_packed_again(tmp_path: Path) -> None:
-    source = _save(_toy(0), tmp_path / "toy.safetensors")
+    source = save_safetensors(_toy(0), tmp_path / "toy.safetensors")
     convert(
         _skeleton(), _cache(tmp_path / "toy.pcache", Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source)
     )
     source.unlink()
-    _save(_toy(1), source)  # new inode and mtime: the identity in every key changes
+    save_safetensors(_toy(1), source)  # new inode and mtime: the identity in every key changes
     model = _skeleton()
     report = convert(
         model, _cache(tmp_path / "toy.pcache", Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source)
@@ -144,7 +128,7 @@ def test_a_rewritten_source_file_is_packed_again(tmp_path: Path) -> None:
 
 
 def test_packed_tensors_are_zero_copy_views_of_the_cache_mapping(tmp_path: Path) -> None:
-    source = _save(_toy(), tmp_path / "toy.safetensors")
+    source = save_safetensors(_toy(), tmp_path / "toy.safetensors")
     path = tmp_path / "toy.pcache"
     convert(_skeleton(), _cache(path, Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source))
     model = _skeleton()
@@ -192,7 +176,7 @@ def test_source_shape_mismatch_is_an_error(tmp_path: Path) -> None:
             super().__init__()
             self.up = nn.Linear(64, 256)
 
-    source = _save(_toy(), tmp_path / "toy.safetensors")
+    source = save_safetensors(_toy(), tmp_path / "toy.safetensors")
     with torch.device("meta"):
         model = Wider()
     with pytest.raises(ValueError, match="shape"):
