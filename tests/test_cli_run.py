@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -75,6 +77,36 @@ def test_run_with_a_bad_model_path_is_a_clean_error(tmp_path: Path, capsys: pyte
     assert main(["run", "--cache-dir", str(tmp_path), "--model", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
     assert "cannot load the model" in err and "Traceback" not in err
+
+
+def test_run_says_when_superseded_packs_outweigh_live_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Another copy of the same model (here: the same file with a new mtime, as a reinstall gives)
+    # has another identity, so its packs supersede the first copy's under the same names.
+    model = tmp_path / "model"
+    shutil.copytree(minilm.default_model_path(), model)
+    weights = model / "model.safetensors"
+    argv = ("--cache-dir", str(tmp_path / "cache"), "--model", str(model), "--scheme", "int8")
+    results = []
+    for launch in range(3):
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9 * (launch + 1)))
+        results.append(run(capsys, *argv))
+    assert [r["stats"]["stored"] for r in results] == [137, 137, 137]  # every launch repacked: a new identity
+    report = packcache.inspect(results[-1]["cache_file"])
+    first, second, third = (r["file_reclaimable_bytes"] for r in results)
+    # Each repack supersedes one copy of the packs (and the index that listed them).
+    assert first == 0 and report.live_bytes <= second < third and third >= 2 * report.live_bytes
+    assert results[-1]["file_reclaimable_bytes"] == report.reclaimable_bytes
+    # From the first superseded copy on, compaction would at least halve the file: run says so.
+    assert results[0]["warnings"] == []
+    for result in results[1:]:
+        (warning,) = [w for w in result["warnings"] if "superseded" in w]
+        assert f"'packcache compact {result['cache_file']}' reclaims them" in warning
+    # The text report shows the figure, and compaction takes it back to zero.
+    assert main(["run", *argv]) == 0
+    assert "superseded" in capsys.readouterr().out
+    assert main(["compact", results[-1]["cache_file"]]) == 0
+    capsys.readouterr()
+    assert run(capsys, *argv)["file_reclaimable_bytes"] == 0
 
 
 class _Terminal(io.StringIO):

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from .cache import aggregate_stats
-from .errors import FormatError, LockTimeoutError, UntrustedFileError
-from .maintenance import compact, gc, inspect, verify
+from .errors import FormatError, LockTimeoutError, PackCacheError, UntrustedFileError
+from .maintenance import InspectReport, compact, gc, inspect, verify
 
 __all__ = ["default_cache_dir", "main", "sanitize"]
 
@@ -293,6 +293,14 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         "cache_mapping_pss": mapping.pss if mapping else 0,
     }
     warnings = _memory_warnings(stats.heap_bytes, stats.mapped_bytes, anon_growth, memory["cache_mapping_size"])
+    superseded = _superseded(path)
+    if superseded is not None and superseded.reclaimable_bytes >= superseded.live_bytes > 0:
+        warnings.append(
+            f"the cache file holds {_mib(superseded.reclaimable_bytes)} of superseded packs, as much as its "
+            f"{_mib(superseded.live_bytes)} of live ones or more: these names were packed again with other keys "
+            f"(another copy or version of the model, another packer); "
+            f"'packcache compact {sanitize(path or '')}' reclaims them"
+        )
     cpu = cpu_kernels().flags()
     data = {
         "stats": dataclasses.asdict(stats),
@@ -306,6 +314,7 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         "embed": speed,
         "embeddings_shape": list(embeddings.shape),
         "memory": memory,
+        "file_reclaimable_bytes": superseded.reclaimable_bytes if superseded is not None else None,
         "warnings": warnings,
     }
     reasons = ", ".join(
@@ -324,7 +333,8 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         f"first call {speed['first_ms']:.1f} ms",
         f"packed        mapped {_mib(stats.mapped_bytes)}   heap {_mib(stats.heap_bytes)}",
         f"heap reasons  {reasons or 'none'}{errno_text}",
-        f"file          {_mib(stats.file_bytes)}",
+        f"file          {_mib(stats.file_bytes)}"
+        + (f", {_mib(superseded.reclaimable_bytes)} superseded" if superseded and superseded.reclaimable_bytes else ""),
         f"memory        anonymous +{_mib(anon_growth)} during the load (reported heap {_mib(stats.heap_bytes)})",
         f"              cache file mapped {_mib(memory['cache_mapping_size'])} (reported mapped "
         f"{_mib(stats.mapped_bytes)}), resident after embedding {_mib(memory['cache_mapping_rss'])}",
@@ -334,6 +344,22 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     out.emit(data, "\n".join(lines))
     model.close()
     return EXIT_OK
+
+
+def _superseded(path: str | None) -> InspectReport | None:
+    """The cache file's :func:`~packcache.inspect` report (live and reclaimable bytes), or None.
+
+    The pack keys name the source file by identity, not content (a warm launch reads no source
+    byte), so another copy of the same model packs again under the same names and supersedes
+    the first copy's packs; alternating copies grow the file at every launch until a
+    compaction. ``run`` says so. Any problem reading the file only drops the figure.
+    """
+    if path is None:
+        return None
+    try:
+        return inspect(path)
+    except (PackCacheError, OSError):
+        return None
 
 
 def _memory_warnings(heap: int, mapped: int, anon_growth: int, mapping_size: int) -> list[str]:
