@@ -365,7 +365,7 @@ class FileStore:
         try:
             window = self.map.committed(entry.offset, entry.nbytes, self.file_size, self.header.data_start)
         except OSError as exc:
-            raise self._map_fault(exc) from None
+            raise _fault_from_os(exc, HeapReason.MAP_FAILED, "cannot map", self.path) from None
         return self._array(window, entry)
 
     def _array(self, window: Window, entry: fmt.Entry) -> np.ndarray[Any, Any]:
@@ -375,11 +375,6 @@ class FileStore:
             empty.flags.writeable = False
             return empty
         return window.array(entry.offset, entry.nbytes, dtype, entry.shape)
-
-    def _map_fault(self, exc: OSError) -> Fault:
-        err = exc.errno or 0
-        name = errno_mod.errorcode.get(err, "E?")
-        return Fault(HeapReason.MAP_FAILED, err, f"cannot map {self.path}: {name} ({exc})")
 
     def origin_of(self, entry: fmt.Entry | None) -> tuple[int, int, int] | None:
         """(st_dev, st_ino, offset) of the bytes ``entry`` names: the file it lives in now."""
@@ -529,7 +524,7 @@ class FileStore:
         try:
             view = self._array(writer.map.written(entry.offset, entry.nbytes), entry)
         except OSError as exc:
-            raise self._map_fault(exc) from None
+            raise _fault_from_os(exc, HeapReason.MAP_FAILED, "cannot map", self.path) from None
         return view, (*writer.identity, entry.offset)
 
     def _target(self, writer: _Writer) -> str:
