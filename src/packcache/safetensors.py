@@ -109,6 +109,9 @@ class SafetensorsFile:
         self.path = os.fspath(path)
         fd, st = _open(self.path)
         try:
+            # Only the header is read here: no readahead, so opening a checkpoint on a warm launch
+            # brings none of its tensor pages into the page cache.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self.size = st.st_size
             self._inode = (st.st_dev, st.st_ino)
             #: size, mtime and inode: changes when the file is replaced or rewritten.

@@ -33,7 +33,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import format as fmt
 from .cache import Session, WeightCache
 from .kernels import activation_dtype
 from .packers import Float32, Packer, Parts, SourceMeta
@@ -55,8 +57,10 @@ __all__ = [
     "TensorSource",
     "as_tensor",
     "convert",
+    "count_packs",
     "load_parts",
     "materialize",
+    "open_cache",
     "record_linear_inputs",
     "scheme_packer",
 ]
@@ -337,6 +341,7 @@ class ConversionReport:
         ineligible: name → reason for ``nn.Linear`` modules the packer cannot take;
             they stay ``nn.Linear`` (their weights come from the cache as float32).
         parameters: names of the other parameters now served from the cache as float32.
+        tied: name served → the other names of the same (tied) parameter, which share its tensor.
         packed_bytes: bytes of every array served from the cache for this module.
         stats: the cache's statistics when the conversion ended.
         kernel_path: the kernel path of the packed layers (:mod:`packcache.kernels`).
@@ -345,6 +350,7 @@ class ConversionReport:
     converted: list[str] = field(default_factory=list)
     ineligible: dict[str, str] = field(default_factory=dict)
     parameters: list[str] = field(default_factory=list)
+    tied: dict[str, list[str]] = field(default_factory=dict)
     packed_bytes: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
     kernel_path: str = "fp32"
@@ -362,6 +368,7 @@ def convert(
     other: Packer | None = None,
     calibration: Calibration | None = None,
     kernel_path: str | None = None,
+    transposed: tuple[type[nn.Module], ...] = (),
 ) -> ConversionReport:
     """Convert ``module`` in place: packed linear layers and parameters served from ``cache``.
 
@@ -385,6 +392,15 @@ def convert(
         kernel_path: the kernel path of every :class:`PackedLinear` (``"bf16"``, ``"fp32"``,
             or ``None``/``"auto"``: this machine's rule, see :mod:`packcache.kernels`). It is a
             runtime choice: the packs, their keys and the platform are the same on every path.
+        transposed: module classes that compute ``x @ weight + bias`` with ``weight`` stored
+            ``[in, out]`` (GPT-2's ``Conv1D``); they are packed like ``nn.Linear`` from the
+            transposed source (their pack keys say so) and replaced by :class:`PackedLinear`.
+
+    A parameter shared by several modules (tied weights, e.g. a language-model head tied to
+    the input embeddings) is fetched once, under the first of its names the source holds,
+    and the one float32 tensor is given to every owner: a linear layer whose weight is tied
+    stays a float32 layer (listed in ``report.ineligible``) so the tie holds. The other names
+    are listed in ``report.tied``.
 
     Returns:
         A :class:`ConversionReport`; ``report.stats`` is the cache's state afterwards and
@@ -406,9 +422,9 @@ def convert(
     try:
         if session is None:
             with cache.session() as own:
-                _convert(module, own, packer, other, source, source_prefix, calibration, report)
+                _convert(module, own, packer, other, source, source_prefix, calibration, report, transposed)
         else:
-            _convert(module, session, packer, other, source, source_prefix, calibration, report)
+            _convert(module, session, packer, other, source, source_prefix, calibration, report, transposed)
     finally:
         if calibration is not None:
             calibration.release()
@@ -425,49 +441,124 @@ def _convert(
     prefix: str,
     calibration: Calibration | None,
     report: ConversionReport,
+    transposed: tuple[type[nn.Module], ...],
 ) -> None:
-    def fetch(name: str, expected: tuple[int, ...], with_packer: Packer, layer: str | None = None) -> Parts:
-        meta = source.meta(prefix + name)
+    def fetch(
+        names: list[str], expected: tuple[int, ...], with_packer: Packer, layer: str | None = None, flip: bool = False
+    ) -> Parts:
+        name, meta = _first_meta(source, [prefix + n for n in names])
+        if flip:
+            if len(meta.shape) != 2:
+                raise ValueError(f"source tensor {name!r} has shape {list(meta.shape)}; a transposed layer needs 2-d")
+            meta = _Meta(meta.name, meta.shape[::-1], meta.dtype, meta.identity + ";transposed")
         if tuple(meta.shape) != expected:
-            raise ValueError(
-                f"source tensor {prefix + name!r} has shape {list(meta.shape)}, the module {list(expected)}"
-            )
+            raise ValueError(f"source tensor {name!r} has shape {list(meta.shape)}, the module {list(expected)}")
         stats = None
         if calibration is not None and layer is not None:
             stats = functools.partial(calibration.second_moment, layer)
+
+        def read() -> np.ndarray[Any, Any]:
+            array = source.read(name)
+            return np.ascontiguousarray(array.T) if flip else array
+
         parts = load_parts(
-            session, prefix + name, with_packer, meta, lambda: source.read(prefix + name),
+            session, name, with_packer, meta, read,
             stats=stats, calibration=calibration.identity if calibration is not None else None,
         )  # fmt: skip
         report.packed_bytes += sum(int(a.nbytes) for a in parts.values())
         return parts
 
     modules = dict(module.named_modules())
-    linears = [(name, sub) for name, sub in modules.items() if type(sub) is nn.Linear]
-    done: set[str] = set()
-    for name, linear in linears:
+    plan = _plan(module, packer, transposed)
+    report.ineligible.update(plan.ineligible)
+    for layer in plan.linears:
+        dotted = f"{layer.name}." if layer.name else ""
+        parts = fetch([f"{dotted}weight"], layer.shape, packer, layer=layer.name, flip=layer.transposed)
+        bias = fetch([f"{dotted}bias"], (layer.shape[0],), other)["weight"] if layer.has_bias else None
+        new = PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path)
+        _replace(modules, layer.name, new)
+        report.converted.append(layer.name)
+    for names in plan.parameters:
+        param = module.get_parameter(names[0])
+        array = fetch(names, tuple(param.shape), other)["weight"]
+        served = nn.Parameter(as_tensor(array), requires_grad=False)
+        for alias in names:
+            owner, _, attr = alias.rpartition(".")
+            modules[owner]._parameters[attr] = served
+        report.parameters.append(names[0])
+        if len(names) > 1:
+            report.tied[names[0]] = names[1:]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    name: str
+    shape: tuple[int, int]  # (out, in), as packed
+    transposed: bool  # the module stores its weight [in, out]
+    has_bias: bool
+
+
+@dataclass
+class _Plan:
+    linears: list[_Layer] = field(default_factory=list)
+    ineligible: dict[str, str] = field(default_factory=dict)
+    parameters: list[list[str]] = field(default_factory=list)  # every name of each other parameter
+
+
+def _plan(module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], ...]) -> _Plan:
+    """Which layers :func:`convert` packs with ``packer`` and which parameters it serves as float32; reads no weight."""
+    plan = _Plan()
+    # Every name of every parameter object: more than one means tied weights, served as one tensor.
+    aliases: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    owned: set[str] = set()
+    for name, sub in module.named_modules():
+        flip = type(sub) in transposed
+        if type(sub) is not nn.Linear and not flip:
+            continue
+        weight = sub.weight
         dotted = f"{name}." if name else ""
-        shape = (linear.out_features, linear.in_features)
-        reason = packer.eligible(shape)
+        rows, columns = int(weight.shape[0]), int(weight.shape[1])
+        shape = (columns, rows) if flip else (rows, columns)
+        tied = [n for n in aliases.get(id(weight), []) if n != f"{dotted}weight"]
+        reason = f"weight tied to {', '.join(tied)}: one float32 tensor" if tied else packer.eligible(shape)
         if reason is not None:
-            report.ineligible[name] = reason
+            plan.ineligible[name] = reason
             continue
-        parts = fetch(f"{dotted}weight", shape, packer, layer=name)
-        bias = fetch(f"{dotted}bias", (linear.out_features,), other)["weight"] if linear.bias is not None else None
-        _replace(modules, name, PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path))
-        report.converted.append(name)
-        done.update({f"{dotted}weight", f"{dotted}bias"})
-    for name, param in list(_named_parameters(module)):
-        if name in done:
-            continue
-        array = fetch(name, tuple(param.shape), other)["weight"]
-        owner, _, attr = name.rpartition(".")
-        modules[owner]._parameters[attr] = nn.Parameter(as_tensor(array), requires_grad=False)
-        report.parameters.append(name)
+        plan.linears.append(_Layer(name, shape, flip, sub.bias is not None))
+        owned.update({f"{dotted}weight", f"{dotted}bias"})
+    plan.parameters = [names for names in aliases.values() if names[0] not in owned]
+    return plan
 
 
-def _named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    return module.named_parameters(remove_duplicate=True)
+def count_packs(module: nn.Module, packer: Packer, *, transposed: tuple[type[nn.Module], ...] = ()) -> int:
+    """How many cache entries :func:`convert` requests for ``module`` (hits, stores and heap packs
+    together): a progress total. Reads no weight; ``module`` may live on the ``meta`` device.
+
+    >>> from packcache.packers_torch import Int8WeightOnly
+    >>> count_packs(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32)), Int8WeightOnly())
+    5
+    """
+    plan = _plan(module, packer, transposed)
+    linears = sum(len(packer.parts) + layer.has_bias for layer in plan.linears)
+    return linears + len(plan.parameters)
+
+
+def _first_meta(source: TensorSource, names: list[str]) -> tuple[str, SourceMeta]:
+    """The first of ``names`` that ``source`` holds, with its metadata (tied weights are saved under one name).
+
+    Raises:
+        KeyError: none of them (the message names them all).
+    """
+    if len(names) == 1:
+        return names[0], source.meta(names[0])  # its own KeyError names the file
+    for name in names:
+        try:
+            return name, source.meta(name)
+        except KeyError:
+            continue
+    raise KeyError(f"the source has no tensor named {' or '.join(repr(n) for n in names)}")
 
 
 def _replace(modules: Mapping[str, nn.Module], name: str, new: nn.Module) -> None:
@@ -476,6 +567,33 @@ def _replace(modules: Mapping[str, nn.Module], name: str, new: nn.Module) -> Non
         raise ValueError("convert() cannot replace the root module itself; wrap the nn.Linear in a container")
     owner, _, attr = name.rpartition(".")
     setattr(modules[owner], attr, new)
+
+
+def open_cache(
+    cache: WeightCache | str | os.PathLike[str] | None, platform: Mapping[str, Any], *, remedy: str, suggested_name: str
+) -> tuple[WeightCache, bool]:
+    """The :class:`~packcache.WeightCache` a model loader uses, and whether the loader opened it (and closes it).
+
+    ``cache`` is a path to a cache *file* (opened with ``platform``), a ``WeightCache`` (which
+    must have been made with ``platform``: packs of other packers would be refused at every
+    launch), or ``None`` (caching off).
+
+    Raises:
+        ValueError: the path is a directory (the message suggests ``suggested_name`` in it), or the
+            ``WeightCache`` was made with another platform mapping (the message says ``remedy``).
+    """
+    if cache is None:
+        return WeightCache(None), True
+    if isinstance(cache, WeightCache):
+        if cache.path is not None and cache.platform != fmt.canonical_key(platform):
+            raise ValueError(f"the WeightCache for {cache.path} was made with another platform mapping; {remedy}")
+        return cache, False
+    if os.path.isdir(cache):
+        raise ValueError(
+            f"cache {os.fspath(cache)!r} is a directory; give a file path such as "
+            f"{os.path.join(os.fspath(cache), suggested_name)!r}"
+        )
+    return WeightCache(cache, platform=platform), True
 
 
 def scheme_packer(scheme: str, group_size: int = 32) -> TorchPacker:

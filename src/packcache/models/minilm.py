@@ -54,7 +54,6 @@ import numpy as np
 import tokenizers
 import torch
 
-from .. import format as fmt
 from ..cache import WeightCache
 from ..kernels import activation_dtype, cpu_kernels
 from ..memory import release_free_heap
@@ -66,7 +65,9 @@ from ..torch import (
     ConversionReport,
     PackedLinear,
     convert,
+    count_packs,
     materialize,
+    open_cache,
     record_linear_inputs,
     scheme_packer,
 )
@@ -207,14 +208,9 @@ def pack_count(scheme: str, *, model_path: str | os.PathLike[str] | None = None,
         ValueError: unknown scheme or a bad ``config.json``; OSError: the file cannot be read.
     """
     linear_packer, _ = _packers(scheme, group_size)
-    skeleton = BertEncoder(BertConfig.from_file(_files(model_path).config))
-    count = 0
-    linears = {name: module for name, module in skeleton.named_modules() if type(module) is torch.nn.Linear}
-    for module in linears.values():
-        eligible = linear_packer.eligible((module.out_features, module.in_features)) is None
-        count += (len(linear_packer.parts) if eligible else 1) + (module.bias is not None)
-    owned = {f"{name}.{part}" for name in linears for part in ("weight", "bias")}
-    return count + sum(1 for name, _ in skeleton.named_parameters() if name not in owned)
+    with torch.device("meta"):
+        skeleton = BertEncoder(BertConfig.from_file(_files(model_path).config))
+    return count_packs(skeleton, linear_packer)
 
 
 @dataclass(frozen=True)
@@ -448,23 +444,10 @@ def load(
     linear_packer, other_packer = _packers(scheme, group_size)
     path = linear_packer.kernel_path(kernel_path)
     expected = platform_for([linear_packer, other_packer])
-    owns_cache = not isinstance(cache, WeightCache)
-    if cache is None:
-        weight_cache = WeightCache(None)
-    elif isinstance(cache, WeightCache):
-        if cache.path is not None and cache.platform != fmt.canonical_key(expected):
-            raise ValueError(
-                f"the WeightCache for {cache.path} was made with another platform mapping; make it with "
-                f"WeightCache(path, platform=packcache.models.minilm.platform({scheme!r}, {group_size}))"
-            )
-        weight_cache = cache
-    else:
-        if Path(cache).is_dir():
-            raise ValueError(
-                f"cache {os.fspath(cache)!r} is a directory; give a file path such as "
-                f"{os.path.join(os.fspath(cache), f'minilm-{scheme}.pcache')!r}"
-            )
-        weight_cache = WeightCache(cache, platform=expected)
+    weight_cache, owns_cache = open_cache(
+        cache, expected, suggested_name=f"minilm-{scheme}.pcache",
+        remedy=f"make it with WeightCache(path, platform=packcache.models.minilm.platform({scheme!r}, {group_size}))",
+    )  # fmt: skip
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     if tokenizer is None:

@@ -1,0 +1,483 @@
+"""Hugging Face models whose weights come packed from the cache: change one line, keep the model.
+
+:func:`from_pretrained` returns exactly the ``transformers`` class that
+``AutoModel*.from_pretrained`` returns for a local checkpoint, with every eligible
+linear layer (``nn.Linear``, and GPT-2's ``Conv1D``, whose weight is stored transposed)
+replaced by a :class:`~packcache.torch.PackedLinear` and every other parameter a
+zero-copy float32 tensor over the cache's mapping. :func:`sentence_transformer`
+returns a real ``sentence_transformers.SentenceTransformer`` whose Transformer
+module holds such a model.
+
+The model is built on the ``meta`` device the way ``transformers`` builds it before
+loading (its own init contexts; non-persistent buffers such as rotary frequencies or
+position ids recomputed by the model's own ``_init_weights``), so no weight is
+materialised. The checkpoint is read for its config and safetensors headers only;
+tensor bytes are read only to pack a miss, which a warm launch never has. Tied
+parameters (a head tied to the input embeddings) stay one tensor, stored once.
+
+This module imports ``transformers`` (and, for :func:`sentence_transformer`,
+``sentence_transformers``); ``import packcache`` and ``import packcache.torch`` do not.
+Nothing is fetched from a model hub: ``path`` is a local directory as ``save_pretrained``
+writes it. See ``docs/HF.md``.
+
+Example (run by ``tests/test_hf.py``, not as a doctest: it needs a checkpoint)::
+
+    from packcache import hf
+    model = hf.from_pretrained("ckpt/", scheme="int8", cache="/var/cache/app/m.pcache",
+                               auto_class="AutoModelForCausalLM")
+    model.packcache.stats().state      # 'stored' on the first launch, 'mapped' afterwards
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import transformers
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from . import boundedjson
+from .cache import WeightCache
+from .errors import FormatError
+from .packers import Float32, Packer, platform_for
+from .packers_torch import TorchPacker
+from .paths import open_checked
+from .safetensors import SafetensorsFile, TensorMeta
+from .torch import ConversionReport, convert, count_packs, open_cache, scheme_packer
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+__all__ = [
+    "SCHEMES",
+    "TRANSPOSED_LINEARS",
+    "Checkpoint",
+    "from_pretrained",
+    "load_report",
+    "pack_count",
+    "platform",
+    "sentence_transformer",
+]
+
+SCHEMES = ("fp32", "bf16", "int8", "int4")
+
+#: Module classes computing ``x @ weight + bias`` with ``weight`` stored ``[in, out]``: packed transposed.
+TRANSPOSED_LINEARS: tuple[type[nn.Module], ...] = (Conv1D,)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # a 1 T-parameter model's index is a few MiB
+
+
+def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
+    """The ``platform=`` mapping of a cache of ``scheme``: its packers' identities and fingerprints,
+    the torch version and the CPU capability. :func:`from_pretrained` opens cache paths with it."""
+    return platform_for(_packers(scheme, group_size))
+
+
+def _packers(scheme: str, group_size: int) -> tuple[TorchPacker, Packer]:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+    return scheme_packer(scheme, group_size), Float32()
+
+
+class Checkpoint:
+    """A local checkpoint directory as ``save_pretrained`` writes it: headers read now, tensors on demand.
+
+    It holds ``config.json`` and either ``model.safetensors`` or ``model.safetensors.index.json``
+    with the shards it names (plain file names in the same directory). It is a
+    :class:`~packcache.torch.TensorSource` over the checkpoint's own tensor names.
+
+    Raises:
+        FileNotFoundError: no such directory, no ``config.json``, or no safetensors weights
+            (the message names what is missing; pickle checkpoints are never loaded).
+        FormatError: a malformed index or safetensors header (naming the file and offset),
+            a shard named with a path, or a tensor found in two shards.
+        UntrustedFileError, OSError: a file cannot be opened as a regular file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        directory = Path(path)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist or is not a directory")
+        self.directory = directory
+        self.config_path = directory / "config.json"
+        if not self.config_path.is_file():
+            raise FileNotFoundError(f"{self.config_path}: no config.json, so this is not a save_pretrained checkpoint")
+        self.files = [SafetensorsFile(directory / name) for name in self._shard_names()]
+        self._where: dict[str, SafetensorsFile] = {}
+        for file in self.files:
+            for name in file:
+                if name in self._where:
+                    raise FormatError(
+                        f"tensor {name!r} is in two shards ({os.path.basename(self._where[name].path)} too)",
+                        path=file.path, offset=8,
+                    )  # fmt: skip
+                self._where[name] = file
+
+    def _shard_names(self) -> list[str]:
+        single, index = self.directory / SINGLE_FILE, self.directory / INDEX_FILE
+        if index.exists():
+            return _read_index(index)
+        if single.exists():
+            return [SINGLE_FILE]
+        found = sorted(p.name for p in self.directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = f" (found {', '.join(found)}: pickle checkpoints are not loaded; save with safetensors)" if found else ""
+        raise FileNotFoundError(f"{self.directory}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+    def names(self) -> list[str]:
+        """Every tensor name of the checkpoint."""
+        return list(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def meta(self, name: str) -> TensorMeta:
+        """Shape, dtype and file identity of one tensor; reads nothing.
+
+        Raises:
+            KeyError: no tensor of that name (the message names the directory).
+        """
+        file = self._where.get(name)
+        if file is None:
+            raise KeyError(f"{self.directory}: no tensor named {name!r} in the checkpoint")
+        return file.meta(name)
+
+    def read(self, name: str) -> np.ndarray[Any, Any]:
+        """One tensor's bytes, read now (see :meth:`packcache.safetensors.SafetensorsFile.read`)."""
+        file = self._where.get(name)
+        if file is None:
+            raise KeyError(f"{self.directory}: no tensor named {name!r} in the checkpoint")
+        return file.read(name)
+
+
+def _read_index(index: Path) -> list[str]:
+    """The shard file names of a ``model.safetensors.index.json``, each checked to be a plain name."""
+    fd, st = open_checked(os.fspath(index), trust=False)
+    try:
+        if st.st_size > MAX_INDEX_BYTES:
+            raise FormatError(f"index is {st.st_size} bytes, past the {MAX_INDEX_BYTES}-byte cap", path=str(index))
+        raw = b""
+        while len(raw) < st.st_size:
+            chunk = os.pread(fd, st.st_size - len(raw), len(raw))
+            if not chunk:
+                break
+            raw += chunk
+    finally:
+        os.close(fd)
+    data = boundedjson.loads(raw, path=str(index), base_offset=0, what="index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FormatError('the index has no "weight_map" object of tensor name -> shard file', path=str(index))
+    shards: list[str] = []
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or shard in (".", "..") or "/" in shard or "\0" in shard:
+            raise FormatError(f"tensor {tensor!r} names the shard {shard!r}: not a file name in this directory",
+                              path=str(index))  # fmt: skip
+        if shard not in shards:
+            shards.append(shard)
+    return shards
+
+
+class _Renamed:
+    """A checkpoint seen under the model's parameter names (a base model's checkpoint in a head
+    model, or the reverse: ``transformers`` adds or strips ``base_model_prefix`` the same way)."""
+
+    def __init__(self, checkpoint: Checkpoint, add: str, strip: str) -> None:
+        self.checkpoint, self.add, self.strip = checkpoint, add, strip
+
+    def name(self, model_name: str) -> str:
+        if self.strip and model_name.startswith(self.strip):
+            model_name = model_name[len(self.strip) :]
+        return self.add + model_name
+
+    def meta(self, name: str) -> TensorMeta:
+        return self.checkpoint.meta(self.name(name))
+
+    def read(self, name: str) -> np.ndarray[Any, Any]:
+        return self.checkpoint.read(self.name(name))
+
+
+def _renaming(model: nn.Module, checkpoint: Checkpoint) -> _Renamed:
+    """The prefix mapping under which the checkpoint holds the most of the model's parameters."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    candidates = [_Renamed(checkpoint, "", "")]
+    if prefix:
+        candidates += [_Renamed(checkpoint, f"{prefix}.", ""), _Renamed(checkpoint, "", f"{prefix}.")]
+    return max(candidates, key=lambda c: sum(c.name(n) in checkpoint for n in names))
+
+
+def _model_class(auto_class: str | type, config: Any) -> type[Any]:
+    auto = getattr(transformers, auto_class, None) if isinstance(auto_class, str) else auto_class
+    mapping = getattr(auto, "_model_mapping", None)
+    if not isinstance(auto, type) or mapping is None:
+        raise ValueError(f"auto_class {auto_class!r} is not a transformers AutoModel* class")
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    if type(config) not in mapping:
+        raise ValueError(f"{auto.__name__} has no model class for a {type(config).__name__} checkpoint")
+    model_class: type[Any] = _get_model_class(config, mapping)  # type: ignore[no-untyped-call]
+    return model_class
+
+
+def _skeleton(model_class: type[Any], config: Any) -> Any:
+    """The model without its weights: built on ``meta`` under transformers' own init contexts, float32,
+    non-persistent buffers recomputed by the model's ``_init_weights`` (as ``from_pretrained`` does), tied."""
+    from transformers.modeling_utils import PreTrainedModel
+    from transformers.utils.generic import ContextManagers
+
+    config.dtype = torch.float32
+    with ContextManagers(model_class.get_init_context(torch.float32, False, False, None)):
+        model = model_class(config)
+    owners: dict[str, nn.Module] = {}
+    for name, buffer in model.named_non_persistent_buffers():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner._buffers[attr] = torch.empty_like(buffer, device="cpu")
+        owners[owner_name] = owner
+    for owner_name, owner in owners.items():
+        # The innermost PreTrainedModel holding the module initialises it (composite models nest them).
+        parts = owner_name.split(".") if owner_name else []
+        initialiser = model
+        for depth in range(len(parts), 0, -1):
+            candidate = model.get_submodule(".".join(parts[:depth]))
+            if isinstance(candidate, PreTrainedModel):
+                initialiser = candidate
+                break
+        initialiser._init_weights(owner)
+    model.tie_weights()
+    return model
+
+
+@dataclass
+class _Loaded:
+    model: Any
+    cache: WeightCache
+    owns_cache: bool
+    report: ConversionReport
+    seconds: float
+
+
+def _load(
+    directory: str | os.PathLike[str],
+    scheme: str,
+    cache: WeightCache | str | os.PathLike[str] | None,
+    *,
+    model_class: type[Any] | None,
+    auto_class: str | type,
+    config: Any,
+    group_size: int,
+    kernel_path: str | None,
+) -> _Loaded:
+    linear_packer, other_packer = _packers(scheme, group_size)
+    path = linear_packer.kernel_path(kernel_path)
+    checkpoint = Checkpoint(directory)
+    if config is None:
+        config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint.directory), local_files_only=True)
+    if model_class is None:
+        model_class = _model_class(auto_class, config)
+    suggested = f"{checkpoint.directory.name}-{scheme}.pcache"
+    weight_cache, owns_cache = open_cache(
+        cache, platform_for([linear_packer, other_packer]), suggested_name=suggested,
+        remedy=f"make it with WeightCache(path, platform=packcache.hf.platform({scheme!r}, {group_size}))",
+    )  # fmt: skip
+    started = time.perf_counter()
+    try:
+        model = _skeleton(model_class, config)
+        source = _renaming(model, checkpoint)
+        missing = _missing(model, source)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(
+                f"{checkpoint.directory}: the checkpoint lacks {len(missing)} tensor(s) that {model_class.__name__} "
+                f"needs: {shown} (packcache does not initialise missing weights or rename legacy keys)"
+            )
+        report = convert(
+            model, weight_cache, linear_packer, source=source, other=other_packer, kernel_path=path,
+            transposed=TRANSPOSED_LINEARS,
+        )  # fmt: skip
+        left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if left:
+            raise ValueError(f"{model_class.__name__}: packcache cannot serve {', '.join(left)} (persistent buffers)")
+    except BaseException:
+        if owns_cache:
+            weight_cache.close()
+        raise
+    model.eval()
+    model.config._name_or_path = os.fspath(directory)
+    generation = checkpoint.directory / "generation_config.json"
+    if model.can_generate() and generation.is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(
+            os.fspath(checkpoint.directory), local_files_only=True
+        )
+    return _Loaded(model, weight_cache, owns_cache, report, time.perf_counter() - started)
+
+
+def _missing(model: nn.Module, source: _Renamed) -> list[str]:
+    """Parameters (each tied group once) of which the checkpoint holds none of the names."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names[0] for names in groups.values() if not any(source.name(n) in source.checkpoint for n in names)]
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    scheme: str = "int8",
+    cache: WeightCache | str | os.PathLike[str] | None = None,
+    *,
+    auto_class: str | type = "AutoModel",
+    group_size: int = 32,
+    kernel_path: str | None = None,
+) -> Any:
+    """Load a local ``transformers`` checkpoint with its linear layers packed by ``scheme``, weights from ``cache``.
+
+    Args:
+        path: a directory written by ``save_pretrained``: ``config.json`` and ``model.safetensors``
+            or a sharded ``model.safetensors.index.json``. Nothing is fetched from a hub.
+        scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``, the packer of the linear layers
+            (:func:`packcache.torch.scheme_packer`); every other parameter is float32.
+        cache: a cache file path (created if missing), a :class:`~packcache.WeightCache` made with
+            ``platform=packcache.hf.platform(scheme, group_size)``, or ``None`` (caching off: packed to heap).
+        auto_class: the ``transformers`` auto class (name or class) that picks the model class,
+            e.g. ``"AutoModelForCausalLM"``.
+        group_size: int4 group size (32, 64 or 128); ignored by the other schemes.
+        kernel_path: ``"bf16"``, ``"fp32"`` or ``None``/``"auto"`` (:mod:`packcache.kernels`).
+
+    Returns:
+        The model, of exactly the class ``auto_class.from_pretrained`` returns, in eval mode, with
+        ``model.packcache`` (the :class:`~packcache.WeightCache`; ``stats()``, ``close()``) and
+        ``model.packcache_report`` (the :class:`~packcache.torch.ConversionReport`).
+
+    Raises:
+        FileNotFoundError: no checkpoint directory, ``config.json`` or safetensors weights.
+        FormatError: a malformed safetensors header or index (naming file and offset).
+        ValueError: unknown scheme or auto class, no model of that class for the checkpoint's
+            config, a tensor the model needs missing from the checkpoint (all named), or a shape
+            mismatch. Cache problems never raise: they are reported in ``model.packcache.stats()``.
+    """
+    loaded = _load(
+        path, scheme, cache, model_class=None, auto_class=auto_class, config=None, group_size=group_size,
+        kernel_path=kernel_path,
+    )  # fmt: skip
+    _attach(loaded.model, loaded)
+    return loaded.model
+
+
+def _attach(target: Any, loaded: _Loaded) -> None:
+    # Plain attributes (nn.Module.__setattr__ stores non-module values in the instance dict).
+    target.packcache = loaded.cache
+    target.packcache_report = loaded.report
+
+
+def load_report(model: Any) -> ConversionReport:
+    """The :class:`~packcache.torch.ConversionReport` of a model loaded here (or of a SentenceTransformer's)."""
+    report = getattr(model, "packcache_report", None)
+    if not isinstance(report, ConversionReport):
+        raise ValueError("this model was not loaded by packcache.hf")
+    return report
+
+
+def pack_count(
+    path: str | os.PathLike[str], scheme: str = "int8", *, auto_class: str | type = "AutoModel", group_size: int = 32
+) -> int:
+    """How many cache entries :func:`from_pretrained` requests for this checkpoint: a progress total.
+
+    Reads ``config.json`` and builds the model on ``meta``; no tensor is read.
+    """
+    linear_packer, _ = _packers(scheme, group_size)
+    config = transformers.AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
+    model = _skeleton(_model_class(auto_class, config), config)
+    return count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS)
+
+
+#: ``modules.json`` type names of sentence-transformers' Transformer module (old and new spellings).
+_ST_TRANSFORMER_REFS = (
+    "sentence_transformers.models.Transformer",
+    "sentence_transformers.models.transformer.Transformer",
+    "sentence_transformers.base.modules.Transformer",
+    "sentence_transformers.base.modules.transformer.Transformer",
+    "sentence_transformers.sentence_transformer.modules.Transformer",
+)
+
+
+def sentence_transformer(
+    path: str | os.PathLike[str],
+    scheme: str = "int8",
+    cache: WeightCache | str | os.PathLike[str] | None = None,
+    *,
+    group_size: int = 32,
+    kernel_path: str | None = None,
+    **kwargs: Any,
+) -> SentenceTransformer:
+    """Load a local sentence-transformers model with its Transformer module's weights packed from ``cache``.
+
+    ``path`` is a directory written by ``SentenceTransformer.save`` (``modules.json``, the
+    Transformer module's checkpoint, pooling and normalisation). sentence-transformers loads
+    every module itself (tokenizer, pooling, its configuration files), except that the
+    Transformer module's model comes from :func:`from_pretrained`'s loader; modules with
+    weights of their own (``Dense``) are loaded by sentence-transformers, unpacked.
+    ``kwargs`` go to ``SentenceTransformer`` (``device`` defaults to ``"cpu"``;
+    ``local_files_only`` is always on).
+
+    Returns:
+        A ``sentence_transformers.SentenceTransformer`` (its Transformer module is exactly
+        sentence-transformers' class) with ``st.packcache`` and ``st.packcache_report``.
+
+    Raises:
+        ValueError: the model has no Transformer module, or more than one; a backend other
+            than torch, or a PEFT adapter. Otherwise as :func:`from_pretrained`.
+    """
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_TO_AUTO_MODEL, Transformer
+
+    loads: list[_Loaded] = []
+    base = os.fspath(path)
+
+    class PackedTransformer(Transformer):
+        """sentence-transformers' Transformer whose model comes from the cache (its class is reset after loading)."""
+
+        def _load_model(
+            self, model_name_or_path: str, transformer_task: Any, config: Any, backend: str, is_peft_model: bool,
+            **model_kwargs: Any,
+        ) -> Any:  # fmt: skip
+            if backend != "torch" or is_peft_model:
+                raise ValueError(f"packcache packs torch models only (backend {backend!r}, PEFT {is_peft_model})")
+            if loads:
+                raise ValueError(f"{base}: more than one Transformer module; packcache packs one per model")
+            directory = os.path.join(model_name_or_path, model_kwargs.get("subfolder") or "")
+            loaded = _load(
+                directory, scheme, cache, model_class=None, config=config, group_size=group_size,
+                kernel_path=kernel_path, auto_class=TRANSFORMER_TASK_TO_AUTO_MODEL[transformer_task],
+            )  # fmt: skip
+            loads.append(loaded)
+            return loaded.model
+
+    kwargs.setdefault("device", "cpu")
+    kwargs["local_files_only"] = True
+    classes = dict.fromkeys(_ST_TRANSFORMER_REFS, PackedTransformer)
+    try:
+        st = SentenceTransformer._load_with_module_classes(base, classes, **kwargs)
+    except BaseException:
+        for loaded in loads:
+            if loaded.owns_cache:
+                loaded.cache.close()
+        raise
+    if not loads:
+        raise ValueError(f"{base}: modules.json has no sentence-transformers Transformer module to pack")
+    for module in st.modules():
+        if type(module) is PackedTransformer:
+            module.__class__ = Transformer  # exactly sentence-transformers' class from here on
+    _attach(st, loads[0])
+    return st

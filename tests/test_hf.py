@@ -1,0 +1,433 @@
+"""packcache.hf: transformers and sentence-transformers models with packed weights from the cache.
+
+Checked against transformers' own float32 forward on the same inputs: the real
+all-MiniLM-L6-v2 (AutoModel and SentenceTransformer) and tiny random Llama, Qwen2
+and GPT-2 checkpoints made here with transformers' config classes and
+``save_pretrained`` (never committed, nothing downloaded). Cosine thresholds on the
+flattened outputs vs float32: fp32 0.99999, bf16 0.999, int8 0.99, int4 0.95 (an
+encoder's outputs over its real tokens: padded positions are masked out by every
+consumer and hold no meaning).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+from packcache import FormatError, WeightCache, hf, inspect
+from packcache.models import minilm
+from packcache.torch import PackedLinear
+
+THRESHOLDS = {"fp32": 0.99999, "bf16": 0.999, "int8": 0.99, "int4": 0.95}
+CAUSAL = "AutoModelForCausalLM"
+TEXTS = ["a sentence", "", "The quick brown fox jumps over the lazy dog.", "Packed weights are mapped from a file."]
+
+
+def _tiny_configs() -> dict[str, tuple[Any, str]]:
+    common = {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    decoder = {
+        **common, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 128,
+    }  # fmt: skip
+    return {
+        "llama": (LlamaConfig(**decoder, tie_word_embeddings=False), CAUSAL),
+        "qwen2": (Qwen2Config(**decoder, tie_word_embeddings=True), CAUSAL),
+        "gpt2": (GPT2Config(**common, n_embd=64, n_layer=2, n_head=4, n_positions=128), CAUSAL),
+        "bert": (
+            BertConfig(**common, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+            "AutoModel",
+        ),
+    }
+
+
+def save_tiny(arch: str, directory: Path, seed: int = 0, **save: Any) -> Path:
+    """A tiny random-weight checkpoint of ``arch`` written by transformers' ``save_pretrained``."""
+    config, auto = _tiny_configs()[arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, auto).from_config(config)
+    with torch.no_grad():  # norms and biases random too, so a wrongly loaded one shows
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    model.save_pretrained(directory, **save)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("checkpoints")
+    return {arch: save_tiny(arch, base / arch) for arch in _tiny_configs()}
+
+
+def reference(path: Path, auto: str) -> Any:
+    return getattr(transformers, auto).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def outputs(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        out = model(input_ids=ids)
+    return (out.logits if hasattr(out, "logits") else out.last_hidden_state).float()
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def ids_for(seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("scheme", hf.SCHEMES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "bert"])
+def test_tiny_architectures_match_transformers(
+    checkpoints: dict[str, Path], tmp_path: Path, arch: str, scheme: str
+) -> None:
+    auto = _tiny_configs()[arch][1]
+    ref = reference(checkpoints[arch], auto)
+    model = hf.from_pretrained(checkpoints[arch], scheme, tmp_path / "c.pcache", auto_class=auto)
+    assert type(model) is type(ref)
+    assert model.packcache.stats().state == "stored"
+    assert model.packcache.stats().heap_bytes == 0
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert layers, "no layer was packed"
+    leftovers = [n for n, m in model.named_modules() if type(m) in (torch.nn.Linear, *hf.TRANSPOSED_LINEARS)]
+    assert leftovers == [n for n in hf.load_report(model).ineligible], "an eligible linear layer stayed unpacked"
+    assert not model.training
+    similarity = cosine(outputs(model, ids_for()), outputs(ref, ids_for()))
+    assert similarity >= THRESHOLDS[scheme], f"{arch} {scheme}: cosine {similarity:.6f}"
+    model.packcache.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_greedy_generation_fp32_gives_transformers_tokens(
+    checkpoints: dict[str, Path], tmp_path: Path, arch: str
+) -> None:
+    ref = reference(checkpoints[arch], CAUSAL)
+    model = hf.from_pretrained(checkpoints[arch], "fp32", tmp_path / "c.pcache", auto_class=CAUSAL)
+    prompt = ids_for(7)[:1, :6]
+    settings = {"max_new_tokens": 20, "min_new_tokens": 20, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        expected = ref.generate(prompt, **settings)
+        got = model.generate(prompt, **settings)
+    assert got.shape == (1, 26)
+    assert torch.equal(got, expected)
+    model.packcache.close()
+
+
+@pytest.mark.parametrize("scheme", hf.SCHEMES)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_cold_warm_and_heap_loads_are_bit_identical(
+    checkpoints: dict[str, Path], tmp_path: Path, arch: str, scheme: str
+) -> None:
+    auto = _tiny_configs()[arch][1]
+    path = tmp_path / "c.pcache"
+    results = {}
+    for launch, cache in (("cold", path), ("warm", path), ("heap", None)):
+        model = hf.from_pretrained(checkpoints[arch], scheme, cache, auto_class=auto)
+        stats = model.packcache.stats()
+        results[launch] = outputs(model, ids_for())
+        expected_state = {"cold": "stored", "warm": "mapped", "heap": "off"}[launch]
+        assert stats.state == expected_state, f"{launch}: {stats}"
+        if launch == "warm":
+            assert stats.heap_bytes == 0 and stats.stored == 0 and stats.hits > 0
+        model.packcache.close()
+    assert torch.equal(results["cold"], results["warm"])
+    assert torch.equal(results["cold"], results["heap"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_tied_weights_stay_tied_and_are_stored_once(checkpoints: dict[str, Path], tmp_path: Path, arch: str) -> None:
+    path = tmp_path / "c.pcache"
+    model = hf.from_pretrained(checkpoints[arch], "int8", path, auto_class=CAUSAL)
+    embeddings = model.get_input_embeddings().weight
+    assert model.lm_head.weight is embeddings
+    assert "lm_head" in hf.load_report(model).ineligible
+    model.packcache.close()
+    names = [entry.name for entry in inspect(path).entries]
+    assert not [n for n in names if n.startswith("lm_head")], names
+    assert len([n for n in names if "embed" in n or n.startswith("transformer.wte")]) == 1
+
+
+def test_untied_head_is_packed(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    model = hf.from_pretrained(checkpoints["llama"], "int8", tmp_path / "c.pcache", auto_class=CAUSAL)
+    assert isinstance(model.lm_head, PackedLinear)
+    model.packcache.close()
+
+
+def test_gpt2_conv1d_is_packed_transposed(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    path = tmp_path / "c.pcache"
+    model = hf.from_pretrained(checkpoints["gpt2"], "fp32", path, auto_class=CAUSAL)
+    layer = model.transformer.h[0].attn.c_attn
+    assert isinstance(layer, PackedLinear) and (layer.out_features, layer.in_features) == (192, 64)
+    model.packcache.close()
+    entry = next(e for e in inspect(path).entries if e.name.startswith("transformer.h.0.attn.c_attn.weight"))
+    assert entry.shape == (192, 64)  # [out, in], packed from the checkpoint's [in, out]
+    assert hf.Checkpoint(checkpoints["gpt2"]).meta("transformer.h.0.attn.c_attn.weight").shape == (64, 192)
+
+
+def test_changed_checkpoint_is_repacked_not_served_stale(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    directory = shutil.copytree(checkpoints["llama"], tmp_path / "llama")
+    path = tmp_path / "c.pcache"
+    hf.from_pretrained(directory, "int8", path, auto_class=CAUSAL).packcache.close()
+    assert hf.from_pretrained(directory, "int8", path, auto_class=CAUSAL).packcache.stats().state == "mapped"
+    save_tiny("llama", directory, seed=5)  # other weights, same names and shapes
+    model = hf.from_pretrained(directory, "int8", path, auto_class=CAUSAL)
+    stats = model.packcache.stats()
+    assert stats.state == "stored" and stats.hits == 0, stats
+    fresh = hf.from_pretrained(directory, "int8", None, auto_class=CAUSAL)
+    assert torch.equal(outputs(model, ids_for()), outputs(fresh, ids_for()))
+    assert cosine(outputs(model, ids_for()), outputs(reference(directory, CAUSAL), ids_for())) >= THRESHOLDS["int8"]
+    model.packcache.close()
+
+
+def test_sharded_checkpoint(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    directory = save_tiny("llama", tmp_path / "sharded", max_shard_size="40KB")
+    assert (directory / "model.safetensors.index.json").exists()
+    assert len(list(directory.glob("model-*.safetensors"))) > 1
+    model = hf.from_pretrained(directory, "fp32", tmp_path / "c.pcache", auto_class=CAUSAL)
+    assert cosine(outputs(model, ids_for()), outputs(reference(checkpoints["llama"], CAUSAL), ids_for())) > 0.99999
+    model.packcache.close()
+
+
+def test_base_model_from_a_head_checkpoint(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """AutoModel on a causal-LM checkpoint: the checkpoint's ``model.`` prefix is stripped, as transformers does."""
+    model = hf.from_pretrained(checkpoints["llama"], "int8", tmp_path / "c.pcache")
+    ref = reference(checkpoints["llama"], "AutoModel")
+    assert type(model) is type(ref) is transformers.LlamaModel
+    assert cosine(outputs(model, ids_for()), outputs(ref, ids_for())) >= THRESHOLDS["int8"]
+    model.packcache.close()
+
+
+def test_pack_count_is_what_a_load_requests(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    for arch, scheme in (("gpt2", "int8"), ("qwen2", "int4"), ("bert", "fp32")):
+        auto = _tiny_configs()[arch][1]
+        model = hf.from_pretrained(checkpoints[arch], scheme, tmp_path / f"{arch}.pcache", auto_class=auto)
+        stats = model.packcache.stats()
+        assert hf.pack_count(checkpoints[arch], scheme, auto_class=auto) == stats.stored + stats.hits
+        model.packcache.close()
+
+
+# ----------------------------------------------------------------------------- the real all-MiniLM-L6-v2
+
+
+@pytest.fixture(scope="module")
+def minilm_reference() -> dict[str, Any]:
+    path = minilm.default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = reference(path, "AutoModel")(**batch).last_hidden_state
+    from sentence_transformers import SentenceTransformer
+
+    embeddings = torch.from_numpy(SentenceTransformer(str(path), device="cpu").encode(TEXTS))
+    return {"path": path, "batch": batch, "hidden": hidden, "embeddings": embeddings}
+
+
+@pytest.mark.parametrize("scheme", hf.SCHEMES)
+def test_minilm_automodel_matches_transformers(minilm_reference: dict[str, Any], tmp_path: Path, scheme: str) -> None:
+    model = hf.from_pretrained(minilm_reference["path"], scheme, tmp_path / "c.pcache")
+    assert type(model) is transformers.BertModel
+    batch = minilm_reference["batch"]
+    with torch.inference_mode():
+        hidden = model(**batch).last_hidden_state
+    real = batch["attention_mask"].bool()
+    similarity = cosine(hidden[real], minilm_reference["hidden"][real])
+    assert similarity >= THRESHOLDS[scheme], f"{scheme}: cosine {similarity:.6f}"
+    model.packcache.close()
+
+
+@pytest.mark.parametrize("scheme", hf.SCHEMES)
+def test_sentence_transformer_matches_sentence_transformers(
+    minilm_reference: dict[str, Any], tmp_path: Path, scheme: str
+) -> None:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.transformer import Transformer
+
+    path = tmp_path / "st.pcache"
+    embeddings = {}
+    for launch in ("cold", "warm"):
+        st = hf.sentence_transformer(minilm_reference["path"], scheme, path)
+        assert type(st) is SentenceTransformer and type(st[0]) is Transformer
+        assert st.packcache.stats().state == {"cold": "stored", "warm": "mapped"}[launch]
+        assert any(isinstance(m, PackedLinear) for m in st.modules())
+        embeddings[launch] = torch.from_numpy(st.encode(TEXTS))
+        st.packcache.close()
+    assert torch.equal(embeddings["cold"], embeddings["warm"])
+    similarity = cosine(embeddings["warm"], minilm_reference["embeddings"])
+    assert similarity >= THRESHOLDS[scheme], f"{scheme}: cosine {similarity:.6f}"
+
+
+def test_sentence_transformer_needs_a_transformer_module(minilm_reference: dict[str, Any], tmp_path: Path) -> None:
+    directory = shutil.copytree(minilm_reference["path"], tmp_path / "st")
+    modules = json.loads((directory / "modules.json").read_text())
+    (directory / "modules.json").write_text(json.dumps([m for m in modules if "Transformer" not in m["type"]]))
+    with pytest.raises(ValueError, match="no sentence-transformers Transformer module"):
+        hf.sentence_transformer(directory, "int8", None)
+
+
+# ----------------------------------------------------------------------------- warm launch reads no tensor byte
+
+WARM_CHILD = textwrap.dedent(
+    """
+    import ctypes, json, mmap, os, sys
+    from pathlib import Path
+    import numpy as np
+    checkpoint, cache_path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    from packcache import hf
+    from packcache.safetensors import SafetensorsFile
+
+    def resident(path):
+        # Pages of the file's tensor data (after the header) in the page cache, by mincore over a fresh mapping.
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: read the 8 bytes, nothing more
+        size = os.fstat(fd).st_size
+        data_start = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
+        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        os.close(fd)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+        page = mmap.PAGESIZE
+        pages = (size + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        view = np.frombuffer(m, dtype=np.uint8)  # read-only; only its address is used, no byte is read
+        if libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        first = data_start // page + 1  # the page holding the header's end may be read with it
+        del view
+        m.close()
+        return sum(v & 1 for v in vec[first:]), pages - first
+
+    shards = sorted(str(p) for p in Path(checkpoint).glob("*.safetensors"))
+    if mode == "drop":
+        for shard in shards:
+            fd = os.open(shard, os.O_RDONLY)
+            os.fsync(fd)  # dirty pages (just written by save_pretrained) are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        print(json.dumps({"after_drop": [resident(s) for s in shards]}))
+    else:
+        model = hf.from_pretrained(checkpoint, "int8", cache_path, auto_class=mode)
+        stats = model.packcache.stats()
+        print(json.dumps({"state": stats.state, "heap": stats.heap_bytes, "hits": stats.hits,
+                          "resident": [resident(s) for s in shards]}))
+    """
+)
+
+
+def _child(*args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_CHILD, *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_warm_load_reads_no_tensor_byte_of_the_source(tmp_path: Path) -> None:
+    """A warm launch in a fresh process, after the checkpoint was dropped from the page cache,
+    leaves none of its tensor pages resident (mincore): it read config and headers only."""
+    directory = save_tiny("llama", tmp_path / "llama", max_shard_size="40KB")
+    cache_path = str(tmp_path / "c.pcache")
+    cold = _child(str(directory), cache_path, CAUSAL)
+    assert cold["state"] == "stored"
+    assert sum(count for count, _ in cold["resident"]) > 0, "the cold load should have read the tensors"
+    dropped = _child(str(directory), cache_path, "drop")
+    if any(count for count, _ in dropped["after_drop"]):
+        pytest.fail(f"posix_fadvise(DONTNEED) left pages resident, the proof cannot run here: {dropped}")
+    warm = _child(str(directory), cache_path, CAUSAL)
+    assert warm["state"] == "mapped" and warm["heap"] == 0 and warm["hits"] > 0, warm
+    assert [count for count, _ in warm["resident"]] == [0] * len(warm["resident"]), warm
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_or_malformed_checkpoints_are_clear_errors(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        hf.from_pretrained(tmp_path / "nowhere", "int8", None)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        hf.from_pretrained(empty, "int8", None)
+    pickled = shutil.copytree(checkpoints["bert"], tmp_path / "pickled")
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin: pickle checkpoints are not loaded"):
+        hf.from_pretrained(pickled, "int8", None)
+    hostile = shutil.copytree(checkpoints["bert"], tmp_path / "hostile")
+    index = {"weight_map": {"embeddings.word_embeddings.weight": "../../etc/passwd"}}
+    (hostile / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FormatError, match="not a file name in this directory"):
+        hf.from_pretrained(hostile, "int8", None)
+    (hostile / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(FormatError, match=r"model\.safetensors\.index\.json"):
+        hf.from_pretrained(hostile, "int8", None)
+    truncated = shutil.copytree(checkpoints["bert"], tmp_path / "truncated")
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(FormatError, match=r"model\.safetensors"):
+        hf.from_pretrained(truncated, "int8", None)
+
+
+def test_a_missing_tensor_is_named_and_the_cache_is_untouched(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    directory = shutil.copytree(checkpoints["llama"], tmp_path / "llama")
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    path = tmp_path / "c.pcache"
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\).*model\.layers\.1\.mlp\.up_proj\.weight"):
+        hf.from_pretrained(directory, "int8", path, auto_class=CAUSAL)
+    assert not path.exists()
+
+
+def test_bad_arguments(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown scheme"):
+        hf.from_pretrained(checkpoints["bert"], "int3", None)
+    with pytest.raises(ValueError, match="not a transformers AutoModel"):
+        hf.from_pretrained(checkpoints["bert"], "int8", None, auto_class="BertModel")
+    with pytest.raises(ValueError, match="AutoModelForImageClassification has no model class for a BertConfig"):
+        hf.from_pretrained(checkpoints["bert"], "int8", None, auto_class="AutoModelForImageClassification")
+    with pytest.raises(ValueError, match=r"lacks 5 tensor\(s\) that BertLMHeadModel needs: cls\.predictions"):
+        hf.from_pretrained(checkpoints["bert"], "int8", None, auto_class=CAUSAL)
+    with pytest.raises(ValueError, match="is a directory"):
+        hf.from_pretrained(checkpoints["bert"], "int8", tmp_path)
+    other = WeightCache(tmp_path / "other.pcache", platform=hf.platform("int4"))
+    with pytest.raises(ValueError, match="another platform mapping"):
+        hf.from_pretrained(checkpoints["bert"], "int8", other)
+    other.close()
+
+
+def test_model_close_keeps_outputs_and_a_given_cache_open(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    cache = WeightCache(tmp_path / "c.pcache", platform=hf.platform("int8"))
+    model = hf.from_pretrained(checkpoints["bert"], "int8", cache)
+    assert model.packcache is cache
+    before = outputs(model, ids_for())
+    cache.close()
+    assert torch.equal(outputs(model, ids_for()), before)  # mapped tensors stay valid after close
+
+
+def test_importing_packcache_imports_no_hugging_face_package() -> None:
+    code = (
+        "import sys, packcache, packcache.torch, packcache.models.minilm;"
+        "print(sorted(m for m in ('transformers', 'sentence_transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
+    env = {**os.environ, "PYTHONWARNINGS": "error"}
+    hf_done = subprocess.run(
+        [sys.executable, "-c", "import sys, packcache.hf; print('transformers' in sys.modules)"],
+        capture_output=True, text=True, timeout=120, check=True, env=env,
+    )  # fmt: skip
+    assert hf_done.stdout.strip() == "True"
