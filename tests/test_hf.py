@@ -431,3 +431,58 @@ def test_importing_packcache_imports_no_hugging_face_package() -> None:
         capture_output=True, text=True, timeout=120, check=True, env=env,
     )  # fmt: skip
     assert hf_done.stdout.strip() == "True"
+
+
+# ----------------------------------------------------------------------------- packcache build
+
+
+def _build(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    """``packcache build ARGS --json``: its exit code and report; stderr is kept as ``{"stderr": ...}`` when
+    nothing was printed."""
+    from packcache.cli import main
+
+    code = main(["build", *args, "--json"])
+    captured = capsys.readouterr()
+    return code, (json.loads(captured.out) if captured.out.strip() else {"stderr": captured.err})
+
+
+def test_build_packs_ahead_then_a_launch_maps(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "deploy" / "gpt2.pcache"
+    args = (str(checkpoints["gpt2"]), "--scheme", "int8", "--cache", str(path), "--auto-class", CAUSAL)
+    code, first = _build(capsys, *args)
+    assert code == 0, first
+    assert first["stats"]["state"] == "stored" and first["stats"]["stored"] == first["packs"] > 0
+    assert first["model_class"] == "GPT2LMHeadModel" and "lm_head" in first["ineligible"]
+    code, again = _build(capsys, *args)
+    assert code == 0 and again["stats"]["state"] == "mapped" and again["stats"]["hits"] == first["packs"]
+    model = hf.from_pretrained(checkpoints["gpt2"], "int8", path, auto_class=CAUSAL)
+    assert model.packcache.stats().state == "mapped"
+    model.packcache.close()
+
+
+def test_build_text_report_and_default_cache_file(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from packcache.cli import main
+
+    assert main(["build", str(checkpoints["bert"]), "--scheme", "fp32", "--cache-dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "BertModel (AutoModel)" in text and "state         stored" in text and "layers        13 packed" in text
+    [made] = list(tmp_path.glob("bert-*-fp32.pcache"))
+    assert f"cache file    {made}" in text
+
+
+def test_build_fails_when_the_file_cannot_hold_the_model(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    code, report = _build(capsys, str(checkpoints["bert"]), "--scheme", "int8", "--cache", str(blocker / "c.pcache"))
+    assert code == 1
+    assert report["stats"]["heap_bytes"] > 0 and report["stats"]["errno"] == 20  # ENOTDIR, served from heap
+    code, failed = _build(capsys, str(tmp_path / "missing"), "--scheme", "int8", "--cache", str(tmp_path / "c.pcache"))
+    assert code == 1
+    assert "packcache build: cannot load the checkpoint" in failed["stderr"] and "does not exist" in failed["stderr"]
+    assert not (tmp_path / "c.pcache").exists()

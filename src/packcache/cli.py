@@ -1,4 +1,4 @@
-"""The ``packcache`` command: run the bundled model, and look after cache files.
+"""The ``packcache`` command: run the bundled model, build caches ahead of time, and look after cache files.
 
 Exit codes: 0 success, 1 a check failed (or the work could not be done),
 2 usage error. Every command that prints data takes ``--json``.
@@ -253,7 +253,7 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         )
         return EXIT_FAILED
     from .kernels import cpu_kernels
-    from .memory import file_mapping_usage, release_free_heap, smaps_rollup
+    from .memory import release_free_heap, smaps_rollup
 
     # auto: minilm.default_scheme(), int8 where torch has its vectorised int8/int4 kernels, else fp32.
     scheme = minilm.default_scheme() if args.scheme == "auto" else args.scheme
@@ -279,71 +279,165 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     after_load = smaps_rollup()
     texts = list(args.text) if args.text else list(DEFAULT_TEXTS)
     embeddings, speed = _embed_timed(model, texts)
-    cache = model.cache
-    stats = cache.stats()
-    mapping = file_mapping_usage(path) if path and os.path.exists(path) else None
-    anon_growth = after_load["Anonymous"] - before["Anonymous"]
-    memory = {
-        "anonymous_before": before["Anonymous"],
-        "anonymous_after_load": after_load["Anonymous"],
-        "anonymous_growth_load": anon_growth,
-        "rss_file_growth_load": (after_load["Rss"] - after_load["Anonymous"]) - (before["Rss"] - before["Anonymous"]),
-        "cache_mapping_size": mapping.size if mapping else 0,
-        "cache_mapping_rss": mapping.rss if mapping else 0,
-        "cache_mapping_pss": mapping.pss if mapping else 0,
-    }
-    warnings = _memory_warnings(stats.heap_bytes, stats.mapped_bytes, anon_growth, memory["cache_mapping_size"])
-    superseded = _superseded(path)
-    if superseded is not None and superseded.reclaimable_bytes >= superseded.live_bytes > 0:
-        warnings.append(
-            f"the cache file holds {_mib(superseded.reclaimable_bytes)} of superseded packs, as much as its "
-            f"{_mib(superseded.live_bytes)} of live ones or more: these names were packed again with other keys "
-            f"(another copy or version of the model, another packer); "
-            f"'packcache compact {sanitize(path or '')}' reclaims them"
-        )
+    loaded = _LoadReport.of(model.cache, path, load_seconds, before, after_load)
     cpu = cpu_kernels().flags()
     data = {
-        "stats": dataclasses.asdict(stats),
-        "cache_file": path,
+        **loaded.data,
         "scheme": scheme,
         "scheme_chosen": "auto" if args.scheme == "auto" else "given",
         "kernel_path": model.kernel_path,
         "kernels": model.kernels,
         "cpu": cpu,
-        "load_seconds": load_seconds,
         "embed": speed,
         "embeddings_shape": list(embeddings.shape),
-        "memory": memory,
-        "file_reclaimable_bytes": superseded.reclaimable_bytes if superseded is not None else None,
-        "warnings": warnings,
     }
-    reasons = ", ".join(
-        f"{r} {_mib(b)}" for r, b in sorted(stats.heap_bytes_by_reason.items(), key=lambda kv: -kv[1]) if b
-    )
-    errno_text = f" [{errno_mod.errorcode.get(stats.errno, stats.errno)}] {stats.error}" if stats.errno else ""
     why_path = "forced" if kernel_path else ("native bf16" if cpu["native_bf16"] else "no native bf16")
     how_scheme = " (auto: fast on this CPU)" if args.scheme == "auto" else ""
     lines = [
         f"model         all-MiniLM-L6-v2{' (' + args.model + ')' if args.model else ''}, scheme {scheme}{how_scheme}",
-        f"cache file    {path or '(caching off)'}",
-        f"state         {stats.state}   (hits {stats.hits}, stored {stats.stored}, heap packs {stats.heap_packs})",
-        f"load          {load_seconds * 1000:.1f} ms",
+        *loaded.lines[:3],
         f"kernels       path {model.kernel_path} ({why_path}; cpu capability {cpu['cpu_capability']}): {model.kernels}",
         f"embedding     {speed['texts']} texts: {speed['median_ms']:.1f} ms ({speed['texts_per_second']:.0f} texts/s), "
         f"first call {speed['first_ms']:.1f} ms",
-        f"packed        mapped {_mib(stats.mapped_bytes)}   heap {_mib(stats.heap_bytes)}",
-        f"heap reasons  {reasons or 'none'}{errno_text}",
-        f"file          {_mib(stats.file_bytes)}"
-        + (f", {_mib(superseded.reclaimable_bytes)} superseded" if superseded and superseded.reclaimable_bytes else ""),
-        f"memory        anonymous +{_mib(anon_growth)} during the load (reported heap {_mib(stats.heap_bytes)})",
-        f"              cache file mapped {_mib(memory['cache_mapping_size'])} (reported mapped "
-        f"{_mib(stats.mapped_bytes)}), resident after embedding {_mib(memory['cache_mapping_rss'])}",
+        *loaded.lines[3:],
         f"embeddings    {tuple(embeddings.shape)}",
+        *loaded.warning_lines,
     ]
-    lines += [f"WARNING       {w}" for w in warnings]
     out.emit(data, "\n".join(lines))
     model.close()
     return EXIT_OK
+
+
+@dataclasses.dataclass
+class _LoadReport:
+    """What ``run`` and ``build`` report about a load: the cache's figures against the kernel's."""
+
+    data: dict[str, Any]
+    lines: list[str]
+    warning_lines: list[str]
+
+    @classmethod
+    def of(
+        cls, cache: Any, path: str | None, load_seconds: float, before: dict[str, int], after: dict[str, int]
+    ) -> _LoadReport:
+        from .memory import file_mapping_usage
+
+        stats = cache.stats()
+        mapping = file_mapping_usage(path) if path and os.path.exists(path) else None
+        anon_growth = after["Anonymous"] - before["Anonymous"]
+        memory = {
+            "anonymous_before": before["Anonymous"],
+            "anonymous_after_load": after["Anonymous"],
+            "anonymous_growth_load": anon_growth,
+            "rss_file_growth_load": (after["Rss"] - after["Anonymous"]) - (before["Rss"] - before["Anonymous"]),
+            "cache_mapping_size": mapping.size if mapping else 0,
+            "cache_mapping_rss": mapping.rss if mapping else 0,
+            "cache_mapping_pss": mapping.pss if mapping else 0,
+        }
+        warnings = _memory_warnings(stats.heap_bytes, stats.mapped_bytes, anon_growth, memory["cache_mapping_size"])
+        superseded = _superseded(path)
+        if superseded is not None and superseded.reclaimable_bytes >= superseded.live_bytes > 0:
+            warnings.append(
+                f"the cache file holds {_mib(superseded.reclaimable_bytes)} of superseded packs, as much as its "
+                f"{_mib(superseded.live_bytes)} of live ones or more: these names were packed again with other keys "
+                f"(another copy or version of the model, another packer); "
+                f"'packcache compact {sanitize(path or '')}' reclaims them"
+            )
+        data = {
+            "stats": dataclasses.asdict(stats),
+            "cache_file": path,
+            "load_seconds": load_seconds,
+            "memory": memory,
+            "file_reclaimable_bytes": superseded.reclaimable_bytes if superseded is not None else None,
+            "warnings": warnings,
+        }
+        reasons = ", ".join(
+            f"{r} {_mib(b)}" for r, b in sorted(stats.heap_bytes_by_reason.items(), key=lambda kv: -kv[1]) if b
+        )
+        errno_text = f" [{errno_mod.errorcode.get(stats.errno, stats.errno)}] {stats.error}" if stats.errno else ""
+        reclaimable = superseded.reclaimable_bytes if superseded else 0
+        lines = [
+            f"cache file    {sanitize(path) if path else '(caching off)'}",
+            f"state         {stats.state}   (hits {stats.hits}, stored {stats.stored}, heap packs {stats.heap_packs})",
+            f"load          {load_seconds * 1000:.1f} ms",
+            f"packed        mapped {_mib(stats.mapped_bytes)}   heap {_mib(stats.heap_bytes)}",
+            f"heap reasons  {reasons or 'none'}{sanitize(errno_text)}",
+            f"file          {_mib(stats.file_bytes)}" + (f", {_mib(reclaimable)} superseded" if reclaimable else ""),
+            f"memory        anonymous +{_mib(anon_growth)} during the load (reported heap {_mib(stats.heap_bytes)})",
+            f"              cache file mapped {_mib(memory['cache_mapping_size'])} (reported mapped "
+            f"{_mib(stats.mapped_bytes)}), resident now {_mib(memory['cache_mapping_rss'])}",
+        ]
+        return cls(data, lines, [f"WARNING       {w}" for w in warnings])
+
+
+# --------------------------------------------------------------------------- build
+
+
+def cmd_build(args: argparse.Namespace, out: _Out) -> int:
+    try:
+        # Imported by name so the core type-checks and runs without the hf extra.
+        hf: Any = importlib.import_module("packcache.hf")
+    except ImportError as exc:
+        print(f"packcache build needs the hf extra ({exc}): pip install 'packcache[hf]'", file=sys.stderr)
+        return EXIT_FAILED
+    from .kernels import cpu_kernels
+    from .memory import release_free_heap, smaps_rollup
+
+    scheme = args.scheme
+    if scheme == "auto":
+        scheme = "int8" if cpu_kernels().fused_weight_only else "fp32"
+    path = args.cache or _checkpoint_cache_file(args.checkpoint, args.cache_dir, scheme)
+    try:
+        total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
+        release_free_heap()
+        before = smaps_rollup()
+        started = time.perf_counter()
+        with _Progress(total, sys.stderr):
+            model = hf.from_pretrained(
+                args.checkpoint, scheme, path, auto_class=args.auto_class, group_size=args.group_size
+            )
+    except (ValueError, KeyError, FormatError, OSError) as exc:
+        # A cache problem never lands here (it is reported in the stats); a bad checkpoint does.
+        print(f"packcache build: cannot load the checkpoint: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    load_seconds = time.perf_counter() - started
+    release_free_heap()
+    loaded = _LoadReport.of(model.packcache, path, load_seconds, before, smaps_rollup())
+    report = hf.load_report(model)
+    stats = model.packcache.stats()
+    data = {
+        **loaded.data,
+        "checkpoint": args.checkpoint,
+        "model_class": type(model).__name__,
+        "auto_class": args.auto_class,
+        "scheme": scheme,
+        "packs": total,
+        "converted": len(report.converted),
+        "ineligible": report.ineligible,
+        "tied": report.tied,
+    }
+    ineligible = "; ".join(f"{name}: {why}" for name, why in report.ineligible.items())
+    lines = [
+        f"model         {type(model).__name__} ({args.auto_class}) from {sanitize(args.checkpoint)}, scheme {scheme}",
+        *loaded.lines[:3],
+        f"layers        {len(report.converted)} packed, {len(report.ineligible)} not"
+        + (f" ({sanitize(ineligible)})" if ineligible else ""),
+        *loaded.lines[3:],
+        *loaded.warning_lines,
+    ]
+    out.emit(data, "\n".join(lines))
+    model.packcache.close()
+    # A deploy step fails when the cache file does not hold the model afterwards.
+    return EXIT_OK if stats.state in ("stored", "mapped") and stats.heap_bytes == 0 else EXIT_FAILED
+
+
+def _checkpoint_cache_file(checkpoint: str, cache_dir: str | None, scheme: str) -> str:
+    """``<cache dir>/<checkpoint dir name>-<sha256 of its absolute path, 12 hex>-<scheme>.pcache``."""
+    import hashlib
+
+    absolute = os.path.abspath(checkpoint)
+    digest = hashlib.sha256(absolute.encode()).hexdigest()[:12]
+    return os.path.join(cache_dir or default_cache_dir(), f"{os.path.basename(absolute)}-{digest}-{scheme}.pcache")
 
 
 def _superseded(path: str | None) -> InspectReport | None:
@@ -415,6 +509,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.set_defaults(func=cmd_run)
+
+    build = sub.add_parser(
+        "build",
+        help="build or heal the cache of a local transformers checkpoint ahead of time (a deploy step)",
+        description="Load CHECKPOINT (a save_pretrained directory) through its cache file, packing what the file "
+        "lacks, and report as 'run' does. Exit 1 unless the file then holds the whole model.",
+    )
+    build.add_argument("checkpoint", help="a local save_pretrained directory (config.json, *.safetensors)")
+    build.add_argument(
+        "--scheme", choices=("auto", "fp32", "bf16", "int8", "int4"), default="auto",
+        help="weight scheme of the linear layers (default auto: int8 on CPUs with AVX2/AVX512, else fp32)",
+    )  # fmt: skip
+    build.add_argument("--cache", help="the cache file (default: <cache dir>/<name>-<path hash>-<scheme>.pcache)")
+    build.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
+    build.add_argument(
+        "--auto-class", default="AutoModel", help="the transformers auto class, e.g. AutoModelForCausalLM"
+    )
+    build.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
+    build.add_argument("--json", action="store_true", help="print one JSON object")
+    build.set_defaults(func=cmd_build)
 
     ins = sub.add_parser(
         "inspect",

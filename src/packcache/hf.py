@@ -394,10 +394,14 @@ def pack_count(
 ) -> int:
     """How many cache entries :func:`from_pretrained` requests for this checkpoint: a progress total.
 
-    Reads ``config.json`` and builds the model on ``meta``; no tensor is read.
+    Reads ``config.json`` and the safetensors headers and builds the model on ``meta``; no tensor is read.
+
+    Raises:
+        As :func:`from_pretrained` for a missing or malformed checkpoint, scheme or auto class.
     """
     linear_packer, _ = _packers(scheme, group_size)
-    config = transformers.AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
+    checkpoint = Checkpoint(path)  # a missing or malformed checkpoint fails here, naming the file
+    config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint.directory), local_files_only=True)
     model = _skeleton(_model_class(auto_class, config), config)
     return count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS)
 
