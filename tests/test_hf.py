@@ -268,6 +268,17 @@ def test_sentence_transformer_matches_sentence_transformers(
     assert similarity >= THRESHOLDS[scheme], f"{scheme}: cosine {similarity:.6f}"
 
 
+def test_a_cache_built_by_from_pretrained_serves_the_sentence_transformer(
+    minilm_reference: dict[str, Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "shared.pcache"
+    hf.from_pretrained(minilm_reference["path"], "int8", path).packcache.close()
+    st = hf.sentence_transformer(minilm_reference["path"], "int8", path)
+    stats = st.packcache.stats()
+    assert stats.state == "mapped" and stats.stored == 0 and stats.heap_bytes == 0, stats
+    st.packcache.close()
+
+
 def test_sentence_transformer_needs_a_transformer_module(minilm_reference: dict[str, Any], tmp_path: Path) -> None:
     directory = shutil.copytree(minilm_reference["path"], tmp_path / "st")
     modules = json.loads((directory / "modules.json").read_text())
