@@ -234,11 +234,14 @@ def _model_class(auto_class: str | type, config: Any) -> type[Any]:
 def _skeleton(model_class: type[Any], config: Any) -> Any:
     """The model without its weights: built on ``meta`` under transformers' own init contexts, float32,
     non-persistent buffers recomputed by the model's ``_init_weights`` (as ``from_pretrained`` does), tied."""
+    from transformers.initialization import no_init_weights
     from transformers.modeling_utils import PreTrainedModel
     from transformers.utils.generic import ContextManagers
 
     config.dtype = torch.float32
-    with ContextManagers(model_class.get_init_context(torch.float32, False, False, None)):
+    # no_init_weights: the meta tensors need no initialisation (torch's own reset_parameters is most of the time
+    # a meta build takes); buffers are set below.
+    with ContextManagers([*model_class.get_init_context(torch.float32, False, False, None), no_init_weights()]):
         model = model_class(config)
     owners: dict[str, nn.Module] = {}
     for name, buffer in model.named_non_persistent_buffers():
