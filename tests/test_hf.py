@@ -390,6 +390,37 @@ def test_missing_or_malformed_checkpoints_are_clear_errors(checkpoints: dict[str
         hf.from_pretrained(truncated, "int8", None)
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors"])
+def test_a_fifo_in_the_checkpoint_is_refused_not_waited_on(
+    checkpoints: dict[str, Path], tmp_path: Path, name: str
+) -> None:
+    """A FIFO where a checkpoint file should be: a clear error at once (in a child with a timeout,
+    so a regression hangs the child, not the suite)."""
+    directory = shutil.copytree(checkpoints["gpt2"], tmp_path / "gpt2")
+    (directory / name).unlink()
+    os.mkfifo(directory / name)
+    code = (
+        "import sys; from packcache import hf, UntrustedFileError\n"
+        "try:\n    hf.from_pretrained(sys.argv[1], 'int8', None, auto_class='AutoModelForCausalLM')\n"
+        "except UntrustedFileError as exc:\n    print('refused:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused:") and name in done.stdout and "not a regular file" in done.stdout
+
+
+def test_a_config_without_a_known_model_type_is_a_format_error(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    directory = shutil.copytree(checkpoints["bert"], tmp_path / "bert")
+    settings = json.loads((directory / "config.json").read_text())
+    settings["model_type"] = "no-such-model"
+    (directory / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(FormatError, match=r"config\.json.*model_type 'no-such-model'"):
+        hf.from_pretrained(directory, "int8", None)
+    (directory / "config.json").write_text("[" * 100_000)
+    with pytest.raises(FormatError, match=r"config\.json"):
+        hf.from_pretrained(directory, "int8", None)
+
+
 def test_a_missing_tensor_is_named_and_the_cache_is_untouched(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -45,7 +45,7 @@ from transformers.pytorch_utils import Conv1D
 
 from . import boundedjson
 from .cache import WeightCache
-from .errors import FormatError
+from .errors import FormatError, UntrustedFileError
 from .packers import Float32, Packer, platform_for
 from .packers_torch import TorchPacker
 from .paths import open_checked
@@ -73,7 +73,7 @@ TRANSPOSED_LINEARS: tuple[type[nn.Module], ...] = (Conv1D,)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MAX_INDEX_BYTES = 64 << 20  # a 1 T-parameter model's index is a few MiB
+MAX_JSON_BYTES = 64 << 20  # a 1 T-parameter model's index is a few MiB; a config, a few KiB
 
 
 def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
@@ -109,7 +109,7 @@ class Checkpoint:
             raise FileNotFoundError(f"checkpoint directory {os.fspath(path)!r} does not exist or is not a directory")
         self.directory = directory
         self.config_path = directory / "config.json"
-        if not self.config_path.is_file():
+        if not os.path.lexists(self.config_path):
             raise FileNotFoundError(f"{self.config_path}: no config.json, so this is not a save_pretrained checkpoint")
         self.files = [SafetensorsFile(directory / name) for name in self._shard_names()]
         self._where: dict[str, SafetensorsFile] = {}
@@ -121,6 +121,26 @@ class Checkpoint:
                         path=file.path, offset=8,
                     )  # fmt: skip
                 self._where[name] = file
+
+    def config(self) -> Any:
+        """The model's ``transformers`` config, from ``config.json`` read as :func:`_read_json` reads
+        (what ``AutoConfig.from_pretrained`` builds for a local directory; remote code is never run).
+
+        Raises:
+            FormatError: not a JSON object, or no known ``model_type``. UntrustedFileError, OSError: as the reader.
+        """
+        settings = _read_json(self.config_path, "config")
+        model_type = settings.get("model_type") if isinstance(settings, dict) else None
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            raise FormatError(
+                f"model_type {model_type!r} is not one transformers {transformers.__version__} knows",
+                path=str(self.config_path),
+            )  # fmt: skip
+        config = CONFIG_MAPPING[model_type].from_dict(settings)
+        config._name_or_path = os.fspath(self.directory)
+        return config
 
     def _shard_names(self) -> list[str]:
         single, index = self.directory / SINGLE_FILE, self.directory / INDEX_FILE
@@ -161,21 +181,36 @@ class Checkpoint:
         return file.read(name)
 
 
-def _read_index(index: Path) -> list[str]:
-    """The shard file names of a ``model.safetensors.index.json``, each checked to be a plain name."""
-    fd, st = open_checked(os.fspath(index), trust=False)
+def _read_json(path: Path, what: str) -> Any:
+    """A small JSON file of the checkpoint, opened as every source file is (no blocking on a FIFO, no
+    symlink swapped in after the check, a regular file only) and parsed within bounds.
+
+    Raises:
+        FormatError: larger than :data:`MAX_JSON_BYTES` or not bounded JSON (naming the file and offset).
+        UntrustedFileError: not a regular file. OSError: it cannot be read.
+    """
     try:
-        if st.st_size > MAX_INDEX_BYTES:
-            raise FormatError(f"index is {st.st_size} bytes, past the {MAX_INDEX_BYTES}-byte cap", path=str(index))
-        raw = b""
-        while len(raw) < st.st_size:
-            chunk = os.pread(fd, st.st_size - len(raw), len(raw))
+        fd, st = open_checked(os.fspath(path), trust=False)
+    except UntrustedFileError as exc:
+        raise UntrustedFileError(os.fspath(path), exc.reason, what=what) from None
+    try:
+        if st.st_size > MAX_JSON_BYTES:
+            raise FormatError(f"{what} is {st.st_size} bytes, past the {MAX_JSON_BYTES}-byte cap", path=str(path))
+        chunks, done = [], 0
+        while done < st.st_size:
+            chunk = os.pread(fd, st.st_size - done, done)
             if not chunk:
                 break
-            raw += chunk
+            chunks.append(chunk)
+            done += len(chunk)
     finally:
         os.close(fd)
-    data = boundedjson.loads(raw, path=str(index), base_offset=0, what="index")
+    return boundedjson.loads(b"".join(chunks), path=str(path), base_offset=0, what=what)
+
+
+def _read_index(index: Path) -> list[str]:
+    """The shard file names of a ``model.safetensors.index.json``, each checked to be a plain name."""
+    data = _read_json(index, "index")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FormatError('the index has no "weight_map" object of tensor name -> shard file', path=str(index))
@@ -287,7 +322,7 @@ def _load(
     path = linear_packer.kernel_path(kernel_path)
     checkpoint = Checkpoint(directory)
     if config is None:
-        config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint.directory), local_files_only=True)
+        config = checkpoint.config()
     if model_class is None:
         model_class = _model_class(auto_class, config)
     suggested = f"{checkpoint.directory.name}-{scheme}.pcache"
@@ -320,10 +355,11 @@ def _load(
     model.eval()
     model.config._name_or_path = os.fspath(directory)
     generation = checkpoint.directory / "generation_config.json"
-    if model.can_generate() and generation.is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(
-            os.fspath(checkpoint.directory), local_files_only=True
-        )
+    if model.can_generate() and os.path.lexists(generation):
+        settings = _read_json(generation, "generation config")
+        if not isinstance(settings, dict):
+            raise FormatError("the generation config is not a JSON object", path=str(generation))
+        model.generation_config = transformers.GenerationConfig.from_dict(settings)
     return _Loaded(model, weight_cache, owns_cache, report, time.perf_counter() - started)
 
 
@@ -403,8 +439,7 @@ def pack_count(
         As :func:`from_pretrained` for a missing or malformed checkpoint, scheme or auto class.
     """
     linear_packer, _ = _packers(scheme, group_size)
-    checkpoint = Checkpoint(path)  # a missing or malformed checkpoint fails here, naming the file
-    config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint.directory), local_files_only=True)
+    config = Checkpoint(path).config()  # a missing or malformed checkpoint fails here, naming the file
     model = _skeleton(_model_class(auto_class, config), config)
     return count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS)
 
