@@ -31,7 +31,6 @@ Example (run by ``tests/test_hf.py``, not as a doctest: it needs a checkpoint)::
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,7 +303,6 @@ class _Loaded:
     cache: WeightCache
     owns_cache: bool
     report: ConversionReport
-    seconds: float
 
 
 def _load(
@@ -330,7 +328,6 @@ def _load(
         cache, platform_for([linear_packer, other_packer]), suggested_name=suggested,
         remedy=f"make it with WeightCache(path, platform=packcache.hf.platform({scheme!r}, {group_size}))",
     )  # fmt: skip
-    started = time.perf_counter()
     try:
         model = _skeleton(model_class, config)
         source = _renaming(model, checkpoint)
@@ -348,19 +345,19 @@ def _load(
         left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
         if left:
             raise ValueError(f"{model_class.__name__}: packcache cannot serve {', '.join(left)} (persistent buffers)")
+        generation = checkpoint.directory / "generation_config.json"
+        if model.can_generate() and os.path.lexists(generation):
+            settings = _read_json(generation, "generation config")
+            if not isinstance(settings, dict):
+                raise FormatError("the generation config is not a JSON object", path=str(generation))
+            model.generation_config = transformers.GenerationConfig.from_dict(settings)
     except BaseException:
         if owns_cache:
             weight_cache.close()
         raise
     model.eval()
     model.config._name_or_path = os.fspath(directory)
-    generation = checkpoint.directory / "generation_config.json"
-    if model.can_generate() and os.path.lexists(generation):
-        settings = _read_json(generation, "generation config")
-        if not isinstance(settings, dict):
-            raise FormatError("the generation config is not a JSON object", path=str(generation))
-        model.generation_config = transformers.GenerationConfig.from_dict(settings)
-    return _Loaded(model, weight_cache, owns_cache, report, time.perf_counter() - started)
+    return _Loaded(model, weight_cache, owns_cache, report)
 
 
 def _missing(model: nn.Module, source: _Renamed) -> list[str]:
