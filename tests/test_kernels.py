@@ -225,3 +225,36 @@ def test_derived_operands_wait_for_the_first_forward() -> None:
     assert prepared is not None and prepared["input_scales"] is not None
     assert prepared["input_scales"].dtype == torch.bfloat16
     assert prepared["weight"] is layer.get_buffer("weight")  # the packed bytes themselves, not a copy
+
+
+class _MisreadInt8(Int8WeightOnly):
+    """An int8 packer whose kernel reads the layout wrong on one path (as a new torch might)."""
+
+    id = "test.int8-misread"
+    wrong_path = "fp32"
+
+    def linear(self, operands: Any, x: torch.Tensor, path: str) -> torch.Tensor:
+        y = super().linear(operands, x, path)
+        return -y if path == self.wrong_path else y
+
+
+@pytest.mark.parametrize("wrong_path", ["fp32", "bf16"])
+def test_a_kernel_that_misreads_the_layout_fails_loudly_on_the_path_that_runs(wrong_path: str) -> None:
+    """The self-check runs on the default path at the fingerprint, and on a forced path at the first
+    layer that runs it; a path no layer runs is not checked (its first kernel calls cost time)."""
+    packer = type(
+        f"Misread{wrong_path}", (_MisreadInt8,), {"wrong_path": wrong_path, "id": f"test.misread-{wrong_path}"}
+    )()
+    parts = packer.pack(np.ones((8, 64), np.float32), "F32")
+    default = packer.kernel_path(None)
+    other = next(p for p in packer.paths if p != default)
+    if wrong_path == default:
+        with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
+            packer.fingerprint()
+        with pytest.raises(packcache.PackResultError, match="bump the packer's version"):
+            PackedLinear.from_parts(packer, parts, None, kernel_path=wrong_path)
+        PackedLinear.from_parts(packer, parts, None, kernel_path=other)  # the right path still loads
+    else:
+        packer.fingerprint()  # the default path reads the layout right: nothing to say
+        with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
+            PackedLinear.from_parts(packer, parts, None, kernel_path=wrong_path)

@@ -174,10 +174,29 @@ class TorchPacker(Packer):
 
     def fingerprint(self) -> str:
         digest = super().fingerprint()
-        if digest not in _CHECKED:
-            _self_check(self)
-            _CHECKED.add(digest)
+        self.check_path(self.kernel_path(None))
         return digest
+
+    def check_path(self, path: str) -> None:
+        """Run :func:`_self_check` on kernel ``path`` once per process per packer identity.
+
+        The platform fingerprint checks the path this process runs by default (the machine's
+        rule or ``$PACKCACHE_KERNEL_PATH``); :meth:`PackedLinear.from_parts
+        <packcache.torch.PackedLinear.from_parts>` checks a path forced on a layer. A path no layer
+        runs is not checked: its kernels' first calls cost tens of milliseconds at every launch.
+
+        Raises:
+            PackResultError: the kernel does not compute what the layout means on ``path``.
+        """
+        checked: set[str] | None = self.__dict__.get("_checked_paths")
+        if checked is not None and path in checked:
+            return
+        # The packer's identity, not its fingerprint: two packers may pack the same bytes and read them differently.
+        key = (f"{type(self).__module__}.{type(self).__qualname__}", self.id, self.version, self._params_json(), path)
+        if key not in _CHECKED:
+            _self_check(self, path)
+            _CHECKED.add(key)
+        self.__dict__.setdefault("_checked_paths", set()).add(path)
 
     def intended(
         self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None
@@ -253,14 +272,14 @@ class TorchPacker(Packer):
         return rows <= self.fused_max_rows.get(path, 0) and cpu_kernels().fused_weight_only
 
 
-#: Fingerprints whose kernel self-check passed in this process.
-_CHECKED: set[str] = set()
+#: (packer class, id, version, params, kernel path) whose kernel self-check passed in this process.
+_CHECKED: set[tuple[str, str, int, str, str]] = set()
 
 
-def _self_check(packer: TorchPacker) -> None:
-    """Run every kernel path (and on ``bf16`` both the fused kernel and the per-call dequantisation)
-    on the fingerprint pack and compare with the intended weight: a torch whose kernel reads the
-    layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers."""
+def _self_check(packer: TorchPacker, path: str) -> None:
+    """Run kernel ``path`` (both the fused kernel and the per-call dequantisation where the path has
+    both) on the fingerprint pack and compare with the intended weight: a torch whose kernel reads
+    the layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers."""
     source = fingerprint_input()
     stats = fingerprint_stats() if packer.uses_stats else None
     parts = packer.checked_pack(source, "F32", stats)
@@ -268,21 +287,20 @@ def _self_check(packer: TorchPacker) -> None:
     operands: dict[str, torch.Tensor | None] = {p: as_tensor(a, dtypes.get(p)) for p, a in parts.items()}
     operands["bias"] = None
     weight = torch.from_numpy(packer.intended(source, "F32", stats))
-    for path in packer.paths:
-        prepared = packer.prepare(operands, path)
-        for rows in sorted({3, packer.fused_max_rows.get(path, 0) + 1}):
-            x = torch.from_numpy(fingerprint_input((rows, source.shape[1])))
-            expected = x @ weight.T
-            with torch.inference_mode():
-                got = packer.linear(prepared, x.to(activation_dtype(path)).contiguous(), path).float()
-            error = float((got - expected).abs().max())
-            if not error <= packer.tolerance(path, rows):
-                raise PackResultError(
-                    f"packer {packer.id} failed its kernel self-check on torch {torch.__version__} "
-                    f"({packer.kernel(path, rows)}, path {path}): max error {error:.3g} > "
-                    f"{packer.tolerance(path, rows):.3g}; "
-                    "the kernel no longer reads this layout, bump the packer's version"
-                )
+    prepared = packer.prepare(operands, path)
+    for rows in sorted({3, packer.fused_max_rows.get(path, 0) + 1}):
+        x = torch.from_numpy(fingerprint_input((rows, source.shape[1])))
+        expected = x @ weight.T
+        with torch.inference_mode():
+            got = packer.linear(prepared, x.to(activation_dtype(path)).contiguous(), path).float()
+        error = float((got - expected).abs().max())
+        if not error <= packer.tolerance(path, rows):
+            raise PackResultError(
+                f"packer {packer.id} failed its kernel self-check on torch {torch.__version__} "
+                f"({packer.kernel(path, rows)}, path {path}): max error {error:.3g} > "
+                f"{packer.tolerance(path, rows):.3g}; "
+                "the kernel no longer reads this layout, bump the packer's version"
+            )
 
 
 def _tensor(operands: Operands, name: str) -> torch.Tensor:

@@ -163,11 +163,14 @@ class PackedLinear(nn.Module):
         Raises:
             TypeError: ``packer`` is not a torch packer (it has no forward).
             ValueError: a path the packer does not have.
+            PackResultError: the packer's kernel fails its self-check on that path (once per process).
         """
         if not isinstance(packer, TorchPacker):
             raise TypeError(f"PackedLinear has no kernel for packer {packer!r}: use a packcache.packers_torch packer")
         out_features, in_features = packer.dims(parts)
-        layer = cls(packer, in_features, out_features, packer.kernel_path(kernel_path))
+        path = packer.kernel_path(kernel_path)
+        packer.check_path(path)  # once per process and path; a set lookup afterwards
+        layer = cls(packer, in_features, out_features, path)
         dtypes = packer.part_dtypes()
         # Straight into the buffer table (what register_buffer does after its name checks, which
         # these fixed names pass): this runs for every layer of every warm load.
