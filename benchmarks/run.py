@@ -36,6 +36,9 @@ Method (printed first when run):
   cosine vs sentence-transformers fp32; time to the first embedding in a fresh process;
   ``minilm.load`` warm against safetensors on the source and against repacking.
 * Telemetry: ``core.bench_telemetry`` (10,000 reads with and without a session).
+* Hugging Face models (``benchmarks/hf.py``, its docstring has the method): warm ``packcache.hf``
+  loads against ``AutoModel*.from_pretrained`` and ``SentenceTransformer`` in fresh processes,
+  Anonymous growth, and throughput and cosine against the unpacked fp32 model.
 
 Figures are medians with the interquartile range; ratios are of medians measured
 in the same run. Absolute times drift on a shared machine; compare the ratios.
@@ -64,6 +67,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import core  # noqa: E402  (benchmarks/core.py: quartiles, the bare-mmap limit, scaling, telemetry)
+import hf  # noqa: E402  (benchmarks/hf.py: packcache.hf load, memory and throughput against transformers)
 import inference  # noqa: E402  (benchmarks/inference.py: throughput, first embedding, model load)
 
 warnings.filterwarnings("ignore", message=".*register_constant.*")
@@ -694,6 +698,7 @@ def print_summary(results: list[dict[str, Any]], quick: bool) -> None:
                 ratio = row["warm_ms"] / row["warm_limit_ms"]
                 checks.append((f"core warm path, {row['tensors']} packs: / bare-mmap limit <= 3", ratio, ratio <= 3))
     checks += inference.targets(results, inference.MIN_COSINE)
+    checks += hf.targets(results)
     print("\ntargets" + (" (--quick: the Llama model is ~60 M params, not 1 B)" if quick else ""))
     for what, value, ok in checks:
         print(f"  {'met   ' if ok else 'MISSED'}  {what:<60} measured {value:.3g}")
@@ -701,7 +706,7 @@ def print_summary(results: list[dict[str, Any]], quick: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small Llama, fewer repetitions: under 2 minutes")
+    parser.add_argument("--quick", action="store_true", help="small models, fewer repetitions: about 10 minutes")
     parser.add_argument("--json", default=os.path.join(HERE, "results.json"), help="results file")
     parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "benchmarks_pss.png"), help="PSS plot")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -762,6 +767,9 @@ def main() -> None:
         results.append(r)
         found = inference.run(d, args.quick)
         inference.print_results(found)
+        results += found
+        found = hf.run(d, args.quick)
+        hf.print_results(found)
         results += found
     print_summary(results, args.quick)
     elapsed = time.perf_counter() - began

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks of docs/BENCHMARKS.md: sets up the bench extras, then runs benchmarks/run.py.
-# `bash scripts/bench.sh --quick` takes about 7 minutes; without it, about 30 (measured on the shared 2-core machine).
+# `bash scripts/bench.sh --quick` takes about 10 minutes; without it, about 36 (measured on the shared 2-core machine;
+# benchmarks/hf.py is 2.6 and 6.2 of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
