@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,96 @@ def test_pack_count_is_what_a_load_requests(checkpoints: dict[str, Path], tmp_pa
         stats = model.packcache.stats()
         assert hf.pack_count(checkpoints[arch], scheme, auto_class=auto) == stats.stored + stats.hits
         model.packcache.close()
+
+
+def test_two_threads_building_skeletons_leave_torch_init_alone(tmp_path: Path) -> None:
+    """Building a skeleton swaps process-wide functions (torch.nn.init's, tie_weights) for no-ops and
+    puts back what it saw on entry. Thread A builds a model whose constructor waits; thread B starts
+    its own build meanwhile and finishes after A. Interleaved, B saw A's no-ops on entry and put them
+    back for good; serialised, B waits for A and the originals stay."""
+    import threading
+
+    class SlowConfig(transformers.PretrainedConfig):
+        model_type = "packcache-test-slow"
+
+    b_started, a_done = threading.Event(), threading.Event()
+
+    class SlowModel(transformers.PreTrainedModel):
+        config_class = SlowConfig
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            if threading.current_thread().name == "A":
+                b_started.wait(10)
+                time.sleep(0.3)  # B, unless serialised, enters the init contexts now
+            else:
+                a_done.wait(10)  # ... and leaves them after A left
+            self.proj = torch.nn.Linear(64, 64)
+            self.post_init()
+
+    transformers.AutoConfig.register(SlowConfig.model_type, SlowConfig)
+    transformers.AutoModel.register(SlowConfig, SlowModel)
+    directory = tmp_path / "slow"
+    a_done.set()  # the save below runs the constructor outside any thread named A
+    SlowModel(SlowConfig()).save_pretrained(directory)
+    a_done.clear()
+    originals = (torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, transformers.PreTrainedModel.tie_weights)
+    errors: list[BaseException] = []
+
+    def load(name: str) -> None:
+        try:
+            if name == "B":
+                b_started.set()
+            model = hf.from_pretrained(directory, "int8", None)
+            assert isinstance(model.proj, PackedLinear)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            if name == "A":
+                a_done.set()
+
+    threads = [threading.Thread(target=load, args=(n,), name=n) for n in ("A", "B")]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    now = (torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, transformers.PreTrainedModel.tie_weights)
+    assert now == originals, "a no-op stayed installed in place of torch.nn.init or tie_weights"
+
+
+def test_threads_loading_at_once_get_right_models(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Eight threads load at once (half into one shared cache file): every model matches a heap load."""
+    import threading
+
+    expected = {arch: outputs(hf.from_pretrained(checkpoints[arch], "int8", None, auto_class=CAUSAL), ids_for())
+                for arch in ("llama", "gpt2")}  # fmt: skip
+    results: dict[int, Any] = {}
+    start = threading.Barrier(8)
+
+    def load(i: int) -> None:
+        arch = ("llama", "gpt2")[i % 2]
+        cache = tmp_path / ("shared.pcache" if i < 4 else f"own-{i}.pcache")
+        start.wait()
+        try:
+            model = hf.from_pretrained(checkpoints[arch], "int8", cache, auto_class=CAUSAL)
+            results[i] = (arch, outputs(model, ids_for()), model.packcache.stats().state)
+            model.packcache.close()
+        except BaseException as exc:  # reported below, with the thread it came from
+            results[i] = exc
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(results) == 8, f"threads did not finish: {sorted(results)}"
+    for i, result in sorted(results.items()):
+        assert not isinstance(result, BaseException), f"thread {i}: {result!r}"
+        arch, got, state = result
+        assert state in ("stored", "mapped"), (i, state)
+        assert torch.equal(got, expected[arch]), f"thread {i} ({arch}) got other outputs"
 
 
 # ----------------------------------------------------------------------------- the real all-MiniLM-L6-v2

@@ -31,6 +31,7 @@ Example (run by ``tests/test_hf.py``, not as a doctest: it needs a checkpoint)::
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,9 @@ SCHEMES = ("fp32", "bf16", "int8", "int4")
 
 #: Module classes computing ``x @ weight + bias`` with ``weight`` stored ``[in, out]``: packed transposed.
 TRANSPOSED_LINEARS: tuple[type[nn.Module], ...] = (Conv1D,)
+
+#: Serialises :func:`_skeleton` (see there).
+_SKELETON_LOCK = threading.Lock()
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -274,8 +278,13 @@ def _skeleton(model_class: type[Any], config: Any) -> Any:
 
     config.dtype = torch.float32
     # no_init_weights: the meta tensors need no initialisation (torch's own reset_parameters is most of the time
-    # a meta build takes); buffers are set below.
-    with ContextManagers([*model_class.get_init_context(torch.float32, False, False, None), no_init_weights()]):
+    # a meta build takes); buffers are set below. These contexts swap process-wide functions (torch.nn.init's,
+    # PreTrainedModel.tie_weights) and put back what they saw on entry: two threads interleaving them could leave
+    # the no-op versions installed for good, so skeletons are built one at a time.
+    with (
+        _SKELETON_LOCK,
+        ContextManagers([*model_class.get_init_context(torch.float32, False, False, None), no_init_weights()]),
+    ):
         model = model_class(config)
     owners: dict[str, nn.Module] = {}
     for name, buffer in model.named_non_persistent_buffers():
