@@ -46,6 +46,19 @@ def quartiles(samples: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(samples), q[2]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``lscpu``), else what ``platform`` knows."""
+    import contextlib
+    import subprocess
+
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    return model
+
+
 def timed(fn: Callable[[], object], repeat: int) -> list[float]:
     out = []
     for _ in range(repeat):

@@ -49,7 +49,6 @@ Usage: python benchmarks/hf.py [--quick] [--json FILE]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -649,13 +648,8 @@ def machine() -> dict[str, Any]:
 
     from packcache.kernels import cpu_kernels
 
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
     return {
-        "cpu": model,
+        "cpu": core.cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": THREADS,
         "kernels": cpu_kernels().flags(),

@@ -619,13 +619,8 @@ def bench_scaling(directory: str, repeat: int) -> dict[str, Any]:
 def machine() -> dict[str, Any]:
     import torch
 
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
     return {
-        "cpu": model,
+        "cpu": core.cpu_model(),
         "kernels": inference.cpu_report(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
