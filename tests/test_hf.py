@@ -471,6 +471,11 @@ def test_missing_or_malformed_checkpoints_are_clear_errors(checkpoints: dict[str
     (hostile / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FormatError, match="not a file name in this directory"):
         hf.from_pretrained(hostile, "int8", None)
+    huge = {"weight_map": {"w": "x" * 1_000_000 + "/y"}}  # a hostile name stays out of the message
+    (hostile / "model.safetensors.index.json").write_text(json.dumps(huge))
+    with pytest.raises(FormatError, match="not a file name") as caught:
+        hf.from_pretrained(hostile, "int8", None)
+    assert len(str(caught.value)) < 500
     (hostile / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(FormatError, match=r"model\.safetensors\.index\.json"):
         hf.from_pretrained(hostile, "int8", None)

@@ -31,6 +31,7 @@ Example (run by ``tests/test_hf.py``, not as a doctest: it needs a checkpoint)::
 from __future__ import annotations
 
 import os
+import reprlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -79,6 +80,15 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_JSON_BYTES = 64 << 20  # a 1 T-parameter model's index is a few MiB; a config, a few KiB
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def _short(value: object) -> str:
+    """A bounded repr of a value from a checkpoint file (a 60 MB name must not become a 60 MB message)."""
+    return _REPR.repr(value)
+
+
 def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
     """The ``platform=`` mapping of a cache of ``scheme``: its packers' identities and fingerprints,
     the torch version and the CPU capability. :func:`from_pretrained` opens cache paths with it."""
@@ -120,7 +130,7 @@ class Checkpoint:
             for name in file:
                 if name in self._where:
                     raise FormatError(
-                        f"tensor {name!r} is in two shards ({os.path.basename(self._where[name].path)} too)",
+                        f"tensor {_short(name)} is in two shards ({os.path.basename(self._where[name].path)} too)",
                         path=file.path, offset=8,
                     )  # fmt: skip
                 self._where[name] = file
@@ -138,7 +148,7 @@ class Checkpoint:
 
         if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
             raise FormatError(
-                f"model_type {model_type!r} is not one transformers {transformers.__version__} knows",
+                f"model_type {_short(model_type)} is not one transformers {transformers.__version__} knows",
                 path=str(self.config_path),
             )  # fmt: skip
         config = CONFIG_MAPPING[model_type].from_dict(settings)
@@ -220,8 +230,8 @@ def _read_index(index: Path) -> list[str]:
     shards: list[str] = []
     for tensor, shard in weight_map.items():
         if not isinstance(shard, str) or not shard or shard in (".", "..") or "/" in shard or "\0" in shard:
-            raise FormatError(f"tensor {tensor!r} names the shard {shard!r}: not a file name in this directory",
-                              path=str(index))  # fmt: skip
+            where = f"tensor {_short(tensor)} names the shard {_short(shard)}"
+            raise FormatError(f"{where}: not a file name in this directory", path=str(index))
         if shard not in shards:
             shards.append(shard)
     return shards
