@@ -258,3 +258,22 @@ def test_a_kernel_that_misreads_the_layout_fails_loudly_on_the_path_that_runs(wr
         packer.fingerprint()  # the default path reads the layout right: nothing to say
         with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
             PackedLinear.from_parts(packer, parts, None, kernel_path=wrong_path)
+
+
+def test_the_self_check_reuses_the_fingerprints_pack() -> None:
+    """A process's first fingerprint packs the fingerprint input twice (the determinism check) and no
+    more: the kernel self-check runs on that pack, it does not pack a third time."""
+    calls: list[int] = []
+
+    class Counting(Int8WeightOnly):
+        id = "test.int8-counting"
+
+        def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Any:
+            calls.append(1)
+            return super().pack(source, dtype, stats)
+
+    packer = Counting()
+    packer.fingerprint()
+    assert len(calls) == 2
+    PackedLinear.from_parts(packer, packer.fingerprint_pack(), None, kernel_path="fp32")  # another path's check
+    assert len(calls) == 2

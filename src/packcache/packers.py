@@ -188,11 +188,22 @@ class Packer:
             PackResultError: packing the same input twice gave different bytes (the
                 packer is not deterministic, or its output depends on addresses).
         """
-        identity = (f"{type(self).__module__}.{type(self).__qualname__}", self.id, self.version, self._params_json())
+        identity = self._identity()
         digest = _FINGERPRINTS.get(identity)
         if digest is None:
-            digest = _FINGERPRINTS[identity] = _fingerprint(self)
+            digest, _FINGERPRINT_PACKS[identity] = _fingerprint(self)
+            _FINGERPRINTS[identity] = digest
         return digest
+
+    def fingerprint_pack(self) -> Parts:
+        """The parts of this packer's pack of :func:`fingerprint_input` (with :func:`fingerprint_stats`
+        if it uses them), as :meth:`fingerprint` made them: for checks that need the pack itself
+        (a kernel self-check) without packing again. Read-only; computed once per process."""
+        Packer.fingerprint(self)
+        return _FINGERPRINT_PACKS[self._identity()]
+
+    def _identity(self) -> tuple[str, str, int, str]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", self.id, self.version, self._params_json())
 
     def _params_json(self) -> str:
         return json.dumps(self.params, sort_keys=True)
@@ -252,9 +263,11 @@ def fingerprint_stats(features: int = FINGERPRINT_SHAPE[1]) -> np.ndarray[Any, A
 
 #: Fingerprints computed in this process, by (class, id, version, params): each is computed once.
 _FINGERPRINTS: dict[tuple[str, str, int, str], str] = {}
+#: The pack each fingerprint hashed (a few KiB per packer), by the same identity.
+_FINGERPRINT_PACKS: dict[tuple[str, str, int, str], Parts] = {}
 
 
-def _fingerprint(packer: Packer) -> str:
+def _fingerprint(packer: Packer) -> tuple[str, Parts]:
     source = fingerprint_input()
     stats = fingerprint_stats() if packer.uses_stats else None
     first = packer.checked_pack(source, "F32", stats)
@@ -273,7 +286,9 @@ def _fingerprint(packer: Packer) -> str:
             )
         digest.update(f"{part}|{a.dtype.str}|{list(a.shape)}|".encode())
         digest.update(a.tobytes())
-    return digest.hexdigest()
+    for array in first.values():
+        array.setflags(write=False)
+    return digest.hexdigest(), first
 
 
 def platform_for(packers: Iterable[Packer]) -> dict[str, Any]:

@@ -282,7 +282,7 @@ def _self_check(packer: TorchPacker, path: str) -> None:
     the layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers."""
     source = fingerprint_input()
     stats = fingerprint_stats() if packer.uses_stats else None
-    parts = packer.checked_pack(source, "F32", stats)
+    parts = packer.fingerprint_pack()  # the pack the fingerprint hashed: not packed again
     dtypes = packer.part_dtypes()
     operands: dict[str, torch.Tensor | None] = {p: as_tensor(a, dtypes.get(p)) for p, a in parts.items()}
     operands["bias"] = None
