@@ -181,17 +181,17 @@ class Checkpoint:
         Raises:
             KeyError: no tensor of that name (the message names the directory).
         """
-        file = self._where.get(name)
-        if file is None:
-            raise KeyError(f"{self.directory}: no tensor named {name!r} in the checkpoint")
-        return file.meta(name)
+        return self._file(name).meta(name)
 
     def read(self, name: str) -> np.ndarray[Any, Any]:
         """One tensor's bytes, read now (see :meth:`packcache.safetensors.SafetensorsFile.read`)."""
+        return self._file(name).read(name)
+
+    def _file(self, name: str) -> SafetensorsFile:
         file = self._where.get(name)
         if file is None:
-            raise KeyError(f"{self.directory}: no tensor named {name!r} in the checkpoint")
-        return file.read(name)
+            raise KeyError(f"{self.directory}: no tensor named {_short(name)} in the checkpoint")
+        return file
 
 
 def _read_json(path: Path, what: str) -> Any:
