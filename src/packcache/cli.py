@@ -21,6 +21,7 @@ from typing import Any, TextIO
 from .cache import aggregate_stats
 from .errors import FormatError, LockTimeoutError, PackCacheError, UntrustedFileError
 from .maintenance import InspectReport, compact, gc, inspect, verify
+from .packers import SCHEMES
 
 __all__ = ["default_cache_dir", "main", "sanitize"]
 
@@ -252,11 +253,11 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    from .kernels import cpu_kernels
+    from .kernels import cpu_kernels, default_scheme
     from .memory import release_free_heap, smaps_rollup
 
-    # auto: minilm.default_scheme(), int8 where torch has its vectorised int8/int4 kernels, else fp32.
-    scheme = minilm.default_scheme() if args.scheme == "auto" else args.scheme
+    # auto: int8 where torch has its vectorised int8/int4 kernels, else fp32 (kernels.default_scheme).
+    scheme = default_scheme() if args.scheme == "auto" else args.scheme
     kernel_path = None if args.kernel_path == "auto" else args.kernel_path
     path = _cache_file(args, scheme)
     try:
@@ -380,12 +381,12 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
     except ImportError as exc:
         print(f"packcache build needs the hf extra ({exc}): pip install 'packcache[hf]'", file=sys.stderr)
         return EXIT_FAILED
-    from .kernels import cpu_kernels
+    from .kernels import default_scheme
     from .memory import release_free_heap, smaps_rollup
 
     scheme = args.scheme
     if scheme == "auto":
-        scheme = "int8" if cpu_kernels().fused_weight_only else "fp32"
+        scheme = default_scheme()
     path = args.cache or _checkpoint_cache_file(args.checkpoint, args.cache_dir, scheme)
     try:
         total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
@@ -493,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--scheme",
-        choices=("auto", "fp32", "bf16", "int8", "int4"),
+        choices=("auto", *SCHEMES),
         default="auto",
         help="weight scheme (default auto: int8 on CPUs with AVX2/AVX512, where it is fast; else fp32)",
     )
@@ -518,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument("checkpoint", help="a local save_pretrained directory (config.json, *.safetensors)")
     build.add_argument(
-        "--scheme", choices=("auto", "fp32", "bf16", "int8", "int4"), default="auto",
+        "--scheme", choices=("auto", *SCHEMES), default="auto",
         help="weight scheme of the linear layers (default auto: int8 on CPUs with AVX2/AVX512, else fp32)",
     )  # fmt: skip
     build.add_argument("--cache", help="the cache file (default: <cache dir>/<name>-<path hash>-<scheme>.pcache)")

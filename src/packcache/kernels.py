@@ -49,6 +49,7 @@ __all__ = [
     "Int4Layout",
     "activation_dtype",
     "cpu_kernels",
+    "default_scheme",
     "int4_layout",
     "requested_path",
 ]
@@ -124,6 +125,19 @@ def _probe(name: str) -> bool:
         return bool(probe()) if probe is not None else False
     except RuntimeError:
         return False
+
+
+def default_scheme() -> str:
+    """The scheme that is fast on this machine: ``int8`` where torch has its vectorised
+    weight-only kernels (an AVX2 or AVX512 CPU: on either kernel path int8 runs as fast as
+    the float schemes, measured in ``docs/BENCHMARKS.md``, from the smallest fast cache),
+    else ``fp32`` (without them every int8/int4 product is dequantised first).
+    What ``--scheme auto`` means on the command line.
+
+    >>> default_scheme() in ("int8", "fp32")
+    True
+    """
+    return "int8" if cpu_kernels().fused_weight_only else "fp32"
 
 
 @functools.cache

@@ -261,6 +261,11 @@ def fingerprint_stats(features: int = FINGERPRINT_SHAPE[1]) -> np.ndarray[Any, A
     return result
 
 
+#: The weight schemes of the linear layers (:func:`packcache.torch.scheme_packer` maps each to its
+#: torch packer), named here, without torch, so the command line can list them.
+SCHEMES = ("fp32", "bf16", "int8", "int4")
+
+
 #: Fingerprints computed in this process, by (class, id, version, params): each is computed once.
 _FINGERPRINTS: dict[tuple[str, str, int, str], str] = {}
 #: The pack each fingerprint hashed (a few KiB per packer), by the same identity.

