@@ -150,6 +150,19 @@ def test_cache_argument_forms(tmp_path: Path) -> None:
     assert minilm.default_cache_path("int4").name == "minilm-int4.pcache"
 
 
+def test_default_cache_path_is_in_the_directory_packcache_run_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from packcache.cli import default_cache_dir
+
+    monkeypatch.setenv("PACKCACHE_DIR", str(tmp_path / "explicit"))
+    assert minilm.default_cache_path("int8") == tmp_path / "explicit" / "minilm-int8.pcache"
+    monkeypatch.delenv("PACKCACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert minilm.default_cache_path("int8") == tmp_path / "xdg" / "packcache" / "minilm-int8.pcache"
+    assert str(minilm.default_cache_path("fp32").parent) == default_cache_dir()
+
+
 def test_model_path_takes_a_checkpoint_with_bert_prefixed_names(
     tmp_path: Path, launches: dict[str, dict[str, Any]]
 ) -> None:

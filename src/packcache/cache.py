@@ -39,6 +39,7 @@ import numpy as np
 from . import format as fmt
 from .errors import PackResultError, SessionError
 from .ledger import Held, Ledger
+from .paths import DEFAULT_LOCK_TIMEOUT
 from .stats import FAILURE_REASONS, CacheStats, HeapReason
 from .store import Fault, FileStore
 
@@ -49,7 +50,9 @@ logger = logging.getLogger("packcache")
 PackFn = Callable[[], "np.ndarray[Any, Any]"]
 
 #: Process-wide defaults, changed through :func:`packcache.set_option`.
-DEFAULTS: dict[str, Any] = {"enabled": True, "lock_timeout": 30.0, "read_only": False, "verify": False}
+DEFAULTS: dict[str, Any] = {
+    "enabled": True, "lock_timeout": DEFAULT_LOCK_TIMEOUT, "read_only": False, "verify": False,
+}  # fmt: skip
 
 _registry_lock = threading.Lock()
 _live: tuple[weakref.ref[WeightCache], ...] = ()

@@ -22,6 +22,7 @@ from .cache import aggregate_stats
 from .errors import FormatError, LockTimeoutError, PackCacheError, UntrustedFileError
 from .maintenance import InspectReport, compact, gc, inspect, verify
 from .packers import SCHEMES
+from .paths import DEFAULT_LOCK_TIMEOUT, default_cache_dir
 
 __all__ = ["default_cache_dir", "main", "sanitize"]
 
@@ -32,15 +33,6 @@ DEFAULT_TEXTS = (
     "A fallback to heap is reported in bytes, per reason, with the errno.",
     "",
 )
-
-
-def default_cache_dir() -> str:
-    """``$PACKCACHE_DIR``, else ``$XDG_CACHE_HOME/packcache``, else ``~/.cache/packcache``."""
-    explicit = os.environ.get("PACKCACHE_DIR")
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "packcache")
 
 
 def sanitize(text: str) -> str:
@@ -546,7 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     com = sub.add_parser("compact", help="rewrite without superseded bytes (temp file + rename; safe for mappers)")
     com.add_argument("file")
-    com.add_argument("--lock-timeout", type=float, default=30.0, help="seconds to wait for the build lock")
+    com.add_argument(
+        "--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait for the build lock"
+    )
     com.add_argument("--json", action="store_true")
     com.set_defaults(func=cmd_compact)
 

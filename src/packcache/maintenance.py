@@ -38,6 +38,7 @@ from . import boundedjson
 from . import format as fmt
 from .errors import FormatError, LockTimeoutError, UntrustedFileError
 from .paths import (
+    DEFAULT_LOCK_TIMEOUT,
     acquire_build_lock,
     create_temp,
     fsync_dir,
@@ -257,7 +258,7 @@ class CompactReport:
         return self.bytes_before - self.bytes_after
 
 
-def compact(path: str | os.PathLike[str], *, lock_timeout: float = 30.0) -> CompactReport:
+def compact(path: str | os.PathLike[str], *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> CompactReport:
     """Rewrite a cache file without superseded bytes.
 
     Refuses what :class:`~packcache.WeightCache` refuses, before writing anything

@@ -48,9 +48,11 @@ from collections.abc import Callable
 from .errors import LockTimeoutError, UntrustedFileError
 
 __all__ = [
+    "DEFAULT_LOCK_TIMEOUT",
     "acquire_build_lock",
     "close_if_same",
     "create_temp",
+    "default_cache_dir",
     "file_identity",
     "fsync_dir",
     "lock_path_for",
@@ -65,6 +67,21 @@ __all__ = [
     "unlink_quietly",
     "wait_for_flock",
 ]
+
+#: Seconds a writer waits for another process's build lock by default (``packed_cache_lock_timeout``,
+#: ``compact``, ``packcache compact --lock-timeout``).
+DEFAULT_LOCK_TIMEOUT = 30.0
+
+
+def default_cache_dir() -> str:
+    """Where cache files go by default: ``$PACKCACHE_DIR``, else ``$XDG_CACHE_HOME/packcache``,
+    else ``~/.cache/packcache``."""
+    explicit = os.environ.get("PACKCACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "packcache")
+
 
 _KINDS = {
     stat.S_IFIFO: "a FIFO",

@@ -45,8 +45,9 @@ from torch import nn
 from . import format as fmt
 from .cache import Session, WeightCache
 from .kernels import activation_dtype
-from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta
+from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta, packed_nbytes
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
+from .safetensors import TensorMeta
 from .stats import CacheStats
 
 __all__ = [
@@ -78,14 +79,6 @@ class TensorSource(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class _Meta:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    identity: str
-
-
 _TORCH_TO_CODE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
 
@@ -113,7 +106,7 @@ class ModuleSource:
         tensor = self._tensors[name]
         if tensor.dtype not in _TORCH_TO_CODE:
             raise TypeError(f"parameter {name!r} has dtype {tensor.dtype}; only float parameters can be packed")
-        return _Meta(name, tuple(tensor.shape), _TORCH_TO_CODE[tensor.dtype], self.identity)
+        return TensorMeta(name, tuple(tensor.shape), _TORCH_TO_CODE[tensor.dtype], self.identity)
 
     def read(self, name: str) -> np.ndarray[Any, Any]:
         param = self._tensors[name]
@@ -453,7 +446,7 @@ def _convert(
         if flip:
             if len(meta.shape) != 2:
                 raise ValueError(f"source tensor {name!r} has shape {list(meta.shape)}; a transposed layer needs 2-d")
-            meta = _Meta(meta.name, meta.shape[::-1], meta.dtype, meta.identity + ";transposed")
+            meta = TensorMeta(meta.name, meta.shape[::-1], meta.dtype, meta.identity + ";transposed")
         if tuple(meta.shape) != expected:
             raise ValueError(f"source tensor {name!r} has shape {list(meta.shape)}, the module {list(expected)}")
         stats = None
@@ -468,7 +461,7 @@ def _convert(
             session, name, with_packer, meta, read,
             stats=stats, calibration=calibration.identity if calibration is not None else None,
         )  # fmt: skip
-        report.packed_bytes += sum(int(a.nbytes) for a in parts.values())
+        report.packed_bytes += packed_nbytes(parts)
         return parts
 
     modules = dict(module.named_modules())

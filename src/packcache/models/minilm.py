@@ -29,7 +29,7 @@ Schemes (the packer of the linear layers):
 :class:`~packcache.WeightCache`, or ``None`` (caching off: everything is packed
 to heap on every load, and ``m.cache.stats().state`` says ``off``).
 :func:`default_cache_path` gives the conventional file,
-``$XDG_CACHE_HOME/packcache/minilm-<scheme>.pcache``.
+``minilm-<scheme>.pcache`` in ``$PACKCACHE_DIR`` or ``$XDG_CACHE_HOME/packcache``.
 
 Example (run by ``tests/test_minilm.py``, not as a doctest: it takes seconds)::
 
@@ -60,6 +60,7 @@ from ..kernels import activation_dtype
 from ..memory import release_free_heap
 from ..packers import SCHEMES, Float32, Packer, platform_for
 from ..packers_torch import TorchPacker
+from ..paths import default_cache_dir
 from ..safetensors import SafetensorsFile
 from ..torch import (
     Calibration,
@@ -162,14 +163,14 @@ def default_model_path() -> Path:
 
 
 def default_cache_path(scheme: str) -> Path:
-    """``$XDG_CACHE_HOME/packcache/minilm-<scheme>.pcache`` (``~/.cache`` when XDG_CACHE_HOME is unset).
+    """``minilm-<scheme>.pcache`` in :func:`packcache.paths.default_cache_dir` (``$PACKCACHE_DIR``, else
+    ``$XDG_CACHE_HOME/packcache``, else ``~/.cache/packcache``), the directory ``packcache run`` uses.
 
     >>> default_cache_path("int8").name
     'minilm-int8.pcache'
     """
     _check_scheme(scheme)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "packcache" / f"minilm-{scheme}.pcache"
+    return Path(default_cache_dir()) / f"minilm-{scheme}.pcache"
 
 
 def _check_scheme(scheme: str) -> None:
