@@ -39,6 +39,7 @@ __all__ = [
     "canonical_key",
     "choose_slot",
     "compacted_size",
+    "crc32",
     "data_start_for",
     "decode_header",
     "decode_index",
@@ -224,8 +225,13 @@ def shape_fits(shape: Sequence[int], itemsize: int) -> bool:
     return size <= MAX_DIM
 
 
-def _crc(data: bytes | memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+def crc32(data: Any, crc: int = 0) -> int:
+    """The file's checksum: zlib's crc32 of ``data`` (any buffer), continuing from ``crc``, as an unsigned 32-bit int.
+
+    >>> crc32(b"packcache") == crc32(b"cache", crc32(b"pack"))
+    True
+    """
+    return zlib.crc32(data, crc) & 0xFFFFFFFF
 
 
 # --------------------------------------------------------------------------- header
@@ -241,8 +247,8 @@ def encode_header(alignment: int, platform: bytes) -> bytes:
     if len(platform) > PLATFORM_MAX:
         raise ValueError(f"platform fingerprint is {len(platform)} bytes, at most {PLATFORM_MAX} fit")
     data_start = data_start_for(alignment)
-    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, alignment, data_start, len(platform), _crc(platform), bytes(32), 0)
-    head = head[:-4] + struct.pack("<I", _crc(head[:-4]))
+    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, alignment, data_start, len(platform), crc32(platform), bytes(32), 0)
+    head = head[:-4] + struct.pack("<I", crc32(head[:-4]))
     region = bytearray(data_start)
     region[: PREAMBLE.size] = head
     region[PLATFORM_OFFSET : PLATFORM_OFFSET + len(platform)] = platform
@@ -260,7 +266,7 @@ def decode_header(buf: bytes, *, path: str | None = None) -> Header:
     magic, version, alignment, data_start, psize, pcrc, reserved, crc = PREAMBLE.unpack_from(buf, 0)
     if magic != MAGIC:
         raise FormatError(f"bad magic {magic!r}; not a packcache file", path=path, offset=0)
-    if _crc(buf[: PREAMBLE.size - 4]) != crc:
+    if crc32(buf[: PREAMBLE.size - 4]) != crc:
         raise FormatError("preamble checksum mismatch", path=path, offset=60)
     if version != FORMAT_VERSION:
         raise FormatError(
@@ -276,7 +282,7 @@ def decode_header(buf: bytes, *, path: str | None = None) -> Header:
     if psize > PLATFORM_MAX:
         raise FormatError(f"platform fingerprint size {psize} exceeds {PLATFORM_MAX}", path=path, offset=20)
     platform = bytes(buf[PLATFORM_OFFSET : PLATFORM_OFFSET + psize])
-    if _crc(platform) != pcrc:
+    if crc32(platform) != pcrc:
         raise FormatError("platform fingerprint checksum mismatch", path=path, offset=PLATFORM_OFFSET)
     return Header(alignment=alignment, data_start=data_start, platform=platform, format_version=int(version))
 
@@ -291,7 +297,7 @@ def encode_slot(slot: Slot) -> bytes:
     body = SLOT.pack(
         SLOT_MAGIC, slot.generation, slot.index_offset, slot.index_size, slot.entry_count, slot.index_crc, bytes(20), 0
     )
-    return body[:-4] + struct.pack("<I", _crc(body[:-4]))
+    return body[:-4] + struct.pack("<I", crc32(body[:-4]))
 
 
 def decode_slot(buf: bytes) -> Slot | None:
@@ -305,7 +311,7 @@ def decode_slot(buf: bytes) -> Slot | None:
     if len(buf) < SLOT.size:
         raise FormatError(f"a commit slot is {SLOT.size} bytes, got {len(buf)}")
     magic, generation, ioff, isize, count, icrc, reserved, crc = SLOT.unpack_from(buf, 0)
-    if magic != SLOT_MAGIC or _crc(buf[: SLOT.size - 4]) != crc or reserved != bytes(20):
+    if magic != SLOT_MAGIC or crc32(buf[: SLOT.size - 4]) != crc or reserved != bytes(20):
         return None
     if generation == 0 or generation == MAX_GENERATION:  # 2**64-1 is reserved: no successor fits in a u64
         return None
@@ -403,7 +409,7 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
 
     if len(buf) != slot.index_size:
         raise fail(f"index is {len(buf)} bytes, slot says {slot.index_size}", 0)
-    if _crc(buf) != slot.index_crc:
+    if crc32(buf) != slot.index_crc:
         raise fail("index checksum mismatch", 0)
     if len(buf) < INDEX_HEAD.size:
         raise fail("index shorter than its 16-byte head", 0)

@@ -29,7 +29,6 @@ import os
 import reprlib
 import stat
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -200,7 +199,7 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
             crc = 0
             try:
                 for chunk in _chunks(fd, entry.offset, entry.nbytes, buffer, name):
-                    crc = zlib.crc32(chunk, crc)
+                    crc = fmt.crc32(chunk, crc)
             except FormatError as exc:
                 problems.append(VerifyProblem(entry.name, entry.offset, str(exc)))
                 continue
@@ -358,7 +357,7 @@ def _compact_locked(name: str, real: str, fd: int, st: os.stat_result) -> Compac
             at = fmt.align_up(at, header.alignment)
             crc = done = 0
             for chunk in _chunks(fd, entry.offset, entry.nbytes, buffer, name):
-                crc = zlib.crc32(chunk, crc)
+                crc = fmt.crc32(chunk, crc)
                 done += pwrite_all(temp_fd, chunk, at + done)
             if entry.nbytes and crc != entry.crc32:
                 # Cut the copy off again: gaps must stay zero (W1). Truncating is safe here
@@ -374,7 +373,7 @@ def _compact_locked(name: str, real: str, fd: int, st: os.stat_result) -> Compac
         # Compaction is no use of the cache: the copy keeps the original's access time (gc's LRU order).
         os.utime(temp_fd, ns=(st.st_atime_ns, time.time_ns()))
         os.fdatasync(temp_fd)
-        new_slot = fmt.Slot(generation, index_at, len(index), len(kept), zlib.crc32(index) & 0xFFFFFFFF)
+        new_slot = fmt.Slot(generation, index_at, len(index), len(kept), fmt.crc32(index))
         pwrite_all(temp_fd, fmt.encode_slot(new_slot), fmt.slot_offset(generation % 2))
         os.fsync(temp_fd)
         os.rename(temp, real)

@@ -30,7 +30,6 @@ import fcntl
 import os
 import stat
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -396,7 +395,7 @@ class FileStore:
             data = self.view(entry)
         except Fault:
             return True  # not mappable: the request goes to heap as map_failed anyway
-        if _crc32(data.reshape(-1).view(np.uint8)) == entry.crc32:
+        if fmt.crc32(data.reshape(-1).view(np.uint8)) == entry.crc32:
             return True
         self.corrupt.add(entry.name)
         return False
@@ -518,7 +517,7 @@ class FileStore:
             raise _fault_from_os(
                 exc, classify_write_errno(exc.errno), "cannot write to", self._target(writer)
             ) from None
-        entry = entry._replace(crc32=_crc32(data))
+        entry = entry._replace(crc32=fmt.crc32(data))
         writer.add(entry)
         writer.append_at = data_end
         try:
@@ -643,7 +642,7 @@ class FileStore:
         live = writer.live()
         index_at = fmt.align_up(writer.append_at, writer.header.alignment)
         index = fmt.encode_index(live)
-        slot = fmt.Slot(writer.generation, index_at, len(index), len(live), _crc32(index))
+        slot = fmt.Slot(writer.generation, index_at, len(index), len(live), fmt.crc32(index))
         target = self._target(writer)
         renamed = False
         try:
@@ -764,9 +763,5 @@ def entry_crc(region: Any, entry: fmt.Entry) -> int:
     for start in range(entry.offset, entry.offset + entry.nbytes, _CHUNK):
         end = min(start + _CHUNK, entry.offset + entry.nbytes)
         with memoryview(region) as whole, whole[start:end] as chunk:
-            crc = zlib.crc32(chunk, crc)
-    return crc & 0xFFFFFFFF
-
-
-def _crc32(data: Any) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+            crc = fmt.crc32(chunk, crc)
+    return crc
