@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
+from ._registry import DEFAULTS, aggregate_stats, live_caches, register, unregister
 from .errors import PackResultError, SessionError
 from .ledger import Held, Ledger
-from .paths import DEFAULT_LOCK_TIMEOUT
+from .options import get_instance_option, set_instance_option
 from .stats import FAILURE_REASONS, CacheStats, HeapReason
 from .store import Fault, FileStore
 
@@ -48,44 +49,6 @@ __all__ = ["Session", "WeightCache", "aggregate_stats", "live_caches"]
 logger = logging.getLogger("packcache")
 
 PackFn = Callable[[], "np.ndarray[Any, Any]"]
-
-#: Process-wide defaults, changed through :func:`packcache.set_option`.
-DEFAULTS: dict[str, Any] = {
-    "enabled": True, "lock_timeout": DEFAULT_LOCK_TIMEOUT, "read_only": False, "verify": False,
-}  # fmt: skip
-
-_registry_lock = threading.Lock()
-_live: tuple[weakref.ref[WeightCache], ...] = ()
-
-
-def live_caches() -> list[WeightCache]:
-    """Every WeightCache that is alive and not closed, without taking any cache's lock."""
-    return [c for c in (ref() for ref in _live) if c is not None]
-
-
-def aggregate_stats() -> CacheStats:
-    """Statistics summed over every live :class:`WeightCache` in this process.
-
-    Takes no per-instance lock: each cache's statistics are read as :meth:`WeightCache.stats` reads them.
-
-    >>> aggregate_stats().heap_bytes >= 0
-    True
-    """
-    from .stats import sum_stats
-
-    return sum_stats(c.stats() for c in live_caches())
-
-
-def _register(cache: WeightCache) -> None:
-    global _live
-    with _registry_lock:
-        _live = (*tuple(r for r in _live if r() is not None), weakref.ref(cache))
-
-
-def _unregister(cache: WeightCache) -> None:
-    global _live
-    with _registry_lock:
-        _live = tuple(r for r in _live if r() is not None and r() is not cache)
 
 
 class _Route:
@@ -201,7 +164,7 @@ class WeightCache:
             )  # fmt: skip
             weakref.finalize(self, self._store.close)
         self._ledger = Ledger()
-        _register(self)
+        register(self)
 
     # ------------------------------------------------------------------ public
 
@@ -235,14 +198,10 @@ class WeightCache:
 
     def get_option(self, key: str) -> Any:
         """Read an option key (see :mod:`packcache.options`) for this cache."""
-        from .options import get_instance_option
-
         return get_instance_option(self, key)
 
     def set_option(self, key: str, value: Any) -> None:
         """Write a configuration key for this cache; takes effect at the next request."""
-        from .options import set_instance_option
-
         set_instance_option(self, key, value)
 
     def finalize(self) -> None:
@@ -293,7 +252,7 @@ class WeightCache:
             if self._store is not None:
                 self._store.close()
             self._closed = True
-            _unregister(self)
+            unregister(self)
 
     def __enter__(self) -> WeightCache:
         return self

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .cache import DEFAULTS, aggregate_stats
+from ._registry import DEFAULTS, aggregate_stats
 from .errors import OptionError, OptionTypeError, OptionValueError, ReadOnlyOptionError
 from .stats import CacheStats
 

@@ -45,7 +45,7 @@ from torch import nn
 from . import format as fmt
 from .cache import Session, WeightCache
 from .kernels import activation_dtype
-from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta, packed_nbytes
+from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta, packed_nbytes, to_float32
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
 from .safetensors import TensorMeta
 from .stats import CacheStats
@@ -314,8 +314,6 @@ def materialize(module: nn.Module, source: TensorSource, prefix: str = "") -> No
 
     For calibration runs: this reads every source tensor and bypasses the cache.
     """
-    from .packers import to_float32
-
     for name, param in list(module.named_parameters()):
         array = to_float32(source.read(prefix + name), source.meta(prefix + name).dtype)
         if tuple(array.shape) != tuple(param.shape):

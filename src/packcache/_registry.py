@@ -1,0 +1,57 @@
+"""Process-wide state of the cache: option defaults and the registry of live caches.
+
+Its own module so that :mod:`packcache.options` (which reads and sets the defaults and
+sums the live caches) and :mod:`packcache.cache` (which registers them) both depend on
+it and not on each other. Nothing here takes a cache's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .paths import DEFAULT_LOCK_TIMEOUT
+from .stats import CacheStats, sum_stats
+
+if TYPE_CHECKING:
+    from .cache import WeightCache
+
+__all__ = ["DEFAULTS", "aggregate_stats", "live_caches", "register", "unregister"]
+
+#: Process-wide defaults, changed through :func:`packcache.set_option`.
+DEFAULTS: dict[str, Any] = {
+    "enabled": True, "lock_timeout": DEFAULT_LOCK_TIMEOUT, "read_only": False, "verify": False,
+}  # fmt: skip
+
+_registry_lock = threading.Lock()
+_live: tuple[weakref.ref[WeightCache], ...] = ()
+
+
+def live_caches() -> list[WeightCache]:
+    """Every WeightCache that is alive and not closed, without taking any cache's lock."""
+    return [c for c in (ref() for ref in _live) if c is not None]
+
+
+def aggregate_stats() -> CacheStats:
+    """Statistics summed over every live :class:`~packcache.WeightCache` in this process.
+
+    Takes no per-instance lock: each cache's statistics are read as
+    :meth:`~packcache.WeightCache.stats` reads them.
+
+    >>> aggregate_stats().heap_bytes >= 0
+    True
+    """
+    return sum_stats(c.stats() for c in live_caches())
+
+
+def register(cache: WeightCache) -> None:
+    global _live
+    with _registry_lock:
+        _live = (*tuple(r for r in _live if r() is not None), weakref.ref(cache))
+
+
+def unregister(cache: WeightCache) -> None:
+    global _live
+    with _registry_lock:
+        _live = tuple(r for r in _live if r() is not None and r() is not cache)
