@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno as errno_mod
+import hashlib
 import importlib
 import json
 import os
@@ -204,13 +205,17 @@ class _Progress:
 def _cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     if args.no_cache:
         return None
-    stem = "minilm"
-    if args.model:
-        import hashlib
+    if not args.model:
+        return _cache_file_for("minilm", None, args.cache_dir, scheme)
+    return _cache_file_for(os.path.splitext(os.path.basename(args.model))[0], args.model, args.cache_dir, scheme)
 
-        digest = hashlib.sha256(os.path.abspath(args.model).encode()).hexdigest()[:12]
-        stem = f"{os.path.splitext(os.path.basename(args.model))[0]}-{digest}"
-    return os.path.join(args.cache_dir or default_cache_dir(), f"{stem}-{scheme}.pcache")
+
+def _cache_file_for(name: str, source: str | None, cache_dir: str | None, scheme: str) -> str:
+    """``<cache dir>/<name>[-<sha256 of source's absolute path, 12 hex>]-<scheme>.pcache``: one file per
+    model location, so two checkpoints of the same name do not share (and supersede) one file."""
+    if source is not None:
+        name = f"{name}-{hashlib.sha256(os.path.abspath(source).encode()).hexdigest()[:12]}"
+    return os.path.join(cache_dir or default_cache_dir(), f"{name}-{scheme}.pcache")
 
 
 def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
@@ -379,7 +384,9 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
     scheme = args.scheme
     if scheme == "auto":
         scheme = default_scheme()
-    path = args.cache or _checkpoint_cache_file(args.checkpoint, args.cache_dir, scheme)
+    path = args.cache or _cache_file_for(
+        os.path.basename(os.path.abspath(args.checkpoint)), args.checkpoint, args.cache_dir, scheme
+    )
     try:
         total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
         release_free_heap()
@@ -422,15 +429,6 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
     model.packcache.close()
     # A deploy step fails when the cache file does not hold the model afterwards.
     return EXIT_OK if stats.state in ("stored", "mapped") and stats.heap_bytes == 0 else EXIT_FAILED
-
-
-def _checkpoint_cache_file(checkpoint: str, cache_dir: str | None, scheme: str) -> str:
-    """``<cache dir>/<checkpoint dir name>-<sha256 of its absolute path, 12 hex>-<scheme>.pcache``."""
-    import hashlib
-
-    absolute = os.path.abspath(checkpoint)
-    digest = hashlib.sha256(absolute.encode()).hexdigest()[:12]
-    return os.path.join(cache_dir or default_cache_dir(), f"{os.path.basename(absolute)}-{digest}-{scheme}.pcache")
 
 
 def _superseded(path: str | None) -> InspectReport | None:

@@ -49,9 +49,9 @@ from .cache import WeightCache
 from .errors import FormatError, UntrustedFileError
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import TorchPacker
-from .paths import open_checked
+from .paths import open_checked, pread_exact
 from .safetensors import SafetensorsFile, TensorMeta
-from .torch import ConversionReport, convert, count_packs, open_cache, scheme_packer
+from .torch import ConversionReport, convert, count_packs, open_cache, parameter_groups, scheme_packer
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -205,16 +205,10 @@ def _read_json(path: Path, what: str) -> Any:
     try:
         if st.st_size > MAX_JSON_BYTES:
             raise FormatError(f"{what} is {st.st_size} bytes, past the {MAX_JSON_BYTES}-byte cap", path=str(path))
-        chunks, done = [], 0
-        while done < st.st_size:
-            chunk = os.pread(fd, st.st_size - done, done)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            done += len(chunk)
+        raw = pread_exact(fd, st.st_size, 0, path=str(path), what=what)
     finally:
         os.close(fd)
-    return boundedjson.loads(b"".join(chunks), path=str(path), base_offset=0, what=what)
+    return boundedjson.loads(raw, path=str(path), base_offset=0, what=what)
 
 
 def _read_index(index: Path) -> list[str]:
@@ -252,9 +246,9 @@ class _Renamed:
         return self.checkpoint.read(self.name(name))
 
 
-def _renaming(model: nn.Module, checkpoint: Checkpoint) -> _Renamed:
-    """The prefix mapping under which the checkpoint holds the most of the model's parameters."""
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+def _renaming(model: nn.Module, groups: list[list[str]], checkpoint: Checkpoint) -> _Renamed:
+    """The prefix mapping under which the checkpoint holds the most of the model's parameters (``groups``)."""
+    names = [name for group in groups for name in group]
     prefix = getattr(model, "base_model_prefix", "") or ""
     candidates = [_Renamed(checkpoint, "", "")]
     if prefix:
@@ -325,7 +319,6 @@ def _load(
     scheme: str,
     cache: WeightCache | str | os.PathLike[str] | None,
     *,
-    model_class: type[Any] | None,
     auto_class: str | type,
     config: Any,
     group_size: int,
@@ -336,8 +329,7 @@ def _load(
     checkpoint = Checkpoint(directory)
     if config is None:
         config = checkpoint.config()
-    if model_class is None:
-        model_class = _model_class(auto_class, config)
+    model_class = _model_class(auto_class, config)
     suggested = f"{checkpoint.directory.name}-{scheme}.pcache"
     weight_cache, owns_cache = open_cache(
         cache, platform_for([linear_packer, other_packer]), suggested_name=suggested,
@@ -345,8 +337,9 @@ def _load(
     )  # fmt: skip
     try:
         model = _skeleton(model_class, config)
-        source = _renaming(model, checkpoint)
-        missing = _missing(model, source)
+        groups = parameter_groups(model)
+        source = _renaming(model, groups, checkpoint)
+        missing = _missing(groups, source)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(
@@ -375,12 +368,9 @@ def _load(
     return _Loaded(model, weight_cache, owns_cache, report)
 
 
-def _missing(model: nn.Module, source: _Renamed) -> list[str]:
+def _missing(groups: list[list[str]], source: _Renamed) -> list[str]:
     """Parameters (each tied group once) of which the checkpoint holds none of the names."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [names[0] for names in groups.values() if not any(source.name(n) in source.checkpoint for n in names)]
+    return [names[0] for names in groups if not any(source.name(n) in source.checkpoint for n in names)]
 
 
 def from_pretrained(
@@ -419,7 +409,7 @@ def from_pretrained(
             mismatch. Cache problems never raise: they are reported in ``model.packcache.stats()``.
     """
     loaded = _load(
-        path, scheme, cache, model_class=None, auto_class=auto_class, config=None, group_size=group_size,
+        path, scheme, cache, auto_class=auto_class, config=None, group_size=group_size,
         kernel_path=kernel_path,
     )  # fmt: skip
     _attach(loaded.model, loaded)
@@ -512,7 +502,7 @@ def sentence_transformer(
                 raise ValueError(f"{base}: more than one Transformer module; packcache packs one per model")
             directory = os.path.join(model_name_or_path, model_kwargs.get("subfolder") or "")
             loaded = _load(
-                directory, scheme, cache, model_class=None, config=config, group_size=group_size,
+                directory, scheme, cache, config=config, group_size=group_size,
                 kernel_path=kernel_path, auto_class=TRANSFORMER_TASK_TO_AUTO_MODEL[transformer_task],
             )  # fmt: skip
             loads.append(loaded)

@@ -192,7 +192,7 @@ class TorchPacker(Packer):
         if checked is not None and path in checked:
             return
         # The packer's identity, not its fingerprint: two packers may pack the same bytes and read them differently.
-        key = (f"{type(self).__module__}.{type(self).__qualname__}", self.id, self.version, self._params_json(), path)
+        key = (*self._identity(), path)
         if key not in _CHECKED:
             _self_check(self, path)
             _CHECKED.add(key)

@@ -45,7 +45,7 @@ import stat
 import time
 from collections.abc import Callable
 
-from .errors import LockTimeoutError, UntrustedFileError
+from .errors import FormatError, LockTimeoutError, UntrustedFileError
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
@@ -59,6 +59,7 @@ __all__ = [
     "open_checked",
     "open_lock",
     "parse_temp_name",
+    "pread_exact",
     "pid_alive",
     "remove_orphans",
     "still_linked",
@@ -117,6 +118,24 @@ def _unsafe_directory(path: str) -> str | None:
     if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
         return f"a symlink in world-writable directory {parent} without the sticky bit"
     return None
+
+
+def pread_exact(fd: int, size: int, offset: int, *, path: str, what: str) -> bytes:
+    """Exactly ``size`` bytes of ``fd`` from ``offset`` (``pread`` until done).
+
+    Raises:
+        FormatError: the file ends first (shorter than it claimed, or truncated since it was
+            measured); the message names ``what`` was being read and the offset where it ended.
+    """
+    chunks = []
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, size - done, offset + done)
+        if not chunk:
+            raise FormatError(f"file ends at byte {offset + done}, inside its {what}", path=path, offset=offset + done)
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
 
 
 def open_checked(

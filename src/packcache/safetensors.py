@@ -46,7 +46,7 @@ import numpy as np
 
 from . import boundedjson
 from .errors import FormatError, UntrustedFileError
-from .paths import open_checked
+from .paths import open_checked, pread_exact
 
 __all__ = ["DTYPES", "MAX_DIM", "MAX_HEADER_BYTES", "MAX_NDIM", "SafetensorsFile", "TensorMeta"]
 
@@ -191,28 +191,16 @@ def _open(path: str) -> tuple[int, os.stat_result]:
         raise UntrustedFileError(path, exc.reason, what="safetensors file") from None
 
 
-def _pread_exact(fd: int, size: int, offset: int, path: str) -> bytes:
-    chunks = []
-    done = 0
-    while done < size:
-        chunk = os.pread(fd, size - done, offset + done)
-        if not chunk:
-            raise FormatError(f"file ends at byte {offset + done}, inside its header", path=path, offset=offset + done)
-        chunks.append(chunk)
-        done += len(chunk)
-    return b"".join(chunks)
-
-
 def _parse_header(fd: int, path: str, size: int, identity: str) -> tuple[dict[str, _Span], dict[str, str]]:
     if size < _HEADER_AT:
         raise FormatError(f"file is {size} bytes, shorter than the 8-byte header length", path=path, offset=0)
-    (header_len,) = struct.unpack("<Q", _pread_exact(fd, _HEADER_AT, 0, path))
+    (header_len,) = struct.unpack("<Q", pread_exact(fd, _HEADER_AT, 0, path=path, what="header"))
     if header_len > MAX_HEADER_BYTES or _HEADER_AT + header_len > size:
         raise FormatError(
             f"header length {header_len} exceeds the file ({size} bytes) or the {MAX_HEADER_BYTES}-byte cap",
             path=path, offset=0,
         )  # fmt: skip
-    raw = _pread_exact(fd, header_len, _HEADER_AT, path)
+    raw = pread_exact(fd, header_len, _HEADER_AT, path=path, what="header")
     header = boundedjson.loads(raw, path=path, base_offset=_HEADER_AT, what="header", unique_keys=True)
     if not isinstance(header, dict):
         raise FormatError(f"header is a JSON {_json_type(header)}, not an object", path=path, offset=_HEADER_AT)

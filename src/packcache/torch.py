@@ -62,6 +62,7 @@ __all__ = [
     "load_parts",
     "materialize",
     "open_cache",
+    "parameter_groups",
     "record_linear_inputs",
     "scheme_packer",
 ]
@@ -502,10 +503,7 @@ class _Plan:
 def _plan(module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], ...]) -> _Plan:
     """Which layers :func:`convert` packs with ``packer`` and which parameters it serves as float32; reads no weight."""
     plan = _Plan()
-    # Every name of every parameter object: more than one means tied weights, served as one tensor.
-    aliases: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
+    aliases = _aliases(module)
     owned: set[str] = set()
     for name, sub in module.named_modules():
         flip = type(sub) in transposed
@@ -524,6 +522,26 @@ def _plan(module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], 
         owned.update({f"{dotted}weight", f"{dotted}bias"})
     plan.parameters = [names for names in aliases.values() if names[0] not in owned]
     return plan
+
+
+def parameter_groups(module: nn.Module) -> list[list[str]]:
+    """Every parameter of ``module`` as the list of its names, in ``named_parameters`` order:
+    more than one name is a tied parameter (one tensor that several modules own).
+
+    >>> lm = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    >>> lm[1].weight = lm[0].weight
+    >>> parameter_groups(lm)
+    [['0.weight', '1.weight']]
+    """
+    return list(_aliases(module).values())
+
+
+def _aliases(module: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter)`` -> every name of that parameter in ``module``."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    return aliases
 
 
 def count_packs(module: nn.Module, packer: Packer, *, transposed: tuple[type[nn.Module], ...] = ()) -> int:
