@@ -26,6 +26,7 @@ import torch
 import transformers
 from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 
+from _helpers import run_child
 from packcache import FormatError, WeightCache, hf, inspect
 from packcache.models import minilm
 from packcache.torch import PackedLinear
@@ -427,27 +428,18 @@ WARM_CHILD = textwrap.dedent(
 )
 
 
-def _child(*args: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-c", WARM_CHILD, *args], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
 def test_warm_load_reads_no_tensor_byte_of_the_source(tmp_path: Path) -> None:
     """A warm launch in a fresh process, after the checkpoint was dropped from the page cache,
     leaves none of its tensor pages resident (mincore): it read config and headers only."""
     directory = save_tiny("llama", tmp_path / "llama", max_shard_size="40KB")
     cache_path = str(tmp_path / "c.pcache")
-    cold = _child(str(directory), cache_path, CAUSAL)
+    cold = run_child(WARM_CHILD, str(directory), cache_path, CAUSAL)
     assert cold["state"] == "stored"
     assert sum(count for count, _ in cold["resident"]) > 0, "the cold load should have read the tensors"
-    dropped = _child(str(directory), cache_path, "drop")
+    dropped = run_child(WARM_CHILD, str(directory), cache_path, "drop")
     if any(count for count, _ in dropped["after_drop"]):
         pytest.fail(f"posix_fadvise(DONTNEED) left pages resident, the proof cannot run here: {dropped}")
-    warm = _child(str(directory), cache_path, CAUSAL)
+    warm = run_child(WARM_CHILD, str(directory), cache_path, CAUSAL)
     assert warm["state"] == "mapped" and warm["heap"] == 0 and warm["hits"] > 0, warm
     assert [count for count, _ in warm["resident"]] == [0] * len(warm["resident"]), warm
 
