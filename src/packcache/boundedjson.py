@@ -136,10 +136,10 @@ def _shallow(data: bytes, limit: int) -> bool:
     if len(brackets) > _FAST_STRUCTURE:
         return nesting_depth(data, limit)[0] <= limit
     for _ in range(limit):
-        brackets = brackets.replace(b"[]", b"")
         if not brackets:
-            return True
-    return False  # deeper than the limit, or unbalanced (not JSON): measure exactly
+            break
+        brackets = brackets.replace(b"[]", b"")
+    return not brackets  # else deeper than the limit, or unbalanced (not JSON): measure exactly
 
 
 def loads(
