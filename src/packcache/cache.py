@@ -22,7 +22,6 @@ and never see a half-made change.
 from __future__ import annotations
 
 import contextlib
-import errno as errno_mod
 import logging
 import math
 import os
@@ -38,11 +37,11 @@ import numpy as np
 
 from . import format as fmt
 from ._registry import DEFAULTS, aggregate_stats, live_caches, register, unregister
-from .errors import PackResultError, SessionError
+from .errors import Fault, PackResultError, SessionError
 from .ledger import Held, Ledger
 from .options import get_instance_option, set_instance_option
 from .stats import FAILURE_REASONS, CacheStats, HeapReason
-from .store import Fault, FileStore
+from .store import FileStore
 
 __all__ = ["Session", "WeightCache", "aggregate_stats", "live_caches"]
 
@@ -62,6 +61,25 @@ class _Route:
 
 
 _NEEDS_LOCK = object()  # a miss that can be stored once the build lock is held
+
+
+class _Seat:
+    """Who uses a cache now: the one active session, its thread, and whether the cache is closed.
+
+    A cache and its sessions share this object and nothing else of each other's state (besides
+    the ledger and the file store). Every change of owner happens inside ``with seat.lock``, a
+    plain lock held only for the change, never across a session: an interrupt (Ctrl-C) can never
+    leave the cache owned by a session that is gone.
+    """
+
+    __slots__ = ("closed", "lock", "owner", "serial", "session")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # entered with ``with``: a C-level enter leaves no gap for an interrupt
+        self.session: Session | None = None
+        self.owner: int | None = None  # the thread that entered ``session``
+        self.closed = False
+        self.serial = 0  # sessions started so far: each held pack records the one that served it
 
 
 def _check_timeout(value: float) -> float:
@@ -146,15 +164,8 @@ class WeightCache:
         self.lock_timeout = _check_timeout(DEFAULTS["lock_timeout"] if lock_timeout is None else lock_timeout)
         self.enabled = (DEFAULTS["enabled"] if enabled is None else bool(enabled)) and self.path is not None
         self.verify = bool(verify) or bool(DEFAULTS["verify"])
-        # The instance lock: which session (and thread) owns the cache now. A condition, not a lock
-        # held across the session, so every change of owner happens inside a ``with`` block: an
-        # interrupt (Ctrl-C) can never leave the cache owned by a session that is gone.
-        self._lock = threading.Lock()  # entered with ``with``: a C-level enter leaves no gap for an interrupt
-        self._session: Session | None = None
-        self._owner: int | None = None
-        self._closed = False
+        self._seat = _Seat()
         self._finalized = False
-        self._session_serial = 0
         self._store: FileStore | None = None
         self._read_only = bool(read_only) or bool(DEFAULTS["read_only"])
         if self.path is not None:
@@ -163,7 +174,7 @@ class WeightCache:
                 file_mode=file_mode, dir_mode=dir_mode,
             )  # fmt: skip
             weakref.finalize(self, self._store.close)
-        self._ledger = Ledger()
+        self._ledger = Ledger(self.path)
         register(self)
 
     # ------------------------------------------------------------------ public
@@ -214,7 +225,7 @@ class WeightCache:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._seat.closed
 
     def release(self, what: str | np.ndarray[Any, Any]) -> bool:
         """Stop holding a pack (by name, or the array that was handed out).
@@ -245,13 +256,13 @@ class WeightCache:
 
         Arrays already handed out stay valid: each keeps its mapping alive.
         """
-        if self._closed:
+        if self._seat.closed:
             return
         with self._exclusive("close()"):
             self._ledger.drop_all()
             if self._store is not None:
                 self._store.close()
-            self._closed = True
+            self._seat.closed = True
             unregister(self)
 
     def __enter__(self) -> WeightCache:
@@ -269,37 +280,20 @@ class WeightCache:
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         """Run the body with no session active on this cache (waiting for one in another thread)."""
+        seat = self._seat
         while True:
-            with self._lock:
-                current = self._session
+            with seat.lock:
+                current = seat.session
                 if current is None:
                     yield
                     return
                 abandoned = current._abandoned()
-                if not abandoned and self._owner == threading.get_ident():
+                if not abandoned and seat.owner == threading.get_ident():
                     raise SessionError(f"{what} called inside this thread's own session on {self.path!r}")
             if abandoned:
                 current._end()
             else:
                 time.sleep(0.002)  # polled, not a condition: an interrupt cannot leave a lock half-taken
-
-    def _log(self, reason: HeapReason, message: str, err: int = 0) -> None:
-        if reason in FAILURE_REASONS:
-            name = errno_mod.errorcode.get(err, "no errno") if err else "no errno"
-            logger.error("packcache: %s [%s]: %s; packs go to heap", reason.value, name, message)
-        elif reason is HeapReason.FINALIZED:
-            logger.info("packcache: cache %s is finalized; new packs go to heap", self.path)
-        else:
-            logger.debug("packcache: %s: packs go to heap (%s)", reason.value, message)
-
-    def _note(self, route: _Route) -> None:
-        """Count a failure (errno, message) and log each reason once per cache."""
-        ledger = self._ledger
-        if route.fault is not None:
-            if ledger.record_failure(route.fault):
-                self._log(route.reason, route.fault.message, route.fault.errno)
-        elif ledger.first(route.reason.value):
-            self._log(route.reason, f"cache {self.path}")
 
 
 def _validated(result: object) -> tuple[np.ndarray[Any, Any], bool]:
@@ -361,6 +355,8 @@ class Session:
 
     def __init__(self, cache: WeightCache) -> None:
         self._cache = cache
+        # What a session shares with its cache, and all it touches of it besides public attributes.
+        self._seat, self._ledger, self._store = cache._seat, cache._ledger, cache._store
         self._active = False
         self._used = False
         self._closing = False
@@ -396,30 +392,30 @@ class Session:
 
     def _claim(self, frame: FrameType) -> None:
         """Become the cache's session (waiting for another thread's), then read the file."""
-        cache = self._cache
+        seat = self._seat
         me = threading.get_ident()
         while True:
-            with cache._lock:
+            with seat.lock:
                 if self._used:
                     raise SessionError("a session is entered once; start another with cache.session()")
-                current = cache._session
+                current = seat.session
                 if current is None:
-                    if cache._closed:
-                        raise SessionError(f"the cache {cache.path!r} is closed")
+                    if seat.closed:
+                        raise SessionError(f"the cache {self._cache.path!r} is closed")
                     self._used = True
                     while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("contextlib"):
                         frame = frame.f_back  # entered through an ExitStack: the user's frame is further out
                     self._thread, self._frame = me, frame
-                    cache._session, cache._owner = self, me
-                    cache._session_serial += 1
-                    self._serial = cache._session_serial
+                    seat.session, seat.owner = self, me
+                    seat.serial += 1
+                    self._serial = seat.serial
                     self._active = True
-                    cache._ledger.set(commit_fault=None)  # a new load: its own packs will say what is durable
+                    self._ledger.set(commit_fault=None)  # a new load: its own packs will say what is durable
                     self._refresh()
                     return
                 abandoned = current._abandoned()
-                if not abandoned and cache._owner == me:
-                    raise SessionError(f"a session on {cache.path!r} is already active in this thread")
+                if not abandoned and seat.owner == me:
+                    raise SessionError(f"a session on {self._cache.path!r} is already active in this thread")
             if abandoned:
                 current._end()
             else:
@@ -444,7 +440,7 @@ class Session:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        store = self._cache._store
+        store = self._store
         try:
             me = threading.get_ident()
             while True:  # wait for other threads' requests still running (polled, see _claim)
@@ -469,33 +465,33 @@ class Session:
 
     def _end(self) -> None:
         """Release the build lock and the cache, if this session holds them (idempotent)."""
-        cache, store = self._cache, self._cache._store
+        seat, store = self._seat, self._store
         self._active = False
-        with cache._lock:
-            if cache._session is not self:
+        with seat.lock:
+            if seat.session is not self:
                 return
             try:
                 if store is not None:
                     if store.pending:  # interrupted before its commit: what it stored is not durable
                         names = store.pending_names
                         store.abort()
-                        ended = Fault(HeapReason.WRITE_FAILED, 0, f"session on {cache.path} ended before its commit")
+                        ended = Fault(HeapReason.WRITE_FAILED, 0, f"session on {store.path} ended before its commit")
                         self._commit_failed(store, names, ended)
                     store.release_lock()
             finally:  # whatever interrupts the clean-up, the cache is free again
-                cache._session, cache._owner, self._frame = None, None, None
+                seat.session, seat.owner, self._frame = None, None, None
 
     def _commit(self, store: FileStore) -> None:
-        cache, ledger = self._cache, self._cache._ledger
+        ledger = self._ledger
         names = store.pending_names
         try:
             store.commit()
         except Fault as fault:
             self._commit_failed(store, names, fault)
         except Exception as exc:  # a cache problem must never fail a model load
-            logger.debug("packcache: unexpected error committing %s", cache.path, exc_info=True)
+            logger.debug("packcache: unexpected error committing %s", store.path, exc_info=True)
             store.abort()
-            self._commit_failed(store, names, Fault(HeapReason.WRITE_FAILED, 0, f"cannot commit {cache.path}: {exc!r}"))
+            self._commit_failed(store, names, Fault(HeapReason.WRITE_FAILED, 0, f"cannot commit {store.path}: {exc!r}"))
         except BaseException as exc:  # interrupted: what was not committed is not durable
             self._commit_failed(store, names, Fault(HeapReason.WRITE_FAILED, 0, f"commit interrupted: {exc!r}"))
             raise
@@ -507,40 +503,30 @@ class Session:
     def _commit_failed(self, store: FileStore, names: tuple[str, ...], fault: Fault) -> None:
         """The session's stored packs that did not become durable are counted as heap, with the
         commit's reason: they are in no committed generation, and the next launch repacks them."""
-        cache, ledger = self._cache, self._cache._ledger
+        ledger = self._ledger
         for name in names:
             held = ledger.held.get(name)
             if held is None or held.reason is not None or held.session != self._serial:
                 continue
-            entry = store.lookup(name, held.digest)
-            if entry is not None and store.origin_of(entry) == held.origin:
+            if store.holds(name, held.digest, held.origin):
                 continue  # committed after all (the rename happened; only the directory sync failed)
             ledger.reclassify(name, fault.reason, self._serial)
         ledger.set(commit_fault=fault)
-        if ledger.record_failure(fault):
-            cache._log(fault.reason, fault.message, fault.errno)
+        ledger.report(fault.reason, fault)
 
     def _refresh(self) -> None:
         """Read what the file holds now. Runs with exclusive access: on entry, or under the mutex."""
-        cache, store, ledger = self._cache, self._cache._store, self._cache._ledger
-        if store is None or not cache.enabled:
+        store, ledger = self._store, self._ledger
+        if store is None or not self._cache.enabled:
             return
         started = time.perf_counter()
-        try:
-            store.refresh()
-        except Exception as exc:  # a cache problem must never fail a model load
-            logger.debug("packcache: unexpected error opening %s", cache.path, exc_info=True)
-            store.problem = Fault(
-                HeapReason.OPEN_FAILED, getattr(exc, "errno", 0) or 0, f"cannot open {cache.path}: {exc!r}"
-            )
+        store.refresh()
         ledger.add(map_seconds=time.perf_counter() - started)
         ledger.set(file_bytes=store.file_size, blocking=store.problem)
-        if store.rebuild_reason and store.fd is not None and ledger.first("rebuild"):
-            logger.warning(
-                "packcache: cache file %s will be rebuilt as a new file: %s", cache.path, store.rebuild_reason
-            )
-        if store.problem is not None and ledger.record_failure(store.problem):
-            cache._log(store.problem.reason, store.problem.message, store.problem.errno)
+        if store.replacing and ledger.first("rebuild"):
+            logger.warning("packcache: cache file %s will be rebuilt as a new file: %s", store.path, store.replacing)
+        if store.problem is not None:
+            ledger.report(store.problem.reason, store.problem)
 
     def get_or_pack(self, name: str | None, pack: PackFn, key: Mapping[str, Any] | None = None) -> np.ndarray[Any, Any]:
         """Return the packed array for ``name``: mapped from the file, or packed now.
@@ -572,8 +558,7 @@ class Session:
         key_bytes = fmt.canonical_key(key)
         if len(key_bytes) > fmt.MAX_KEY_BYTES:
             raise ValueError(f"key is {len(key_bytes)} bytes of JSON, at most {fmt.MAX_KEY_BYTES} allowed")
-        cache = self._cache
-        cached = cache.enabled and cache._store is not None
+        cached = self._cache.enabled and self._store is not None
         digest = fmt.key_digest(name, key_bytes) if name is not None else b""
         me = threading.get_ident()
         with self._mutex:
@@ -597,7 +582,7 @@ class Session:
     def _heap_only(self, name: str | None, digest: bytes, pack: PackFn, disabled: bool) -> np.ndarray[Any, Any]:
         if name is not None:
             with self._mutex:
-                held = self._cache._ledger.held.get(name)
+                held = self._ledger.held.get(name)
                 if held is not None and held.digest == digest:
                     return held.array  # the same pack again: served and counted once
         array, owned = self._packed(pack)
@@ -635,7 +620,7 @@ class Session:
                 with self._mutex:
                     if isinstance(route, _Route):
                         return self._serve_heap(name, digest, array, owned, route)
-                    return self._store(name, key, digest, array, owned)
+                    return self._store_pack(name, key, digest, array, owned)
             finally:
                 if mine is not None:
                     mine.set()  # first: a waiter must never wait on an event nobody will set
@@ -645,35 +630,38 @@ class Session:
 
     def _serve_existing(self, name: str, digest: bytes) -> np.ndarray[Any, Any] | _Route | None:
         """A held or committed pack for ``(name, digest)``; a route to heap if it cannot be mapped; None: a miss."""
-        cache = self._cache
-        store, ledger = cache._store, cache._ledger
+        store, ledger = self._store, self._ledger
         assert store is not None
         held = ledger.held.get(name)
         if held is not None and held.digest == digest and not self._retry(held) and self._still_backed(name, held):
             return held.array  # the same pack again: served and counted once
         if store.problem is not None:
             return None
-        entry = self._lookup(name, digest)
-        if entry is None:
-            return None
         started = time.perf_counter()
         try:
-            array = store.view(entry)
+            served = store.serve(name, digest, verify=self._cache.verify)
         except Fault as fault:
             ledger.add(map_seconds=time.perf_counter() - started)
             return _Route(HeapReason.MAP_FAILED, fault)
-        held = Held(array, digest, None, self._serial, store.origin_of(entry))
-        ledger.hold(name, held, outcome="hits", map_seconds=time.perf_counter() - started)
+        if served is None:
+            ledger.add(map_seconds=time.perf_counter() - started)
+            return None
+        array, origin = served
+        ledger.hold(
+            name,
+            Held(array, digest, None, self._serial, origin),
+            outcome="hits",
+            map_seconds=time.perf_counter() - started,
+        )
         return array
 
     def _miss_route(self) -> _Route | object | None:
         """Where a miss goes: heap with a reason, the file (None), or first the build lock."""
-        cache = self._cache
-        store = cache._store
+        cache, store = self._cache, self._store
         assert store is not None
         if store.problem is not None:
             return _Route(store.problem.reason, store.problem)
-        if cache._finalized:
+        if cache.finalized:
             return _Route(HeapReason.FINALIZED, None)
         if cache.read_only or store.read_only_fault is not None:
             fault = store.read_only_fault or Fault(HeapReason.READ_ONLY, 0, f"cache {cache.path} is read-only")
@@ -687,7 +675,7 @@ class Session:
     def _take_build_lock(self) -> None:
         """Wait for the build lock without holding the mutex (other threads keep serving hits),
         then re-read the file: another process may have committed while we waited."""
-        store = self._cache._store
+        store = self._store
         assert store is not None
         with self._locking:
             with self._mutex:
@@ -706,19 +694,18 @@ class Session:
 
     def _reuse_heap(self, name: str, digest: bytes, route: _Route) -> np.ndarray[Any, Any] | None:
         """Still failing since an earlier session: serve the heap copy already held, not a second one."""
-        ledger = self._cache._ledger
+        ledger = self._ledger
         held = ledger.held.get(name)
         if held is None or held.digest != digest or held.reason is None:
             return None
-        self._cache._note(route)
+        ledger.report(route.reason, route.fault)
         ledger.reclassify(name, route.reason, self._serial)
         return held.array
 
-    def _store(
+    def _store_pack(
         self, name: str, key: bytes, digest: bytes, array: np.ndarray[Any, Any], owned: bool
     ) -> np.ndarray[Any, Any]:
-        cache = self._cache
-        store, ledger = cache._store, cache._ledger
+        store, ledger = self._store, self._ledger
         assert store is not None
         if not self._active:
             raise SessionError("the session ended while this pack was being made")
@@ -728,30 +715,13 @@ class Session:
             # map_failed here means written (and committed at exit) but served from heap.
             return self._serve_heap(name, digest, array, owned, _Route(fault.reason, fault))
         except Exception as exc:  # a cache problem must never fail a model load
-            logger.debug("packcache: unexpected error storing %r in %s", name, cache.path, exc_info=True)
-            failure = Fault(HeapReason.WRITE_FAILED, 0, f"cannot store {name!r} in {cache.path}: {exc!r}")
+            logger.debug("packcache: unexpected error storing %r in %s", name, store.path, exc_info=True)
+            failure = Fault(HeapReason.WRITE_FAILED, 0, f"cannot store {name!r} in {store.path}: {exc!r}")
             return self._serve_heap(name, digest, array, owned, _Route(failure.reason, failure))
         finally:
             ledger.set(written=store.bytes_written)
         ledger.hold(name, Held(view, digest, None, self._serial, origin), outcome="stored")
         return view
-
-    def _lookup(self, name: str, digest: bytes) -> fmt.Entry | None:
-        cache = self._cache
-        store = cache._store
-        assert store is not None
-        entry = store.lookup(name, digest)
-        if entry is not None and cache.verify:
-            started = time.perf_counter()
-            ok = store.checksum_ok(entry)
-            cache._ledger.add(map_seconds=time.perf_counter() - started)
-            if not ok:
-                logger.error(
-                    "packcache: entry %r of %s at offset %d failed its checksum; packing it again",
-                    name, cache.path, entry.offset,
-                )  # fmt: skip
-                return None
-        return entry
 
     def _still_backed(self, name: str, held: Held) -> bool:
         """A held mapped pack is served again only while the file still holds its bytes.
@@ -760,10 +730,8 @@ class Session:
         (the session's refresh saw it): serving the old view again could be
         SIGBUS on touch, so the request is routed afresh instead.
         """
-        store = self._cache._store
-        if held.origin is None or store is None:
-            return True
-        return store.origin_of(store.lookup(name, held.digest)) == held.origin
+        store = self._store
+        return held.origin is None or store is None or store.holds(name, held.digest, held.origin)
 
     def _retry(self, held: Held) -> bool:
         """A pack sent to heap by a failure in an earlier session is routed again: the
@@ -784,20 +752,20 @@ class Session:
         finally:
             elapsed = time.perf_counter() - started
             with self._mutex:
-                self._cache._ledger.add(pack_seconds=elapsed)
+                self._ledger.add(pack_seconds=elapsed)
 
     def _serve_heap(
         self, name: str | None, digest: bytes, array: np.ndarray[Any, Any], owned: bool, route: _Route
     ) -> np.ndarray[Any, Any]:
         """Serve ``array`` from heap (a copy unless the cache owns it), counted under ``route.reason``."""
-        cache = self._cache
-        cache._note(route)
+        ledger = self._ledger
+        ledger.report(route.reason, route.fault)
         if not owned:
             try:
                 array = array.copy()
             except MemoryError:  # no room for the copy: serve what pack() returned rather than fail the load
-                if cache._ledger.first("copy"):
+                if ledger.first("copy"):
                     logger.warning("packcache: no memory to copy a heap pack of %s; served as pack() returned it", name)
         view = _read_only_view(array)
-        cache._ledger.hold(name, Held(view, digest, route.reason, self._serial))
+        ledger.hold(name, Held(view, digest, route.reason, self._serial))
         return view

@@ -16,10 +16,18 @@ catch either::
     └── UntrustedFileError(PermissionError)  a file fails the trust check (owner, mode, kind)
 
 A cache *problem* (full disk, read-only file, lock timeout, …) is never raised:
-it is counted and reported through :meth:`packcache.WeightCache.stats`.
+it is counted and reported through :meth:`packcache.WeightCache.stats`. Inside
+the package such a problem travels as a :class:`Fault` from the file layer to
+the session, which is the one place it ends: counted under its reason, logged
+once, answered with a heap pack. ``Fault`` is not exported and never escapes.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .stats import HeapReason
 
 __all__ = [
     "FormatError",
@@ -111,3 +119,14 @@ class UntrustedFileError(PackCacheError, PermissionError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class Fault(Exception):
+    """Internal: a cache problem on its way to the session, as the heap reason it causes, the errno
+    and a message. Never raised out of the package (see the module docstring)."""
+
+    def __init__(self, reason: HeapReason, err: int, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.errno = err
+        self.message = message

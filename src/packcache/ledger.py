@@ -6,21 +6,25 @@ lock, through a sequence counter (a seqlock): every change makes ``seq`` odd
 while it runs and even when it is done; a reader that sees ``seq`` odd, or
 changed while it copied the figures, reads again, and after a few tries
 returns the last consistent snapshot rather than wait. So a telemetry read
-never waits on a model load and never sees half a change (DESIGN.md "What it
-reports"), and a request costs no snapshot: one is built when someone reads.
+never waits on a model load and never sees half a change (docs/ACCOUNTING.md),
+and a request costs no snapshot: one is built when someone reads.
 """
 
 from __future__ import annotations
 
+import errno as errno_mod
+import logging
 import time
 from typing import Any
 
 import numpy as np
 
-from .stats import CacheStats, HeapReason, derive_state, dominant_reason, zero_reasons
-from .store import Fault
+from .errors import Fault
+from .stats import FAILURE_REASONS, CacheStats, HeapReason, derive_state, dominant_reason, zero_reasons
 
 __all__ = ["Held", "Ledger"]
+
+logger = logging.getLogger("packcache")
 
 
 class Held:
@@ -47,7 +51,8 @@ class Held:
 class Ledger:
     """What a cache holds and what it did: the figures its statistics are made of (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path  # the cache file, for log messages
         self.seq = 0
         self.held: dict[str, Held] = {}
         self.unnamed: dict[int, Held] = {}  # no name: their own namespace, never a user's name
@@ -160,6 +165,25 @@ class Ledger:
         finally:
             self.seq += 1
         return self.first(fault.reason.value)
+
+    def report(self, reason: HeapReason, fault: Fault | None = None) -> None:
+        """Count a request sent to heap for ``reason``: keep a failure's errno and message, and
+        log each reason once per cache (``ERROR`` for a failure, ``INFO`` for ``finalized``,
+        ``DEBUG`` otherwise; docs/ROUTING.md)."""
+        if fault is not None:
+            if self.record_failure(fault):
+                self._log(reason, fault.message, fault.errno)
+        elif self.first(reason.value):
+            self._log(reason, f"cache {self.path}")
+
+    def _log(self, reason: HeapReason, message: str, err: int = 0) -> None:
+        if reason in FAILURE_REASONS:
+            name = errno_mod.errorcode.get(err, "no errno") if err else "no errno"
+            logger.error("packcache: %s [%s]: %s; packs go to heap", reason.value, name, message)
+        elif reason is HeapReason.FINALIZED:
+            logger.info("packcache: cache %s is finalized; new packs go to heap", self.path)
+        else:
+            logger.debug("packcache: %s: packs go to heap (%s)", reason.value, message)
 
     def first(self, what: str) -> bool:
         if what in self.logged:

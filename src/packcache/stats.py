@@ -1,8 +1,8 @@
 """Heap reasons, cache states and the immutable statistics snapshot.
 
-A :class:`CacheStats` is frozen. The cache builds a new one after every change
-and publishes it with a single reference assignment, so a reader never takes a
-lock and never sees a half-updated snapshot (see DESIGN.md "What it reports").
+A :class:`CacheStats` is frozen: a cache's ledger builds one when someone reads,
+from figures it reads without a lock and without seeing half a change
+(:mod:`packcache.ledger`, docs/ACCOUNTING.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 This module does the I/O; ``format.py`` decides what bytes mean and
 ``paths.py`` how a path is opened. Everything that can go wrong with the file
-surfaces as a :class:`Fault`, which carries the heap reason, the errno and a
+surfaces as a :class:`~packcache.errors.Fault`, which carries the heap reason, the errno and a
 message. The cache turns a fault into a heap pack and a counted, logged
 reason; nothing here ever fails a model load.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno as errno_mod
 import fcntl
+import logging
 import os
 import stat
 import time
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
-from .errors import FormatError, LockTimeoutError, UntrustedFileError
+from .errors import Fault, FormatError, LockTimeoutError, UntrustedFileError
 from .mapping import FileMap, Window
 from .paths import (
     acquire_build_lock,
@@ -52,7 +53,6 @@ from .paths import (
 from .stats import HeapReason
 
 __all__ = [
-    "Fault",
     "FileStore",
     "classify_write_errno",
     "entry_crc",
@@ -62,19 +62,13 @@ __all__ = [
     "read_generation",
 ]
 
+logger = logging.getLogger("packcache")
+
+Origin = tuple[int, int, int]  # (st_dev, st_ino, offset) of a pack's bytes: the file they live in now
+
 _DTYPES = {code: np.dtype(fmt.numpy_dtype_str(code)) for code in fmt.DTYPE_CODES}  # one object per code
 _NO_SPACE_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG})
 _READ_ONLY_ERRNOS = frozenset({errno_mod.EACCES, errno_mod.EROFS, errno_mod.EPERM, errno_mod.ETXTBSY})
-
-
-class Fault(Exception):
-    """A cache problem: the reason a pack goes to heap, with errno and message."""
-
-    def __init__(self, reason: HeapReason, err: int, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.errno = err
-        self.message = message
 
 
 def classify_write_errno(err: int | None) -> HeapReason:
@@ -208,8 +202,24 @@ class FileStore:
     def refresh(self) -> bool:
         """Bring the view of the committed file up to date; return True if it changed.
 
-        Cheap when nothing changed: one ``stat``, one ``fstat`` and one 4 KiB ``pread``. Never writes.
+        Cheap when nothing changed: one ``stat``, one ``fstat`` and one 4 KiB ``pread``. Never writes,
+        never raises: whatever stops the file being used is left in :attr:`problem`.
         """
+        try:
+            return self._refresh()
+        except Exception as exc:  # a cache problem must never fail a model load
+            logger.debug("packcache: unexpected error opening %s", self.path, exc_info=True)
+            self.problem = Fault(
+                HeapReason.OPEN_FAILED, getattr(exc, "errno", 0) or 0, f"cannot open {self.path}: {exc!r}"
+            )
+            return True
+
+    @property
+    def replacing(self) -> str | None:
+        """Why the existing file will be replaced by a new one at the next store (None: it will not)."""
+        return self.rebuild_reason if self.fd is not None else None
+
+    def _refresh(self) -> bool:
         if self._writer is not None:
             return False  # our own uncommitted writes are newer than the disk
         try:
@@ -338,6 +348,33 @@ class FileStore:
             return
         self.header, self.slot, self.entries = header, slot, entries
 
+    def serve(self, name: str, digest: bytes, *, verify: bool = False) -> tuple[np.ndarray[Any, Any], Origin] | None:
+        """The committed (or stored this session) pack for ``(name, digest)``: a read-only view of
+        its bytes and where they live; None for a miss (with ``verify``, also for a pack whose bytes
+        fail their checksum: it is remembered as corrupt and packed again).
+
+        Raises:
+            Fault: ``map_failed`` when the entry exists but its bytes cannot be mapped.
+        """
+        entry = self.lookup(name, digest)
+        if entry is None:
+            return None
+        if verify and not self.checksum_ok(entry):
+            logger.error(
+                "packcache: entry %r of %s at offset %d failed its checksum; packing it again",
+                name, self.path, entry.offset,
+            )  # fmt: skip
+            return None
+        view = self.view(entry)
+        origin = self.origin_of(entry)
+        assert origin is not None  # a looked-up entry lives in the open file or in the writer's
+        return view, origin
+
+    def holds(self, name: str, digest: bytes, origin: Origin | None) -> bool:
+        """Whether the bytes at ``origin`` are still what ``(name, digest)`` resolves to: the file was
+        not replaced, truncated, rebuilt or corrupted since they were served (None: not mapped)."""
+        return origin is not None and self.origin_of(self.lookup(name, digest)) == origin
+
     def lookup(self, name: str, digest: bytes) -> fmt.Entry | None:
         """The committed (or added this session) entry for ``name`` if its key matches."""
         writer = self._writer
@@ -375,7 +412,7 @@ class FileStore:
             return empty
         return window.array(entry.offset, entry.nbytes, dtype, entry.shape)
 
-    def origin_of(self, entry: fmt.Entry | None) -> tuple[int, int, int] | None:
+    def origin_of(self, entry: fmt.Entry | None) -> Origin | None:
         """(st_dev, st_ino, offset) of the bytes ``entry`` names: the file it lives in now."""
         if entry is None:
             return None
@@ -477,7 +514,7 @@ class FileStore:
 
     def store(
         self, name: str, key: bytes, digest: bytes, array: np.ndarray[Any, Any]
-    ) -> tuple[np.ndarray[Any, Any], tuple[int, int, int]]:
+    ) -> tuple[np.ndarray[Any, Any], Origin]:
         """Write ``array`` as entry ``name``; return a read-only view of the written bytes and their origin
         (st_dev, st_ino, offset).
 
