@@ -50,7 +50,7 @@ from .paths import (
     trust_problem,
     unlink_quietly,
 )
-from .store import pwrite_all, read_committed, read_generation
+from .store import pwrite_all, read_committed, read_generation, write_generation
 
 __all__ = [
     "CompactReport",
@@ -367,15 +367,9 @@ def _compact_locked(name: str, real: str, fd: int, st: os.stat_result) -> Compac
                 continue
             kept.append(entry._replace(offset=at))
             at += entry.nbytes
-        index_at = fmt.align_up(at, header.alignment)
-        index = fmt.encode_index(kept)
-        pwrite_all(temp_fd, index, index_at)
         # Compaction is no use of the cache: the copy keeps the original's access time (gc's LRU order).
         os.utime(temp_fd, ns=(st.st_atime_ns, time.time_ns()))
-        os.fdatasync(temp_fd)
-        new_slot = fmt.Slot(generation, index_at, len(index), len(kept), fmt.crc32(index))
-        pwrite_all(temp_fd, fmt.encode_slot(new_slot), fmt.slot_offset(generation % 2))
-        os.fsync(temp_fd)
+        new_slot = write_generation(temp_fd, kept, fmt.align_up(at, header.alignment), generation)
         os.rename(temp, real)
     except BaseException:
         unlink_quietly(temp)

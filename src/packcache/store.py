@@ -31,6 +31,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = [
     "pwrite_all",
     "read_committed",
     "read_generation",
+    "write_generation",
 ]
 
 logger = logging.getLogger("packcache")
@@ -646,8 +648,10 @@ class FileStore:
         )  # fmt: skip
         return self._writer
 
-    def _pwrite(self, fd: int, data: Any, offset: int) -> None:
-        self.bytes_written += pwrite_all(fd, data, offset)
+    def _pwrite(self, fd: int, data: Any, offset: int) -> int:
+        done = pwrite_all(fd, data, offset)
+        self.bytes_written += done
+        return done
 
     @property
     def pending(self) -> bool:
@@ -678,30 +682,25 @@ class FileStore:
             return
         live = writer.live()
         index_at = fmt.align_up(writer.append_at, writer.header.alignment)
-        index = fmt.encode_index(live)
-        slot = fmt.Slot(writer.generation, index_at, len(index), len(live), fmt.crc32(index))
         target = self._target(writer)
         renamed = False
+        slot: fmt.Slot | None = None
         try:
-            os.posix_fallocate(writer.fd, index_at, len(index))
-            self._pwrite(writer.fd, index, index_at)
-            os.fdatasync(writer.fd)
-            self._pwrite(writer.fd, fmt.encode_slot(slot), fmt.slot_offset(slot.generation % 2))
-            os.fdatasync(writer.fd)
+            slot = write_generation(writer.fd, live, index_at, writer.generation, pwrite=self._pwrite)
             if writer.temp_path is not None:
                 os.rename(writer.temp_path, writer.target)
                 renamed = True
                 assert writer.dir_fd is not None
                 os.fsync(writer.dir_fd)
         except OSError as exc:
-            if not renamed:
+            if slot is None or not renamed:
                 self.abort()
                 raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot commit", target) from None
             # The new file is in place and its data synced; only the rename's durability is in doubt.
             self._adopt(writer, slot, live)
             raise _fault_from_os(exc, HeapReason.WRITE_FAILED, "cannot sync the directory of", self.path) from None
         except BaseException:
-            if not renamed:
+            if slot is None or not renamed:
                 self.abort()  # e.g. KeyboardInterrupt: the previous generation stays, the temp goes
             else:
                 self._adopt(writer, slot, live)
@@ -742,6 +741,45 @@ class FileStore:
         self._forget()
 
 
+def pwrite_all(fd: int, data: Any, offset: int) -> int:
+    """``pwrite`` all of ``data`` at ``offset`` (a short write is continued); return the byte count."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def write_generation(
+    fd: int,
+    live: list[fmt.Entry],
+    index_at: int,
+    generation: int,
+    *,
+    pwrite: Callable[[int, Any, int], int] = pwrite_all,
+) -> fmt.Slot:
+    """Commit generation ``generation`` of an open file whose packs are written: the one commit
+    sequence of every writer (a session's commit, and :func:`packcache.compact`'s copy).
+
+    Order (docs/FORMAT.md W3): reserve and write the index after the data, ``fdatasync``,
+    then write the commit slot that names it (the older of the two, ``generation % 2``) and
+    ``fdatasync`` again. A crash before the second sync leaves the previous generation as the
+    newest valid one; readers never see an index whose bytes are not on disk. A new file is then
+    renamed over its path by the caller (and its directory synced).
+
+    Returns:
+        The slot written. Raises OSError (ENOSPC at the reservation, EIO at a sync, ...).
+    """
+    index = fmt.encode_index(live)
+    slot = fmt.Slot(generation, index_at, len(index), len(live), fmt.crc32(index))
+    os.posix_fallocate(fd, index_at, len(index))
+    pwrite(fd, index, index_at)
+    os.fdatasync(fd)
+    pwrite(fd, fmt.encode_slot(slot), fmt.slot_offset(generation % 2))
+    os.fdatasync(fd)
+    return slot
+
+
 def read_generation(
     fd: int, head: bytes, header: fmt.Header, size: int, *, path: str | None = None
 ) -> tuple[fmt.Slot | None, dict[str, fmt.Entry]]:
@@ -780,15 +818,6 @@ def read_committed(fd: int, *, path: str | None = None) -> tuple[fmt.Header, fmt
     header = fmt.decode_header(head, path=path)
     slot, entries = read_generation(fd, head, header, os.fstat(fd).st_size, path=path)
     return header, slot, entries
-
-
-def pwrite_all(fd: int, data: Any, offset: int) -> int:
-    """``pwrite`` all of ``data`` at ``offset`` (a short write is continued); return the byte count."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    return done
 
 
 _CHUNK = 8 << 20  # checksum in slices: a memoryview slice of a map copies nothing
