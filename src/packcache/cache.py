@@ -149,11 +149,8 @@ class WeightCache:
         dir_mode: int = 0o700,
         verify: bool = False,
     ) -> None:
-        if alignment < fmt.MIN_ALIGNMENT or alignment > fmt.MAX_ALIGNMENT or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two in [64, 1048576], got {alignment}")
         platform_bytes = fmt.canonical_key(platform)
-        if len(platform_bytes) > fmt.PLATFORM_MAX:
-            raise ValueError(f"platform fingerprint is {len(platform_bytes)} bytes of JSON, at most 1984 allowed")
+        fmt.check_new_file(alignment, platform_bytes)
         self.path: str | None = os.fspath(path) if path is not None else None
         if self.path is not None and (not isinstance(self.path, str) or not self.path or "\0" in self.path):
             raise ValueError(f"path must be a non-empty file path (or None for caching off), got {path!r}")

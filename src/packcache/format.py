@@ -237,15 +237,29 @@ def crc32(data: Any, crc: int = 0) -> int:
 # --------------------------------------------------------------------------- header
 
 
+def valid_alignment(alignment: int) -> bool:
+    """The alignment rule: a power of two in [``MIN_ALIGNMENT``, ``MAX_ALIGNMENT``] (FORMAT.md R6)."""
+    return MIN_ALIGNMENT <= alignment <= MAX_ALIGNMENT and not alignment & (alignment - 1)
+
+
+def check_new_file(alignment: int, platform: bytes) -> None:
+    """Refuse what no file may be made with: a bad alignment, or a fingerprint too long to fit.
+
+    Raises:
+        ValueError: naming the value and the rule.
+    """
+    if not valid_alignment(alignment):
+        raise ValueError(f"alignment must be a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}], got {alignment}")
+    if len(platform) > PLATFORM_MAX:
+        raise ValueError(f"platform fingerprint is {len(platform)} bytes of JSON, at most {PLATFORM_MAX} fit")
+
+
 def encode_header(alignment: int, platform: bytes) -> bytes:
     """Bytes of a new file's header region, both commit slots empty.
 
     Returns ``data_start_for(alignment)`` bytes: preamble, fingerprint, zeros.
     """
-    if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
-        raise ValueError(f"alignment must be a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}], got {alignment}")
-    if len(platform) > PLATFORM_MAX:
-        raise ValueError(f"platform fingerprint is {len(platform)} bytes, at most {PLATFORM_MAX} fit")
+    check_new_file(alignment, platform)
     data_start = data_start_for(alignment)
     head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, alignment, data_start, len(platform), crc32(platform), bytes(32), 0)
     head = head[:-4] + struct.pack("<I", crc32(head[:-4]))
@@ -275,7 +289,7 @@ def decode_header(buf: bytes, *, path: str | None = None) -> Header:
     if reserved != bytes(32):
         raise FormatError("reserved preamble bytes are not zero", path=path, offset=28)
     alignment, data_start, psize = int(alignment), int(data_start), int(psize)
-    if alignment < MIN_ALIGNMENT or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
+    if not valid_alignment(alignment):
         raise FormatError(f"alignment {alignment} is not a power of two in [64, 1 MiB]", path=path, offset=12)
     if data_start != data_start_for(alignment):
         raise FormatError(f"data start {data_start} != max(4096, alignment)", path=path, offset=16)
