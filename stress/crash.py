@@ -118,7 +118,7 @@ def committed():
     try:
         st = os.fstat(fd)
         try:
-            _, slot, entries = packcache.store.read_committed(fd, path=path)
+            _, slot, entries = packcache._store.read_committed(fd, path=path)
             gen, end = (slot.generation, slot.committed_end) if slot else (0, 0)
         except packcache.FormatError:
             gen, end = -1, 0
@@ -305,7 +305,7 @@ def file_facts(path: Path) -> dict[str, int] | None:
         return None
     fd = os.open(path, os.O_RDONLY)
     try:
-        _, slot, _ = packcache.store.read_committed(fd, path=str(path))
+        _, slot, _ = packcache._store.read_committed(fd, path=str(path))
         st = os.fstat(fd)
         return {"generation": slot.generation if slot else 0, "size": st.st_size, "inode": st.st_ino}
     finally:

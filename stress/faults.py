@@ -1115,7 +1115,7 @@ def _entry_compact_symlink(env: Env, d: Path) -> list[str]:
 @case("entry-compact/last-generation")
 def _entry_compact_last_generation(env: Env, d: Path) -> list[str]:
     """A valid file at generation 2**64-2 compacts (restarting at 1) and keeps serving hits."""
-    from packcache.store import read_committed
+    from packcache._store import read_committed
 
     path = d / "model.pcache"
     _superseded(path)
@@ -1268,7 +1268,7 @@ def _flip(path: Path, offset: int, bit: int) -> None:
 
 
 def _committed(path: Path) -> tuple[fmt.Slot, dict[str, fmt.Entry]]:
-    from packcache.store import read_committed
+    from packcache._store import read_committed
 
     fd = os.open(path, os.O_RDONLY)
     try:

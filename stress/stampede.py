@@ -23,7 +23,7 @@ and reports a digest of all of them; in ``wait`` and ``zero-timeout`` the
 digests of all 8 processes must be equal, and the file must hold exactly one
 copy of each pack: one generation whose packs lie back to back (alignment
 padding only), followed by its index, ending exactly at the end of the file
-(``packcache.store.read_committed``).
+(``packcache._store.read_committed``).
 
 Prints one summary line per mode; exits 1 if any check fails.
 
@@ -104,7 +104,7 @@ while True:
     stop = spec["stop_fd"] is None or select.select([spec["stop_fd"]], [], [], 0)[0]
     fd = os.open(spec["path"], os.O_RDONLY)
     try:
-        _, slot, entries = packcache.store.read_committed(fd, path=spec["path"])
+        _, slot, entries = packcache._store.read_committed(fd, path=spec["path"])
     finally:
         os.close(fd)
     listed = sorted(entries) if spec["stop_fd"] is not None else sorted(catalog)
@@ -221,7 +221,7 @@ def one_copy_each(path: Path, requests: list[Request]) -> str | None:
     """None if the file holds exactly one copy of each pack and nothing else; else what is wrong."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        header, slot, entries = packcache.store.read_committed(fd, path=str(path))
+        header, slot, entries = packcache._store.read_committed(fd, path=str(path))
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)

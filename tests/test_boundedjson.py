@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from packcache import boundedjson
+from packcache import _boundedjson as boundedjson
 from packcache.errors import FormatError
 
 # Strings full of what confuses a bracket counter: brackets, quotes, backslashes, escapes.

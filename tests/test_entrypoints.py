@@ -1,6 +1,6 @@
 """The maintenance entry points (compact, verify, inspect, gc, the CLI) under attack: issue 10.
 
-Every entry point opens paths the way WeightCache does (packcache.paths): never
+Every entry point opens paths the way WeightCache does (packcache._paths): never
 blocking on a FIFO, never following a symlink swapped in, checking what was
 opened; and every writer or deleter takes the one build lock of the file's
 resolved path. Each test reproduces an attack the reporter ran on this machine
@@ -33,7 +33,7 @@ from packcache import WeightCache, compact, maintenance, verify
 from packcache import format as fmt
 from packcache.cli import main
 from packcache.errors import LockTimeoutError, UntrustedFileError
-from packcache.paths import lock_path_for, pid_alive
+from packcache._paths import lock_path_for, pid_alive
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
 

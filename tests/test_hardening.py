@@ -27,7 +27,7 @@ import packcache
 from _helpers import KIB, assert_same, packed, run_child, two_appenders
 from packcache import WeightCache
 from packcache import format as fmt
-from packcache import store as store_mod
+from packcache import _store as store_mod
 
 KEY = {"packer": "test", "version": 1}
 

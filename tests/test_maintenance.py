@@ -15,7 +15,7 @@ import pytest
 import packcache
 from packcache import WeightCache
 from packcache import format as fmt
-from packcache.store import read_committed
+from packcache._store import read_committed
 
 
 def arrays(seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:

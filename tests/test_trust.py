@@ -31,7 +31,7 @@ import pytest
 
 from _helpers import KIB, ROOT_ONLY, Packer, assert_same, error_records, file_state, packed
 from packcache import WeightCache
-from packcache import paths as paths_mod
+from packcache import _paths as paths_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
 

@@ -11,7 +11,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .paths import DEFAULT_LOCK_TIMEOUT
+from ._paths import DEFAULT_LOCK_TIMEOUT
 from .stats import CacheStats, sum_stats
 
 if TYPE_CHECKING:

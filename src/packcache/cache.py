@@ -13,7 +13,7 @@ build): ``pack()`` callables run concurrently, while routing, appends and the
 bookkeeping are serialised by the session's mutex, and two threads asking for
 one name make one pack.
 
-Statistics are read without any lock: the bookkeeping (:class:`~packcache.ledger.Ledger`)
+Statistics are read without any lock: the bookkeeping (:class:`~packcache._ledger.Ledger`)
 is changed under the session's mutex and read through a sequence counter, so
 :meth:`WeightCache.stats` and :func:`aggregate_stats` never wait on a session
 and never see a half-made change.
@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
+from ._ledger import Held, Ledger
 from ._registry import DEFAULTS, aggregate_stats, live_caches, register, unregister
-from .errors import Fault, PackResultError, SessionError
-from .ledger import Held, Ledger
+from ._store import Fault, FileStore
+from .errors import PackResultError, SessionError
 from .options import get_instance_option, set_instance_option
 from .stats import FAILURE_REASONS, CacheStats, HeapReason
-from .store import FileStore
 
 __all__ = ["Session", "WeightCache", "aggregate_stats", "live_caches"]
 

@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ._paths import DEFAULT_LOCK_TIMEOUT, default_cache_dir
 from .cache import aggregate_stats
 from .errors import FormatError, LockTimeoutError, PackCacheError, UntrustedFileError
 from .maintenance import InspectReport, compact, gc, inspect, verify
 from .packers import SCHEMES
-from .paths import DEFAULT_LOCK_TIMEOUT, default_cache_dir
 
 __all__ = ["default_cache_dir", "main", "sanitize"]
 

@@ -17,17 +17,12 @@ catch either::
 
 A cache *problem* (full disk, read-only file, lock timeout, …) is never raised:
 it is counted and reported through :meth:`packcache.WeightCache.stats`. Inside
-the package such a problem travels as a :class:`Fault` from the file layer to
-the session, which is the one place it ends: counted under its reason, logged
-once, answered with a heap pack. ``Fault`` is not exported and never escapes.
+the package such a problem travels as a ``Fault`` (``packcache._store``) from
+the file layer to the session, which is the one place it ends: counted under its
+reason, logged once, answered with a heap pack. It never leaves the package.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .stats import HeapReason
 
 __all__ = [
     "FormatError",
@@ -119,14 +114,3 @@ class UntrustedFileError(PackCacheError, PermissionError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-class Fault(Exception):
-    """Internal: a cache problem on its way to the session, as the heap reason it causes, the errno
-    and a message. Never raised out of the package (see the module docstring)."""
-
-    def __init__(self, reason: HeapReason, err: int, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.errno = err
-        self.message = message

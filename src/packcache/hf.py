@@ -44,12 +44,12 @@ import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from . import boundedjson
+from . import _boundedjson as boundedjson
+from ._paths import open_checked, pread_exact
 from .cache import WeightCache
 from .errors import FormatError, UntrustedFileError
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import TorchPacker
-from .paths import open_checked, pread_exact
 from .safetensors import SafetensorsFile, TensorMeta
 from .torch import ConversionReport, convert, count_packs, open_cache, parameter_groups, scheme_packer
 

@@ -6,7 +6,7 @@ rewrites the live packs of the newest generation into a new file (temp file,
 fsync, rename under the build lock), dropping superseded bytes; processes that
 have the old file mapped keep valid pages.
 
-Every entry point opens paths through :mod:`packcache.paths` and keeps the rules
+Every entry point opens paths through :mod:`packcache._paths` and keeps the rules
 :class:`~packcache.WeightCache` keeps (docs/RELIABILITY.md "Entry points"):
 
 * **Nothing blocks on a path.** A FIFO, socket, device or directory at a cache,
@@ -18,7 +18,7 @@ Every entry point opens paths through :mod:`packcache.paths` and keeps the rules
   refuses; ``verify`` and ``inspect`` (read-only) still look, but report why the
   cache would refuse the file; ``gc`` deletes only files of its own user.
 * **One lock per file.** Writers and deleters take the build lock of the file's
-  resolved path (:func:`packcache.paths.acquire_build_lock`), so a symlink or
+  resolved path (:func:`packcache._paths.acquire_build_lock`), so a symlink or
   ``..`` spelling meets the lock the cache takes.
 """
 
@@ -33,10 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import boundedjson
+from . import _boundedjson as boundedjson
 from . import format as fmt
-from .errors import FormatError, LockTimeoutError, UntrustedFileError
-from .paths import (
+from ._paths import (
     DEFAULT_LOCK_TIMEOUT,
     acquire_build_lock,
     create_temp,
@@ -50,7 +49,8 @@ from .paths import (
     trust_problem,
     unlink_quietly,
 )
-from .store import pwrite_all, read_committed, read_generation, write_generation
+from ._store import pwrite_all, read_committed, read_generation, write_generation
+from .errors import FormatError, LockTimeoutError, UntrustedFileError
 
 __all__ = [
     "CompactReport",
@@ -461,7 +461,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectReport:
 
     A read-only look: a file :class:`~packcache.WeightCache` would refuse is still
     shown, with the reason in ``trust_problem``. Pack keys and the fingerprint are
-    parsed with bounds (:mod:`packcache.boundedjson`): deep nesting, huge integers or
+    parsed with bounds (:mod:`packcache._boundedjson`): deep nesting, huge integers or
     bytes that are not UTF-8 become a placeholder, never an exception.
 
     Raises:
@@ -585,7 +585,7 @@ def gc(directory: str | os.PathLike[str], max_bytes: int, *, dry_run: bool = Fal
     """Remove stale packcache files from ``directory``, then least recently used caches, until it fits.
 
     What counts: regular files that start with packcache's magic, and temp files named
-    exactly as :func:`packcache.paths.create_temp` names them (``.<cache>.tmp-<pid>-<16 hex>``).
+    exactly as :func:`packcache._paths.create_temp` names them (``.<cache>.tmp-<pid>-<16 hex>``).
     Anything else — a user's ``.notes.tmp-draft``, lock files, symlinks (never followed),
     FIFOs, sockets, devices, directories — is neither opened for reading nor deleted.
 
@@ -596,7 +596,7 @@ def gc(directory: str | os.PathLike[str], max_bytes: int, *, dry_run: bool = Fal
       and has no other hard link (deleting one name would free nothing);
     * a temp file: its builder pid no longer exists;
     * gc holds the build lock of the cache (for a temp file: of the cache it was for),
-      taken without waiting through :func:`packcache.paths.acquire_build_lock`, so no
+      taken without waiting through :func:`packcache._paths.acquire_build_lock`, so no
       builder can be appending, renaming or starting meanwhile; a held lock keeps the file;
     * under that lock the name still holds the inode that was examined.
 

@@ -48,14 +48,18 @@ __all__ = [
     "Float32",
     "Int8PerChannel",
     "Packer",
+    "Parts",
+    "SCHEMES",
     "SourceMeta",
     "TransposeFloat32",
     "fingerprint_input",
     "fingerprint_stats",
     "platform_for",
     "dequantize_int4",
+    "packed_nbytes",
     "quantize_int4_activation_aware",
     "quantize_int4_groups",
+    "quantize_int8_rows",
     "to_float32",
 ]
 

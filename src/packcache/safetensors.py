@@ -12,7 +12,7 @@ Everything in the header is untrusted: a malformed header (bad JSON, nesting pas
 that overlap or leave the file, duplicate names) is a :class:`~packcache.errors.FormatError`
 naming the file and the byte offset (the header JSON starts at offset 8), never another
 exception. The file is opened without blocking and without following a symlink swapped
-in after the check (:func:`packcache.paths.open_checked`): a FIFO at the path is refused,
+in after the check (:func:`packcache._paths.open_checked`): a FIFO at the path is refused,
 not waited on. A source checkpoint may belong to anyone, so ownership is not checked.
 
 The *identity* of a file (:attr:`SafetensorsFile.identity`) is its size, mtime and
@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from . import boundedjson
+from . import _boundedjson as boundedjson
+from ._paths import open_checked, pread_exact
 from .errors import FormatError, UntrustedFileError
-from .paths import open_checked, pread_exact
 
 __all__ = ["DTYPES", "MAX_DIM", "MAX_HEADER_BYTES", "MAX_NDIM", "SafetensorsFile", "TensorMeta"]
 

@@ -2,7 +2,7 @@
 
 A :class:`CacheStats` is frozen: a cache's ledger builds one when someone reads,
 from figures it reads without a lock and without seeing half a change
-(:mod:`packcache.ledger`, docs/ACCOUNTING.md).
+(:mod:`packcache._ledger`, docs/ACCOUNTING.md).
 """
 
 from __future__ import annotations

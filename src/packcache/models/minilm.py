@@ -55,12 +55,12 @@ import tokenizers
 import torch
 
 from .. import kernels
+from .._paths import default_cache_dir
 from ..cache import WeightCache
 from ..kernels import activation_dtype
 from ..memory import release_free_heap
 from ..packers import SCHEMES, Float32, Packer, platform_for
 from ..packers_torch import TorchPacker
-from ..paths import default_cache_dir
 from ..safetensors import SafetensorsFile
 from ..torch import (
     Calibration,
@@ -163,7 +163,7 @@ def default_model_path() -> Path:
 
 
 def default_cache_path(scheme: str) -> Path:
-    """``minilm-<scheme>.pcache`` in :func:`packcache.paths.default_cache_dir` (``$PACKCACHE_DIR``, else
+    """``minilm-<scheme>.pcache`` in :func:`packcache._paths.default_cache_dir` (``$PACKCACHE_DIR``, else
     ``$XDG_CACHE_HOME/packcache``, else ``~/.cache/packcache``), the directory ``packcache run`` uses.
 
     >>> default_cache_path("int8").name

@@ -15,12 +15,14 @@ from __future__ import annotations
 import errno as errno_mod
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import Fault
 from .stats import FAILURE_REASONS, CacheStats, HeapReason, derive_state, dominant_reason, zero_reasons
+
+if TYPE_CHECKING:
+    from ._store import Fault  # a type only: the ledger records faults, the file layer makes them
 
 __all__ = ["Held", "Ledger"]
 

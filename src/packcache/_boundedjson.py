@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "loads", "nesting_depth"]
+__all__ = ["loads"]
 
 #: Deepest nesting accepted. safetensors headers are 3 levels deep, pack keys and
 #: platform fingerprints a handful; 64 leaves room without letting ``repr`` recurse.

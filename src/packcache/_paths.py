@@ -57,7 +57,6 @@ __all__ = [
     "fsync_dir",
     "lock_path_for",
     "open_checked",
-    "open_lock",
     "parse_temp_name",
     "pread_exact",
     "pid_alive",

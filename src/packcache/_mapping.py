@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PAGE", "FileMap", "Window", "page_ceil", "page_floor"]
+__all__ = ["FileMap", "Window"]
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 

@@ -2,7 +2,7 @@
 
 This module does the I/O; ``format.py`` decides what bytes mean and
 ``paths.py`` how a path is opened. Everything that can go wrong with the file
-surfaces as a :class:`~packcache.errors.Fault`, which carries the heap reason, the errno and a
+surfaces as a :class:`Fault`, which carries the heap reason, the errno and a
 message. The cache turns a fault into a heap pack and a counted, logged
 reason; nothing here ever fails a model load.
 
@@ -18,7 +18,7 @@ Rules from the design that shape the code:
   the sidecar build lock beside the resolved path (``paths.acquire_build_lock``),
   and, for appends in place, an ``flock`` on the file's own inode (a hardlink,
   or a lock file a cleaner deleted, must not let two writers append at once).
-* Mappings are few: packs are served from a :class:`~packcache.mapping.FileMap`
+* Mappings are few: packs are served from a :class:`~packcache._mapping.FileMap`
   whose windows are reused, so descriptors and mappings stay O(1) in the packs.
 """
 
@@ -38,9 +38,8 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
-from .errors import Fault, FormatError, LockTimeoutError, UntrustedFileError
-from .mapping import FileMap, Window
-from .paths import (
+from ._mapping import FileMap, Window
+from ._paths import (
     acquire_build_lock,
     close_if_same,
     create_temp,
@@ -51,13 +50,12 @@ from .paths import (
     unlink_quietly,
     wait_for_flock,
 )
+from .errors import FormatError, LockTimeoutError, UntrustedFileError
 from .stats import HeapReason
 
 __all__ = [
+    "Fault",
     "FileStore",
-    "classify_write_errno",
-    "entry_crc",
-    "open_failed_reason",
     "pwrite_all",
     "read_committed",
     "read_generation",
@@ -71,6 +69,18 @@ Origin = tuple[int, int, int]  # (st_dev, st_ino, offset) of a pack's bytes: the
 _DTYPES = {code: np.dtype(fmt.numpy_dtype_str(code)) for code in fmt.DTYPE_CODES}  # one object per code
 _NO_SPACE_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG})
 _READ_ONLY_ERRNOS = frozenset({errno_mod.EACCES, errno_mod.EROFS, errno_mod.EPERM, errno_mod.ETXTBSY})
+
+
+class Fault(Exception):
+    """A cache problem on its way to the session: the heap reason it causes, the errno and a
+    message. Made here, ended by :class:`packcache.Session` (counted, logged once, answered
+    with a heap pack); never raised out of the package (see :mod:`packcache.errors`)."""
+
+    def __init__(self, reason: HeapReason, err: int, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.errno = err
+        self.message = message
 
 
 def classify_write_errno(err: int | None) -> HeapReason:
@@ -818,16 +828,3 @@ def read_committed(fd: int, *, path: str | None = None) -> tuple[fmt.Header, fmt
     header = fmt.decode_header(head, path=path)
     slot, entries = read_generation(fd, head, header, os.fstat(fd).st_size, path=path)
     return header, slot, entries
-
-
-_CHUNK = 8 << 20  # checksum in slices: a memoryview slice of a map copies nothing
-
-
-def entry_crc(region: Any, entry: fmt.Entry) -> int:
-    """crc32 of an entry's bytes in a buffer mapping its whole file (reads every page of it)."""
-    crc = 0
-    for start in range(entry.offset, entry.offset + entry.nbytes, _CHUNK):
-        end = min(start + _CHUNK, entry.offset + entry.nbytes)
-        with memoryview(region) as whole, whole[start:end] as chunk:
-            crc = fmt.crc32(chunk, crc)
-    return crc
