@@ -59,6 +59,15 @@ def cpu_model() -> str:
     return model
 
 
+def compared(
+    workload: str, ours: tuple[str, list[float]], baseline: tuple[str, list[float]], ratio: str
+) -> dict[str, Any]:
+    """A workload's figures: quartiles of both sides (named ``ours[0]``, ``baseline[0]``) and the ratio of medians."""
+    (ours_name, ours_times), (base_name, base_times) = ours, baseline
+    o, b = quartiles(ours_times), quartiles(base_times)
+    return {"workload": workload, ours_name: o, base_name: b, ratio: o[1] / b[1]}
+
+
 def timed(fn: Callable[[], object], repeat: int) -> list[float]:
     out = []
     for _ in range(repeat):
@@ -121,14 +130,10 @@ def bench_warm(directory: str, count: int, total: int, repeat: int) -> dict[str,
     for _ in range(repeat):  # interleaved, so drift hits both alike
         ours += timed(lambda: warm_packcache(path, names), 1)
         limit += timed(lambda: warm_limit(path, layout), 1)
-    o, lim = quartiles(ours), quartiles(limit)
-    return {
-        "workload": f"warm load, {count} packs, {total >> 20} MiB",
-        "packcache_s": o,
-        "limit_s": lim,
-        "ratio_to_limit": o[1] / lim[1],
-        "per_pack_us": o[1] / count * 1e6,
-    }
+    result = compared(
+        f"warm load, {count} packs, {total >> 20} MiB", ("packcache_s", ours), ("limit_s", limit), "ratio_to_limit"
+    )
+    return {**result, "per_pack_us": result["packcache_s"][1] / count * 1e6}
 
 
 def bench_warm_checked(directory: str, repeat: int) -> dict[str, Any]:
@@ -148,13 +153,12 @@ def bench_warm_checked(directory: str, repeat: int) -> dict[str, Any]:
     for _ in range(repeat):
         default += timed(lambda: open_all(False), 1)
         checked += timed(lambda: open_all(True), 1)
-    d, c = quartiles(default), quartiles(checked)
-    return {
-        "workload": "warm open, 16 packs, 64 MiB: default vs verify=True",
-        "default_s": d,
-        "verify_on_open_s": c,
-        "ratio_verify_to_default": c[1] / d[1],
-    }
+    return compared(
+        "warm open, 16 packs, 64 MiB: default vs verify=True",
+        ("verify_on_open_s", checked),
+        ("default_s", default),
+        "ratio_verify_to_default",
+    )
 
 
 def bench_cold(directory: str, count: int, total: int, repeat: int) -> dict[str, Any]:
@@ -165,13 +169,12 @@ def bench_cold(directory: str, count: int, total: int, repeat: int) -> dict[str,
         cached += timed(lambda path=path: build(path, packs), 1)
         heap += timed(lambda: build_off(packs), 1)
         os.unlink(path)
-    c, h = quartiles(cached), quartiles(heap)
-    return {
-        "workload": f"cold build, {count} packs, {total >> 20} MiB",
-        "packcache_s": c,
-        "heap_only_s": h,
-        "ratio_to_heap_only": c[1] / h[1],
-    }
+    return compared(
+        f"cold build, {count} packs, {total >> 20} MiB",
+        ("packcache_s", cached),
+        ("heap_only_s", heap),
+        "ratio_to_heap_only",
+    )
 
 
 def build_off(packs: dict[str, np.ndarray[Any, Any]]) -> None:

@@ -18,115 +18,24 @@ Usage: python stress/stability.py [--cycles 100] [--packs 32]
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: tests/harness
 
-import packcache
-
-CHILD = """
-import json, sys, numpy as np, packcache
-path, packs, version = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-cache = packcache.WeightCache(path)
-with cache.session() as s:
-    for i in range(packs):
-        s.get_or_pack(f"w{i}", lambda: sys.exit("a hit was expected"), key={"version": version})
-st = cache.stats()
-cache.close()
-print(json.dumps({"hits": st.hits, "stored": st.stored, "written": st.written_bytes, "state": st.state}))
-"""
+from harness import stability
 
 
-def pack(i: int, version: int) -> np.ndarray[Any, Any]:
-    return np.random.default_rng([i, version]).standard_normal(4096 + 17 * i).astype(np.float32)
-
-
-def load(path: str, packs: int, version: int) -> tuple[packcache.CacheStats, dict[str, np.ndarray[Any, Any]]]:
-    with packcache.WeightCache(path) as cache:
-        with cache.session() as s:
-            served = {
-                f"w{i}": s.get_or_pack(f"w{i}", lambda i=i: pack(i, version), key={"version": version})
-                for i in range(packs)
-            }
-        return cache.stats(), served
-
-
-def file_identity(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-def run(directory: str, cycles: int, packs: int) -> dict[str, Any]:
-    path = os.path.join(directory, "model.pcache")
-    failures: list[str] = []
-    stats, _ = load(path, packs, version=1)
-    if stats.stored != packs:
-        failures.append(f"first build stored {stats.stored} of {packs}")
-    before = file_identity(path)
-    time.sleep(0.01)  # a rewrite within the same mtime tick would go unseen
-    for cycle in range(cycles):
-        if cycle % 3 == 2:
-            out = subprocess.run(
-                [sys.executable, "-c", CHILD, path, str(packs), "1"], capture_output=True, text=True, check=False
-            )
-            if out.returncode != 0:
-                failures.append(f"cycle {cycle}: child failed: {out.stderr.strip()[-200:]}")
-                continue
-            child = json.loads(out.stdout)
-            hits, written, state = child["hits"], child["written"], child["state"]
-        else:
-            stats, served = load(path, packs, version=1)
-            hits, written, state = stats.hits, stats.written_bytes, stats.state
-            if any(not np.array_equal(served[f"w{i}"], pack(i, 1)) for i in range(packs)):
-                failures.append(f"cycle {cycle}: wrong bytes")
-        if (hits, written, state) != (packs, 0, "mapped"):
-            failures.append(f"cycle {cycle}: hits={hits} written={written} state={state}")
-        if file_identity(path) != before:
-            failures.append(f"cycle {cycle}: file changed {before} -> {file_identity(path)}")
-
-    # A packer version change: exactly one repack of every pack, then converged.
-    stored_after_change = []
-    for _ in range(5):
-        stats, served = load(path, packs, version=2)
-        stored_after_change.append(stats.stored)
-        if any(not np.array_equal(served[f"w{i}"], pack(i, 2)) for i in range(packs)):
-            failures.append("wrong bytes after the version change")
-    if stored_after_change != [packs, 0, 0, 0, 0]:
-        failures.append(f"version change stored per load {stored_after_change}, expected [{packs}, 0, 0, 0, 0]")
-
-    # Compaction reclaims the superseded version-1 copies.
-    grown = os.path.getsize(path)
-    report = packcache.compact(path)
-    stats, served = load(path, packs, version=2)
-    if stats.hits != packs or any(not np.array_equal(served[f"w{i}"], pack(i, 2)) for i in range(packs)):
-        failures.append("compaction lost or changed a pack")
-    live = sum(pack(i, 2).nbytes for i in range(packs))
-    return {
-        "cycles": cycles,
-        "packs": packs,
-        "file_changes": sum("file changed" in f for f in failures),
-        "stored_per_load_after_version_change": stored_after_change,
-        "bytes_before_compaction": grown,
-        "bytes_after_compaction": report.bytes_after,
-        "live_bytes": live,
-        "failures": failures,
-    }
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=100)
     parser.add_argument("--packs", type=int, default=32)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="packcache-stability-") as d:
-        r = run(d, args.cycles, args.packs)
+        r = stability.run(d, args.cycles, args.packs)
     for failure in r["failures"]:
         print(f"FAIL {failure}")
     print(

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from packcache import cache as cache_mod
+from packcache import _registry
 
 # Hypothesis writes under its home directory even with database=None; keep it out of the work tree.
 set_hypothesis_home_dir(tempfile.mkdtemp(prefix="packcache-hypothesis-"))
@@ -15,7 +15,7 @@ set_hypothesis_home_dir(tempfile.mkdtemp(prefix="packcache-hypothesis-"))
 @pytest.fixture(autouse=True)
 def _restore_process_defaults() -> Iterator[None]:
     """Process-wide option defaults changed by a test must not leak into the next."""
-    saved = dict(cache_mod.DEFAULTS)
+    saved = dict(_registry.DEFAULTS)
     yield
-    cache_mod.DEFAULTS.clear()
-    cache_mod.DEFAULTS.update(saved)
+    _registry.DEFAULTS.clear()
+    _registry.DEFAULTS.update(saved)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import packcache
+from harness import stuck_in_pack
 from packcache import HeapReason, PackResultError, SessionError, WeightCache
 
 
@@ -373,32 +374,17 @@ def test_platform_change_rebuilds_once_then_maps(tmp_path: Path) -> None:
 
 def test_sessions_of_two_threads_on_one_cache_serialise(tmp_path: Path) -> None:
     cache = WeightCache(tmp_path / "m.pcache")
-    inside = threading.Event()
-    release = threading.Event()
     entered_b = threading.Event()
 
-    def slow() -> np.ndarray[Any, Any]:
-        inside.set()
-        assert release.wait(5)
-        return np.ones(4)
-
-    def a() -> None:
-        with cache.session() as s:
-            s.get_or_pack("a", slow)
-
     def b() -> None:
-        inside.wait(5)
         with cache.session() as s:
             entered_b.set()
             s.get_or_pack("b", lambda: np.zeros(4))
 
-    ta, tb = threading.Thread(target=a), threading.Thread(target=b)
-    ta.start()
-    tb.start()
-    assert inside.wait(5)
-    assert not entered_b.wait(0.3), "second session entered while the first held the cache"
-    release.set()
-    ta.join(5)
+    tb = threading.Thread(target=b)
+    with stuck_in_pack(cache, "a", timeout=5):  # a's session is inside pack() until the block ends
+        tb.start()
+        assert not entered_b.wait(0.3), "second session entered while the first held the cache"
     tb.join(5)
     assert entered_b.is_set() and cache.stats().stored == 2
     cache.close()

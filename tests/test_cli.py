@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from harness import build
 from packcache import WeightCache
 from packcache import format as fmt
 from packcache.cli import main, sanitize
 
 
-def build(path: Path, names: list[str], version: int = 1) -> dict[str, np.ndarray[Any, Any]]:
+def build_fp32(path: Path, names: list[str], version: int = 1) -> dict[str, np.ndarray[Any, Any]]:
+    """A cache of one float32 array per name, packed by packer ``fp32`` at ``version``; returns the arrays."""
     arrays = {n: np.full(1000 + i, i + version, np.float32) for i, n in enumerate(names)}
-    with WeightCache(path) as cache, cache.session() as s:
-        for n, a in arrays.items():
-            s.get_or_pack(n, lambda a=a: a, key={"packer": "fp32", "version": version})
+    build(path, arrays, key={"packer": "fp32", "version": version})
     return arrays
 
 
@@ -50,8 +50,8 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_inspect_lists_header_and_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.pcache"
-    build(path, ["a", "b"])
-    build(path, ["a", "b"], version=2)  # supersedes both: reclaimable bytes appear
+    build_fp32(path, ["a", "b"])
+    build_fp32(path, ["a", "b"], version=2)  # supersedes both: reclaimable bytes appear
     code, info = run_json(capsys, "inspect", str(path))
     assert code == 0 and info["generation"] == 2 and info["alignment"] == 64
     assert [(e["name"], e["packer"], e["dtype"], e["shape"]) for e in info["entries"]] == [
@@ -66,7 +66,7 @@ def test_inspect_lists_header_and_entries(tmp_path: Path, capsys: pytest.Capture
 
 def test_inspect_sanitises_hostile_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.pcache"
-    build(path, ["evil\x1b]0;pwned\x07\x1b[2J", "ok"])
+    build_fp32(path, ["evil\x1b]0;pwned\x07\x1b[2J", "ok"])
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;pwned\\x07" in out
@@ -92,7 +92,7 @@ def test_missing_file_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_verify_ok_then_names_the_flipped_entry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.pcache"
-    build(path, ["a", "b", "c"])
+    build_fp32(path, ["a", "b", "c"])
     code, report = run_json(capsys, "verify", str(path))
     assert code == 0 and report["ok"] and report["entries"] == 3
     _, info = run_json(capsys, "inspect", str(path))
@@ -107,8 +107,8 @@ def test_verify_ok_then_names_the_flipped_entry(tmp_path: Path, capsys: pytest.C
 
 def test_compact_reclaims_and_keeps_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.pcache"
-    build(path, ["a", "b"])
-    arrays = build(path, ["a", "b"], version=2)
+    build_fp32(path, ["a", "b"])
+    arrays = build_fp32(path, ["a", "b"], version=2)
     code, report = run_json(capsys, "compact", str(path))
     assert code == 0 and report["reclaimed_bytes"] > 8000 and report["entries"] == 2
     with WeightCache(path) as cache, cache.session() as s:
@@ -123,7 +123,7 @@ def test_gc_removes_stale_then_least_recently_used_but_never_a_locked_file(
 ) -> None:
     names = ["old", "mid", "new", "busy"]
     for i, name in enumerate(names):
-        build(tmp_path / f"{name}.pcache", [f"w{j}" for j in range(8)])
+        build_fp32(tmp_path / f"{name}.pcache", [f"w{j}" for j in range(8)])
         t = time.time() - 1000 * (len(names) - i)
         os.utime(tmp_path / f"{name}.pcache", (t, t))
     os.utime(tmp_path / "busy.pcache", (0, 0))  # least recently used of all, but locked below
@@ -150,7 +150,7 @@ def test_gc_removes_stale_then_least_recently_used_but_never_a_locked_file(
 
 
 def test_gc_over_budget_with_only_locked_files_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    build(tmp_path / "a.pcache", ["w"])
+    build_fp32(tmp_path / "a.pcache", ["w"])
     holder = os.open(tmp_path / "a.pcache.lock", os.O_RDWR)
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
@@ -161,7 +161,7 @@ def test_gc_over_budget_with_only_locked_files_fails(tmp_path: Path, capsys: pyt
 
 
 def test_gc_dry_run_removes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    build(tmp_path / "a.pcache", ["w"])
+    build_fp32(tmp_path / "a.pcache", ["w"])
     code, report = run_json(capsys, "gc", str(tmp_path), "--max-bytes", "0", "--dry-run")
     assert code == 0 and len(report["removed"]) == 1 and (tmp_path / "a.pcache").exists()
 
@@ -169,7 +169,7 @@ def test_gc_dry_run_removes_nothing(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_python_dash_m_on_a_real_terminal(tmp_path: Path) -> None:
     """A real subprocess on a pseudo-terminal with a real size: output is clean text, exit 0."""
     path = tmp_path / "m.pcache"
-    build(path, ["a"])
+    build_fp32(path, ["a"])
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, __import__("termios").TIOCSWINSZ, b"\x18\x00\x50\x00\x00\x00\x00\x00")  # 24 x 80
     proc = subprocess.Popen(

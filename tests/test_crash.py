@@ -28,10 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from _helpers import KIB, Packer, assert_same, child_argv, packed, run_child
+from harness import KIB, Packer, Request, assert_same, build_generations, child_argv, packed, run_child
 from packcache import WeightCache
-
-Request = tuple[str, int, int, dict[str, int]]  # name, seed, nbytes, key
 
 BEFORE: list[Request] = [  # what a valid cache holds before the "append" trial
     ("a", 0, 8 * KIB, {"v": 1}),
@@ -73,8 +71,7 @@ for _name in ("pwrite", "fdatasync", "rename"):
     _wrap(_name)
 cache = packcache.WeightCache(spec["path"], lock_timeout=5)
 with cache.session() as s:
-    for name, seed, nbytes, key in spec["requests"]:
-        s.get_or_pack(name, lambda seed=seed, nbytes=nbytes: packed(seed, nbytes), key=key)
+    request_all(s, spec["requests"])
 stats = stats_dict(cache)
 cache.close()
 report(stats=stats, calls=calls)
@@ -103,12 +100,7 @@ def prepare(scenario: str, directory: Path, template: Path) -> Path:
 def template(tmp_path: Path) -> Path:
     """A valid cache of two generations (so the next commit overwrites a used slot) holding BEFORE."""
     path = tmp_path / "template" / "model.pcache"
-    for generation in (BEFORE[:2], BEFORE[2:]):
-        with WeightCache(path) as cache:
-            with cache.session() as s:
-                for req in generation:
-                    request(s, req, Packer())
-            assert cache.stats().stored == len(generation)
+    build_generations(path, [BEFORE[:2], BEFORE[2:]])  # each generation stored whole
     return path
 
 

@@ -28,47 +28,36 @@ from typing import Any
 import numpy as np
 import pytest
 
-from _helpers import KIB, ROOT_ONLY, child_argv, file_state, packed
+from harness import KIB, ROOT_ONLY, Spec, build, child_argv, file_state, fill, packed, tmpfs
+from harness.driver import FOREIGN_UID, NOBODY, Env, check_load, environment, loaded, run_cli
+from harness.entry_faults import superseded
 from packcache import WeightCache, compact, maintenance, verify
 from packcache import format as fmt
+from packcache._paths import lock_path_for, pid_alive
 from packcache.cli import main
 from packcache.errors import LockTimeoutError, UntrustedFileError
-from packcache._paths import lock_path_for, pid_alive
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
-
-import faults
-
-NOBODY = faults.NOBODY
-AB: faults.Spec = {"a": (1, 16 * KIB), "b": (2, 16 * KIB)}
+AB: Spec = {"a": (1, 16 * KIB), "b": (2, 16 * KIB)}
 HANG = 30.0  # seconds: far more than any of these takes; reaching it means something blocked
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[faults.Env]:
+def env() -> Iterator[Env]:
     assert os.geteuid() == 0, ROOT_ONLY
-    with faults.environment() as environment:
-        yield environment
+    with environment() as made:
+        yield made
 
 
-def build(path: Path, spec: faults.Spec = AB, **options: Any) -> None:
-    faults.build(path, spec, **options)
+def nobody_loads(env: Env, path: Path, spec: Spec, *, hits: int, stored: int) -> list[str]:
+    """``nobody`` loads ``spec`` from ``path`` in a child (which must not die): what check_load finds wrong."""
+    return check_load(loaded(env, path, spec, user="nobody"), path, hits=hits, stored=stored)
 
 
-def superseded(path: Path) -> None:
-    """A cache holding AB (as faults.build and the child loads pack it) whose first versions were
-    all replaced: compaction has bytes to reclaim."""
-    with WeightCache(path) as cache, cache.session() as s:
-        for name, (seed, nbytes) in AB.items():
-            s.get_or_pack(name, lambda seed=seed, nbytes=nbytes: packed(seed + 100, nbytes), key={"old": True})
-    build(path)
-
-
-def load_as(env: faults.Env, path: Path, spec: faults.Spec, user: str) -> dict[str, Any]:
-    result = faults.run_child(env, path, [faults.load_step(spec)], user=user)
-    assert result.died is None, result.died
-    step: dict[str, Any] = result.steps[0]
-    return step
+def in_nobodys_directory(env: Env, name: str) -> Path:
+    """``model.pcache`` (not created) in a fresh case directory owned by ``nobody``."""
+    d = env.case_dir(name)
+    os.chown(d, NOBODY, NOBODY)
+    return d / "model.pcache"
 
 
 def cli(*argv: str, timeout: float = HANG) -> subprocess.CompletedProcess[str]:
@@ -140,7 +129,7 @@ def set_generation(path: Path, generation: int) -> None:
 def test_compact_refuses_a_file_planted_by_another_user(tmp_path: Path) -> None:
     """Root's cache refuses a file owned by nobody; compact used to rewrite it as root's own file."""
     path = tmp_path / "model.pcache"
-    superseded(path)
+    superseded(path, AB)
     os.chown(path, NOBODY, NOBODY)
     before = file_state(path)
     with pytest.raises(UntrustedFileError, match="owned by uid 65534"):
@@ -157,7 +146,7 @@ def test_compact_refuses_a_file_planted_by_another_user(tmp_path: Path) -> None:
 def test_compact_refuses_what_the_cache_refuses_and_writes_nothing(tmp_path: Path, attack: str) -> None:
     real = tmp_path / "real" / "model.pcache"
     real.parent.mkdir()
-    superseded(real)
+    superseded(real, AB)
     path = real
     if attack == "group-writable":
         os.chmod(real, 0o620)
@@ -184,7 +173,7 @@ def test_every_entry_point_reports_a_foreign_file_as_untrusted(
 ) -> None:
     """verify never says ok, inspect shows the verdict, compact refuses, gc leaves it: one rule everywhere."""
     path = tmp_path / "model.pcache"
-    build(path)
+    build(path, AB)
     os.chown(path, NOBODY, NOBODY)
     before = file_state(path)
     report = verify(path)
@@ -204,87 +193,83 @@ def test_every_entry_point_reports_a_foreign_file_as_untrusted(
 
 
 @pytest.mark.root
-def test_nobody_compacts_its_own_cache_but_not_another_users(env: faults.Env) -> None:
+def test_nobody_compacts_its_own_cache_but_not_another_users(env: Env) -> None:
     """As the real second user: its own file is compacted and stays its own; a foreign one is refused."""
     d = env.case_dir("nobody-compact")
     os.chown(d, NOBODY, NOBODY)
     mine, theirs = d / "mine.pcache", d / "theirs.pcache"
     for path in (mine, theirs):
-        superseded(path)
+        superseded(path, AB)
         os.chmod(path, 0o640)
     for owned in (mine, Path(f"{mine}.lock")):
         os.chown(owned, NOBODY, NOBODY)
-    os.chown(theirs, faults.FOREIGN_UID, faults.FOREIGN_UID)
+    os.chown(theirs, FOREIGN_UID, FOREIGN_UID)
     os.chmod(theirs, 0o644)  # readable by nobody: what stops compact must be the trust check
     before = file_state(theirs)
-    done = faults.run_cli(env, "compact", str(mine), "--json", user="nobody")
+    done = run_cli(env, "compact", str(mine), "--json", user="nobody")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["reclaimed_bytes"] > 0
     st = os.stat(mine)
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOBODY, 0o640)
-    refused = faults.run_cli(env, "compact", str(theirs), user="nobody")
+    refused = run_cli(env, "compact", str(theirs), user="nobody")
     assert refused.returncode == 1 and "owned by uid 12345" in refused.stderr and "Traceback" not in refused.stderr
     assert file_state(theirs) == before
-    assert faults.check_load(load_as(env, mine, {}, "nobody"), mine, hits=0, stored=0) == []
+    assert nobody_loads(env, mine, {}, hits=0, stored=0) == []
 
 
 # =========================================================================== item 6: compact keeps the owner
 
 
 @pytest.mark.root
-def test_compact_as_root_keeps_the_group_a_service_reads_through(env: faults.Env) -> None:
+def test_compact_as_root_keeps_the_group_a_service_reads_through(env: Env) -> None:
     """A root-owned 0640 cache in the service's group: after root compacts it, the service still maps it
     (compact used to leave root:root 0640, which the service cannot open: heap on every launch)."""
     d = env.case_dir("service-group")
     path = d / "model.pcache"
-    superseded(path)
+    superseded(path, AB)
     os.chown(path, 0, NOBODY)
     os.chmod(path, 0o640)
-    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=2, stored=0) == []
+    assert nobody_loads(env, path, AB, hits=2, stored=0) == []
     assert compact(path).reclaimed_bytes > 0
     st = os.stat(path)
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, NOBODY, 0o640)
-    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=2, stored=0) == []
+    assert nobody_loads(env, path, AB, hits=2, stored=0) == []
 
 
 @pytest.mark.root
-def test_compact_as_root_leaves_a_service_users_cache_loadable_by_the_service(env: faults.Env) -> None:
+def test_compact_as_root_leaves_a_service_users_cache_loadable_by_the_service(env: Env) -> None:
     """The reporter's case: compact as root on nobody's cache used to leave a root-owned file nobody could open."""
-    d = env.case_dir("service-owned")
-    os.chown(d, NOBODY, NOBODY)
-    path = d / "model.pcache"
-    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=0, stored=2) == []
+    path = in_nobodys_directory(env, "service-owned")
+    assert nobody_loads(env, path, AB, hits=0, stored=2) == []
     before = file_state(path)
     with pytest.raises(UntrustedFileError, match="owned by uid 65534"):
         compact(path)  # root refuses it as WeightCache does: compact it as nobody instead
     assert file_state(path) == before
-    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=2, stored=0) == []
-    done = faults.run_cli(env, "compact", str(path), user="nobody")
+    assert nobody_loads(env, path, AB, hits=2, stored=0) == []
+    done = run_cli(env, "compact", str(path), user="nobody")
     assert done.returncode == 0, done.stderr
     assert os.stat(path).st_uid == NOBODY
-    assert faults.check_load(load_as(env, path, AB, "nobody"), path, hits=2, stored=0) == []
+    assert nobody_loads(env, path, AB, hits=2, stored=0) == []
 
 
 @pytest.mark.root
-def test_compact_that_cannot_keep_the_owner_leaves_the_original_and_no_temp(env: faults.Env) -> None:
+def test_compact_that_cannot_keep_the_owner_leaves_the_original_and_no_temp(env: Env) -> None:
     """nobody may read and trust root's cache in its own directory, but must not turn it into nobody's file."""
-    d = env.case_dir("cannot-chown")
-    os.chown(d, NOBODY, NOBODY)
-    path = d / "model.pcache"
-    superseded(path)
+    path = in_nobodys_directory(env, "cannot-chown")
+    superseded(path, AB)
     os.chmod(path, 0o644)  # root's, so nobody trusts it and may read it
     os.chown(f"{path}.lock", NOBODY, NOBODY)  # nobody may take the lock: the owner is what must stop it
     before = file_state(path)
-    done = faults.run_cli(env, "compact", str(path), user="nobody")
+    done = run_cli(env, "compact", str(path), user="nobody")
     assert done.returncode == 1 and "run compact as the file's owner" in done.stderr, done.stderr
     assert file_state(path) == before and os.stat(path).st_uid == 0
-    assert names(d) == ["model.pcache", "model.pcache.lock"], "the temp file was removed"
+    assert names(path.parent) == ["model.pcache", "model.pcache.lock"], "the temp file was removed"
 
 
 def test_compact_keeps_mode_bits_and_a_symlinked_path_stays_a_symlink(tmp_path: Path) -> None:
     real = tmp_path / "real" / "model.pcache"
     real.parent.mkdir()
-    superseded(real)
+    superseded(real, AB)
     os.chmod(real, 0o640)
     link = tmp_path / "link.pcache"
     link.symlink_to(real)
@@ -302,7 +287,7 @@ def test_compact_through_a_symlink_waits_for_the_lock_a_builder_holds_on_the_rea
     """One lock per file: the builder locks <real>.lock; compact through a link must meet that lock."""
     real = tmp_path / "real" / "model.pcache"
     real.parent.mkdir()
-    superseded(real)
+    superseded(real, AB)
     link = tmp_path / "link.pcache"
     link.symlink_to(real)
     with lock_held_by_another_process(lock_path_for(str(real))):
@@ -320,7 +305,7 @@ def test_compact_interrupted_mid_copy_keeps_the_original_and_removes_its_temp(
 ) -> None:
     """Ctrl-C (KeyboardInterrupt) after the header is written: nothing of the attempt survives."""
     path = tmp_path / "model.pcache"
-    superseded(path)
+    superseded(path, AB)
     before = file_state(path)
     real_pwrite = maintenance.pwrite_all
     offsets: list[int] = []
@@ -341,11 +326,9 @@ def test_compact_interrupted_mid_copy_keeps_the_original_and_removes_its_temp(
 
 @pytest.mark.root
 def test_compact_on_a_full_disk_keeps_the_original_and_removes_its_temp(tmp_path: Path) -> None:
-    from _helpers import fill, tmpfs
-
     with tmpfs(tmp_path / "mnt", "1m") as mnt:
         path = mnt / "model.pcache"
-        superseded(path)
+        superseded(path, AB)
         fill(mnt, leave_free=8 * KIB)
         before = file_state(path)
         with pytest.raises(OSError) as raised:
@@ -419,7 +402,7 @@ def test_verify_and_compact_never_block_the_build_lock_on_a_fifo(tmp_path: Path)
 
 def test_gc_does_not_hang_on_a_fifo_planted_at_a_lock_path(tmp_path: Path) -> None:
     path = tmp_path / "model.pcache"
-    build(path)
+    build(path, AB)
     Path(f"{path}.lock").unlink()
     os.mkfifo(f"{path}.lock")
     done = cli("gc", str(tmp_path), "--max-bytes", "0", "--json")
@@ -442,7 +425,7 @@ def dead_pid() -> int:
 
 
 def test_gc_keeps_a_users_file_named_like_a_temp_file(tmp_path: Path) -> None:
-    build(tmp_path / "m.pcache")
+    build(tmp_path / "m.pcache", AB)
     pid = dead_pid()
     planted = [
         ".notes.tmp-draft",
@@ -495,7 +478,7 @@ def test_gc_keeps_a_live_builders_temp_file(tmp_path: Path) -> None:
 
 def test_gc_keeps_a_dead_builders_temp_while_another_process_holds_the_caches_lock(tmp_path: Path) -> None:
     path = tmp_path / "m.pcache"
-    build(path)
+    build(path, AB)
     orphan = tmp_path / f".m.pcache.tmp-{dead_pid()}-0123456789abcdef"
     orphan.write_bytes(b"partial")
     with lock_held_by_another_process(f"{path}.lock"):
@@ -508,8 +491,8 @@ def test_gc_keeps_a_dead_builders_temp_while_another_process_holds_the_caches_lo
 
 @pytest.mark.root
 def test_gc_as_root_leaves_a_service_users_cache_and_temp_alone(tmp_path: Path) -> None:
-    build(tmp_path / "svc.pcache")
-    build(tmp_path / "mine.pcache")
+    build(tmp_path / "svc.pcache", AB)
+    build(tmp_path / "mine.pcache", AB)
     orphan = tmp_path / f".svc.pcache.tmp-{dead_pid()}-0123456789abcdef"
     orphan.write_bytes(b"partial")
     for owned in (tmp_path / "svc.pcache", tmp_path / "svc.pcache.lock", orphan):
@@ -526,7 +509,7 @@ def test_gc_as_root_leaves_a_service_users_cache_and_temp_alone(tmp_path: Path) 
 def test_gc_never_follows_or_removes_symlinks_and_leaves_hard_links_alone(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    build(elsewhere / "precious.pcache")
+    build(elsewhere / "precious.pcache", AB)
     d = tmp_path / "cache"
     d.mkdir()
     (d / "link.pcache").symlink_to(elsewhere / "precious.pcache")
@@ -543,7 +526,7 @@ def test_gc_never_follows_or_removes_symlinks_and_leaves_hard_links_alone(tmp_pa
 
 def test_gc_removes_stale_then_least_recently_used_and_counts_each_inode_once(tmp_path: Path) -> None:
     for i, name in enumerate(["old", "mid", "new"]):
-        build(tmp_path / f"{name}.pcache")
+        build(tmp_path / f"{name}.pcache", AB)
         os.utime(tmp_path / f"{name}.pcache", (1000 * (i + 1), 1000 * (i + 1)))
     (tmp_path / "corrupt.pcache").write_bytes(fmt.MAGIC + bytes(5000))
     (tmp_path / "notes.txt").write_text("not a cache file")
@@ -567,7 +550,7 @@ def test_compact_at_the_last_usable_generation_restarts_the_generation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "model.pcache"
-    superseded(path)
+    superseded(path, AB)
     set_generation(path, 2**64 - 2)
     assert verify(path).ok and verify(path).generation == 2**64 - 2
     with WeightCache(path) as cache, cache.session() as s:  # a process mapping the old file

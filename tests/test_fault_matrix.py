@@ -4,7 +4,7 @@ Each case runs its load in a child process (as root, as root without
 ``CAP_DAC_OVERRIDE``, or as the real user ``nobody``) and checks what the
 design promises: the load succeeds, every served array is bit-identical to
 ``pack()``, the reason and errno are the right ones, one ERROR record per
-failing reason, no SIGBUS. The case code is the harness's own (``stress/faults.py``),
+failing reason, no SIGBUS. The case code is the harness's own (``harness.faults``, run by ``stress/faults.py``),
 so the default suite and the full run check the same thing. Inode exhaustion
 stands in for EDQUOT: this kernel has no tmpfs quota support (CONFIG_TMPFS_QUOTA).
 """
@@ -12,17 +12,12 @@ stands in for EDQUOT: this kernel has no tmpfs quota support (CONFIG_TMPFS_QUOTA
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from _helpers import ROOT_ONLY
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
-
-import faults
+from harness import ROOT_ONLY, faults
+from harness.driver import Case, Env, environment, run_case
 
 REDUCED = [
     "emfile/open",
@@ -61,10 +56,10 @@ FLIPS = [faults.flip_case(region, seed) for region in ("header", "index", "data"
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[faults.Env]:
+def env() -> Iterator[Env]:
     assert os.geteuid() == 0, ROOT_ONLY
-    with faults.environment() as environment:
-        yield environment
+    with environment() as made:
+        yield made
 
 
 def test_reduced_matrix_names_existing_cases() -> None:
@@ -73,19 +68,19 @@ def test_reduced_matrix_names_existing_cases() -> None:
 
 @pytest.mark.root
 @pytest.mark.parametrize("name", REDUCED)
-def test_fault_matrix_case(env: faults.Env, name: str) -> None:
-    assert faults.run_case(env, BY_NAME[name]) == []
+def test_fault_matrix_case(env: Env, name: str) -> None:
+    assert run_case(env, BY_NAME[name]) == []
 
 
 @pytest.mark.root
 @pytest.mark.parametrize("case", FLIPS, ids=[c.name for c in FLIPS])
-def test_bit_flip_never_serves_a_wrong_byte(env: faults.Env, case: faults.Case) -> None:
+def test_bit_flip_never_serves_a_wrong_byte(env: Env, case: Case) -> None:
     """Header/index flips: a valid open or a rebuild; data flips: found by verify(), repacked with verify=True."""
-    assert faults.run_case(env, case) == []
+    assert run_case(env, case) == []
 
 
 @pytest.mark.root
-def test_touching_a_view_after_external_truncation_is_sigbus_documented_limit(env: faults.Env) -> None:
+def test_touching_a_view_after_external_truncation_is_sigbus_documented_limit(env: Env) -> None:
     """Not a guarantee but a documented limit: any mmap user dies touching truncated pages.
 
     packcache never truncates; this pins what happens when someone else does,

@@ -30,11 +30,13 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from _helpers import (
+from harness import (
     KIB,
     MIB,
     Packer,
+    Spec,
     assert_same,
+    build,
     child_argv,
     error_records,
     file_state,
@@ -46,17 +48,6 @@ from _helpers import (
     tmpfs,
 )
 from packcache import WeightCache
-
-Spec = dict[str, tuple[int, int]]  # name -> (seed, nbytes)
-
-
-def build(path: Path, spec: Spec, **options: Any) -> None:
-    """Write a valid cache holding ``spec``'s packs (one session, every pack stored)."""
-    with WeightCache(path, **options) as cache:
-        with cache.session() as s:
-            for name, (seed, nbytes) in spec.items():
-                s.get_or_pack(name, lambda seed=seed, nbytes=nbytes: packed(seed, nbytes))
-        assert cache.stats().stored == len(spec), cache.stats()
 
 
 def load(cache: WeightCache, spec: Spec, packer: Packer) -> dict[str, np.ndarray[Any, Any]]:

@@ -11,17 +11,14 @@ bytes, and no case may hang. The maintenance entry points see every file too:
 copy may only raise FormatError/UntrustedFileError/OSError, and compact must
 reject exactly what the pure decoders reject. Every safetensors file either
 parses (and reads back its exact bytes) or is a FormatError naming an offset.
-The full run (100,000 of each) is ``python stress/fuzz.py``.
+The fuzzer is ``harness.fuzz``; the full run (100,000 of each) is ``python stress/fuzz.py``.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
-
-import fuzz
+from harness import fuzz
 
 
 def test_hostile_files_only_open_reject_or_rebuild() -> None:

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 import packcache
-from _helpers import KIB, assert_same, packed, run_child, two_appenders
+from harness import KIB, assert_same, build, packed, run_child, two_appenders
 from packcache import WeightCache
-from packcache import format as fmt
 from packcache import _store as store_mod
+from packcache import format as fmt
 
 KEY = {"packer": "test", "version": 1}
 
@@ -41,10 +41,9 @@ def switchy() -> Iterator[None]:
     sys.setswitchinterval(old)
 
 
-def build(path: Path, names: dict[str, int], nbytes: int = 4 * KIB) -> None:
-    with WeightCache(path) as cache, cache.session() as s:
-        for name, seed in names.items():
-            s.get_or_pack(name, lambda seed=seed: packed(seed, nbytes), KEY)
+def build_keyed(path: Path, names: dict[str, int]) -> None:
+    """A valid cache holding ``packed(seed, 4 KiB)`` per name under ``KEY``, as ``load_all`` requests them."""
+    build(path, {name: (seed, 4 * KIB) for name, seed in names.items()}, key=KEY)
 
 
 def load_all(path: Path, names: dict[str, int], nbytes: int = 4 * KIB) -> packcache.CacheStats:
@@ -190,7 +189,7 @@ def _spell(tmp_path: Path, how: str) -> tuple[Path, Path]:
     """(the path process A uses, the path process B uses) for one cache file."""
     real = tmp_path / "real" / "m.pcache"
     real.parent.mkdir(mode=0o700)
-    build(real, {"base": 0})
+    build_keyed(real, {"base": 0})
     if how == "symlink":
         other = tmp_path / "link.pcache"
         other.symlink_to(real)
@@ -225,7 +224,7 @@ def test_a_rebuild_through_a_symlink_replaces_the_target_not_the_symlink(tmp_pat
     os.chmod(real, 0o600)
     link = tmp_path / "m.pcache"
     link.symlink_to(real)
-    build(link, {"w": 1})
+    build_keyed(link, {"w": 1})
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert load_all(real, {"w": 1}).hits == 1
 
@@ -253,7 +252,7 @@ class ScratchPacker:
 def test_heap_packs_stay_bit_identical_when_pack_reuses_its_buffer(tmp_path: Path, how: str, view: bool) -> None:
     path = tmp_path / "m.pcache"
     if how == "read_only":
-        build(path, {"other": 9})  # a valid cache that may not grow
+        build_keyed(path, {"other": 9})  # a valid cache that may not grow
     packer = ScratchPacker(view)
     cache = WeightCache(None if how == "disabled" else path, read_only=how == "read_only")
     with cache, cache.session() as s:
@@ -274,9 +273,9 @@ def test_a_symlink_swapped_in_after_the_check_is_never_followed(
     shared.mkdir()
     os.chmod(shared, 0o777)  # world-writable, no sticky bit: a symlink here is not to be followed
     path = shared / "m.pcache"
-    build(path, {"w": 1})
+    build_keyed(path, {"w": 1})
     victim = tmp_path / "victim.pcache"
-    build(victim, {"w": 2})  # a valid cache of other bytes, which the attacker wants served
+    build_keyed(victim, {"w": 2})  # a valid cache of other bytes, which the attacker wants served
     real_lstat = os.lstat
 
     def lstat_then_swap(p: Any, *args: Any, **kwargs: Any) -> os.stat_result:
@@ -421,7 +420,7 @@ def test_an_interrupt_while_a_session_starts_leaves_the_cache_usable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "m.pcache"
-    build(path, {"w": 1})
+    build_keyed(path, {"w": 1})
     cache = WeightCache(path)
     real_refresh = store_mod.FileStore.refresh
 
@@ -453,7 +452,7 @@ def test_an_interrupt_during_the_commit_keeps_the_previous_generation_and_counts
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "m.pcache"
-    build(path, {"old": 1})
+    build_keyed(path, {"old": 1})
     before = path.read_bytes()
     calls = {"n": 0}
     real = os.fdatasync
@@ -533,7 +532,7 @@ def test_a_name_like_an_internal_unnamed_pack_is_counted_apart(tmp_path: Path) -
 
 def test_setting_read_only_false_makes_the_cache_store_again(tmp_path: Path) -> None:
     path = tmp_path / "m.pcache"
-    build(path, {"a": 1})
+    build_keyed(path, {"a": 1})
     cache = WeightCache(path, read_only=True)
     with cache.session() as s:
         s.get_or_pack("b", lambda: packed(2), KEY)
@@ -550,7 +549,7 @@ def test_setting_read_only_false_makes_the_cache_store_again(tmp_path: Path) -> 
 
 def test_chmod_600_makes_an_untrusted_file_trusted_at_the_next_session(tmp_path: Path) -> None:
     path = tmp_path / "m.pcache"
-    build(path, {"a": 1})
+    build_keyed(path, {"a": 1})
     os.chmod(path, 0o666)
     cache = WeightCache(path)
     with cache.session() as s:
@@ -581,7 +580,7 @@ def test_a_file_that_cannot_be_opened_shows_degraded_before_any_pack(tmp_path: P
 
 def test_an_untrusted_file_shows_degraded_before_any_pack(tmp_path: Path) -> None:
     path = tmp_path / "m.pcache"
-    build(path, {"a": 1})
+    build_keyed(path, {"a": 1})
     os.chmod(path, 0o666)
     with WeightCache(path) as cache:
         with cache.session():
@@ -592,7 +591,7 @@ def test_an_untrusted_file_shows_degraded_before_any_pack(tmp_path: Path) -> Non
 def test_aggregate_heap_reason_names_the_failure_not_a_bigger_legitimate_reason(tmp_path: Path) -> None:
     opted_out = WeightCache(None)
     path = tmp_path / "m.pcache"
-    build(path, {"a": 1})
+    build_keyed(path, {"a": 1})
     failing = WeightCache(path, read_only=True)
     with opted_out.session() as s:
         s.get_or_pack("big", lambda: packed(1, 1024 * KIB), KEY)
@@ -611,7 +610,7 @@ def test_a_failed_final_sync_counts_the_session_packs_as_heap(tmp_path: Path, mo
     # EIO from fdatasync cannot be produced reliably on this machine (no faulty device); the
     # failure is injected at exactly the commit's last sync.
     path = tmp_path / "m.pcache"
-    build(path, {"old": 1})
+    build_keyed(path, {"old": 1})
     calls = {"n": 0}
     real = os.fdatasync
 
@@ -666,7 +665,7 @@ def _enter_and_leave_without_exit(cache: WeightCache) -> packcache.Session:
 
 def test_a_session_left_without_exit_is_ended_by_the_same_threads_next_session(tmp_path: Path) -> None:
     path = tmp_path / "m.pcache"
-    build(path, {"w": 1})
+    build_keyed(path, {"w": 1})
     cache = WeightCache(path)
     abandoned = _enter_and_leave_without_exit(cache)
     with cache.session() as s:  # not "already active": the abandoned session is ended first
@@ -692,7 +691,7 @@ def test_a_nested_session_in_the_same_thread_is_still_an_error(tmp_path: Path) -
 
 def test_a_session_whose_thread_died_is_ended_by_another_thread(tmp_path: Path) -> None:
     path = tmp_path / "m.pcache"
-    build(path, {"w": 1})
+    build_keyed(path, {"w": 1})
     cache = WeightCache(path)
     worker = threading.Thread(target=_enter_and_leave_without_exit, args=(cache,))
     worker.start()

@@ -26,7 +26,7 @@ import torch
 import transformers
 from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 
-from _helpers import run_child
+from harness import run_child
 from packcache import FormatError, WeightCache, hf, inspect
 from packcache.models import minilm
 from packcache.torch import PackedLinear

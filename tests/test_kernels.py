@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import packcache
-from _helpers import save_safetensors
+from harness import save_safetensors
 from packcache.kernels import KERNEL_PATH_ENV, activation_dtype, cpu_kernels, int4_layout
 from packcache.packers import Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import packcache
+from harness import build, flip_bit
 from packcache import WeightCache
 from packcache import format as fmt
 from packcache._store import read_committed
@@ -23,26 +24,12 @@ def arrays(seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
     return {f"w{i}": rng.standard_normal(1000 + 357 * i).astype(np.float32) for i in range(5)}
 
 
-def build(path: Path, packs: dict[str, np.ndarray[Any, Any]], key: Any = None) -> None:
-    with WeightCache(path) as cache, cache.session() as s:
-        for name, a in packs.items():
-            s.get_or_pack(name, lambda a=a: a, key=key)
-
-
 def entries_of(path: Path) -> dict[str, fmt.Entry]:
     fd = os.open(path, os.O_RDONLY)
     try:
         return read_committed(fd)[2]
     finally:
         os.close(fd)
-
-
-def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ (1 << bit)]))
 
 
 def test_verify_passes_on_a_healthy_cache(tmp_path: Path) -> None:

@@ -1,31 +1,27 @@
-"""Reduced runs of stress/crash.py and stress/stampede.py: real processes, real SIGKILL, small numbers."""
+"""Reduced runs of the crash, stampede and interrupts harnesses (stress/crash.py, stress/stampede.py,
+stress/interrupts.py): real processes, real SIGKILL, small numbers."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
-STRESS_DIR = Path(__file__).resolve().parent.parent / "stress"
+from harness import crash, interrupts, stampede
 
 
-def load_harness(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"stress_{name}", STRESS_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def assert_clean(result: dict[str, Any], must_be_zero: tuple[str, ...], trials: int) -> None:
+    """No failure listed, every must-be-zero figure zero, every trial run."""
+    assert result["failures"] == []
+    for figure in must_be_zero:
+        assert result[figure] == 0, (figure, result)
+    assert result["trials"] == trials
 
 
 def test_random_sigkill_of_build_append_and_compaction_never_serves_wrong_bytes_or_loses_a_cache(
     tmp_path: Path,
 ) -> None:
-    crash = load_harness("crash")
     result = crash.run(tmp_path, trials=30, seed=7, workers=2, calibration_runs=2)
-    assert result["failures"] == []
-    for figure in crash.MUST_BE_ZERO:
-        assert result[figure] == 0, (figure, result)
-    assert result["trials"] == 30
+    assert_clean(result, crash.MUST_BE_ZERO, trials=30)
     # A harness whose kills all land after the writer finished proves nothing.
     assert result["killed_mid_write"] >= 10, result
     assert result["uncommitted_on_disk"] >= 3, result
@@ -34,7 +30,6 @@ def test_random_sigkill_of_build_append_and_compaction_never_serves_wrong_bytes_
 
 
 def test_eight_processes_on_an_empty_cache_one_builds_the_others_map(tmp_path: Path) -> None:
-    stampede = load_harness("stampede")
     result = stampede.stampede(tmp_path, rounds=3, processes=8, lock_timeout=60.0)
     assert result["failures"] == []
     assert (result["builders_per_round"], result["waiters_mapped"], result["files_one_copy"]) == ("1", 21, "3/3")
@@ -43,7 +38,6 @@ def test_eight_processes_on_an_empty_cache_one_builds_the_others_map(tmp_path: P
 
 
 def test_eight_processes_with_zero_lock_timeout_one_builds_the_others_pack_to_heap_locked(tmp_path: Path) -> None:
-    stampede = load_harness("stampede")
     result = stampede.stampede(tmp_path, rounds=3, processes=8, lock_timeout=0.0)
     assert result["failures"] == []
     assert (result["builders_per_round"], result["files_one_copy"], result["mismatches"], result["errors"]) == (
@@ -54,7 +48,6 @@ def test_eight_processes_with_zero_lock_timeout_one_builds_the_others_pack_to_he
 
 
 def test_readers_mapping_while_a_writer_appends_never_see_wrong_bytes(tmp_path: Path) -> None:
-    stampede = load_harness("stampede")
     result = stampede.mixed(tmp_path, rounds=2, processes=8)
     assert result["failures"] == []
     assert (result["mismatches"], result["errors"], result["regressions"]) == (0, 0, 0)
@@ -65,11 +58,7 @@ def test_readers_mapping_while_a_writer_appends_never_see_wrong_bytes(tmp_path: 
 
 
 def test_interrupts_at_random_instants_leave_the_cache_usable_and_the_file_valid(tmp_path: Path) -> None:
-    interrupts = load_harness("interrupts")
     result = interrupts.run(tmp_path, trials=120, seed=3, workers=2, calibration_runs=2)
-    assert result["failures"] == []
-    for figure in interrupts.MUST_BE_ZERO:
-        assert result[figure] == 0, (figure, result)
-    assert result["trials"] == 120
+    assert_clean(result, interrupts.MUST_BE_ZERO, trials=120)
     # Most timers must fire mid-load, or the run proves nothing about interrupts.
     assert result["interrupted"] >= 60, result

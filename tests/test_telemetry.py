@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 import packcache
+from harness import stuck_in_pack
 from packcache.telemetry import otel, prometheus
 
 
@@ -91,28 +91,13 @@ def test_scrapes_never_wait_on_a_session(tmp_path: Path) -> None:
     provider = MeterProvider(metric_readers=[reader])
     otel.register(provider)
     cache = packcache.WeightCache(tmp_path / "m.pcache")
-    inside, release = threading.Event(), threading.Event()
-
-    def slow() -> np.ndarray[Any, Any]:
-        inside.set()
-        assert release.wait(10)
-        return np.ones(8)
-
-    def load() -> None:
-        with cache.session() as s:
-            s.get_or_pack("slow", slow)
-
-    t = threading.Thread(target=load)
-    t.start()
     try:
-        assert inside.wait(10)
-        from prometheus_client import generate_latest
+        with stuck_in_pack(cache, timeout=10) as t:
+            from prometheus_client import generate_latest
 
-        assert b"packcache_mapped_bytes" in generate_latest(registry)
-        assert "packcache.heap_bytes" in otel_points(reader)
-        assert t.is_alive(), "the session was still inside pack() during both scrapes"
+            assert b"packcache_mapped_bytes" in generate_latest(registry)
+            assert "packcache.heap_bytes" in otel_points(reader)
+            assert t.is_alive(), "the session was still inside pack() during both scrapes"
     finally:
-        release.set()
-        t.join(10)
         cache.close()
         provider.shutdown()

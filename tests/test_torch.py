@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import packcache
-from _helpers import save_safetensors
+from harness import save_safetensors
 from packcache.packers import Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.safetensors import SafetensorsFile

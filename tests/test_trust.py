@@ -9,9 +9,9 @@ bit; temp files are created with ``O_EXCL``; no pickle, no eval, anywhere.
 tests/test_faults.py covers the refusals as root (foreign owner, world-writable,
 unsafe symlink) and the default modes under several umasks. Here the refusals
 run as a real second user: a child under ``setpriv --reuid=65534 --regid=65534
---clear-groups`` (the user ``nobody``), started by ``stress/faults.py``'s
-``Env`` (which makes the interpreter and a copy of ``src/packcache`` reachable
-for nobody). nobody opening a root-owned 0644 cache (trusted: hits map,
+--clear-groups`` (the user ``nobody``), started by the fault matrix's
+``harness.driver.Env`` (which makes the interpreter and a copy of ``packcache``
+reachable for nobody). nobody opening a root-owned 0644 cache (trusted: hits map,
 misses are ``read_only`` with EACCES) is the fault matrix's
 ``eacces-nobody/append`` case in tests/test_fault_matrix.py.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import os
 import stat
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,25 +28,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from _helpers import KIB, ROOT_ONLY, Packer, assert_same, error_records, file_state, packed
+from harness import KIB, ROOT_ONLY, Packer, Spec, assert_same, build, error_records, file_state, packed
+from harness.driver import FOREIGN_UID, NOBODY, Env, check_load, environment, loaded
 from packcache import WeightCache
 from packcache import _paths as paths_mod
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stress"))
-
-import faults
-
 SRC = Path(__file__).resolve().parents[1] / "src" / "packcache"
-NOBODY = faults.NOBODY
-AB: faults.Spec = {"a": (1, 16 * KIB), "b": (2, 16 * KIB)}
-ABC: faults.Spec = {**AB, "c": (3, 16 * KIB)}
+AB: Spec = {"a": (1, 16 * KIB), "b": (2, 16 * KIB)}
+ABC: Spec = {**AB, "c": (3, 16 * KIB)}
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[faults.Env]:
+def env() -> Iterator[Env]:
     assert os.geteuid() == 0, ROOT_ONLY
-    with faults.environment() as environment:
-        yield environment
+    with environment() as made:
+        yield made
 
 
 def _mode(path: Path) -> int:
@@ -58,15 +53,8 @@ def _give(path: Path, uid: int) -> None:
     os.chown(path, uid, uid)
 
 
-def _nobody_load(env: faults.Env, path: Path, spec: faults.Spec) -> dict[str, Any]:
-    result = faults.run_child(env, path, [faults.load_step(spec)], user="nobody")
-    assert result.died is None, result.died
-    step: dict[str, Any] = result.steps[0]
-    return step
-
-
 def _assert_refused(step: dict[str, Any], path: Path, nbytes: int) -> None:
-    assert faults.check_load(step, path, hits=0, stored=0, heap={"untrusted": nbytes}, errors=("untrusted",)) == []
+    assert check_load(step, path, hits=0, stored=0, heap={"untrusted": nbytes}, errors=("untrusted",)) == []
     assert step["stats"]["state"] == "heap" and step["stats"]["written_bytes"] == 0
 
 
@@ -74,13 +62,13 @@ def _assert_refused(step: dict[str, Any], path: Path, nbytes: int) -> None:
 
 
 @pytest.mark.root
-def test_nobody_refuses_a_cache_file_owned_by_another_non_root_user(env: faults.Env) -> None:
+def test_nobody_refuses_a_cache_file_owned_by_another_non_root_user(env: Env) -> None:
     d = env.case_dir("foreign-owner")
     path = d / "model.pcache"
-    faults.build(path, AB, file_mode=0o644)
-    _give(path, faults.FOREIGN_UID)
+    build(path, AB, file_mode=0o644)
+    _give(path, FOREIGN_UID)
     before = file_state(path)
-    step = _nobody_load(env, path, ABC)
+    step = loaded(env, path, ABC, user="nobody")
     _assert_refused(step, path, 48 * KIB)
     assert any("owned by uid 12345" in m for _, m in step["records"]), step["records"]
     assert file_state(path) == before
@@ -88,31 +76,31 @@ def test_nobody_refuses_a_cache_file_owned_by_another_non_root_user(env: faults.
 
 @pytest.mark.root
 @pytest.mark.parametrize("mode", [0o620, 0o602, 0o666], ids=["group-writable", "world-writable", "both"])
-def test_nobody_refuses_its_own_group_or_world_writable_file(env: faults.Env, mode: int) -> None:
+def test_nobody_refuses_its_own_group_or_world_writable_file(env: Env, mode: int) -> None:
     d = env.case_dir("writable")
     _give(d, NOBODY)
     os.chmod(d, 0o700)
     path = d / "model.pcache"
-    faults.build(path, AB)
+    build(path, AB)
     for owned in (path, Path(f"{path}.lock")):
         _give(owned, NOBODY)
     os.chmod(path, mode)
     before = file_state(path)
-    _assert_refused(_nobody_load(env, path, AB), path, 32 * KIB)
+    _assert_refused(loaded(env, path, AB, user="nobody"), path, 32 * KIB)
     assert file_state(path) == before
 
 
 @pytest.mark.root
 @pytest.mark.parametrize(("dir_mode", "trusted"), [(0o777, False), (0o1777, True)], ids=["no-sticky", "sticky"])
 def test_nobody_symlink_in_world_writable_directory_is_trusted_only_with_sticky_bit(
-    env: faults.Env, dir_mode: int, trusted: bool
+    env: Env, dir_mode: int, trusted: bool
 ) -> None:
     """nobody's own valid cache, reached through a link in a shared directory anyone can write."""
     d = env.case_dir("symlink")
     real = d / "real"
     real.mkdir()
     target = real / "model.pcache"
-    faults.build(target, AB)
+    build(target, AB)
     for owned in (real, target, Path(f"{target}.lock")):
         _give(owned, NOBODY)
     shared = d / "shared"
@@ -121,9 +109,9 @@ def test_nobody_symlink_in_world_writable_directory_is_trusted_only_with_sticky_
     link = shared / "model.pcache"
     link.symlink_to(target)
     before = file_state(target)
-    step = _nobody_load(env, link, AB)
+    step = loaded(env, link, AB, user="nobody")
     if trusted:
-        assert faults.check_load(step, link, hits=2, stored=0) == []
+        assert check_load(step, link, hits=2, stored=0) == []
     else:
         _assert_refused(step, link, 32 * KIB)
         assert any("sticky" in m for _, m in step["records"]), step["records"]
@@ -131,17 +119,17 @@ def test_nobody_symlink_in_world_writable_directory_is_trusted_only_with_sticky_
 
 
 @pytest.mark.root
-def test_nobody_creates_its_cache_0600_in_a_0700_directory_it_owns(env: faults.Env) -> None:
+def test_nobody_creates_its_cache_0600_in_a_0700_directory_it_owns(env: Env) -> None:
     d = env.case_dir("create")
     _give(d, NOBODY)
     path = d / "cache" / "model.pcache"
-    step = _nobody_load(env, path, AB)
-    assert faults.check_load(step, path, hits=0, stored=2) == []
+    step = loaded(env, path, AB, user="nobody")
+    assert check_load(step, path, hits=0, stored=2) == []
     for created, mode in ((path.parent, 0o700), (path, 0o600), (Path(f"{path}.lock"), 0o600)):
         st = os.lstat(created)
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOBODY, mode), created
     # And nobody trusts what it made: the next load maps everything.
-    assert faults.check_load(_nobody_load(env, path, AB), path, hits=2, stored=0) == []
+    assert check_load(loaded(env, path, AB, user="nobody"), path, hits=2, stored=0) == []
 
 
 # --------------------------------------------------------------------------- configured modes

@@ -1,0 +1,75 @@
+"""The test harness: what the tests, the stress harnesses and their child processes share.
+
+``tests/`` is on ``sys.path`` under pytest (there is no ``tests/__init__.py``), in
+every child process (``CHILD_PRELUDE``) and in every ``stress/*.py`` command
+line, which are thin CLIs over the modules here:
+
+* ``packs``: deterministic packs (``packed``, ``Packer``, ``assert_same``) and ``build``;
+* ``files``: a file's state, garbage, flipped bits, what a file commits;
+* ``mounts``: a tiny tmpfs, a read-only bind mount, ``require_root``;
+* ``child``: the child prelude, ``run_child``, two appenders on one file;
+* ``driver``, ``faults``, ``entry_faults``: the fault matrix (``stress/faults.py``);
+* ``crash``, ``stampede``, ``fuzz``, ``interrupts``, ``stability``: the other stress harnesses.
+
+This module re-exports the small common helpers; the harnesses are imported as
+``from harness import faults`` or ``from harness.faults import ...``.
+"""
+
+from __future__ import annotations
+
+from harness.child import (
+    CHILD_PRELUDE,
+    TESTS_DIR,
+    child_argv,
+    error_records,
+    last_json,
+    run_child,
+    two_appenders,
+)
+from harness.files import committed, file_state, flip_bit, garbage, save_safetensors, snapshot
+from harness.mounts import ROOT_ONLY, fill, read_only_bind, require_root, tmpfs
+from harness.packs import (
+    KIB,
+    MIB,
+    Packer,
+    Request,
+    Spec,
+    assert_same,
+    build,
+    build_generations,
+    packed,
+    same_pack,
+    stuck_in_pack,
+)
+
+__all__ = [
+    "CHILD_PRELUDE",
+    "KIB",
+    "MIB",
+    "ROOT_ONLY",
+    "TESTS_DIR",
+    "Packer",
+    "Request",
+    "Spec",
+    "assert_same",
+    "build",
+    "build_generations",
+    "child_argv",
+    "committed",
+    "error_records",
+    "fill",
+    "file_state",
+    "flip_bit",
+    "garbage",
+    "last_json",
+    "packed",
+    "read_only_bind",
+    "require_root",
+    "run_child",
+    "same_pack",
+    "save_safetensors",
+    "snapshot",
+    "stuck_in_pack",
+    "tmpfs",
+    "two_appenders",
+]
