@@ -11,7 +11,7 @@ a 4xx with a JSON error (``{"error": "..."}``) instead of an exception in the wo
   :func:`packcache._boundedjson.loads`), not an object with exactly the key ``texts``, texts
   that are not a list of strings, more than ``max_texts`` texts, a text longer than
   ``max_text_chars`` characters or not encodable as UTF-8 (a lone surrogate). 413 for a
-  body over ``max_body_bytes`` (read no further), 411/400 for a bad ``Content-Length``.
+  body over ``max_body_bytes`` (read no further), 400 for an empty body or a bad ``Content-Length``.
 * ``GET /metrics``: the Prometheus exposition of every worker (:mod:`.metrics`); this
   worker's cache figures are written first, so the scraping worker is never stale.
 * ``GET /healthz``: 200 ``{"status": "ok", ...}`` once the worker has loaded its model,
@@ -48,7 +48,6 @@ _STATUS = {
     400: "400 Bad Request",
     404: "404 Not Found",
     405: "405 Method Not Allowed",
-    411: "411 Length Required",
     413: "413 Content Too Large",
     500: "500 Internal Server Error",
 }
@@ -154,7 +153,7 @@ class EmbeddingApp:
             if len(body) > limit:
                 raise _Refusal(413, f"the body is over {limit} bytes")
         if not body:
-            raise _Refusal(411 if not length_text else 400, 'send a JSON body: {"texts": ["..."]}')
+            raise _Refusal(400, 'send a JSON body: {"texts": ["..."]}')
         return body
 
     def _texts(self, environ: dict[str, Any]) -> list[str]:
