@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The bench extra brings sentence-transformers, which declares an unpinned torch: the constraint keeps
 # pip on the torch==2.13.0 CPU build (any other resolution downloads a multi-GB CUDA build).
-.venv/bin/python -m pip install --quiet -c <(echo torch==2.13.0) -e '.[test,models,bench]'
+.venv/bin/python -m pip install --quiet -c <(echo torch==2.13.0) -e '.[test,models,bench,serve]'
 # torchao declares no torch requirement; --no-deps keeps pip from resolving another torch.
 .venv/bin/python -m pip install --quiet --no-deps torchao==0.18.0
 exec .venv/bin/python benchmarks/run.py "$@"
