@@ -438,7 +438,7 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
 def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
     # Checked by name, without importing: prometheus_client must not be imported before serve() sets
     # PROMETHEUS_MULTIPROC_DIR, and the model's modules load in serve() too.
-    needed = [("gunicorn", "serve"), ("prometheus_client", "serve"), ("tokenizers", "models")]
+    needed = [("gunicorn", "serve"), ("prometheus_client", "serve"), ("torch", "models"), ("tokenizers", "models")]
     if args.engine == "sentence-transformers":
         needed.append(("sentence_transformers", "hf"))
     for module, extra in needed:
