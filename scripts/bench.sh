@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks of docs/BENCHMARKS.md: sets up the bench extras, then runs benchmarks/run.py.
 # `bash scripts/bench.sh --quick` takes about 10 minutes; without it, about 36 (measured on the shared 2-core machine;
-# benchmarks/hf.py is 2.6 and 6.2 of them).
+# benchmarks/hf.py is 2.6 and 6.2 of them), plus benchmarks/serve.py's 1.3 and 5 minutes (measured alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
