@@ -797,3 +797,20 @@ def test_bad_requests_get_a_json_4xx_the_worker_survives_and_sigterm_stops_grace
         assert result == [(200, len(slow))], result
         assert srv.proc.wait(30) == 0, srv.log()
         assert list(srv.tmp.iterdir()) == [], "the private metrics directory is removed at exit"
+
+
+def test_the_server_package_imports_neither_gunicorn_nor_prometheus_client_nor_torch() -> None:
+    """``packcache`` and ``packcache.server`` import without the serve extra's packages or the model's;
+    ``packcache serve --help`` too. The master imports them only when it runs."""
+    code = (
+        "import sys\n"
+        "import packcache, packcache.server, packcache.cli\n"
+        "assert packcache.cli.main(['serve', '--help']) == 0\n"
+        "heavy = {'gunicorn', 'prometheus_client', 'torch', 'tokenizers', 'sentence_transformers'}\n"
+        "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-500:]
+    assert "--workers" in done.stdout and "--engine" in done.stdout
