@@ -132,7 +132,7 @@ def preimport(engine: str) -> None:
     """
     if engine == "sentence-transformers":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only: never a hub
-        importlib.import_module("sentence_transformers")
+        import sentence_transformers  # noqa: F401
     importlib.import_module("packcache.models.minilm")
 
 
@@ -158,10 +158,11 @@ def load_engine(spec: EngineSpec) -> Engine:
         return engine
     if spec.engine == "sentence-transformers":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        st: Any = importlib.import_module("sentence_transformers")
+        from sentence_transformers import SentenceTransformer
+
         path = spec.model or str(minilm.default_model_path())
         started = time.perf_counter()
-        model = st.SentenceTransformer(path, device="cpu")
+        model = SentenceTransformer(path, device="cpu")
         return _SentenceTransformers(model, time.perf_counter() - started)
     raise ValueError(f"unknown engine {spec.engine!r}: expected one of {', '.join(ENGINES)}")
 

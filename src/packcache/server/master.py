@@ -17,7 +17,6 @@ that reopens the cache file), TTIN/TTOU add or remove a worker.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import shutil
 import sys
@@ -120,7 +119,7 @@ def serve(options: ServeOptions) -> int:
 
 
 def _application(options: ServeOptions, mark_dead: Callable[[int], None], remove_at_exit: str | None) -> Any:
-    base: Any = importlib.import_module("gunicorn.app.base")
+    from gunicorn.app.base import BaseApplication  # type: ignore[import-untyped]
 
     def child_exit(server: Any, worker: Any) -> None:
         mark_dead(worker.pid)
@@ -151,7 +150,7 @@ def _application(options: ServeOptions, mark_dead: Callable[[int], None], remove
         "on_exit": on_exit,
     }
 
-    class Application(base.BaseApplication):  # type: ignore[misc]
+    class Application(BaseApplication):  # type: ignore[misc]
         def load_config(self) -> None:
             for key, value in settings.items():
                 self.cfg.set(key, value)
