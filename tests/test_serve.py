@@ -136,7 +136,7 @@ def server(tmp: Path, *args: str, workers: int, name: str = "server") -> Iterato
     argv = [sys.executable, "-m", "packcache", "serve", "--port", "0", "--workers", str(workers)]
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
         proc = subprocess.Popen(
-            [*argv, "--torch-threads", "1", *args],
+            [*argv, "--torch-threads", "1", "--scheme", "int8", *args],  # ARGS may override (the last wins)
             stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
         )  # fmt: skip
     srv = Server(proc, out, err, tmp / f"{name}-tmp")
