@@ -39,11 +39,14 @@ Method (printed first when run):
 * Hugging Face models (``benchmarks/hf.py``, its docstring has the method): warm ``packcache.hf``
   loads against ``AutoModel*.from_pretrained`` and ``SentenceTransformer`` in fresh processes,
   Anonymous growth, and throughput and cosine against the unpacked fp32 model.
+* Multi-worker server (``benchmarks/serve.py``, its docstring has the method): ``packcache serve``
+  with 1, 2 and 4 gunicorn workers, packcache int8 against sentence-transformers fp32 in the same
+  server shape: requests/s, p50/p99 latency of a closed loop of 8 clients, memory per worker.
 
 Figures are medians with the interquartile range; ratios are of medians measured
 in the same run. Absolute times drift on a shared machine; compare the ratios.
 
-Usage: python benchmarks/run.py [--quick] [--json FILE] [--plot FILE]
+Usage: python benchmarks/run.py [--quick] [--json FILE] [--plot FILE] [--serve-plot FILE]
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ sys.path.insert(0, HERE)
 import core  # noqa: E402  (benchmarks/core.py: quartiles, the bare-mmap limit, scaling, telemetry)
 import hf  # noqa: E402  (benchmarks/hf.py: packcache.hf load, memory and throughput against transformers)
 import inference  # noqa: E402  (benchmarks/inference.py: throughput, first embedding, model load)
+import serve  # noqa: E402  (benchmarks/serve.py: packcache serve with 1, 2, 4 workers against sentence-transformers)
 
 warnings.filterwarnings("ignore", message=".*register_constant.*")
 
@@ -704,6 +708,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small models, fewer repetitions: about 10 minutes")
     parser.add_argument("--json", default=os.path.join(HERE, "results.json"), help="results file")
     parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "benchmarks_pss.png"), help="PSS plot")
+    parser.add_argument(
+        "--serve-plot", default=os.path.join(HERE, "..", "docs", "serve_throughput.png"), help="server plot"
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -765,6 +772,10 @@ def main() -> None:
         results += found
         found = hf.run(d, args.quick)
         hf.print_results(found)
+        results += found
+        found = serve.run(d, args.quick)
+        serve.print_results(found)
+        serve.plot(found, args.serve_plot)
         results += found
     print_summary(results, args.quick)
     elapsed = time.perf_counter() - began

@@ -11,6 +11,7 @@ import dataclasses
 import errno as errno_mod
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -431,6 +432,49 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK if stats.state in ("stored", "mapped") and stats.heap_bytes == 0 else EXIT_FAILED
 
 
+# --------------------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
+    # Checked by name, without importing: prometheus_client must not be imported before serve() sets
+    # PROMETHEUS_MULTIPROC_DIR, and the model's modules load in serve() too.
+    needed = [("gunicorn", "serve"), ("prometheus_client", "serve"), ("torch", "models"), ("tokenizers", "models")]
+    if args.engine == "sentence-transformers":
+        needed.append(("sentence_transformers", "hf"))
+    for module, extra in needed:
+        if importlib.util.find_spec(module) is None:
+            print(f"packcache serve needs the {extra} extra ({module} is missing): "
+                  f"pip install 'packcache[{extra}]' (bash scripts/setup.sh installs it)", file=sys.stderr)  # fmt: skip
+            return EXIT_FAILED
+    from .server import EngineSpec, Limits, ServeOptions, serve, worker_threads
+
+    scheme, path = "fp32", None
+    if args.engine == "packcache":
+        from .kernels import default_scheme
+
+        scheme = default_scheme() if args.scheme == "auto" else args.scheme
+        path = _cache_file(args, scheme)
+    engine = EngineSpec(
+        engine=args.engine, scheme=scheme, cache=path, model=args.model,
+        kernel_path=None if args.kernel_path == "auto" else args.kernel_path,
+        torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
+    )  # fmt: skip
+    limits = Limits(args.max_texts, args.max_text_chars, args.max_body_bytes)
+    options = ServeOptions(
+        engine=engine, workers=args.workers, host=args.host, port=args.port, timeout=args.timeout,
+        limits=limits, metrics_dir=args.metrics_dir, log_level=args.log_level,
+    )  # fmt: skip
+    try:
+        code = serve(options)
+    except (ValueError, RuntimeError) as exc:
+        print(f"packcache serve: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    if code != EXIT_OK:
+        print("packcache serve: the server stopped with an error (a worker could not load the model, or the "
+              "address could not be bound; see the log above)", file=sys.stderr)  # fmt: skip
+    return code
+
+
 def _superseded(path: str | None) -> InspectReport | None:
     """The cache file's :func:`~packcache.inspect` report (live and reclaimable bytes), or None.
 
@@ -521,6 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--json", action="store_true", help="print one JSON object")
     build.set_defaults(func=cmd_build)
 
+    _add_serve(sub)
+
     ins = sub.add_parser(
         "inspect",
         help="show a cache file's header, generation, platform, entries, and whether the cache would trust it",
@@ -552,6 +598,71 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
     gc.set_defaults(func=cmd_gc)
     return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
+
+
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="an embedding service of several gunicorn workers on one shared cache file, with Prometheus metrics",
+        description='POST /embed {"texts": [...]} -> {"embeddings": [[...], ...]}; GET /metrics (every worker\'s '
+        "cache state, heap bytes per reason, mapped bytes and errno, request counts and latency, by pid); "
+        "GET /healthz. "
+        "Each worker loads all-MiniLM-L6-v2 through the cache file after the fork: on an empty cache one builds and "
+        "the others map. A cache problem never stops a worker: it shows in /metrics. SIGTERM stops gracefully, "
+        "SIGHUP replaces the workers (rolling restart). Needs the serve extra. See docs/DEPLOY.md.",
+    )
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    serve.add_argument("--workers", type=_positive, default=cpus, help=f"worker processes (default: the CPUs, {cpus})")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
+    serve.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default="auto",
+        help="weight scheme (default auto: int8 on CPUs with AVX2/AVX512, else fp32)",
+    )  # fmt: skip
+    serve.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
+    serve.add_argument("--no-cache", action="store_true", help="caching off: every worker packs to its own heap")
+    serve.add_argument(
+        "--engine", choices=("packcache", "sentence-transformers"), default="packcache",
+        help="packcache (default), or sentence-transformers' float32 model with no cache: the baseline of "
+        "benchmarks/serve.py (--scheme and the cache options do not apply to it)",
+    )  # fmt: skip
+    serve.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
+    serve.add_argument(
+        "--kernel-path", choices=("auto", "bf16", "fp32"), default="auto", help="kernel path (default auto)"
+    )
+    serve.add_argument(
+        "--torch-threads", type=_positive,
+        help="torch threads per worker (default: the CPUs divided among the workers, at least 1)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--prefault", action="store_true",
+        help="after loading, touch every page of the weights, so the first requests do not fault them in",
+    )  # fmt: skip
+    serve.add_argument(
+        "--timeout", type=float, default=60.0,
+        help="seconds a worker may spend on one request or on loading before it is replaced (default 60; keep it "
+        "above the cache's 30 s lock timeout)",
+    )  # fmt: skip
+    serve.add_argument("--max-texts", type=_positive, default=256, help="texts per request (default 256)")
+    serve.add_argument("--max-text-chars", type=_positive, default=10_000, help="characters per text (default 10000)")
+    serve.add_argument("--max-body-bytes", type=_positive, default=4 << 20, help="request body bytes (default 4 MiB)")
+    serve.add_argument(
+        "--metrics-dir",
+        help="prometheus_client's multiprocess directory (default: $PROMETHEUS_MULTIPROC_DIR, else a private "
+        "temporary one); its *.db files are removed at start",
+    )
+    serve.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",
+        help="gunicorn's log level (default info)",
+    )  # fmt: skip
+    serve.set_defaults(func=cmd_serve)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

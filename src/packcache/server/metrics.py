@@ -1,0 +1,157 @@
+"""Prometheus figures of every worker, in prometheus_client's multiprocess mode.
+
+This is the setup the client library documents for gunicorn
+(https://prometheus.github.io/client_python/multiprocess/): ``PROMETHEUS_MULTIPROC_DIR``
+is set before ``prometheus_client`` is first imported (the master does it, then forks),
+every worker writes its metrics to files in that directory, the master's ``child_exit``
+hook calls :func:`mark_process_dead` for each worker that ends, and ``GET /metrics``
+collects the files into a fresh ``CollectorRegistry`` with ``MultiProcessCollector``
+(:func:`exposition`). No metric is registered on a registry: in multiprocess mode every
+metric created is exported through the files.
+
+Per worker (gauges in ``liveall`` mode: the client adds a ``pid`` label and drops the
+series when the worker's pid is marked dead):
+
+===========================================  ==============================================
+``packcache_state{state}``                   1 for the cache's state, 0 for the four others
+                                             (``off``, ``heap``, ``degraded``, ``stored``,
+                                             ``mapped``): ``== 1`` selects, ``sum by (state)``
+                                             counts workers per state
+``packcache_heap_reason{reason}``            1 for the dominant heap reason (``none`` if no
+                                             heap), 0 for every other
+``packcache_heap_bytes{reason}``             heap bytes per reason, every reason, 0 included
+``packcache_mapped_bytes``                   bytes served from the file mapping
+``packcache_file_bytes``                     size of the cache file
+``packcache_written_bytes``                  bytes this worker wrote to the file (its build)
+``packcache_errno``                          errno of the latest failure, 0 if none
+``packcache_packs{outcome}``                 requests that ended ``hit``, ``stored``, ``heap``
+``packcache_load_seconds``                   the worker's model load (cache open, map or pack)
+``packcache_worker_info{engine,scheme,...}`` 1, with what the worker serves as labels
+===========================================  ==============================================
+
+A worker of the ``sentence-transformers`` engine has no cache: it exports only
+``packcache_worker_info`` and ``packcache_load_seconds``.
+
+Requests, with an explicit ``pid`` label (counters and histograms are summed over the
+files; the label keeps each worker's figures apart, ``sum without (pid)`` gives the
+service's): ``packcache_http_requests_total{route,code,pid}`` and
+``packcache_http_request_duration_seconds{route,pid}`` (a histogram of the time from the
+request's arrival in the application to its response body being ready). ``route`` is
+``/embed``, ``/metrics``, ``/healthz`` or ``other``, never the raw path. A replaced
+worker's request series stay in the files (totals never go back) until the server
+restarts, as the client library keeps them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+from ..stats import CacheState, CacheStats, HeapReason
+
+__all__ = ["ROUTES", "WorkerMetrics", "exposition", "mark_process_dead"]
+
+ROUTES = ("/embed", "/metrics", "/healthz", "other")
+_STATES = tuple(s.value for s in CacheState)
+_REASONS = tuple(r.value for r in HeapReason)
+#: Seconds: an 8-text batch takes milliseconds, a 256-text batch of long texts seconds.
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def _gauge(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
+    return Gauge(name, documentation, labels, registry=None, multiprocess_mode="liveall")
+
+
+class WorkerMetrics:
+    """This worker's metrics. Create it in the worker, after the fork (the files carry its pid).
+
+    Args:
+        engine, scheme, kernel_path, cache_file: what the worker serves (``worker_info``'s labels).
+        load_seconds: how long its model load took.
+    """
+
+    def __init__(self, engine: str, scheme: str, kernel_path: str, cache_file: str, load_seconds: float) -> None:
+        self.pid = str(os.getpid())
+        info = _gauge(
+            "packcache_worker_info", "What the worker serves", ("engine", "scheme", "kernel_path", "cache_file")
+        )
+        info.labels(engine, scheme, kernel_path, cache_file).set(1)
+        _gauge("packcache_load_seconds", "Seconds the worker's model load took").set(load_seconds)
+        self.requests = Counter(
+            "packcache_http_requests", "HTTP requests by route and status code", ("route", "code", "pid"), registry=None
+        )
+        self.latency = Histogram(
+            "packcache_http_request_duration_seconds",
+            "Seconds from a request's arrival in the application to its response body",
+            ("route", "pid"),
+            registry=None,
+            buckets=_BUCKETS,
+        )
+        self._cache: tuple[Gauge, ...] | None = None
+        self._published: tuple[object, ...] | None = None
+
+    def _cache_gauges(self) -> tuple[Gauge, ...]:
+        if self._cache is None:
+            self._cache = (
+                _gauge("packcache_state", "1 for the cache's state (off, heap, degraded, stored, mapped)", ("state",)),
+                _gauge("packcache_heap_reason", "1 for the dominant heap reason, none if no heap", ("reason",)),
+                _gauge("packcache_heap_bytes", "Bytes of packs held on heap, by reason", ("reason",)),
+                _gauge("packcache_mapped_bytes", "Bytes of packs mapped from the cache file"),
+                _gauge("packcache_file_bytes", "Size of the cache file"),
+                _gauge("packcache_written_bytes", "Bytes this worker wrote to the cache file"),
+                _gauge("packcache_errno", "errno of the latest failure, 0 if none"),
+                _gauge("packcache_packs", "Pack requests by outcome (hit, stored, heap)", ("outcome",)),
+            )
+        return self._cache
+
+    def publish(self, stats: CacheStats | None) -> None:
+        """Write the cache's figures (a no-op when nothing changed since the last call, or for ``None``)."""
+        if stats is None:
+            return
+        key = (
+            stats.state, stats.heap_reason, tuple(sorted(stats.heap_bytes_by_reason.items())), stats.mapped_bytes,
+            stats.file_bytes, stats.written_bytes, stats.errno, stats.hits, stats.stored, stats.heap_packs,
+        )  # fmt: skip
+        if key == self._published:
+            return
+        state, reason, heap, mapped, file_bytes, written, errno, packs = self._cache_gauges()
+        for name in _STATES:
+            state.labels(name).set(1 if name == stats.state else 0)
+        for name in (*_REASONS, "none"):
+            reason.labels(name).set(1 if name == stats.heap_reason else 0)
+        for name in _REASONS:
+            heap.labels(name).set(stats.heap_bytes_by_reason.get(name, 0))
+        mapped.set(stats.mapped_bytes)
+        file_bytes.set(stats.file_bytes)
+        written.set(stats.written_bytes)
+        errno.set(stats.errno)
+        packs.labels("hit").set(stats.hits)
+        packs.labels("stored").set(stats.stored)
+        packs.labels("heap").set(stats.heap_packs)
+        self._published = key
+
+    def observe(self, route: str, code: int, seconds: float) -> None:
+        """Count one request and its latency."""
+        self.requests.labels(route, str(code), self.pid).inc()
+        self.latency.labels(route, self.pid).observe(seconds)
+
+
+def exposition() -> tuple[bytes, str]:
+    """Every live worker's metrics (and every worker's request totals): the body and its content type."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def mark_process_dead(pid: int) -> None:
+    """Drop a worker's live gauges (the master's ``child_exit`` hook)."""
+    multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
