@@ -134,3 +134,25 @@ def test_progress_line_appears_only_after_a_second(tmp_path: Path) -> None:
     with _Progress(total=1, stream=quiet):
         time.sleep(1.2)
     assert quiet.getvalue() == "" and threading.active_count() >= 1
+
+
+@pytest.mark.parametrize("spelling", ["{d}", "{d}/", "{d}/./", "{rel}"])
+def test_run_serve_and_build_name_one_cache_file_for_one_checkpoint_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
+    """A directory with a dot in its name, a trailing slash or a relative spelling: ``run --model``,
+    ``serve --model`` and ``build`` resolve one file (they once disagreed: ``run`` dropped what
+    followed a dot, so a cache prebuilt by ``build`` was not the one the server opened)."""
+    from packcache.cli import _cache_file, _cache_file_for, build_parser
+
+    directory = tmp_path / "minilm.v2"
+    directory.mkdir()
+    monkeypatch.chdir(tmp_path)
+    given = spelling.format(d=directory, rel="minilm.v2")
+    parser = build_parser()
+    run = _cache_file(parser.parse_args(["run", "--model", given, "--cache-dir", "/c"]), "int8")
+    serve = _cache_file(parser.parse_args(["serve", "--model", given, "--cache-dir", "/c"]), "int8")
+    build = _cache_file_for(parser.parse_args(["build", given, "--cache-dir", "/c"]).checkpoint, "/c", "int8")
+    assert run == serve == build
+    assert os.path.basename(build).startswith("minilm.v2-") and build.endswith("-int8.pcache")
+    assert _cache_file_for(None, "/c", "int8") == "/c/minilm-int8.pcache"

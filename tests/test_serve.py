@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import http.client
 import json
 import os
@@ -36,6 +35,7 @@ import numpy as np
 import pytest
 
 import packcache
+from harness import read_only_bind, require_root, tmpfs
 
 SRC = Path(packcache.__file__).resolve().parents[1]
 REASONS = [r.value for r in packcache.HeapReason]
@@ -58,10 +58,6 @@ WORDS = ("the", "river", "city", "light", "market", "engine", "forest", "paper",
 def long(count: int, chars: int) -> list[str]:
     """``count`` different texts of ``chars`` characters (each well over the 256 tokens kept)."""
     return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(chars // 4))[:chars] for i in range(count)]
-
-
-def require_root() -> None:
-    assert os.geteuid() == 0, "this test mounts tmpfs and read-only binds: run the suite as root, as CI does"
 
 
 # ---------------------------------------------------------------- a server in a child process
@@ -357,41 +353,6 @@ def connection_owner(server_port: int, client_port: int, candidates: list[int]) 
                     if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
                         return pid
     return None
-
-
-# ---------------------------------------------------------------- mounts
-
-
-def mount(*argv: str) -> None:
-    done = subprocess.run(["mount", *argv], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, f"mount {' '.join(argv)}: {done.stderr.strip()}"
-
-
-def umount(directory: Path) -> None:
-    gc.collect()
-    if subprocess.run(["umount", str(directory)], capture_output=True, timeout=30).returncode != 0:
-        subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
-
-
-@contextlib.contextmanager
-def tmpfs(directory: Path, size: str) -> Iterator[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    mount("-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(directory))
-    try:
-        yield directory
-    finally:
-        umount(directory)
-
-
-@contextlib.contextmanager
-def read_only_bind(source: Path, target: Path) -> Iterator[Path]:
-    target.mkdir(parents=True, exist_ok=True)
-    mount("--bind", str(source), str(target))
-    try:
-        mount("-o", "remount,bind,ro", str(target))
-        yield target
-    finally:
-        umount(target)
 
 
 # ---------------------------------------------------------------- the reference

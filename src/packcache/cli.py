@@ -206,16 +206,18 @@ class _Progress:
 def _cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     if args.no_cache:
         return None
-    if not args.model:
-        return _cache_file_for("minilm", None, args.cache_dir, scheme)
-    return _cache_file_for(os.path.splitext(os.path.basename(args.model))[0], args.model, args.cache_dir, scheme)
+    return _cache_file_for(args.model or None, args.cache_dir, scheme)
 
 
-def _cache_file_for(name: str, source: str | None, cache_dir: str | None, scheme: str) -> str:
-    """``<cache dir>/<name>[-<sha256 of source's absolute path, 12 hex>]-<scheme>.pcache``: one file per
-    model location, so two checkpoints of the same name do not share (and supersede) one file."""
+def _cache_file_for(source: str | None, cache_dir: str | None, scheme: str) -> str:
+    """The one naming rule of ``run``, ``serve`` and ``build``: ``<cache dir>/minilm-<scheme>.pcache``
+    for the bundled model, else ``<cache dir>/<directory name>-<sha256 of its absolute path, 12 hex>-
+    <scheme>.pcache``: one file per model location, so two checkpoints of the same name do not share
+    (and supersede) one file, and every command that loads one directory finds the same file."""
+    name = "minilm"
     if source is not None:
-        name = f"{name}-{hashlib.sha256(os.path.abspath(source).encode()).hexdigest()[:12]}"
+        where = os.path.abspath(source)
+        name = f"{os.path.basename(where)}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
     return os.path.join(cache_dir or default_cache_dir(), f"{name}-{scheme}.pcache")
 
 
@@ -385,9 +387,7 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
     scheme = args.scheme
     if scheme == "auto":
         scheme = default_scheme()
-    path = args.cache or _cache_file_for(
-        os.path.basename(os.path.abspath(args.checkpoint)), args.checkpoint, args.cache_dir, scheme
-    )
+    path = args.cache or _cache_file_for(args.checkpoint, args.cache_dir, scheme)
     try:
         total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
         release_free_heap()
