@@ -203,6 +203,21 @@ class _Progress:
             self.drawn = True
 
 
+def _scheme(args: argparse.Namespace) -> str:
+    """``--scheme``, with ``auto`` resolved for this CPU: int8 where torch has its vectorised
+    int8/int4 kernels, else fp32 (:func:`packcache.kernels.default_scheme`)."""
+    if args.scheme != "auto":
+        return str(args.scheme)
+    from .kernels import default_scheme  # imports torch: only for a command that loads a model
+
+    return default_scheme()
+
+
+def _kernel_path(args: argparse.Namespace) -> str | None:
+    """``--kernel-path``; ``None`` for ``auto`` (the machine's rule)."""
+    return None if args.kernel_path == "auto" else str(args.kernel_path)
+
+
 def _cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     if args.no_cache:
         return None
@@ -253,12 +268,10 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    from .kernels import cpu_kernels, default_scheme
+    from .kernels import cpu_kernels
     from .memory import release_free_heap, smaps_rollup
 
-    # auto: int8 where torch has its vectorised int8/int4 kernels, else fp32 (kernels.default_scheme).
-    scheme = default_scheme() if args.scheme == "auto" else args.scheme
-    kernel_path = None if args.kernel_path == "auto" else args.kernel_path
+    scheme, kernel_path = _scheme(args), _kernel_path(args)
     path = _cache_file(args, scheme)
     try:
         # The tokenizer first, so the memory figures below are those of the weights.
@@ -381,12 +394,9 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
     except ImportError as exc:
         print(f"packcache build needs the hf extra ({exc}): pip install 'packcache[hf]'", file=sys.stderr)
         return EXIT_FAILED
-    from .kernels import default_scheme
     from .memory import release_free_heap, smaps_rollup
 
-    scheme = args.scheme
-    if scheme == "auto":
-        scheme = default_scheme()
+    scheme = _scheme(args)
     path = args.cache or _cache_file_for(args.checkpoint, args.cache_dir, scheme)
     try:
         total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
@@ -450,13 +460,10 @@ def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
 
     scheme, path = "fp32", None
     if args.engine == "packcache":
-        from .kernels import default_scheme
-
-        scheme = default_scheme() if args.scheme == "auto" else args.scheme
+        scheme = _scheme(args)
         path = _cache_file(args, scheme)
     engine = EngineSpec(
-        engine=args.engine, scheme=scheme, cache=path, model=args.model,
-        kernel_path=None if args.kernel_path == "auto" else args.kernel_path,
+        engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=_kernel_path(args),
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
     )  # fmt: skip
     limits = Limits(args.max_texts, args.max_text_chars, args.max_body_bytes)
@@ -526,22 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="load all-MiniLM-L6-v2 through a cache, embed, and report speed and where every byte is"
     )
-    run.add_argument(
-        "--scheme",
-        choices=("auto", *SCHEMES),
-        default="auto",
-        help="weight scheme (default auto: int8 on CPUs with AVX2/AVX512, where it is fast; else fp32)",
-    )
-    run.add_argument(
-        "--kernel-path",
-        choices=("auto", "bf16", "fp32"),
-        default="auto",
-        help="kernel path (default auto: bf16 with native bfloat16, else fp32; fp32 scheme: fp32)",
-    )
-    run.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
-    run.add_argument("--no-cache", action="store_true", help="caching off: pack to heap and report it")
+    _add_model_options(run, no_cache="caching off: pack to heap and report it")
     run.add_argument("--text", action="append", help="a sentence to embed (repeatable)")
-    run.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.set_defaults(func=cmd_run)
 
@@ -607,6 +600,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> None:
+    """The options that choose the MiniLM model, its scheme and its cache file: ``run`` and ``serve``
+    load it through one loader and one file name, so they take the same options."""
+    parser.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default="auto",
+        help="weight scheme (default auto: int8 on CPUs with AVX2/AVX512, where it is fast; else fp32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kernel-path", choices=("auto", "bf16", "fp32"), default="auto",
+        help="kernel path (default auto: bf16 with native bfloat16, else fp32; fp32 scheme: fp32)",
+    )  # fmt: skip
+    parser.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
+    parser.add_argument("--no-cache", action="store_true", help=no_cache)
+    parser.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
+
+
 def _add_serve(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
@@ -618,25 +627,18 @@ def _add_serve(sub: Any) -> None:
         "the others map. A cache problem never stops a worker: it shows in /metrics. SIGTERM stops gracefully, "
         "SIGHUP replaces the workers (rolling restart). Needs the serve extra. See docs/DEPLOY.md.",
     )
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from .server.engines import usable_cpus
+
+    cpus = usable_cpus()
     serve.add_argument("--workers", type=_positive, default=cpus, help=f"worker processes (default: the CPUs, {cpus})")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
-    serve.add_argument(
-        "--scheme", choices=("auto", *SCHEMES), default="auto",
-        help="weight scheme (default auto: int8 on CPUs with AVX2/AVX512, else fp32)",
-    )  # fmt: skip
-    serve.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
-    serve.add_argument("--no-cache", action="store_true", help="caching off: every worker packs to its own heap")
+    _add_model_options(serve, no_cache="caching off: every worker packs to its own heap")
     serve.add_argument(
         "--engine", choices=("packcache", "sentence-transformers"), default="packcache",
         help="packcache (default), or sentence-transformers' float32 model with no cache: the baseline of "
         "benchmarks/serve.py (--scheme and the cache options do not apply to it)",
     )  # fmt: skip
-    serve.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
-    serve.add_argument(
-        "--kernel-path", choices=("auto", "bf16", "fp32"), default="auto", help="kernel path (default auto)"
-    )
     serve.add_argument(
         "--torch-threads", type=_positive,
         help="torch threads per worker (default: the CPUs divided among the workers, at least 1)",

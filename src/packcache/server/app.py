@@ -162,7 +162,7 @@ class EmbeddingApp:
         except FormatError as exc:
             raise _Refusal(400, str(exc)) from None
         if not isinstance(request, dict) or set(request) != {"texts"}:
-            keys = sorted(request)[:5] if isinstance(request, dict) else None
+            keys = [key[:40] for key in sorted(request)[:5]] if isinstance(request, dict) else None
             raise _Refusal(
                 400, f'expected an object with exactly the key "texts", got {keys or type(request).__name__}'
             )

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..stats import CacheStats
 
-__all__ = ["ENGINES", "Engine", "EngineSpec", "load_engine", "preimport", "worker_threads"]
+__all__ = ["ENGINES", "Engine", "EngineSpec", "load_engine", "preimport", "usable_cpus", "worker_threads"]
 
 #: ``packcache``: all-MiniLM-L6-v2 on packed weights from the cache. ``sentence-transformers``: the
 #: unpacked float32 model as sentence-transformers loads it (the baseline).
@@ -110,6 +110,11 @@ class _SentenceTransformers(Engine):
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def worker_threads(workers: int, cpus: int | None = None) -> int:
     """Torch threads per worker by default: the CPUs this process may run on, shared out
     among the workers, at least one. N workers with one thread per core each would put
@@ -119,7 +124,7 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
     (1, 2, 4)
     """
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = usable_cpus()
     return max(1, cpus // max(1, workers))
 
 
