@@ -36,6 +36,7 @@ import pytest
 
 import packcache
 from harness import read_only_bind, require_root, tmpfs
+from packcache.memory import MappingUsage, file_mapping_usage, smaps_rollup
 
 SRC = Path(packcache.__file__).resolve().parents[1]
 REASONS = [r.value for r in packcache.HeapReason]
@@ -305,35 +306,6 @@ def embed_from_every_worker(srv: Server, pids: set[int], texts: list[str], timeo
 # ---------------------------------------------------------------- the kernel's figures
 
 
-def file_mapping(pid: int, path: Path) -> dict[str, int]:
-    """Sum ``Rss``/``Pss``/``Anonymous`` (bytes) of the VMAs of ``/proc/<pid>/smaps`` that map ``path``
-    (or the inode it named, now deleted), and how many there are and how many are of a deleted file."""
-    target = os.path.realpath(path)
-    totals = {"Rss": 0, "Pss": 0, "Anonymous": 0, "vmas": 0, "deleted": 0}
-    current = False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split(maxsplit=1)[0]
-            if not head.endswith(":"):
-                parts = line.rstrip("\n").split(maxsplit=5)
-                name = parts[5] if len(parts) == 6 else ""
-                current = name in (target, target + " (deleted)")
-                totals["vmas"] += current
-                totals["deleted"] += current and name.endswith(" (deleted)")
-            elif current and head[:-1] in totals:
-                totals[head[:-1]] += int(line.split()[1]) * 1024
-    return totals
-
-
-def rollup(pid: int) -> dict[str, int]:
-    fields: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[2] == "kB":
-            fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return fields
-
-
 def connection_owner(server_port: int, client_port: int, candidates: list[int]) -> int | None:
     """The pid among ``candidates`` holding the accepted socket of the connection from ``client_port``."""
     inode = None
@@ -430,7 +402,7 @@ def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identic
 
 def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_workers(tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
-    figures: dict[str, dict[int, dict[str, int]]] = {}
+    figures: dict[str, dict[int, tuple[dict[str, int], MappingUsage]]] = {}
     for mode, args in (("cache", ["--cache-dir", str(cache_dir)]), ("heap", ["--no-cache"])):
         with server(tmp_path, *args, "--prefault", workers=4, name=mode) as srv:
             s = loaded_workers(srv, 4)
@@ -446,20 +418,19 @@ def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_wor
                         w.current_state == "off" and w.heap_bytes["disabled"] == packed and w.info["cache_file"] == ""
                     )
             time.sleep(0.5)  # the scrape's own allocations settle
-            figures[mode] = {pid: {**rollup(pid), **{f"map_{k}": v for k, v in file_mapping(pid, path).items()}}
-                             for pid in s.workers}  # fmt: skip
+            figures[mode] = {pid: (smaps_rollup(pid), file_mapping_usage(path, pid)) for pid in s.workers}
     quarter = file_size / 4
-    for pid, f in figures["cache"].items():
+    for pid, (_, m) in figures["cache"].items():
         # Every worker touched every page of every pack (--prefault), so each data page is mapped by
         # the 4 workers and the kernel charges each a quarter of it: PSS = resident / 4. The file's
         # header, index and alignment padding (0.1 % of it for MiniLM) and smaps' kB rounding are far
         # inside 5 %; unshared pages would put a worker near 4x, one worker holding fewer pages lower.
-        assert f["map_Rss"] >= 0.98 * packed, (pid, f["map_Rss"], packed)
-        assert 0.95 * quarter <= f["map_Pss"] <= 1.05 * quarter, (pid, f["map_Pss"], quarter)
-        assert f["map_Anonymous"] == 0 and f["map_deleted"] == 0
-    for f in figures["heap"].values():
-        assert f["map_vmas"] == 0, "caching off maps no cache file"
-    median = {mode: {k: float(np.median([f[k] for f in figures[mode].values()])) for k in ("Anonymous", "Pss")}
+        assert m.rss >= 0.98 * packed, (pid, m.rss, packed)
+        assert 0.95 * quarter <= m.pss <= 1.05 * quarter, (pid, m.pss, quarter)
+        assert m.anonymous == 0 and m.deleted == 0
+    for _, m in figures["heap"].values():
+        assert m.mappings == 0, "caching off maps no cache file"
+    median = {mode: {k: float(np.median([r[k] for r, _ in figures[mode].values()])) for k in ("Anonymous", "Pss")}
               for mode in figures}  # fmt: skip
     # A heap worker holds the packed weights as its own anonymous memory; a cache worker does not.
     anonymous_saved = median["heap"]["Anonymous"] - median["cache"]["Anonymous"]
@@ -596,8 +567,8 @@ def test_a_cache_file_replaced_while_serving_old_workers_keep_theirs_restarted_o
         again = embed_from_every_worker(srv, set(old.workers), TEXTS)
         assert all(a == e1 for answers in again.values() for a in answers)
         for pid in old.workers:
-            mapping = file_mapping(pid, path)
-            assert mapping["vmas"] > 0 and mapping["deleted"] == mapping["vmas"], mapping
+            mapping = file_mapping_usage(path, pid)
+            assert mapping.mappings > 0 and mapping.deleted == mapping.mappings, mapping
         unchanged = scrape(srv).workers
         assert {pid: w.current_state for pid, w in unchanged.items()} == {
             pid: w.current_state for pid, w in old.workers.items()
@@ -613,7 +584,7 @@ def test_a_cache_file_replaced_while_serving_old_workers_keep_theirs_restarted_o
         for a in seen[fresh]:
             np.testing.assert_allclose(a, e2, rtol=0, atol=2e-5)
         assert mixed.workers[fresh].current_state == "mapped" and mixed.workers[fresh].values["written_bytes"] == 0
-        assert file_mapping(fresh, path)["deleted"] == 0 and file_mapping(kept, path)["deleted"] > 0
+        assert file_mapping_usage(path, fresh).deleted == 0 and file_mapping_usage(path, kept).deleted > 0
 
         # A rolling restart (SIGHUP) replaces the rest: every worker maps the new file.
         os.kill(srv.pid, signal.SIGHUP)
@@ -621,8 +592,8 @@ def test_a_cache_file_replaced_while_serving_old_workers_keep_theirs_restarted_o
         for w in new.workers.values():
             assert w.current_state == "mapped" and w.values["written_bytes"] == 0, w
             assert_no_heap(w)
-            mapping = file_mapping(w.pid, path)
-            assert mapping["vmas"] > 0 and mapping["deleted"] == 0
+            mapping = file_mapping_usage(path, w.pid)
+            assert mapping.mappings > 0 and mapping.deleted == 0
         final = embed_from_every_worker(srv, set(new.workers), TEXTS)
         for answers in final.values():
             for a in answers:

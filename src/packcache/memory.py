@@ -60,6 +60,7 @@ class MappingUsage:
     rss: int  # resident
     pss: int  # proportional: shared pages divided among the processes mapping them
     anonymous: int  # private copies (should be 0 for read-only maps)
+    deleted: int = 0  # of ``mappings``, those of a file since deleted or replaced (an old inode still served)
 
 
 def file_mapping_usage(path: str | os.PathLike[str], pid: int | str = "self") -> MappingUsage:
@@ -73,7 +74,7 @@ def file_mapping_usage(path: str | os.PathLike[str], pid: int | str = "self") ->
     """
     target = os.path.realpath(path)
     totals = {"Size": 0, "Rss": 0, "Pss": 0, "Anonymous": 0}
-    count = 0
+    count = deleted = 0
     current = False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
@@ -83,6 +84,7 @@ def file_mapping_usage(path: str | os.PathLike[str], pid: int | str = "self") ->
                 name = parts[5] if len(parts) == 6 else ""
                 current = name == target or name == target + " (deleted)"
                 count += current
+                deleted += current and name.endswith(" (deleted)")
             elif current and head[:-1] in totals:
                 totals[head[:-1]] += int(line.split()[1]) * 1024
-    return MappingUsage(count, totals["Size"], totals["Rss"], totals["Pss"], totals["Anonymous"])
+    return MappingUsage(count, totals["Size"], totals["Rss"], totals["Pss"], totals["Anonymous"], deleted)
