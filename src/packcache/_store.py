@@ -1,7 +1,7 @@
 """The cache file on disk: open, trust, validate, map, lock, append, commit.
 
 This module does the I/O; ``format.py`` decides what bytes mean and
-``paths.py`` how a path is opened. Everything that can go wrong with the file
+``_paths.py`` how a path is opened. Everything that can go wrong with the file
 surfaces as a :class:`Fault`, which carries the heap reason, the errno and a
 message. The cache turns a fault into a heap pack and a counted, logged
 reason; nothing here ever fails a model load.
@@ -15,7 +15,7 @@ Rules from the design that shape the code:
 * Space is reserved with ``posix_fallocate`` before writing, so a full disk
   is an errno at a known point, never a SIGBUS through a mapping.
 * One lock protocol, tied to the file rather than to the spelling of its path:
-  the sidecar build lock beside the resolved path (``paths.acquire_build_lock``),
+  the sidecar build lock beside the resolved path (``_paths.acquire_build_lock``),
   and, for appends in place, an ``flock`` on the file's own inode (a hardlink,
   or a lock file a cleaner deleted, must not let two writers append at once).
 * Mappings are few: packs are served from a :class:`~packcache._mapping.FileMap`
