@@ -658,7 +658,7 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument(
         "--metrics-dir",
         help="prometheus_client's multiprocess directory (default: $PROMETHEUS_MULTIPROC_DIR, else a private "
-        "temporary one); its *.db files are removed at start",
+        "temporary one); its *.db files are removed at start; it must be yours and writable by no other user",
     )
     serve.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",

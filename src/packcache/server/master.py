@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -46,7 +47,8 @@ class ServeOptions:
         limits: what one request may ask for.
         metrics_dir: prometheus_client's directory; ``None``: ``$PROMETHEUS_MULTIPROC_DIR``
             if set (its ``*.db`` files are removed at start, as the client library requires
-            between runs), else a fresh private ``0700`` directory removed at exit.
+            between runs; refused unless this user's or root's and writable by no one else),
+            else a fresh private ``0700`` directory removed at exit.
         log_level: gunicorn's log level.
     """
 
@@ -68,6 +70,14 @@ def _metrics_dir(options: ServeOptions) -> tuple[str, bool]:
         return tempfile.mkdtemp(prefix="packcache-serve-metrics-"), True  # mkdtemp: 0700, this user's
     if not os.path.isdir(given) or not os.access(given, os.W_OK | os.X_OK):
         raise ValueError(f"the metrics directory {given} is not a writable directory")
+    st = os.stat(given)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid not in (os.geteuid(), 0):
+        # prometheus_client opens <dir>/<kind>_<pid>.db by name and writes through it: a name planted
+        # there by another user (a symlink; the sticky bit does not stop creating one) redirects it.
+        raise ValueError(
+            f"the metrics directory {given} is another user's or other users can write it (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}); use a private directory (0700)"
+        )
     for name in os.listdir(given):
         if name.endswith(".db"):  # a previous run's figures: wiped before startup, as the client documents
             with contextlib.suppress(FileNotFoundError):
