@@ -7,8 +7,9 @@ Method: build a cache of ``--packs`` packs, then
    file's size, mtime and inode to stay unchanged and every pack to be a hit;
 2. change the packer version: the first load after it must pack and store every
    pack exactly once, and every later load must be a full hit again (converged);
-3. compact: the file shrinks to one copy of each live pack and every pack stays
-   bit-identical.
+   that first build superseded more bytes than it left live, so it must have
+   compacted the file to one copy of each live pack (no reclaimable byte left);
+3. compact: nothing more to reclaim, and every pack stays bit-identical.
 
 Prints one summary line; exits 1 if any check fails.
 

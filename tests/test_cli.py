@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import build
+from harness import build, without_build_compaction
 from packcache import WeightCache
 from packcache import format as fmt
 from packcache.cli import main, sanitize
@@ -50,8 +50,9 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_inspect_lists_header_and_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.pcache"
-    build_fp32(path, ["a", "b"])
-    build_fp32(path, ["a", "b"], version=2)  # supersedes both: reclaimable bytes appear
+    with without_build_compaction():  # a file as packcache left it before builds compacted
+        build_fp32(path, ["a", "b"])
+        build_fp32(path, ["a", "b"], version=2)  # supersedes both: reclaimable bytes appear
     code, info = run_json(capsys, "inspect", str(path))
     assert code == 0 and info["generation"] == 2 and info["alignment"] == 64
     assert [(e["name"], e["packer"], e["dtype"], e["shape"]) for e in info["entries"]] == [
@@ -107,8 +108,9 @@ def test_verify_ok_then_names_the_flipped_entry(tmp_path: Path, capsys: pytest.C
 
 def test_compact_reclaims_and_keeps_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.pcache"
-    build_fp32(path, ["a", "b"])
-    arrays = build_fp32(path, ["a", "b"], version=2)
+    with without_build_compaction():
+        build_fp32(path, ["a", "b"])
+        arrays = build_fp32(path, ["a", "b"], version=2)
     code, report = run_json(capsys, "compact", str(path))
     assert code == 0 and report["reclaimed_bytes"] > 8000 and report["entries"] == 2
     with WeightCache(path) as cache, cache.session() as s:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import packcache
+from harness import without_build_compaction
 from packcache.cli import _Progress, main
 from packcache.kernels import cpu_kernels
 from packcache.models import minilm
@@ -30,7 +31,8 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 def test_run_twice_stores_then_maps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first = run(capsys, "--cache-dir", str(tmp_path))
     second = run(capsys, "--cache-dir", str(tmp_path))
-    assert first["cache_file"] == second["cache_file"] == str(tmp_path / "minilm-int8.pcache")
+    named = minilm.default_cache_path(minilm.default_scheme(), cache_dir=tmp_path)  # by content: bert-int8-<hex>
+    assert first["cache_file"] == second["cache_file"] == str(named) and named.name.startswith("bert-")
     assert first["stats"]["state"] == "stored" and first["stats"]["stored"] > 0
     assert second["stats"]["state"] == "mapped" and second["stats"]["hits"] == first["stats"]["stored"]
     assert second["stats"]["heap_bytes"] == 0 and second["stats"]["written_bytes"] == 0
@@ -80,33 +82,30 @@ def test_run_with_a_bad_model_path_is_a_clean_error(tmp_path: Path, capsys: pyte
 
 
 def test_run_says_when_superseded_packs_outweigh_live_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Another copy of the same model (here: the same file with a new mtime, as a reinstall gives)
-    # has another identity, so its packs supersede the first copy's under the same names.
-    model = tmp_path / "model"
-    shutil.copytree(minilm.default_model_path(), model)
-    weights = model / "model.safetensors"
-    argv = ("--cache-dir", str(tmp_path / "cache"), "--model", str(model), "--scheme", "int8")
-    results = []
-    for launch in range(3):
-        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9 * (launch + 1)))
-        results.append(run(capsys, *argv))
-    assert [r["stats"]["stored"] for r in results] == [137, 137, 137]  # every launch repacked: a new identity
-    report = packcache.inspect(results[-1]["cache_file"])
-    first, second, third = (r["file_reclaimable_bytes"] for r in results)
-    # Each repack supersedes one copy of the packs (and the index that listed them).
-    assert first == 0 and report.live_bytes <= second < third and third >= 2 * report.live_bytes
-    assert results[-1]["file_reclaimable_bytes"] == report.reclaimable_bytes
-    # From the first superseded copy on, compaction would at least halve the file: run says so.
-    assert results[0]["warnings"] == []
-    for result in results[1:]:
-        (warning,) = [w for w in result["warnings"] if "superseded" in w]
-        assert f"'packcache compact {result['cache_file']}' reclaims them" in warning
-    # The text report shows the figure, and compaction takes it back to zero.
+    """A launch that maps everything writes nothing, so it cannot compact a file that an earlier packcache (whose
+    builds never compacted) left mostly superseded: ``run`` says so and names ``packcache compact``."""
+    argv = ("--cache-dir", str(tmp_path), "--scheme", "int8")
+    first = run(capsys, *argv)
+    path = first["cache_file"]
+    assert first["file_reclaimable_bytes"] == 0 and first["stats"]["reclaimable_bytes"] == 0
+    assert first["warnings"] == []
+    with without_build_compaction(), packcache.WeightCache(path, platform=minilm.platform("int8")) as cache:
+        for version, size in enumerate((16 << 20, 16)):  # stored twice: its big first copy is superseded
+            with cache.session() as s:
+                s.get_or_pack("retired", lambda size=size: np.zeros(size, np.float32), key={"version": version})
+    second = run(capsys, *argv)
+    assert second["stats"]["state"] == "mapped" and second["stats"]["written_bytes"] == 0
+    report = packcache.inspect(path)
+    assert second["file_reclaimable_bytes"] == second["stats"]["reclaimable_bytes"] == report.reclaimable_bytes
+    assert report.reclaimable_bytes >= report.live_bytes
+    (warning,) = [w for w in second["warnings"] if "superseded" in w]
+    assert f"'packcache compact {path}' reclaims them" in warning
     assert main(["run", *argv]) == 0
-    assert "superseded" in capsys.readouterr().out
-    assert main(["compact", results[-1]["cache_file"]]) == 0
+    assert "superseded" in capsys.readouterr().out  # the text report shows the figure too
+    assert main(["compact", path]) == 0
     capsys.readouterr()
-    assert run(capsys, *argv)["file_reclaimable_bytes"] == 0
+    third = run(capsys, *argv)
+    assert third["file_reclaimable_bytes"] == 0 and third["warnings"] == []
 
 
 class _Terminal(io.StringIO):
@@ -136,23 +135,26 @@ def test_progress_line_appears_only_after_a_second(tmp_path: Path) -> None:
     assert quiet.getvalue() == "" and threading.active_count() >= 1
 
 
-@pytest.mark.parametrize("spelling", ["{d}", "{d}/", "{d}/./", "{rel}"])
-def test_run_serve_and_build_name_one_cache_file_for_one_checkpoint_directory(
+@pytest.mark.parametrize("spelling", ["{d}", "{d}/", "{d}/./", "{rel}", "{copy}"])
+def test_run_serve_and_build_name_one_cache_file_for_one_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str
 ) -> None:
-    """A directory with a dot in its name, a trailing slash or a relative spelling: ``run --model``,
-    ``serve --model`` and ``build`` resolve one file (they once disagreed: ``run`` dropped what
-    followed a dot, so a cache prebuilt by ``build`` was not the one the server opened)."""
-    from packcache.cli import _cache_file, _cache_file_for, build_parser
+    """A directory with a dot in its name, a trailing slash, a relative spelling, or a copy elsewhere:
+    ``run --model``, ``serve --model`` and ``build`` open one file, named by the checkpoint's content (they
+    once disagreed on a dotted name, and once named files by path, so a copy or a prebuilt cache missed)."""
+    from packcache.cli import _cache_file, build_parser
+    from packcache.hf import default_cache_path
 
     directory = tmp_path / "minilm.v2"
-    directory.mkdir()
+    shutil.copytree(minilm.default_model_path(), directory)
+    shutil.copytree(directory, tmp_path / "elsewhere" / "copy", copy_function=shutil.copy2)
     monkeypatch.chdir(tmp_path)
-    given = spelling.format(d=directory, rel="minilm.v2")
+    given = spelling.format(d=directory, rel="minilm.v2", copy=tmp_path / "elsewhere" / "copy")
     parser = build_parser()
     run = _cache_file(parser.parse_args(["run", "--model", given, "--cache-dir", "/c"]), "int8")
     serve = _cache_file(parser.parse_args(["serve", "--model", given, "--cache-dir", "/c"]), "int8")
-    build = _cache_file_for(parser.parse_args(["build", given, "--cache-dir", "/c"]).checkpoint, "/c", "int8")
-    assert run == serve == build
-    assert os.path.basename(build).startswith("minilm.v2-") and build.endswith("-int8.pcache")
-    assert _cache_file_for(None, "/c", "int8") == "/c/minilm-int8.pcache"
+    build = str(default_cache_path(parser.parse_args(["build", given]).checkpoint, "int8", cache_dir="/c"))
+    bundled = _cache_file(parser.parse_args(["run", "--cache-dir", "/c"]), "int8")
+    assert run == serve == build == bundled  # the same bytes as the bundled model: the same file
+    assert os.path.basename(build).startswith("bert-int8-") and "minilm" not in build and "copy" not in build
+    assert _cache_file(parser.parse_args(["run", "--no-cache"]), "int8") is None

@@ -32,6 +32,7 @@ from harness import KIB, ROOT_ONLY, Spec, build, child_argv, file_state, fill, p
 from harness.driver import FOREIGN_UID, NOBODY, Env, check_load, environment, loaded, run_cli
 from harness.entry_faults import superseded
 from packcache import WeightCache, compact, maintenance, verify
+from packcache import _generations as generations
 from packcache import format as fmt
 from packcache._paths import lock_path_for, pid_alive
 from packcache.cli import main
@@ -307,7 +308,7 @@ def test_compact_interrupted_mid_copy_keeps_the_original_and_removes_its_temp(
     path = tmp_path / "model.pcache"
     superseded(path, AB)
     before = file_state(path)
-    real_pwrite = maintenance.pwrite_all
+    real_pwrite = generations.pwrite_all
     offsets: list[int] = []
 
     def interrupted(fd: int, data: Any, offset: int) -> int:
@@ -316,7 +317,7 @@ def test_compact_interrupted_mid_copy_keeps_the_original_and_removes_its_temp(
             raise KeyboardInterrupt
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(maintenance, "pwrite_all", interrupted)
+    monkeypatch.setattr(generations, "pwrite_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         compact(path)
     assert offsets == [0, 4096], "interrupted in the middle of copying the packs"

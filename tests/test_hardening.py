@@ -26,6 +26,7 @@ import pytest
 import packcache
 from harness import KIB, assert_same, build, packed, run_child, two_appenders
 from packcache import WeightCache
+from packcache import _generations as generations
 from packcache import _store as store_mod
 from packcache import format as fmt
 
@@ -344,7 +345,7 @@ def test_the_writer_never_commits_an_index_the_readers_refuse(tmp_path: Path, mo
     assert st.heap_bytes_by_reason["no_space"] == (12 - kept) * 64
     assert st.errno == errno.EFBIG and "caps" in st.error
     fd = os.open(path, os.O_RDONLY)
-    _, slot, entries = store_mod.read_committed(fd, path=str(path))
+    _, slot, entries = generations.read_committed(fd, path=str(path))
     os.close(fd)
     assert slot is not None and slot.index_size <= 8 * KIB and len(entries) == kept
     with WeightCache(path) as cache, cache.session() as s:  # readers accept it: every kept pack maps

@@ -27,7 +27,7 @@ import transformers
 from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 
 from harness import run_child
-from packcache import FormatError, WeightCache, hf, inspect
+from packcache import FormatError, WeightCache, hf, identity, inspect
 from packcache.models import minilm
 from packcache.torch import PackedLinear
 
@@ -420,10 +420,14 @@ WARM_CHILD = textwrap.dedent(
             os.close(fd)
         print(json.dumps({"after_drop": [resident(s) for s in shards]}))
     else:
+        from packcache import identity
+        hashed = []
+        real_hash = identity._hash
+        identity._hash = lambda fd, path, st: hashed.append(path) or real_hash(fd, path, st)
         model = hf.from_pretrained(checkpoint, "int8", cache_path, auto_class=mode)
         stats = model.packcache.stats()
         print(json.dumps({"state": stats.state, "heap": stats.heap_bytes, "hits": stats.hits,
-                          "resident": [resident(s) for s in shards]}))
+                          "resident": [resident(s) for s in shards], "hashed": len(hashed)}))
     """
 )
 
@@ -433,14 +437,18 @@ def test_warm_load_reads_no_tensor_byte_of_the_source(tmp_path: Path) -> None:
     leaves none of its tensor pages resident (mincore): it read config and headers only."""
     directory = save_tiny("llama", tmp_path / "llama", max_shard_size="40KB")
     cache_path = str(tmp_path / "c.pcache")
+    # Past the racy window, the cold launch records each shard's content digest (packcache.identity), so the
+    # warm launch finds them without reading a byte; a younger checkpoint would be hashed again.
+    shards = list(directory.glob("*.safetensors"))
+    time.sleep(max(0.0, max(p.stat().st_ctime for p in shards) + identity.RACY_SECONDS + 0.05 - time.time()))
     cold = run_child(WARM_CHILD, str(directory), cache_path, CAUSAL)
-    assert cold["state"] == "stored"
+    assert cold["state"] == "stored" and cold["hashed"] == len(shards) > 1
     assert sum(count for count, _ in cold["resident"]) > 0, "the cold load should have read the tensors"
     dropped = run_child(WARM_CHILD, str(directory), cache_path, "drop")
     if any(count for count, _ in dropped["after_drop"]):
         pytest.fail(f"posix_fadvise(DONTNEED) left pages resident, the proof cannot run here: {dropped}")
     warm = run_child(WARM_CHILD, str(directory), cache_path, CAUSAL)
-    assert warm["state"] == "mapped" and warm["heap"] == 0 and warm["hits"] > 0, warm
+    assert warm["state"] == "mapped" and warm["heap"] == 0 and warm["hits"] > 0 and warm["hashed"] == 0, warm
     assert [count for count, _ in warm["resident"]] == [0] * len(warm["resident"]), warm
 
 
@@ -600,7 +608,8 @@ def test_build_text_report_and_default_cache_file(
     assert main(["build", str(checkpoints["bert"]), "--scheme", "fp32", "--cache-dir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "BertModel (AutoModel)" in text and "state         stored" in text and "layers        13 packed" in text
-    [made] = list(tmp_path.glob("bert-*-fp32.pcache"))
+    [made] = list(tmp_path.glob("bert-fp32-*.pcache"))
+    assert made == hf.default_cache_path(checkpoints["bert"], "fp32", cache_dir=tmp_path)
     assert f"cache file    {made}" in text
 
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import packcache
-from harness import build, flip_bit
+from harness import build, flip_bit, without_build_compaction
 from packcache import WeightCache
 from packcache import format as fmt
-from packcache._store import read_committed
+from packcache._generations import read_committed
 
 
 def arrays(seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
@@ -101,9 +101,10 @@ def test_verify_on_hit_packs_a_corrupt_entry_again(tmp_path: Path, caplog: pytes
 
 def test_compact_reclaims_superseded_bytes_and_keeps_live_packs_identical(tmp_path: Path) -> None:
     path = tmp_path / "m.pcache"
-    for version in range(4):  # each version supersedes every pack: the file grows
-        packs = {n: a + version for n, a in arrays().items()}
-        build(path, packs, key={"version": version})
+    with without_build_compaction():  # as packcache left files before builds compacted
+        for version in range(4):  # each version supersedes every pack: the file grows
+            packs = {n: a + version for n, a in arrays().items()}
+            build(path, packs, key={"version": version})
     grown = path.stat().st_size
     live = sum(a.nbytes for a in packs.values())
     with WeightCache(path) as cache, cache.session() as s:  # a reader holding views of the old file

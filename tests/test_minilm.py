@@ -139,15 +139,18 @@ def test_int4_warm_launch_reads_no_source_byte_and_runs_no_calibration(
 def test_cache_argument_forms(tmp_path: Path) -> None:
     off = minilm.load("int8", cache=None)
     assert isinstance(off.cache, packcache.WeightCache) and off.cache.stats().state == "off"
-    with pytest.raises(ValueError, match="is a directory"):
+    with pytest.raises(ValueError, match="is a directory") as refused:
         minilm.load("int8", cache=tmp_path)
+    assert str(minilm.default_cache_path("int8", cache_dir=tmp_path)) in str(refused.value)  # the file it suggests
     with pytest.raises(ValueError, match="another platform"):
         minilm.load("int8", cache=packcache.WeightCache(tmp_path / "x.pcache", platform={"other": 1}))
     given = packcache.WeightCache(tmp_path / "y.pcache", platform=minilm.platform("int8"))
     assert minilm.load("int8", cache=given).cache is given
     with pytest.raises(ValueError, match="unknown scheme"):
         minilm.load("int3", cache=None)
-    assert minilm.default_cache_path("int4").name == "minilm-int4.pcache"
+    names = {scheme: minilm.default_cache_path(scheme).name for scheme in minilm.SCHEMES}
+    assert all(name.startswith(f"bert-{scheme}-") and name.endswith(".pcache") for scheme, name in names.items())
+    assert minilm.default_cache_path("int4", group_size=64).name not in names.values()  # another recipe, another file
 
 
 def test_default_cache_path_is_in_the_directory_packcache_run_uses(
@@ -155,12 +158,14 @@ def test_default_cache_path_is_in_the_directory_packcache_run_uses(
 ) -> None:
     from packcache.cli import default_cache_dir
 
+    name = minilm.default_cache_path("int8").name
     monkeypatch.setenv("PACKCACHE_DIR", str(tmp_path / "explicit"))
-    assert minilm.default_cache_path("int8") == tmp_path / "explicit" / "minilm-int8.pcache"
+    assert minilm.default_cache_path("int8") == tmp_path / "explicit" / name
     monkeypatch.delenv("PACKCACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert minilm.default_cache_path("int8") == tmp_path / "xdg" / "packcache" / "minilm-int8.pcache"
+    assert minilm.default_cache_path("int8") == tmp_path / "xdg" / "packcache" / name
     assert str(minilm.default_cache_path("fp32").parent) == default_cache_dir()
+    assert minilm.default_cache_path("int8", cache_dir=tmp_path / "given") == tmp_path / "given" / name
 
 
 def test_model_path_takes_a_checkpoint_with_bert_prefixed_names(

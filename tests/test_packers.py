@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import subprocess
@@ -155,10 +156,10 @@ def test_pack_output_that_is_not_self_contained_is_refused(result: dict[str, Any
 def test_key_comes_from_metadata_and_changes_with_identity_shape_and_params() -> None:
     from packcache.safetensors import TensorMeta
 
-    meta = TensorMeta(name="w", shape=(4, 8), dtype="F32", identity="model.safetensors:size=1:mtime_ns=2:ino=3")
+    meta = TensorMeta(name="w", shape=(4, 8), dtype="F32", identity="sha256:" + "1" * 64 + ":8")
     key = Int8PerChannel().key(meta, "weight")
     assert key["packer"] == "np.int8c" and key["version"] == 1 and key["source"]["identity"] == meta.identity
-    other_file = TensorMeta(name="w", shape=(4, 8), dtype="F32", identity="model.safetensors:size=1:mtime_ns=9:ino=3")
+    other_file = TensorMeta(name="w", shape=(4, 8), dtype="F32", identity="sha256:" + "2" * 64 + ":8")
     assert Int8PerChannel().key(other_file, "weight") != key
     assert Int8PerChannel().key(TensorMeta("w", (4, 9), "F32", meta.identity), "weight") != key
     assert Int8PerChannel().key(meta, "scales") != key
@@ -192,7 +193,8 @@ def test_safetensors_reads_header_then_tensor_bytes_on_demand(tmp_path: Path) ->
     st = SafetensorsFile(path)
     assert st.names() == ["w", "b"] and st.metadata == {"format": "pt"}
     assert st.meta("b").dtype == "BF16" and st.meta("w").shape == (2, 3)
-    assert f"size={path.stat().st_size}" in st.identity and f"ino={path.stat().st_ino}" in st.identity
+    content = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert st.identity == f"sha256:{content}:{path.stat().st_size}"  # the bytes name it, not where they lie
     np.testing.assert_array_equal(st.read("w"), w)
     assert to_float32(st.read("b"), "BF16").tolist() == [1.5, -2.0]
     with pytest.raises(KeyError):

@@ -129,11 +129,29 @@ def test_reading_a_tensor_truncated_after_open_is_a_format_error_naming_the_offs
     data = np.arange(6, dtype=np.float32).tobytes()
     path = write(tmp_path / "m.safetensors", raw, data)
     source = SafetensorsFile(path)
-    os.truncate(path, 8 + len(raw) + 12)  # b's bytes vanish half-way
     assert source.read("a").tolist() == [0.0, 1.0]
-    with pytest.raises(FormatError, match="truncated") as raised:
-        source.read("b")
-    assert raised.value.offset == 8 + len(raw) + 12
+    os.truncate(path, 8 + len(raw) + 12)  # b's bytes vanish half-way
+    # Another version of the file now: no tensor is read from it, not even one whose bytes are still there.
+    for name, begin in (("a", 8 + len(raw)), ("b", 8 + len(raw) + 8)):
+        with pytest.raises(FormatError, match="changed since its header was read") as raised:
+            source.read(name)
+        assert raised.value.offset == begin
+
+
+def test_a_same_size_write_after_open_with_mtime_restored_is_refused(tmp_path: Path) -> None:
+    """The digest names the version that was opened: a write in place moves ctime, which no tool restores."""
+    raw = header(a=entry())
+    path = write(tmp_path / "m.safetensors", raw, np.ones(2, np.float32).tobytes())
+    source = SafetensorsFile(path)
+    named = source.identity
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(8 + len(raw))
+        f.write(np.zeros(2, np.float32).tobytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # touch -r / cp -p / rsync -t
+    with pytest.raises(FormatError, match="changed since its header was read"):
+        source.read("a")
+    assert SafetensorsFile(path).identity != named
 
 
 def test_reading_after_the_file_was_replaced_is_refused(tmp_path: Path) -> None:

@@ -366,6 +366,8 @@ def assert_no_heap(w: Worker) -> None:
 def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identical_embeddings(
     tmp_path: Path, reference: np.ndarray[Any, Any]
 ) -> None:
+    from packcache.models import minilm
+
     cache_dir = tmp_path / "cache"
     assert not cache_dir.exists()
     with server(tmp_path, "--cache-dir", str(cache_dir), workers=4) as srv:
@@ -374,7 +376,7 @@ def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identic
         assert states == ["mapped", "mapped", "mapped", "stored"], states
         (builder,) = [w for w in s.workers.values() if w.current_state == "stored"]
         path = Path(builder.info["cache_file"])
-        assert path == cache_dir / "minilm-int8.pcache"  # named as `packcache run` names it
+        assert path == minilm.default_cache_path("int8", cache_dir=cache_dir)  # named as `packcache run` names it
         for w in s.workers.values():
             assert w.info == {"engine": "packcache", "scheme": "int8", "kernel_path": w.info["kernel_path"],
                               "cache_file": str(path)}  # fmt: skip
@@ -640,7 +642,8 @@ def test_a_read_only_cache_directory_still_starts_and_serves_and_the_scrape_says
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
         assert json.loads(done.stdout)["stats"]["state"] == "degraded"
-        shutil.copy2(small / "minilm-int8.pcache", partial / "minilm-int8.pcache")
+        made = Path(json.loads(done.stdout)["cache_file"])
+        shutil.copy2(made, partial / made.name)
     empty = tmp_path / "empty"
     empty.mkdir(mode=0o700)
     with read_only_bind(partial, tmp_path / "ro") as ro, read_only_bind(empty, tmp_path / "ro-empty") as ro_empty:

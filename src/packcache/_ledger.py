@@ -63,6 +63,7 @@ class Ledger:
         self.heap = zero_reasons()
         self.totals = {"mapped": 0, "heap": 0, "written": 0, "hits": 0, "stored": 0, "heap_packs": 0}
         self.file_bytes = 0
+        self.reclaimable_bytes = 0
         self.errno = 0
         self.error = ""
         self.error_time = 0.0
@@ -148,7 +149,7 @@ class Ledger:
             self.seq += 1
 
     def set(self, **values: Any) -> None:
-        """Set plain figures (``file_bytes``, ``blocking``, ``commit_fault``, ``written``)."""
+        """Set plain figures (``file_bytes``, ``reclaimable_bytes``, ``blocking``, ``commit_fault``, ``written``)."""
         self.seq += 1
         try:
             for field, value in values.items():
@@ -229,6 +230,7 @@ class Ledger:
             heap_bytes_total=totals["heap"],
             written_bytes=totals["written"],
             file_bytes=self.file_bytes,
+            reclaimable_bytes=self.reclaimable_bytes,
             hits=totals["hits"],
             stored=totals["stored"],
             heap_packs=totals["heap_packs"],

@@ -31,13 +31,13 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import format as fmt
+from ._generations import pwrite_all, read_generation, rewrite_live, write_generation
 from ._mapping import FileMap, Window
 from ._paths import (
     acquire_build_lock,
@@ -46,6 +46,7 @@ from ._paths import (
     file_identity,
     open_checked,
     remove_orphans,
+    still_linked,
     trust_problem,
     unlink_quietly,
     wait_for_flock,
@@ -53,14 +54,7 @@ from ._paths import (
 from .errors import FormatError, LockTimeoutError, UntrustedFileError
 from .stats import HeapReason
 
-__all__ = [
-    "Fault",
-    "FileStore",
-    "pwrite_all",
-    "read_committed",
-    "read_generation",
-    "write_generation",
-]
+__all__ = ["Fault", "FileStore"]
 
 logger = logging.getLogger("packcache")
 
@@ -196,6 +190,7 @@ class FileStore:
         self._lock_deadline = 0.0
         self._writer: _Writer | None = None
         self._stale = False  # the open mode no longer matches the configuration: reopen
+        self._figures: tuple[int, int] | None = None  # (live, reclaimable) bytes of the committed file, once asked
         self.bytes_written = 0  # every byte this store wrote to any cache file, cumulative
 
     @property
@@ -270,11 +265,35 @@ class FileStore:
         self.entries = {}
         self.map = None  # views keep their own windows; they unmap with the last of them
         self.file_size = 0
+        self._figures = None
         self.writable = False
         self.problem = None
         self.read_only_fault = None
         self.rebuild_reason = None
         self.corrupt = set()
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the packs the committed file's newest generation lists."""
+        return self._live_and_reclaimable()[0]
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        """Bytes of the committed file that compaction would reclaim: superseded packs, older indexes,
+        the bytes of failed writes (0 for a file that is missing, invalid or about to be rebuilt)."""
+        return self._live_and_reclaimable()[1]
+
+    def _live_and_reclaimable(self) -> tuple[int, int]:
+        figures = self._figures
+        if figures is None:
+            header, slot, entries = self.header, self.slot, self.entries
+            if header is None or slot is None or self.rebuild_reason is not None:
+                figures = (0, 0)
+            else:
+                compacted = fmt.compacted_size(entries.values(), header, slot.index_size)
+                figures = (sum(e.nbytes for e in entries.values()), max(0, self.file_size - compacted))
+            self._figures = figures
+        return figures
 
     def _open(self) -> bool:
         self._forget()
@@ -342,6 +361,7 @@ class FileStore:
         """Read and validate header and index of the open file (no pack byte is read)."""
         assert self.fd is not None
         self.file_size = size
+        self._figures = None
         self.header, self.slot, self.entries = None, None, {}
         self.rebuild_reason = None
         self.corrupt = set()
@@ -731,9 +751,49 @@ class FileStore:
         self.header, self.slot = writer.header, slot
         self.entries = {e.name: e for e in live}
         self.file_size = max(os.fstat(writer.fd).st_size, slot.committed_end)
+        self._figures = None
         self.problem = None
         self.rebuild_reason = None
         writer.map.trim(writer.append_at)  # the builder's spare reach is never viewed: unmap it
+
+    def compact_if_superseded(self) -> int:
+        """Rewrite the committed file without superseded bytes when they outweigh its live ones; return
+        the bytes reclaimed (0: nothing to do). For a session that holds the build lock, after its commit:
+        no pattern of builds grows a file without bound (docs/RELIABILITY.md "Bounded growth").
+
+        The copy is :func:`rewrite_live`'s (temp file beside the resolved path, synced, renamed over it),
+        so processes mapping the old file keep valid pages; the store then serves from the new file.
+
+        Raises:
+            Fault: ``no_space``/``write_failed`` (or ``open_failed``): the committed file stays as it is.
+        """
+        fd = self.fd
+        if not self.locked or self._writer is not None or fd is None or not self.writable or self.slot is None:
+            return 0
+        if self.reclaimable_bytes <= self.live_bytes:
+            return 0
+        real = os.path.realpath(self.path)
+        if not still_linked(fd, real):
+            return 0  # renamed over by someone else meanwhile: not this file's to replace
+        before = self.file_size
+        try:
+            rewritten = rewrite_live(
+                fd, os.fstat(fd), real, path=self.path, atime_ns=time.time_ns(), pwrite=self._pwrite
+            )
+        except OSError as exc:
+            raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot compact", self.path) from None
+        except FormatError as exc:  # the file this session just committed no longer reads back
+            raise Fault(HeapReason.WRITE_FAILED, 0, f"cannot compact {self.path}: {exc}") from None
+        self._forget()
+        self.fd, self.identity, self.writable = rewritten.fd, file_identity(rewritten.fd), True
+        self.map = FileMap(rewritten.fd)
+        self._load(rewritten.slot.committed_end)
+        if rewritten.dropped:
+            logger.warning(
+                "packcache: compacting %s dropped %d pack(s) failing their checksum (packed again when asked): %s",
+                self.path, len(rewritten.dropped), ", ".join(rewritten.dropped[:8]),
+            )  # fmt: skip
+        return before - self.file_size
 
     def abort(self) -> None:
         """Drop this session's uncommitted entries; a temp file is removed (views of it stay valid)."""
@@ -749,82 +809,3 @@ class FileStore:
         self.abort()
         self.release_lock()
         self._forget()
-
-
-def pwrite_all(fd: int, data: Any, offset: int) -> int:
-    """``pwrite`` all of ``data`` at ``offset`` (a short write is continued); return the byte count."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    return done
-
-
-def write_generation(
-    fd: int,
-    live: list[fmt.Entry],
-    index_at: int,
-    generation: int,
-    *,
-    pwrite: Callable[[int, Any, int], int] = pwrite_all,
-) -> fmt.Slot:
-    """Commit generation ``generation`` of an open file whose packs are written: the one commit
-    sequence of every writer (a session's commit, and :func:`packcache.compact`'s copy).
-
-    Order (docs/FORMAT.md W3): reserve and write the index after the data, ``fdatasync``,
-    then write the commit slot that names it (the older of the two, ``generation % 2``) and
-    ``fdatasync`` again. A crash before the second sync leaves the previous generation as the
-    newest valid one; readers never see an index whose bytes are not on disk. A new file is then
-    renamed over its path by the caller (and its directory synced).
-
-    Returns:
-        The slot written. Raises OSError (ENOSPC at the reservation, EIO at a sync, ...).
-    """
-    index = fmt.encode_index(live)
-    slot = fmt.Slot(generation, index_at, len(index), len(live), fmt.crc32(index))
-    os.posix_fallocate(fd, index_at, len(index))
-    pwrite(fd, index, index_at)
-    os.fdatasync(fd)
-    pwrite(fd, fmt.encode_slot(slot), fmt.slot_offset(generation % 2))
-    os.fdatasync(fd)
-    return slot
-
-
-def read_generation(
-    fd: int, head: bytes, header: fmt.Header, size: int, *, path: str | None = None
-) -> tuple[fmt.Slot | None, dict[str, fmt.Entry]]:
-    """The newest generation of an open file whose slot and index validate.
-
-    ``head`` is the file's first 4096 bytes, already checked by ``decode_header``.
-    Returns ``(None, {})`` for a file never committed.
-
-    Raises:
-        FormatError: no generation is usable (docs/FORMAT.md R14, R43).
-    """
-    slots, written = fmt.choose_slot(head)
-    if not slots:
-        if written:
-            raise FormatError("no commit slot is valid", path=path, offset=fmt.slot_offset(0))
-        return None, {}
-    first_error: FormatError | None = None
-    for slot in slots:
-        try:
-            fmt.validate_slot_bounds(slot, header, size, path=path)
-            buf = os.pread(fd, slot.index_size, slot.index_offset)
-            return slot, fmt.decode_index(buf, slot, header, path=path)
-        except FormatError as exc:
-            first_error = first_error or exc
-    assert first_error is not None
-    raise first_error
-
-
-def read_committed(fd: int, *, path: str | None = None) -> tuple[fmt.Header, fmt.Slot | None, dict[str, fmt.Entry]]:
-    """Header and newest valid generation of an open cache file (reads no pack data).
-
-    Raises:
-        FormatError: the file breaks docs/FORMAT.md. OSError: it cannot be read.
-    """
-    head = os.pread(fd, fmt.HEADER_READ_SIZE, 0)
-    header = fmt.decode_header(head, path=path)
-    slot, entries = read_generation(fd, head, header, os.fstat(fd).st_size, path=path)
-    return header, slot, entries

@@ -494,8 +494,29 @@ class Session:
             raise
         else:
             ledger.set(commit_fault=None, blocking=None)
+            self._compact(store)
         finally:
-            ledger.set(file_bytes=store.file_size, written=store.bytes_written)
+            ledger.set(
+                file_bytes=store.file_size, reclaimable_bytes=store.reclaimable_bytes, written=store.bytes_written
+            )
+
+    def _compact(self, store: FileStore) -> None:
+        """After a commit, still under the build lock: superseded bytes that outweigh the live ones are
+        reclaimed now (a new file, renamed over the old one), so no pattern of loads grows a file without
+        bound. A failure costs nothing but the bytes: it is logged once, and a later build tries again."""
+        try:
+            reclaimed = store.compact_if_superseded()
+        except Fault as fault:
+            if self._ledger.first("compact"):
+                logger.warning(
+                    "packcache: cannot compact %s (%s); its superseded bytes stay", store.path, fault.message
+                )
+            return
+        except Exception:  # a cache problem must never fail a model load
+            logger.debug("packcache: unexpected error compacting %s", store.path, exc_info=True)
+            return
+        if reclaimed:
+            logger.info("packcache: compacted %s: %d superseded bytes reclaimed", store.path, reclaimed)
 
     def _commit_failed(self, store: FileStore, names: tuple[str, ...], fault: Fault) -> None:
         """The session's stored packs that did not become durable are counted as heap, with the
@@ -519,7 +540,7 @@ class Session:
         started = time.perf_counter()
         store.refresh()
         ledger.add(map_seconds=time.perf_counter() - started)
-        ledger.set(file_bytes=store.file_size, blocking=store.problem)
+        ledger.set(file_bytes=store.file_size, reclaimable_bytes=store.reclaimable_bytes, blocking=store.problem)
         if store.replacing and ledger.first("rebuild"):
             logger.warning("packcache: cache file %s will be rebuilt as a new file: %s", store.path, store.replacing)
         if store.problem is not None:

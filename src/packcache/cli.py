@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno as errno_mod
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -219,21 +218,20 @@ def _kernel_path(args: argparse.Namespace) -> str | None:
 
 
 def _cache_file(args: argparse.Namespace, scheme: str) -> str | None:
+    """The cache file of ``run`` and ``serve`` (``--no-cache``: none): the one
+    :func:`packcache.models.minilm.default_cache_path` names for ``--model`` (or the bundled model) in
+    ``--cache-dir``. It is named by content (the weights' digest, the scheme's packers, the int4
+    calibration), so every copy of one checkpoint, wherever it lies, opens one file, and ``packcache
+    build DIR`` of the same checkpoint opens it too where both loaders pack alike (``--loader minilm``
+    always). Imports the model extras.
+
+    Raises:
+        As :func:`packcache.models.minilm.default_cache_path` for a missing or malformed checkpoint.
+    """
     if args.no_cache:
         return None
-    return _cache_file_for(args.model or None, args.cache_dir, scheme)
-
-
-def _cache_file_for(source: str | None, cache_dir: str | None, scheme: str) -> str:
-    """The one naming rule of ``run``, ``serve`` and ``build``: ``<cache dir>/minilm-<scheme>.pcache``
-    for the bundled model, else ``<cache dir>/<directory name>-<sha256 of its absolute path, 12 hex>-
-    <scheme>.pcache``: one file per model location, so two checkpoints of the same name do not share
-    (and supersede) one file, and every command that loads one directory finds the same file."""
-    name = "minilm"
-    if source is not None:
-        where = os.path.abspath(source)
-        name = f"{os.path.basename(where)}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
-    return os.path.join(cache_dir or default_cache_dir(), f"{name}-{scheme}.pcache")
+    minilm: Any = importlib.import_module("packcache.models.minilm")
+    return str(minilm.default_cache_path(scheme, model_path=args.model, cache_dir=args.cache_dir))
 
 
 def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
@@ -272,8 +270,8 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     from .memory import release_free_heap, smaps_rollup
 
     scheme, kernel_path = _scheme(args), _kernel_path(args)
-    path = _cache_file(args, scheme)
     try:
+        path = _cache_file(args, scheme)
         # The tokenizer first, so the memory figures below are those of the weights.
         tokenizer = minilm.load_tokenizer(args.model)
         total = minilm.pack_count(scheme, model_path=args.model)
@@ -354,7 +352,7 @@ class _LoadReport:
             warnings.append(
                 f"the cache file holds {_mib(superseded.reclaimable_bytes)} of superseded packs, as much as its "
                 f"{_mib(superseded.live_bytes)} of live ones or more: these names were packed again with other keys "
-                f"(another copy or version of the model, another packer); "
+                f"(another checkpoint or recipe on this file); "
                 f"'packcache compact {sanitize(path or '')}' reclaims them"
             )
         data = {
@@ -387,39 +385,74 @@ class _LoadReport:
 # --------------------------------------------------------------------------- build
 
 
+@dataclasses.dataclass
+class _Built:
+    """What ``build`` loaded, whichever the loader: the cache, the conversion report, the model's class."""
+
+    cache: Any
+    report: Any
+    model_class: str
+    how: str  # which loader, as the text report says it
+
+
+def _build_with_hf(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any]:
+    hf: Any = importlib.import_module("packcache.hf")  # by name: the core type-checks without the hf extra
+    path = args.cache or str(
+        hf.default_cache_path(args.checkpoint, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
+    )
+    total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
+
+    def load() -> _Built:
+        model = hf.from_pretrained(
+            args.checkpoint, scheme, path, auto_class=args.auto_class, group_size=args.group_size
+        )
+        return _Built(model.packcache, hf.load_report(model), type(model).__name__, args.auto_class)
+
+    return path, total, load
+
+
+def _build_with_minilm(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any]:
+    minilm: Any = importlib.import_module("packcache.models.minilm")
+    where = {"model_path": args.checkpoint, "group_size": args.group_size}
+    path = args.cache or str(minilm.default_cache_path(scheme, cache_dir=args.cache_dir, **where))
+    total = minilm.pack_count(scheme, **where)
+
+    def load() -> _Built:
+        model = minilm.load(scheme, cache=path, **where)
+        return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, as run/serve --model")
+
+    return path, total, load
+
+
 def cmd_build(args: argparse.Namespace, out: _Out) -> int:
-    try:
-        # Imported by name so the core type-checks and runs without the hf extra.
-        hf: Any = importlib.import_module("packcache.hf")
-    except ImportError as exc:
-        print(f"packcache build needs the hf extra ({exc}): pip install 'packcache[hf]'", file=sys.stderr)
-        return EXIT_FAILED
     from .memory import release_free_heap, smaps_rollup
 
     scheme = _scheme(args)
-    path = args.cache or _cache_file_for(args.checkpoint, args.cache_dir, scheme)
     try:
-        total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
+        path, total, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
         release_free_heap()
         before = smaps_rollup()
         started = time.perf_counter()
         with _Progress(total, sys.stderr):
-            model = hf.from_pretrained(
-                args.checkpoint, scheme, path, auto_class=args.auto_class, group_size=args.group_size
-            )
+            built = load()
+    except ImportError as exc:  # the loader's extra is not installed (the core runs without it)
+        extra = "hf" if args.loader == "hf" else "models"
+        print(f"packcache build needs the {extra} extra ({exc}): pip install 'packcache[{extra}]'", file=sys.stderr)
+        return EXIT_FAILED
     except (ValueError, KeyError, FormatError, OSError) as exc:
         # A cache problem never lands here (it is reported in the stats); a bad checkpoint does.
         print(f"packcache build: cannot load the checkpoint: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     load_seconds = time.perf_counter() - started
     release_free_heap()
-    loaded = _LoadReport.of(model.packcache, path, load_seconds, before, smaps_rollup())
-    report = hf.load_report(model)
-    stats = model.packcache.stats()
+    loaded = _LoadReport.of(built.cache, path, load_seconds, before, smaps_rollup())
+    report = built.report
+    stats = built.cache.stats()
     data = {
         **loaded.data,
         "checkpoint": args.checkpoint,
-        "model_class": type(model).__name__,
+        "loader": args.loader,
+        "model_class": built.model_class,
         "auto_class": args.auto_class,
         "scheme": scheme,
         "packs": total,
@@ -429,7 +462,7 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
     }
     ineligible = "; ".join(f"{name}: {why}" for name, why in report.ineligible.items())
     lines = [
-        f"model         {type(model).__name__} ({args.auto_class}) from {sanitize(args.checkpoint)}, scheme {scheme}",
+        f"model         {built.model_class} ({built.how}) from {sanitize(args.checkpoint)}, scheme {scheme}",
         *loaded.lines[:3],
         f"layers        {len(report.converted)} packed, {len(report.ineligible)} not"
         + (f" ({sanitize(ineligible)})" if ineligible else ""),
@@ -437,7 +470,7 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
         *loaded.warning_lines,
     ]
     out.emit(data, "\n".join(lines))
-    model.packcache.close()
+    built.cache.close()
     # A deploy step fails when the cache file does not hold the model afterwards.
     return EXIT_OK if stats.state in ("stored", "mapped") and stats.heap_bytes == 0 else EXIT_FAILED
 
@@ -461,7 +494,12 @@ def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
     scheme, path = "fp32", None
     if args.engine == "packcache":
         scheme = _scheme(args)
-        path = _cache_file(args, scheme)
+        try:
+            # Named here, in the master, by content: the workers open one file (and find the digest it took).
+            path = _cache_file(args, scheme)
+        except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
+            print(f"packcache serve: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
+            return EXIT_FAILED
     engine = EngineSpec(
         engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=_kernel_path(args),
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
@@ -485,10 +523,10 @@ def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
 def _superseded(path: str | None) -> InspectReport | None:
     """The cache file's :func:`~packcache.inspect` report (live and reclaimable bytes), or None.
 
-    The pack keys name the source file by identity, not content (a warm launch reads no source
-    byte), so another copy of the same model packs again under the same names and supersedes
-    the first copy's packs; alternating copies grow the file at every launch until a
-    compaction. ``run`` says so. Any problem reading the file only drops the figure.
+    Packs named alike with other keys (another checkpoint or another recipe on one explicitly
+    given file) supersede each other's bytes; a build compacts the file once they outweigh the
+    live ones, but a read-only launch cannot. ``run`` and ``build`` say so. Any problem reading
+    the file only drops the figure.
     """
     if path is None:
         return None
@@ -546,13 +584,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument("checkpoint", help="a local save_pretrained directory (config.json, *.safetensors)")
     build.add_argument(
+        "--loader", choices=("hf", "minilm"), default="hf",
+        help="hf (default): packcache.hf, what hf.from_pretrained maps (any transformers model); minilm: the "
+        "BERT loader of 'run/serve --model', what they map (its int4 is calibrated, so only this builds their "
+        "int4 file)",
+    )  # fmt: skip
+    build.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default="auto",
         help="weight scheme of the linear layers (default auto: int8 on CPUs with AVX2/AVX512, else fp32)",
     )  # fmt: skip
-    build.add_argument("--cache", help="the cache file (default: <cache dir>/<name>-<path hash>-<scheme>.pcache)")
+    build.add_argument(
+        "--cache", help="the cache file (default: <cache dir>/<model type>-<scheme>-<content hash>.pcache)"
+    )
     build.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
     build.add_argument(
-        "--auto-class", default="AutoModel", help="the transformers auto class, e.g. AutoModelForCausalLM"
+        "--auto-class", default="AutoModel", help="the transformers auto class, e.g. AutoModelForCausalLM (hf loader)"
     )
     build.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
     build.add_argument("--json", action="store_true", help="print one JSON object")

@@ -564,13 +564,15 @@ def numpy_dtype_str(code: str) -> str:
     return ("|" if _ITEMSIZE[code] == 1 else "<") + code
 
 
-def compacted_size(entries: Iterable[Entry], header: Header) -> int:
+def compacted_size(entries: Iterable[Entry], header: Header, index_bytes: int | None = None) -> int:
     """Size of a file holding exactly ``entries``, laid out in offset order as compaction does.
 
-    The difference to a file's size is what compaction would reclaim.
+    The difference to a file's size is what compaction would reclaim. ``index_bytes``: the
+    encoded size of an index listing exactly ``entries``, when the caller knows it already
+    (a committed slot's ``index_size``).
     """
     ordered = sorted(entries, key=lambda e: e.offset)
     at = header.data_start
     for entry in ordered:
         at = align_up(at, header.alignment) + entry.nbytes
-    return align_up(at, header.alignment) + index_size(ordered)
+    return align_up(at, header.alignment) + (index_size(ordered) if index_bytes is None else index_bytes)

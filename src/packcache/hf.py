@@ -45,9 +45,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import _boundedjson as boundedjson
-from ._paths import open_checked, pread_exact
+from ._paths import default_cache_dir, open_checked, pread_exact
 from .cache import WeightCache
 from .errors import FormatError, UntrustedFileError
+from .identity import model_cache_name
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import TorchPacker
 from .safetensors import SafetensorsFile, TensorMeta
@@ -60,6 +61,7 @@ __all__ = [
     "SCHEMES",
     "TRANSPOSED_LINEARS",
     "Checkpoint",
+    "default_cache_path",
     "from_pretrained",
     "load_report",
     "pack_count",
@@ -330,9 +332,9 @@ def _load(
     if config is None:
         config = checkpoint.config()
     model_class = _model_class(auto_class, config)
-    suggested = f"{checkpoint.directory.name}-{scheme}.pcache"
     weight_cache, owns_cache = open_cache(
-        cache, platform_for([linear_packer, other_packer]), suggested_name=suggested,
+        cache, platform_for([linear_packer, other_packer]),
+        suggested_name=lambda: _cache_name(checkpoint, str(config.model_type), scheme, group_size),
         remedy=f"make it with WeightCache(path, platform=packcache.hf.platform({scheme!r}, {group_size}))",
     )  # fmt: skip
     try:
@@ -366,6 +368,42 @@ def _load(
     model.eval()
     model.config._name_or_path = os.fspath(directory)
     return _Loaded(model, weight_cache, owns_cache, report)
+
+
+def default_cache_path(
+    path: str | os.PathLike[str],
+    scheme: str = "int8",
+    *,
+    group_size: int = 32,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The cache file of this checkpoint and scheme by default (``packcache build`` opens it):
+    ``<model type>-<scheme>-<16 hex>.pcache`` in ``cache_dir``, else :func:`packcache._paths.default_cache_dir`.
+
+    The hex digits name the shards' content digests and the packers
+    (:func:`packcache.identity.model_cache_name`), never the directory: every copy of the
+    checkpoint opens the same file, another scheme or group size another. For int8, bf16 and fp32
+    it is the file :func:`packcache.models.minilm.default_cache_path` names for the same checkpoint:
+    both loaders pack those entries alike. Reads ``config.json`` and the safetensors headers, and
+    finds the shards' digests (hashed once per version of a file, looked up afterwards).
+
+    Raises:
+        As :func:`from_pretrained` for an unknown scheme or a missing or malformed checkpoint.
+    """
+    _packers(scheme, group_size)  # an unknown scheme fails here
+    checkpoint = Checkpoint(path)
+    settings = _read_json(checkpoint.config_path, "config")
+    model_type = settings.get("model_type") if isinstance(settings, dict) else None
+    if not isinstance(model_type, str):
+        raise FormatError(f"model_type {_short(model_type)} is not a string", path=str(checkpoint.config_path))
+    name = _cache_name(checkpoint, model_type, scheme, group_size)
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
+
+
+def _cache_name(checkpoint: Checkpoint, model_type: str, scheme: str, group_size: int) -> str:
+    """The one naming rule of this loader's cache files: content, packers, no recipe (no calibration)."""
+    sources = [file.identity for file in checkpoint.files]
+    return model_cache_name(model_type, scheme, sources, _packers(scheme, group_size))
 
 
 def _missing(groups: list[list[str]], source: _Renamed) -> list[str]:

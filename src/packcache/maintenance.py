@@ -28,18 +28,15 @@ import contextlib
 import os
 import reprlib
 import stat
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from . import _boundedjson as boundedjson
 from . import format as fmt
+from ._generations import chunk_buffer, keep_owner, read_chunks, read_committed, read_generation, rewrite_live
 from ._paths import (
     DEFAULT_LOCK_TIMEOUT,
     acquire_build_lock,
-    create_temp,
-    fsync_dir,
     lock_path_for,
     open_checked,
     parse_temp_name,
@@ -47,9 +44,7 @@ from ._paths import (
     still_linked,
     temp_prefix,
     trust_problem,
-    unlink_quietly,
 )
-from ._store import pwrite_all, read_committed, read_generation, write_generation
 from .errors import FormatError, LockTimeoutError, UntrustedFileError
 
 __all__ = [
@@ -66,7 +61,6 @@ __all__ = [
     "verify",
 ]
 
-_CHUNK = 8 << 20  # pack bytes are read (and copied) in slices of this size
 _UNTRUSTED = "WeightCache refuses this file (heap reason 'untrusted')"
 
 
@@ -94,30 +88,6 @@ def _open_read_only(name: str) -> tuple[int, os.stat_result, str | None]:
         fd, st = open_checked(os.path.realpath(name), trust=False, noatime=True)
         verdict = exc.reason
     return fd, st, verdict
-
-
-def _chunks(fd: int, offset: int, nbytes: int, buffer: bytearray, path: str) -> Iterator[memoryview]:
-    """The ``nbytes`` at ``offset``, read with ``pread`` into ``buffer`` one slice at a time.
-
-    Raises:
-        FormatError: the file ends first (someone truncated it after its index was read).
-    """
-    done = 0
-    with memoryview(buffer) as whole:
-        while done < nbytes:
-            got = os.preadv(fd, [whole[: min(len(whole), nbytes - done)]], offset + done)
-            if got == 0:
-                raise FormatError(
-                    f"the file ends inside the {nbytes}-byte pack at offset {offset} (truncated?)",
-                    path=path, offset=offset + done,
-                )  # fmt: skip
-            with whole[:got] as chunk:
-                yield chunk
-            done += got
-
-
-def _buffer_for(entries: list[fmt.Entry]) -> bytearray:
-    return bytearray(max(1, min(_CHUNK, max((e.nbytes for e in entries), default=0))))
 
 
 # --------------------------------------------------------------------------- verify
@@ -194,11 +164,11 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
         problems += _newer_generations_broken(fd, name, slot)
         checked = 0
         ordered = sorted(entries.values(), key=lambda e: e.offset)
-        buffer = _buffer_for(ordered)
+        buffer = chunk_buffer(ordered)
         for entry in ordered:
             crc = 0
             try:
-                for chunk in _chunks(fd, entry.offset, entry.nbytes, buffer, name):
+                for chunk in read_chunks(fd, entry.offset, entry.nbytes, buffer, name):
                     crc = fmt.crc32(chunk, crc)
             except FormatError as exc:
                 problems.append(VerifyProblem(entry.name, entry.offset, str(exc)))
@@ -290,7 +260,7 @@ def compact(path: str | os.PathLike[str], *, lock_timeout: float = DEFAULT_LOCK_
         lock_fd = acquire_build_lock(
             real, lock_timeout, _lock_mode(real, stat.S_IMODE(st.st_mode)),
             # Whoever can use the cache must be able to lock it too.
-            on_created=lambda created: _keep_owner(created, st, lock_path),
+            on_created=lambda created: keep_owner(created, st, lock_path),
         )  # fmt: skip
         descriptors.append(lock_fd)
         if not still_linked(fd, real):
@@ -313,73 +283,14 @@ def _lock_mode(path: str, fallback: int) -> int:
     return fallback & 0o644
 
 
-def _keep_owner(fd: int, original: os.stat_result, what: str) -> None:
-    """Give ``fd`` the owner and group of ``original`` (a new file is created as the caller).
-
-    Raises:
-        PermissionError: not allowed (not root, or not a member of the group).
-    """
-    own = os.fstat(fd)
-    uid = original.st_uid if own.st_uid != original.st_uid else -1
-    gid = original.st_gid if own.st_gid != original.st_gid else -1
-    if uid == -1 and gid == -1:
-        return
-    try:
-        os.fchown(fd, uid, gid)
-    except PermissionError as exc:
-        raise PermissionError(
-            exc.errno,
-            f"cannot give {what} the owner {original.st_uid}:{original.st_gid} of the cache file ({exc.strerror}); "
-            "run compact as the file's owner",
-        ) from None
-
-
 def _compact_locked(name: str, real: str, fd: int, st: os.stat_result) -> CompactReport:
-    header, slot, entries = read_committed(fd, path=name)
-    ordered = sorted(entries.values(), key=lambda e: e.offset)
-    previous = slot.generation if slot else 0
-    # The copy is a new inode, so its generation need not continue the old file's: readers
-    # and writers compare generations only within one file (dev, inode), and a process
-    # mapping the old file keeps that inode and its generations. Continuing keeps the number
-    # meaningful to an operator; at the last usable generation (2**64-2, R45) start again at 1.
-    generation = previous + 1 if previous + 1 < fmt.MAX_GENERATION else 1
-    mode = stat.S_IMODE(st.st_mode)
-    temp_fd, temp = create_temp(real, mode)
-    try:
-        _keep_owner(temp_fd, st, "the compacted copy")
-        os.fchmod(temp_fd, mode)  # chown clears set-id bits: the mode must come out exactly as it was
-        pwrite_all(temp_fd, fmt.encode_header(header.alignment, header.platform), 0)
-        at = header.data_start
-        kept: list[fmt.Entry] = []
-        dropped: list[str] = []
-        buffer = _buffer_for(ordered)
-        for entry in ordered:
-            at = fmt.align_up(at, header.alignment)
-            crc = done = 0
-            for chunk in _chunks(fd, entry.offset, entry.nbytes, buffer, name):
-                crc = fmt.crc32(chunk, crc)
-                done += pwrite_all(temp_fd, chunk, at + done)
-            if entry.nbytes and crc != entry.crc32:
-                # Cut the copy off again: gaps must stay zero (W1). Truncating is safe here
-                # and only here: the temp file is unpublished, nobody maps it.
-                os.ftruncate(temp_fd, at)
-                dropped.append(entry.name)
-                continue
-            kept.append(entry._replace(offset=at))
-            at += entry.nbytes
-        # Compaction is no use of the cache: the copy keeps the original's access time (gc's LRU order).
-        os.utime(temp_fd, ns=(st.st_atime_ns, time.time_ns()))
-        new_slot = write_generation(temp_fd, kept, fmt.align_up(at, header.alignment), generation)
-        os.rename(temp, real)
-    except BaseException:
-        unlink_quietly(temp)
-        raise
-    finally:
-        os.close(temp_fd)
-    fsync_dir(os.path.dirname(real))
-    # The layout above is the one compacted_size() describes; inspect relies on that.
-    assert new_slot.committed_end == fmt.compacted_size(kept, header)
-    return CompactReport(name, st.st_size, new_slot.committed_end, len(kept), tuple(dropped), generation)
+    # Compaction is no use of the cache: the copy keeps the original's access time (gc's LRU order).
+    rewritten = rewrite_live(fd, st, real, path=name, atime_ns=st.st_atime_ns)
+    os.close(rewritten.fd)
+    return CompactReport(
+        name, st.st_size, rewritten.slot.committed_end, len(rewritten.kept), rewritten.dropped,
+        rewritten.slot.generation,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- inspect

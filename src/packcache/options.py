@@ -62,10 +62,14 @@ _KEYS: dict[str, _Key] = {
     "packed_cache_mapped_mib": _mib("mapped_bytes", "mapped MiB held"),
     "packed_cache_file_mib": _mib("file_bytes", "cache file size in MiB"),
     "packed_cache_written_mib": _mib("written_bytes", "MiB written to cache files"),
+    "packed_cache_reclaimable_mib": _mib("reclaimable_bytes", "MiB of the cache file compaction would reclaim"),
     "packed_cache_heap_bytes": _stat("heap_bytes", "heap bytes held"),
     "packed_cache_mapped_bytes": _stat("mapped_bytes", "mapped bytes held"),
     "packed_cache_file_bytes": _stat("file_bytes", "cache file size in bytes"),
     "packed_cache_written_bytes": _stat("written_bytes", "bytes written to cache files"),
+    "packed_cache_reclaimable_bytes": _stat(
+        "reclaimable_bytes", "bytes of the cache file compaction would reclaim (superseded packs, older indexes)"
+    ),
     "packed_cache_hits": _stat("hits", "packs mapped from existing entries"),
     "packed_cache_stored": _stat("stored", "packs written to the file and served mapped"),
     "packed_cache_heap_packs": _stat("heap_packs", "packs served from heap"),

@@ -15,9 +15,13 @@ exception. The file is opened without blocking and without following a symlink s
 in after the check (:func:`packcache._paths.open_checked`): a FIFO at the path is refused,
 not waited on. A source checkpoint may belong to anyone, so ownership is not checked.
 
-The *identity* of a file (:attr:`SafetensorsFile.identity`) is its size, mtime and
-inode: a pack key built from it changes when the file is replaced or rewritten,
-without reading the content.
+The *identity* of a file (:attr:`SafetensorsFile.identity`) is the sha256 of its bytes
+and its size (:mod:`packcache.identity`): the same bytes anywhere give the same pack keys,
+and a warm launch finds the digest without reading the file (a hub blob's name, or the
+per-user digest cache). It is found the first time a key needs it (:meth:`SafetensorsFile.meta`),
+never for :meth:`~SafetensorsFile.names`. The bytes read afterwards must come from the very
+version of the file that was named: a file changed since it was opened (another inode,
+size, mtime or ctime) is refused rather than read.
 
 >>> import json, os, struct, tempfile
 >>> header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
@@ -27,6 +31,8 @@ without reading the content.
 >>> st = SafetensorsFile(path)
 >>> st.names(), st.meta("w").shape, st.meta("w").dtype
 (['w'], (2,), 'F32')
+>>> st.identity == st.meta("w").identity == f"sha256:{st.digest.sha256}:{st.size}"
+True
 >>> st.read("w").tolist()
 [1.5, -2.0]
 """
@@ -47,6 +53,7 @@ import numpy as np
 from . import _boundedjson as boundedjson
 from ._paths import open_checked, pread_exact
 from .errors import FormatError, UntrustedFileError
+from .identity import FileDigest, file_digest, stat_key
 
 __all__ = ["DTYPES", "MAX_DIM", "MAX_HEADER_BYTES", "MAX_NDIM", "SafetensorsFile", "TensorMeta"]
 
@@ -75,7 +82,8 @@ class TensorMeta:
         name: the tensor's name in the file.
         shape: its shape.
         dtype: its safetensors dtype code (``"F32"``, ``"BF16"``, ...).
-        identity: the identity of the file it lives in (see :attr:`SafetensorsFile.identity`).
+        identity: the identity of the file it lives in: its content digest and size
+            (see :attr:`SafetensorsFile.identity`).
     """
 
     name: str
@@ -86,7 +94,9 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class _Span:
-    meta: TensorMeta
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
     begin: int  # absolute file offset
     nbytes: int
 
@@ -113,12 +123,34 @@ class SafetensorsFile:
             # brings none of its tensor pages into the page cache.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self.size = st.st_size
-            self._inode = (st.st_dev, st.st_ino)
-            #: size, mtime and inode: changes when the file is replaced or rewritten.
-            self.identity = f"{os.path.basename(self.path)}:size={st.st_size}:mtime_ns={st.st_mtime_ns}:ino={st.st_ino}"
-            self._spans, self.metadata = _parse_header(fd, self.path, st.st_size, self.identity)
+            self._stat = st
+            self._spans, self.metadata = _parse_header(fd, self.path, st.st_size)
         finally:
             os.close(fd)
+        self._digest: FileDigest | None = None
+        self._metas: dict[str, TensorMeta] = {}
+
+    @property
+    def digest(self) -> FileDigest:
+        """The file's content digest (:func:`packcache.identity.file_digest`), found once, on first use.
+
+        Raises:
+            FormatError: the file changed since it was opened (open it again), or while it was hashed.
+            UntrustedFileError: the path is no longer a regular file. OSError: it cannot be read.
+        """
+        digest = self._digest
+        if digest is None:
+            fd = self._reopen(offset=0, what="the file")
+            try:
+                digest = self._digest = file_digest(fd, self.path, self._stat)
+            finally:
+                os.close(fd)
+        return digest
+
+    @property
+    def identity(self) -> str:
+        """``sha256:<64 hex>:<size>`` of the file's bytes: what pack keys name it by (see :attr:`digest`)."""
+        return self.digest.identity
 
     def names(self) -> list[str]:
         """Tensor names in file order."""
@@ -131,27 +163,32 @@ class SafetensorsFile:
         return iter(self._spans)
 
     def meta(self, name: str) -> TensorMeta:
-        """Name, shape, dtype and file identity of one tensor; reads nothing.
+        """Name, shape, dtype and file identity of one tensor; reads no tensor byte (the first call
+        finds the file's digest: see :attr:`digest`).
 
         Raises:
             KeyError: no tensor of that name.
+            FormatError, UntrustedFileError, OSError: as :attr:`digest`.
         """
-        try:
-            return self._spans[name].meta
-        except KeyError:
-            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+        meta = self._metas.get(name)
+        if meta is None:
+            span = self._spans.get(name)
+            if span is None:
+                raise KeyError(f"{self.path}: no tensor named {name!r}")
+            meta = self._metas[name] = TensorMeta(span.name, span.shape, span.dtype, self.identity)
+        return meta
 
     def read(self, name: str) -> np.ndarray[Any, Any]:
         """Read one tensor's bytes now (``pread``) into a new array (``BF16`` as ``uint16``).
 
-        The bytes come from the file whose header was parsed: a file replaced since
-        (another inode at the path) is refused rather than read, since its header may
-        place the tensor elsewhere.
+        The bytes come from the version of the file whose header was parsed and whose digest
+        names the packs: a file replaced or written since it was opened (another inode, size,
+        mtime or ctime, before or during the read) is refused rather than read.
 
         Raises:
             KeyError: no tensor of that name.
             FormatError: the file is now shorter than its header says (truncated after it
-                was opened), or was replaced; the offset is where the bytes are missing.
+                was opened), or was replaced or changed; the offset is where the bytes are.
             UntrustedFileError: the path is no longer a regular file.
             OSError: the read failed.
         """
@@ -161,13 +198,8 @@ class SafetensorsFile:
         buffer = bytearray(span.nbytes)
         view = memoryview(buffer)
         done = 0
-        fd, st = _open(self.path)
+        fd = self._reopen(offset=span.begin, what=f"tensor {_short(name)}")
         try:
-            if (st.st_dev, st.st_ino) != self._inode:
-                raise FormatError(
-                    f"tensor {_short(name)}: the file was replaced since its header was read; open it again",
-                    path=self.path, offset=span.begin,
-                )  # fmt: skip
             while done < span.nbytes:
                 got = os.preadv(fd, [view[done:]], span.begin + done)
                 if got == 0:
@@ -177,10 +209,29 @@ class SafetensorsFile:
                         path=self.path, offset=span.begin + done,
                     )  # fmt: skip
                 done += got
+            # A write during the read moves ctime: the bytes may be half old, half new.
+            self._check_unchanged(os.fstat(fd), span.begin, f"tensor {_short(name)}")
         finally:
             os.close(fd)
-        dtype = np.dtype(DTYPES[span.meta.dtype][0])
-        return np.frombuffer(buffer, dtype=dtype).reshape(span.meta.shape)
+        dtype = np.dtype(DTYPES[span.dtype][0])
+        return np.frombuffer(buffer, dtype=dtype).reshape(span.shape)
+
+    def _reopen(self, *, offset: int, what: str) -> int:
+        """The file opened again, checked to be the version that was opened first."""
+        fd, st = _open(self.path)
+        try:
+            self._check_unchanged(st, offset, what)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_unchanged(self, st: os.stat_result, offset: int, what: str) -> None:
+        if stat_key(st) != stat_key(self._stat):
+            raise FormatError(
+                f"{what}: the file was replaced or changed since its header was read; open it again",
+                path=self.path, offset=offset,
+            )  # fmt: skip
 
 
 def _open(path: str) -> tuple[int, os.stat_result]:
@@ -191,7 +242,7 @@ def _open(path: str) -> tuple[int, os.stat_result]:
         raise UntrustedFileError(path, exc.reason, what="safetensors file") from None
 
 
-def _parse_header(fd: int, path: str, size: int, identity: str) -> tuple[dict[str, _Span], dict[str, str]]:
+def _parse_header(fd: int, path: str, size: int) -> tuple[dict[str, _Span], dict[str, str]]:
     if size < _HEADER_AT:
         raise FormatError(f"file is {size} bytes, shorter than the 8-byte header length", path=path, offset=0)
     (header_len,) = struct.unpack("<Q", pread_exact(fd, _HEADER_AT, 0, path=path, what="header"))
@@ -210,7 +261,7 @@ def _parse_header(fd: int, path: str, size: int, identity: str) -> tuple[dict[st
         raise FormatError(
             "__metadata__ must map strings to strings", path=path, offset=_where(raw, "__metadata__")
         )  # fmt: skip
-    spans = [_span(name, info, raw, path, data_start, size, identity) for name, info in header.items()]
+    spans = [_span(name, info, raw, path, data_start, size) for name, info in header.items()]
     # Non-empty tensors must not share bytes: one byte read as two tensors is a file built to confuse.
     ordered = sorted(spans, key=lambda s: (s.begin, s.nbytes))
     end = data_start
@@ -218,10 +269,10 @@ def _parse_header(fd: int, path: str, size: int, identity: str) -> tuple[dict[st
         if span.nbytes == 0:
             continue
         if span.begin < end:
-            where = _where(raw, span.meta.name)
-            raise FormatError(f"tensor {_short(span.meta.name)} overlaps the tensor before it", path=path, offset=where)
+            where = _where(raw, span.name)
+            raise FormatError(f"tensor {_short(span.name)} overlaps the tensor before it", path=path, offset=where)
         end = span.begin + span.nbytes
-    return {span.meta.name: span for span in ordered}, dict(metadata)
+    return {span.name: span for span in ordered}, dict(metadata)
 
 
 def _where(raw: bytes, name: str) -> int:
@@ -233,7 +284,7 @@ def _where(raw: bytes, name: str) -> int:
     return _HEADER_AT
 
 
-def _span(name: str, info: Any, raw: bytes, path: str, data_start: int, size: int, identity: str) -> _Span:
+def _span(name: str, info: Any, raw: bytes, path: str, data_start: int, size: int) -> _Span:
     def fail(message: str) -> FormatError:
         return FormatError(f"tensor {_short(name)} {message}", path=path, offset=_where(raw, name))
 
@@ -260,7 +311,7 @@ def _span(name: str, info: Any, raw: bytes, path: str, data_start: int, size: in
         raise fail(f"spans {stop - begin} bytes, its dtype and shape need {expected}")
     if data_start + stop > size:
         raise fail(f"ends at byte {data_start + stop}, past the end of the file ({size} bytes)")
-    return _Span(TensorMeta(name, tuple(shape), dtype, identity), data_start + begin, expected)
+    return _Span(name, tuple(shape), dtype, data_start + begin, expected)
 
 
 def _json_type(value: object) -> str:

@@ -139,6 +139,8 @@ class CacheStats:
     heap_bytes_total: int = 0
     written_bytes: int = 0  #: bytes this instance wrote to cache files
     file_bytes: int = 0  #: size of the cache file on disk
+    #: bytes of the cache file that compaction would reclaim (superseded packs, older indexes)
+    reclaimable_bytes: int = 0
     hits: int = 0
     stored: int = 0
     heap_packs: int = 0
@@ -223,6 +225,7 @@ def sum_stats(snapshots: Iterable[CacheStats]) -> CacheStats:
         heap_bytes_total=sum(s.heap_bytes_total for s in items),
         written_bytes=written,
         file_bytes=sum(s.file_bytes for s in items),
+        reclaimable_bytes=sum(s.reclaimable_bytes for s in items),
         hits=sum(s.hits for s in items),
         stored=sum(s.stored for s in items),
         heap_packs=sum(s.heap_packs for s in items),

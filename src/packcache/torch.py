@@ -8,11 +8,12 @@ stay ``nn.Linear`` and are listed in the :class:`ConversionReport`.
 
 Sources are lazy. The pack keys come from names, shapes, dtypes, the packer's
 identity and the source's identity (:class:`packcache.safetensors.SafetensorsFile`:
-size, mtime and inode; :class:`ModuleSource`: a caller-given model id), and a
-source tensor is read only inside the ``pack`` callable, which a hit never calls:
-a warm launch reads no source byte. The module may be built on the ``meta``
-device (``with torch.device("meta"): model = MyModel()``) so its own weights are
-never materialised.
+the sha256 of the file's bytes and its size, found without reading the file on a
+warm launch, see :mod:`packcache.identity`; :class:`ModuleSource`: a caller-given
+model id, or the sha256 of the parameters), and a source tensor is read only inside
+the ``pack`` callable, which a hit never calls: a warm launch reads no source byte.
+The module may be built on the ``meta`` device (``with torch.device("meta"): model
+= MyModel()``) so its own weights are never materialised.
 
 Packed tensors are views of a read-only file mapping: writing to them in place
 crashes the process (SIGSEGV), which is why they are buffers and parameters
@@ -582,7 +583,11 @@ def _replace(modules: Mapping[str, nn.Module], name: str, new: nn.Module) -> Non
 
 
 def open_cache(
-    cache: WeightCache | str | os.PathLike[str] | None, platform: Mapping[str, Any], *, remedy: str, suggested_name: str
+    cache: WeightCache | str | os.PathLike[str] | None,
+    platform: Mapping[str, Any],
+    *,
+    remedy: str,
+    suggested_name: Callable[[], str],
 ) -> tuple[WeightCache, bool]:
     """The :class:`~packcache.WeightCache` a model loader uses, and whether the loader opened it (and closes it).
 
@@ -591,8 +596,9 @@ def open_cache(
     launch), or ``None`` (caching off).
 
     Raises:
-        ValueError: the path is a directory (the message suggests ``suggested_name`` in it), or the
-            ``WeightCache`` was made with another platform mapping (the message says ``remedy``).
+        ValueError: the path is a directory (the message suggests the file ``suggested_name()``
+            names in it: the loader's default name), or the ``WeightCache`` was made with another
+            platform mapping (the message says ``remedy``).
     """
     if cache is None:
         return WeightCache(None), True
@@ -603,7 +609,7 @@ def open_cache(
     if os.path.isdir(cache):
         raise ValueError(
             f"cache {os.fspath(cache)!r} is a directory; give a file path such as "
-            f"{os.path.join(os.fspath(cache), suggested_name)!r}"
+            f"{os.path.join(os.fspath(cache), suggested_name())!r}"
         )
     return WeightCache(cache, platform=platform), True
 

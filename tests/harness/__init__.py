@@ -4,7 +4,8 @@
 every child process (``CHILD_PRELUDE``) and in every ``stress/*.py`` command
 line, which are thin CLIs over the modules here:
 
-* ``packs``: deterministic packs (``packed``, ``Packer``, ``assert_same``) and ``build``;
+* ``packs``: deterministic packs (``packed``, ``Packer``, ``assert_same``), ``build`` and
+  ``without_build_compaction``;
 * ``files``: a file's state, garbage, flipped bits, what a file commits;
 * ``mounts``: a tiny tmpfs, a read-only bind mount, ``require_root``;
 * ``child``: the child prelude, ``run_child``, two appenders on one file;
@@ -40,6 +41,7 @@ from harness.packs import (
     packed,
     same_pack,
     stuck_in_pack,
+    without_build_compaction,
 )
 
 __all__ = [
@@ -72,4 +74,5 @@ __all__ = [
     "stuck_in_pack",
     "tmpfs",
     "two_appenders",
+    "without_build_compaction",
 ]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import packcache
+import packcache._generations
 from harness.child import child_argv, last_json
 from harness.packs import KIB, Request, build_generations
 
@@ -77,7 +78,7 @@ def committed():
     try:
         st = os.fstat(fd)
         try:
-            _, slot, entries = packcache._store.read_committed(fd, path=path)
+            _, slot, entries = packcache._generations.read_committed(fd, path=path)
             gen, end = (slot.generation, slot.committed_end) if slot else (0, 0)
         except packcache.FormatError:
             gen, end = -1, 0
@@ -252,7 +253,7 @@ def file_facts(path: Path) -> dict[str, int] | None:
         return None
     fd = os.open(path, os.O_RDONLY)
     try:
-        _, slot, _ = packcache._store.read_committed(fd, path=str(path))
+        _, slot, _ = packcache._generations.read_committed(fd, path=str(path))
         st = os.fstat(fd)
         return {"generation": slot.generation if slot else 0, "size": st.st_size, "inode": st.st_ino}
     finally:

@@ -32,7 +32,7 @@ from harness.driver import (
     unchanged,
 )
 from harness.files import committed, snapshot
-from harness.packs import KIB, Spec, build
+from harness.packs import KIB, Spec, build, without_build_compaction
 from packcache import format as fmt
 
 ENTRY_COMMANDS = ("inspect", "verify", "compact")
@@ -40,9 +40,10 @@ ENTRY_COMMANDS = ("inspect", "verify", "compact")
 
 def superseded(path: Path, spec: Spec = AB) -> None:
     """A cache holding ``spec`` (as ``build()`` and the driver pack it) whose first versions were all
-    replaced: compaction has bytes to reclaim."""
-    build(path, {name: (seed + 100, nbytes) for name, (seed, nbytes) in spec.items()}, key={"old": True})
-    build(path, spec)
+    replaced, as packcache left it before builds compacted: compaction has bytes to reclaim."""
+    with without_build_compaction():
+        build(path, {name: (seed + 100, nbytes) for name, (seed, nbytes) in spec.items()}, key={"old": True})
+        build(path, spec)
 
 
 def one_line_failure(done: subprocess.CompletedProcess[str], needle: str) -> list[str]:

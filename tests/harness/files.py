@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from packcache import format as fmt
-from packcache._store import read_committed
+from packcache._generations import read_committed
 
 FileState = tuple[int, int, int, bytes]  # inode, size, mtime_ns, bytes
 

@@ -77,17 +77,24 @@ def run(directory: str, cycles: int, packs: int) -> dict[str, Any]:
         if file_identity(path) != before:
             failures.append(f"cycle {cycle}: file changed {before} -> {file_identity(path)}")
 
-    # A packer version change: exactly one repack of every pack, then converged.
+    # A packer version change: exactly one repack of every pack, then converged. That build superseded
+    # every version-1 pack, more bytes than it left live, so it compacted the file itself.
     stored_after_change = []
+    sizes_after_change = []
     for _ in range(5):
         stats, served = load(path, packs, version=2)
         stored_after_change.append(stats.stored)
+        sizes_after_change.append(os.path.getsize(path))
         if any(not np.array_equal(served[f"w{i}"], pack(i, 2)) for i in range(packs)):
             failures.append("wrong bytes after the version change")
+        if stats.reclaimable_bytes != 0:
+            failures.append(f"{stats.reclaimable_bytes} reclaimable bytes left after the version change")
     if stored_after_change != [packs, 0, 0, 0, 0]:
         failures.append(f"version change stored per load {stored_after_change}, expected [{packs}, 0, 0, 0, 0]")
+    if len(set(sizes_after_change)) != 1:
+        failures.append(f"the file changed size after converging: {sizes_after_change}")
 
-    # Compaction reclaims the superseded version-1 copies.
+    # Nothing is left for an explicit compaction to reclaim, and it changes no pack.
     grown = os.path.getsize(path)
     report = packcache.compact(path)
     stats, served = load(path, packs, version=2)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import packcache
+import packcache._generations
 from harness.child import child_argv, last_json
 from harness.packs import KIB, Request, build_generations, packed
 from packcache import format as fmt
@@ -68,7 +69,7 @@ while True:
     stop = spec["stop_fd"] is None or select.select([spec["stop_fd"]], [], [], 0)[0]
     fd = os.open(spec["path"], os.O_RDONLY)
     try:
-        _, slot, entries = packcache._store.read_committed(fd, path=spec["path"])
+        _, slot, entries = packcache._generations.read_committed(fd, path=spec["path"])
     finally:
         os.close(fd)
     listed = sorted(entries) if spec["stop_fd"] is not None else sorted(catalog)
@@ -185,7 +186,7 @@ def one_copy_each(path: Path, requests: list[Request]) -> str | None:
     """None if the file holds exactly one copy of each pack and nothing else; else what is wrong."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        header, slot, entries = packcache._store.read_committed(fd, path=str(path))
+        header, slot, entries = packcache._generations.read_committed(fd, path=str(path))
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)

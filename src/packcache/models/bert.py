@@ -46,6 +46,7 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
+    model_type: str = "bert"  #: names the default cache file (a BERT-family checkpoint may say "roberta", ...)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> BertConfig:
@@ -59,6 +60,8 @@ class BertConfig:
         config = cls(**fields)
         if config.hidden_act != "gelu":
             raise ValueError(f"{path}: hidden_act {config.hidden_act!r} is not supported (only 'gelu')")
+        if not isinstance(config.model_type, str):
+            raise ValueError(f"{path}: model_type must be a string, got {type(config.model_type).__name__}")
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"{path}: hidden_size is not a multiple of num_attention_heads")
         return config

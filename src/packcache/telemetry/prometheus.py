@@ -31,6 +31,9 @@ class PackCacheCollector(Collector):
         yield heap
         yield GaugeMetricFamily("packcache_mapped_bytes", "Bytes of packs mapped from cache files", s.mapped_bytes)
         yield GaugeMetricFamily("packcache_file_bytes", "Size of cache files", s.file_bytes)
+        yield GaugeMetricFamily(
+            "packcache_reclaimable_bytes", "Bytes of cache files compaction would reclaim", s.reclaimable_bytes
+        )
         state = GaugeMetricFamily("packcache_state", "0 off, 1 mapped, 2 stored, 3 heap, 4 degraded", labels=["state"])
         state.add_metric([s.state], STATE_VALUES[s.state])
         yield state

@@ -1,0 +1,495 @@
+"""Content identity: what names a source file, and a default cache file, wherever it lies.
+
+A pack key names its source by the sha256 of the source file's bytes and its size
+(:attr:`FileDigest.identity`), never by its path, name, mtime, inode or device: the
+same bytes at another path, in another container or on another machine give the
+same keys, and other bytes never do. A warm launch must not read the file, so the
+digest is found, cheapest first (:func:`file_digest`):
+
+1. **A Hugging Face hub blob.** A file whose resolved path is ``.../blobs/<64 hex>``
+   is named by its sha256 already (the hub stores every LFS file so). A 40-hex name
+   is a git blob sha1 of a small file, not a content digest: it is hashed.
+2. **The in-process memo, then the per-user digest cache** (:func:`digest_dir`):
+   one small JSON record per file, keyed by ``(st_dev, st_ino, size, mtime_ns,
+   ctime_ns)``. ``ctime`` is in the key because user space cannot set it (``touch
+   -r``, ``cp -p``, ``rsync -t`` and ``tar`` restore mtime; any write moves ctime).
+   Records are trusted only on filesystems whose stat is reliable
+   (:data:`RELIABLE_FILESYSTEMS`, by ``fstatfs`` type: NFS, FUSE, SMB and anything
+   unknown are hashed on every launch), and only for a file whose last change is
+   at least :data:`RACY_SECONDS` old: a write within the timestamp granularity of
+   the previous one can leave the stat unchanged (git's "racy git", ccache's
+   ``min_age``), so a younger file is neither recorded nor looked up.
+3. **Otherwise the file is streamed once** through sha256, and the digest recorded
+   when the rules above allow it.
+
+A digest cache that is hostile or wrong costs a rehash, never a wrong byte: a
+record is read only from a directory owned by this user (or root) that no one
+else can write, only if it is a regular file of that owner (no FIFO, no symlink,
+never blocking), bounded JSON of exactly the expected fields, and only if every
+stat field equals the file's ``fstat`` now. A record that fails any check is
+ignored and the file hashed. What remains is a record forged by this user or
+root with the file's exact stat: such a writer could as well rewrite the cache
+file itself (docs/RELIABILITY.md "Content identity").
+
+:func:`model_cache_name` names a default cache file by what its packs are made
+of: the sources' digests, the packers and the recipe (calibration), so every copy
+of one checkpoint opens one file and two recipes never share one.
+
+>>> import os, tempfile
+>>> path = os.path.join(tempfile.mkdtemp(), "w.bin")
+>>> with open(path, "wb") as f:
+...     _ = f.write(b"abc")
+>>> d = digest_path(path)
+>>> d.sha256[:16], d.size, d.how
+('ba7816bf8f01cfea', 3, 'hashed')
+>>> d.identity == "sha256:" + d.sha256 + ":3"
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno as errno_mod
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import stat
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import _boundedjson as boundedjson
+from ._paths import open_checked, parse_temp_name, pid_alive, trust_problem
+from .errors import FormatError
+
+__all__ = [
+    "RACY_SECONDS",
+    "RELIABLE_FILESYSTEMS",
+    "FileDigest",
+    "digest_dir",
+    "digest_path",
+    "file_digest",
+    "model_cache_name",
+    "stat_key",
+]
+
+logger = logging.getLogger("packcache")
+
+#: A file changed less than this many seconds ago is hashed and its digest not recorded: a
+#: second write within the timestamp granularity of the first can leave its stat unchanged.
+RACY_SECONDS = 2.0
+
+#: ``statfs`` magic numbers of filesystems whose stat changes with every write (``f_type`` ->
+#: name). Elsewhere (NFS's attribute cache, FUSE servers, SMB, unknown types) a record is never
+#: trusted: the file is hashed on every launch.
+RELIABLE_FILESYSTEMS: dict[int, str] = {
+    0xEF53: "ext2/ext3/ext4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0x794C7630: "overlayfs",
+    0x2FC12FC1: "zfs",
+    0xF2F52010: "f2fs",
+}
+
+_HUB_BLOB = re.compile(r"[0-9a-f]{64}")
+_HEX64 = _HUB_BLOB
+_RECORD_FORMAT = "packcache-digest/1"
+_RECORD_MAX_BYTES = 4096
+_MAX_RECORDS = 4096  # more than this in the directory: the least recently written quarter goes
+_TEMP_PREFIX = ".tmp-"
+_CHUNK = 1 << 20
+_MEMO_MAX = 65536
+
+StatKey = tuple[int, int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """The content digest of one file, and how it was found.
+
+    Attributes:
+        sha256: 64 lowercase hex digits.
+        size: the file's size in bytes.
+        how: ``"hub-blob"`` (the file's name), ``"memo"`` (found earlier in this process),
+            ``"digest-cache"`` (a record of the per-user digest cache) or ``"hashed"`` (read now).
+    """
+
+    sha256: str
+    size: int
+    how: str
+
+    @property
+    def identity(self) -> str:
+        """``sha256:<64 hex>:<size>``: what pack keys name the file by."""
+        return f"sha256:{self.sha256}:{self.size}"
+
+
+def digest_dir() -> str:
+    """The per-user digest cache: ``$PACKCACHE_DIGEST_DIR``, else ``$XDG_CACHE_HOME/packcache/digests``,
+    else ``~/.cache/packcache/digests``.
+
+    It is the user's own even when cache files live in a directory shared with other users
+    (``$PACKCACHE_DIR``): a record is trusted only from a directory nobody else can write.
+    """
+    explicit = os.environ.get("PACKCACHE_DIGEST_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "packcache", "digests")
+
+
+def digest_path(path: str | os.PathLike[str]) -> FileDigest:
+    """:func:`file_digest` of the file at ``path``, opened as a source file is (never blocking,
+    a regular file only, no symlink swapped in after the check; anyone's file).
+
+    Raises:
+        UntrustedFileError: not a regular file. FormatError: it changed while being read.
+        OSError: it cannot be opened or read.
+    """
+    name = os.fspath(path)
+    fd, st = open_checked(name, trust=False)
+    try:
+        return file_digest(fd, name, st)
+    finally:
+        os.close(fd)
+
+
+def file_digest(fd: int, path: str, st: os.stat_result | None = None) -> FileDigest:
+    """The sha256 of the regular file open as ``fd`` (named ``path`` in messages and for the hub rule).
+
+    ``st`` is the ``fstat`` the caller validated the file with; the file must still match it
+    (a file changed since is refused, not hashed under the old stat). See the module docstring
+    for the order in which the digest is looked for, and what is trusted.
+
+    Raises:
+        FormatError: the file changed since ``st`` was taken, or while it was hashed.
+        OSError: it cannot be read.
+    """
+    now = os.fstat(fd)
+    if st is None:
+        st = now
+    key = stat_key(st)
+    if stat_key(now) != key:
+        raise FormatError("the file changed since it was opened; open it again", path=path)
+    blob = _hub_blob(path, st)
+    if blob is not None:
+        return FileDigest(blob, st.st_size, "hub-blob")
+    trusted = _settled(st) and _reliable(fd)
+    if trusted:
+        found = _MEMO.get(key)
+        if found is not None:
+            return FileDigest(found, st.st_size, "memo")
+        found = _Records.open().lookup(key)
+        if found is not None:
+            _remember(key, found)
+            return FileDigest(found, st.st_size, "digest-cache")
+    if st.st_size >= 64 << 20:
+        logger.info("packcache: hashing %s (%.0f MiB) to name its packs by content", path, st.st_size / (1 << 20))
+    digest = _hash(fd, path, st)
+    # Still the same file after the read (a write meanwhile moved its ctime): the digest is of this stat.
+    if trusted and stat_key(os.fstat(fd)) == key:
+        _remember(key, digest)
+        _Records.open(create=True).store(key, digest)
+    return FileDigest(digest, st.st_size, "hashed")
+
+
+def stat_key(st: os.stat_result) -> StatKey:
+    """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``: one version of one file on this machine.
+    Every write moves ctime, which user space cannot set back."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _settled(st: os.stat_result) -> bool:
+    """Whether the file's last change (mtime or ctime, whichever is later) is :data:`RACY_SECONDS` old.
+    A future mtime (``touch -d tomorrow``) never is: such a file is hashed on every launch."""
+    return time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= RACY_SECONDS * 1e9
+
+
+def _hub_blob(path: str, st: os.stat_result) -> str | None:
+    """The sha256 a Hugging Face hub cache names the file by (``.../blobs/<64 hex>``), if it is one."""
+    try:
+        real = os.path.realpath(path)
+        if os.path.basename(os.path.dirname(real)) != "blobs" or not _HUB_BLOB.fullmatch(os.path.basename(real)):
+            return None
+        now = os.stat(real)
+    except OSError:
+        return None
+    # The resolved path must name the file that was opened: a symlink re-pointed since names another.
+    return os.path.basename(real) if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino) else None
+
+
+_STATFS_TYPE: Any = None  # libc's fstatfs, found once
+
+
+def _statfs_type(fd: int) -> int | None:
+    """``f_type`` of the filesystem holding ``fd`` (``fstatfs``), or None where it cannot be asked."""
+    global _STATFS_TYPE
+    if not sys.platform.startswith("linux"):
+        return None
+    if _STATFS_TYPE is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.fstatfs.restype = ctypes.c_int
+        _STATFS_TYPE = libc.fstatfs
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if _STATFS_TYPE(fd, buffer) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def _reliable(fd: int) -> bool:
+    kind = _statfs_type(fd)
+    if kind in RELIABLE_FILESYSTEMS:
+        return True
+    if _first_notice(f"fs:{kind}"):
+        shown = f"0x{kind:x}" if kind is not None else "unknown"
+        logger.info(
+            "packcache: source files on filesystem type %s are hashed on every launch: its stat may not change "
+            "when a file does (see RELIABLE_FILESYSTEMS)", shown,
+        )  # fmt: skip
+    return False
+
+
+def _hash(fd: int, path: str, st: os.stat_result) -> str:
+    """Stream the file through sha256 (``pread``, 1 MiB at a time; hashlib drops the GIL for each).
+
+    Raises:
+        FormatError: the file's size is not what ``st`` says (it is changing).
+    """
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK)
+    offset = 0
+    with memoryview(buffer) as view:
+        while True:
+            got = os.preadv(fd, [view], offset)
+            if not got:
+                break
+            digest.update(view[:got])
+            offset += got
+    if offset != st.st_size:
+        raise FormatError(f"the file was {st.st_size} bytes when opened and {offset} when hashed", path=path)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- memo and records
+
+_MEMO: dict[StatKey, str] = {}
+_NOTICES: set[str] = set()
+_NOTICES_LOCK = threading.Lock()
+
+
+def _remember(key: StatKey, digest: str) -> None:
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    _MEMO[key] = digest
+
+
+def _first_notice(what: str) -> bool:
+    with _NOTICES_LOCK:
+        if what in _NOTICES:
+            return False
+        _NOTICES.add(what)
+        return True
+
+
+class _Records:
+    """The digest cache directory, held open once checked (records are opened relative to it)."""
+
+    def __init__(self, path: str, fd: int | None) -> None:
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def open(cls, *, create: bool = False) -> _Records:
+        """The directory, opened and checked; a :class:`_Records` that finds nothing when it cannot be used."""
+        path = digest_dir()
+        if create:
+            with contextlib.suppress(OSError):
+                os.makedirs(path, mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            if create or not isinstance(exc, FileNotFoundError):
+                _unusable(path, f"cannot open it: {_errno_text(exc)}")
+            return cls(path, None)
+        st = os.fstat(fd)
+        problem = None
+        if st.st_uid not in (os.geteuid(), 0):
+            problem = f"owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root"
+        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            problem = f"group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+        if problem is not None:
+            os.close(fd)
+            _unusable(path, problem)
+            return cls(path, None)
+        return cls(path, fd)
+
+    def lookup(self, key: StatKey) -> str | None:
+        """The digest recorded for ``key``, or None (no record, or one that fails a check)."""
+        if self.fd is None:
+            return None
+        try:
+            return self._read(_record_name(key), key)
+        finally:
+            os.close(self.fd)
+
+    def _read(self, name: str, key: StatKey) -> str | None:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+        try:
+            fd = os.open(name, flags, dir_fd=self.fd)
+        except OSError:
+            return None  # missing, a symlink (ELOOP), unreadable
+        try:
+            st = os.fstat(fd)
+            problem = trust_problem(st)  # a regular file of this user or root, writable by its owner only
+            if problem is None and st.st_size > _RECORD_MAX_BYTES:
+                problem = f"{st.st_size} bytes, over {_RECORD_MAX_BYTES}"
+            if problem is not None:
+                logger.debug("packcache: digest record %s/%s ignored: %s", self.path, name, problem)
+                return None
+            raw = os.pread(fd, _RECORD_MAX_BYTES, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        try:
+            record = boundedjson.loads(raw, path=f"{self.path}/{name}", what="digest record", unique_keys=True)
+        except FormatError as exc:
+            logger.debug("packcache: digest record ignored: %s", exc)
+            return None
+        expected = {"format": _RECORD_FORMAT, "dev": key[0], "ino": key[1], "size": key[2], "mtime_ns": key[3],
+                    "ctime_ns": key[4]}  # fmt: skip
+        if not isinstance(record, dict) or set(record) != {*expected, "sha256"}:
+            return None
+        if any(type(record[field]) is not type(value) or record[field] != value for field, value in expected.items()):
+            return None  # a record of another version of the file (or of another file): stale, not a digest
+        digest = record["sha256"]
+        return digest if isinstance(digest, str) and _HEX64.fullmatch(digest) else None
+
+    def store(self, key: StatKey, digest: str) -> None:
+        """Record ``digest`` for ``key`` (temp file + rename in the checked directory); failures only cost a rehash."""
+        if self.fd is None:
+            return
+        try:
+            self._write(_record_name(key), key, digest)
+        except OSError as exc:
+            _unusable(self.path, f"cannot write a record: {_errno_text(exc)}")
+        finally:
+            os.close(self.fd)
+
+    def _write(self, name: str, key: StatKey, digest: str) -> None:
+        assert self.fd is not None
+        record = {"format": _RECORD_FORMAT, "dev": key[0], "ino": key[1], "size": key[2], "mtime_ns": key[3],
+                  "ctime_ns": key[4], "sha256": digest}  # fmt: skip
+        data = json.dumps(record, sort_keys=True).encode()
+        temp = f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(temp, flags, 0o600, dir_fd=self.fd)
+        try:
+            try:
+                os.fchmod(fd, 0o600)  # the umask must not leave it group-readable, nor widen it
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.rename(temp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=self.fd)
+            raise
+        self._prune()
+
+    def _prune(self) -> None:
+        """Remove temp records of writers that died, and the oldest records past :data:`_MAX_RECORDS`."""
+        assert self.fd is not None
+        records: list[tuple[int, str]] = []
+        for name in os.listdir(self.fd):
+            with contextlib.suppress(OSError):
+                lst = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                if not stat.S_ISREG(lst.st_mode) or lst.st_uid != os.geteuid():
+                    continue
+                pid = parse_temp_name(name, _TEMP_PREFIX)
+                if pid is not None:
+                    if not pid_alive(pid):
+                        os.unlink(name, dir_fd=self.fd)
+                elif name.endswith(".json"):
+                    records.append((lst.st_mtime_ns, name))
+        if len(records) > _MAX_RECORDS:
+            for _, name in sorted(records)[: len(records) - _MAX_RECORDS * 3 // 4]:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self.fd)
+
+
+def _record_name(key: StatKey) -> str:
+    """One record per file (device and inode): a new version of a file replaces its old record."""
+    return f"{key[0]:x}-{key[1]:x}.json"
+
+
+def _errno_text(exc: OSError) -> str:
+    return f"{errno_mod.errorcode.get(exc.errno or 0, 'E?')} ({exc.strerror or exc})"
+
+
+def _unusable(path: str, why: str) -> None:
+    if _first_notice(f"dir:{path}"):
+        logger.warning(
+            "packcache: digest cache %s is not usable (%s): source files are hashed on every launch; "
+            "set PACKCACHE_DIGEST_DIR to a directory of this user's", path, why,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- default cache file names
+
+
+class _PackerLike(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def params(self) -> dict[str, Any]: ...
+
+
+_LABEL = re.compile(r"[^a-z0-9_]+")
+
+
+def model_cache_name(
+    label: str,
+    scheme: str,
+    sources: Iterable[str],
+    packers: Iterable[_PackerLike],
+    recipe: Mapping[str, Any] | str | None = None,
+) -> str:
+    """A default cache file name made of what its packs are made of: ``<label>-<scheme>-<16 hex>.pcache``.
+
+    The hex digits are a sha256 over the sources' identities (sorted: shard order and names do
+    not matter), the packers' ids, versions and parameters, and ``recipe`` (what else a loader
+    packs by, e.g. its calibration). ``label`` (a model type, say) is only for people reading
+    the directory. No path, name, mtime, inode or device enters: every copy of one model opens
+    one file, and two recipes never share one.
+
+    >>> from packcache.packers import Float32
+    >>> name = model_cache_name("bert", "fp32", ["sha256:" + "0" * 64 + ":8"], [Float32()])
+    >>> name.startswith("bert-fp32-") and name.endswith(".pcache") and len(name) == len("bert-fp32-") + 16 + 7
+    True
+    >>> model_cache_name("BERT!", "fp32", ["sha256:" + "0" * 64 + ":8"], [Float32()]) == name  # only for reading
+    True
+    """
+    if not re.fullmatch(r"[a-z0-9]{1,16}", scheme):
+        raise ValueError(f"scheme must be a short lowercase name, got {scheme!r}")
+    described = {
+        "sources": sorted(sources),
+        "packers": [{"id": p.id, "version": p.version, "params": p.params} for p in packers],
+        "recipe": recipe,
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    shown = _LABEL.sub("-", label.lower()).strip("-")[:32] or "model"
+    return f"{shown}-{scheme}-{digest[:16]}.pcache"
