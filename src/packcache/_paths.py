@@ -65,6 +65,7 @@ __all__ = [
     "temp_prefix",
     "trust_problem",
     "unlink_quietly",
+    "user_cache_home",
     "wait_for_flock",
 ]
 
@@ -74,11 +75,12 @@ DEFAULT_LOCK_TIMEOUT = 30.0
 
 
 def default_cache_dir() -> str:
-    """Where cache files go by default: ``$PACKCACHE_DIR``, else ``$XDG_CACHE_HOME/packcache``,
-    else ``~/.cache/packcache``."""
-    explicit = os.environ.get("PACKCACHE_DIR")
-    if explicit:
-        return explicit
+    """Where cache files go by default: ``$PACKCACHE_DIR``, else :func:`user_cache_home`."""
+    return os.environ.get("PACKCACHE_DIR") or user_cache_home()
+
+
+def user_cache_home() -> str:
+    """packcache's directory in this user's own cache: ``$XDG_CACHE_HOME/packcache``, else ``~/.cache/packcache``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "packcache")
 
@@ -97,12 +99,15 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def trust_problem(st: os.stat_result) -> str | None:
+def trust_problem(st: os.stat_result, *, directory: bool = False) -> str | None:
     """Why a file with status ``st`` must not be trusted, or ``None``.
 
-    Trusted: a regular file owned by the effective user or root, writable by its owner only.
+    Trusted: a regular file (``directory``: a directory) owned by the effective user or root,
+    writable by its owner only.
     """
-    if not stat.S_ISREG(st.st_mode):
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return f"not a directory ({_kind(st.st_mode)})"
+    if not directory and not stat.S_ISREG(st.st_mode):
         return f"not a regular file ({_kind(st.st_mode)})"
     if st.st_uid not in (os.geteuid(), 0):
         return f"owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root"

@@ -61,12 +61,12 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import _boundedjson as boundedjson
-from ._paths import open_checked, parse_temp_name, pid_alive, trust_problem
+from ._paths import open_checked, parse_temp_name, pid_alive, trust_problem, user_cache_home
 from .errors import FormatError
 
 __all__ = [
@@ -100,8 +100,7 @@ RELIABLE_FILESYSTEMS: dict[int, str] = {
     0xF2F52010: "f2fs",
 }
 
-_HUB_BLOB = re.compile(r"[0-9a-f]{64}")
-_HEX64 = _HUB_BLOB
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _RECORD_FORMAT = "packcache-digest/1"
 _RECORD_MAX_BYTES = 4096
 _MAX_RECORDS = 4096  # more than this in the directory: the least recently written quarter goes
@@ -140,11 +139,7 @@ def digest_dir() -> str:
     It is the user's own even when cache files live in a directory shared with other users
     (``$PACKCACHE_DIR``): a record is trusted only from a directory nobody else can write.
     """
-    explicit = os.environ.get("PACKCACHE_DIGEST_DIR")
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "packcache", "digests")
+    return os.environ.get("PACKCACHE_DIGEST_DIR") or os.path.join(user_cache_home(), "digests")
 
 
 def digest_path(path: str | os.PathLike[str]) -> FileDigest:
@@ -188,7 +183,8 @@ def file_digest(fd: int, path: str, st: os.stat_result | None = None) -> FileDig
         found = _MEMO.get(key)
         if found is not None:
             return FileDigest(found, st.st_size, "memo")
-        found = _Records.open().lookup(key)
+        with _records() as records:
+            found = records.lookup(key)
         if found is not None:
             _remember(key, found)
             return FileDigest(found, st.st_size, "digest-cache")
@@ -198,7 +194,8 @@ def file_digest(fd: int, path: str, st: os.stat_result | None = None) -> FileDig
     # Still the same file after the read (a write meanwhile moved its ctime): the digest is of this stat.
     if trusted and stat_key(os.fstat(fd)) == key:
         _remember(key, digest)
-        _Records.open(create=True).store(key, digest)
+        with _records(create=True) as records:
+            records.store(key, digest)
     return FileDigest(digest, st.st_size, "hashed")
 
 
@@ -218,7 +215,7 @@ def _hub_blob(path: str, st: os.stat_result) -> str | None:
     """The sha256 a Hugging Face hub cache names the file by (``.../blobs/<64 hex>``), if it is one."""
     try:
         real = os.path.realpath(path)
-        if os.path.basename(os.path.dirname(real)) != "blobs" or not _HUB_BLOB.fullmatch(os.path.basename(real)):
+        if os.path.basename(os.path.dirname(real)) != "blobs" or not _SHA256_HEX.fullmatch(os.path.basename(real)):
             return None
         now = os.stat(real)
     except OSError:
@@ -304,44 +301,15 @@ def _first_notice(what: str) -> bool:
 
 
 class _Records:
-    """The digest cache directory, held open once checked (records are opened relative to it)."""
+    """The digest cache directory, held open once checked: records are opened relative to its descriptor,
+    so a path swapped after the check changes nothing. ``fd`` is None when the directory cannot be used."""
 
     def __init__(self, path: str, fd: int | None) -> None:
         self.path, self.fd = path, fd
 
-    @classmethod
-    def open(cls, *, create: bool = False) -> _Records:
-        """The directory, opened and checked; a :class:`_Records` that finds nothing when it cannot be used."""
-        path = digest_dir()
-        if create:
-            with contextlib.suppress(OSError):
-                os.makedirs(path, mode=0o700, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            if create or not isinstance(exc, FileNotFoundError):
-                _unusable(path, f"cannot open it: {_errno_text(exc)}")
-            return cls(path, None)
-        st = os.fstat(fd)
-        problem = None
-        if st.st_uid not in (os.geteuid(), 0):
-            problem = f"owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root"
-        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            problem = f"group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
-        if problem is not None:
-            os.close(fd)
-            _unusable(path, problem)
-            return cls(path, None)
-        return cls(path, fd)
-
     def lookup(self, key: StatKey) -> str | None:
         """The digest recorded for ``key``, or None (no record, or one that fails a check)."""
-        if self.fd is None:
-            return None
-        try:
-            return self._read(_record_name(key), key)
-        finally:
-            os.close(self.fd)
+        return None if self.fd is None else self._read(_record_name(key), key)
 
     def _read(self, name: str, key: StatKey) -> str | None:
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
@@ -374,7 +342,7 @@ class _Records:
         if any(type(record[field]) is not type(value) or record[field] != value for field, value in expected.items()):
             return None  # a record of another version of the file (or of another file): stale, not a digest
         digest = record["sha256"]
-        return digest if isinstance(digest, str) and _HEX64.fullmatch(digest) else None
+        return digest if isinstance(digest, str) and _SHA256_HEX.fullmatch(digest) else None
 
     def store(self, key: StatKey, digest: str) -> None:
         """Record ``digest`` for ``key`` (temp file + rename in the checked directory); failures only cost a rehash."""
@@ -384,8 +352,6 @@ class _Records:
             self._write(_record_name(key), key, digest)
         except OSError as exc:
             _unusable(self.path, f"cannot write a record: {_errno_text(exc)}")
-        finally:
-            os.close(self.fd)
 
     def _write(self, name: str, key: StatKey, digest: str) -> None:
         assert self.fd is not None
@@ -427,6 +393,30 @@ class _Records:
             for _, name in sorted(records)[: len(records) - _MAX_RECORDS * 3 // 4]:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=self.fd)
+
+
+@contextlib.contextmanager
+def _records(*, create: bool = False) -> Iterator[_Records]:
+    """The digest cache directory (created ``0700`` with ``create``), opened and checked: this user's or root's,
+    writable by its owner only. One that cannot be used finds nothing and records nothing (said once)."""
+    path = digest_dir()
+    if create:
+        with contextlib.suppress(OSError):
+            os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if create or not isinstance(exc, FileNotFoundError):
+            _unusable(path, f"cannot open it: {_errno_text(exc)}")
+        yield _Records(path, None)
+        return
+    try:
+        problem = trust_problem(os.fstat(fd), directory=True)
+        if problem is not None:
+            _unusable(path, problem)
+        yield _Records(path, fd if problem is None else None)
+    finally:
+        os.close(fd)
 
 
 def _record_name(key: StatKey) -> str:
