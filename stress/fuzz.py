@@ -21,8 +21,10 @@ Each file is written as a real file and then
 2. checked with ``packcache.verify``: returns a report, never raises;
 3. opened with ``packcache.WeightCache`` in-process, one session requesting up
    to four names (present, absent, synthesised): the only allowed outcomes are
-   a valid open (hits served from the file, misses appended) or a rebuild (a
-   new file renamed over the path). Every served array is checked to lie inside
+   a valid open (hits served from the file, misses appended; when the appended
+   file's superseded bytes then outweigh its live ones, the build must compact it,
+   counted as ``build_compactions``) or a rebuild (a new file renamed over the
+   path). Every served array is checked to lie inside
    its mapping (the base chain ends in an mmap, and ``[ctypes.data, +nbytes)``
    lies within the map's address range) and, on a valid open, to hold exactly
    the file's bytes at the offset the pure decoder gives for it; a heap pack, a

@@ -383,6 +383,7 @@ def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identic
             assert sorted(w.state) == sorted(STATES) and sum(w.state.values()) == 1
             assert_no_heap(w)
             assert w.values["mapped_bytes"] > 50 << 20 and w.values["file_bytes"] == path.stat().st_size
+            assert w.values["reclaimable_bytes"] == 0  # exported per worker; one build, nothing superseded
             assert w.values["load_seconds"] > 0
             if w is builder:
                 assert w.values["written_bytes"] > 0 and w.packs["stored"] > 0 and w.packs["hit"] == 0

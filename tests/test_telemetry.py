@@ -101,3 +101,43 @@ def test_scrapes_never_wait_on_a_session(tmp_path: Path) -> None:
     finally:
         cache.close()
         provider.shutdown()
+
+
+def test_reclaimable_bytes_reach_the_stats_the_options_and_both_exporters(tmp_path: Path) -> None:
+    """Superseded bytes (fewer than the live ones, so no build compacts them) are reported everywhere a
+    dashboard reads: CacheStats, the options channel, Prometheus and OpenTelemetry."""
+    path = tmp_path / "m.pcache"
+    with packcache.WeightCache(path) as c:
+        with c.session() as s:
+            s.get_or_pack("big", lambda: np.ones(20_000, np.float32))
+            s.get_or_pack("small", lambda: np.ones(1000, np.float32), key={"version": 1})
+        with c.session() as s:  # a new version of the small pack supersedes its first copy
+            s.get_or_pack("small", lambda: np.zeros(1000, np.float32), key={"version": 2})
+        assert c.stats().reclaimable_bytes == packcache.inspect(path).reclaimable_bytes >= 4000
+    registry = CollectorRegistry()
+    prometheus.register(registry)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    otel.register(provider)
+    cache = packcache.WeightCache(path)
+    try:
+        with cache.session() as s:
+            s.get_or_pack("big", lambda: pytest.fail("hit expected"))
+        expected = packcache.inspect(path).reclaimable_bytes
+        assert cache.stats().reclaimable_bytes == expected and cache.stats().state == "mapped"
+        assert cache.get_option("packed_cache_reclaimable_bytes") == expected
+        assert cache.get_option("packed_cache_reclaimable_mib") == expected / 2**20
+        total = packcache.aggregate_stats().reclaimable_bytes
+        assert total >= expected and packcache.get_option("packed_cache_reclaimable_bytes") == total
+        from prometheus_client import generate_latest
+
+        scraped = {
+            s.name: s.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in family.samples
+        }
+        assert scraped["packcache_reclaimable_bytes"] == total
+        assert otel_points(reader)["packcache.reclaimable_bytes"][0].value == total
+    finally:
+        cache.close()
+        provider.shutdown()
