@@ -74,6 +74,43 @@ def test_convert_packs_linears_and_keeps_the_answers(packer: Any, tolerance: flo
     assert float((got - expected).abs().max()) < tolerance
 
 
+def _float_toy_from(state: dict[str, torch.Tensor]) -> Toy:
+    model = _toy(5)  # other weights: only what load_state_dict brings can make its answers match
+    model.load_state_dict(state)  # strict: every key, shape and name of a plain Toy
+    return model
+
+
+class _Int8Renamed(Int8WeightOnly):
+    """A packer packcache knows nothing of: its state_dict weight is what its forward computes."""
+
+    id = "test.int8-renamed"
+
+
+@pytest.mark.parametrize(
+    "packer", [LinearFloat32(), LinearBFloat16(), Int8WeightOnly(), Int4WeightOnly(32), _Int8Renamed()], ids=repr
+)
+def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(packer: Any, tmp_path: Path) -> None:
+    """``state_dict()`` of a converted module has exactly the keys, shapes and dtypes of the float module, each
+    packed layer's weight the float32 weight its forward multiplies by: a plain module loads it (strict) and
+    gives the packed module's answers on the dequantising path (enough rows that no fused bf16 kernel runs),
+    through ``torch.save`` and ``torch.load(weights_only=True)`` too."""
+    model = _toy()
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    convert(model, _cache(None, packer), packer, model_id="toy-v1", kernel_path="fp32")
+    state = model.state_dict()
+    assert {name: (tuple(t.shape), t.dtype) for name, t in state.items()} == layout
+    torch.save(state, tmp_path / "toy.pt")
+    reloaded = _float_toy_from(torch.load(tmp_path / "toy.pt", weights_only=True))
+    rows = torch.randn(256, 64, generator=torch.Generator().manual_seed(2))  # past every fused kernel's rows
+    with torch.no_grad():
+        packed, plain = model(rows), reloaded(rows)
+    assert float((packed - plain).abs().max()) <= 1e-5 * float(packed.abs().max())
+    # The weights were not merely copied back: a lossy scheme saves its quantised weight, not the source's.
+    source = _toy()
+    if isinstance(packer, (Int8WeightOnly, Int4WeightOnly)):
+        assert not torch.equal(state["up.weight"], source.up.weight)
+
+
 def test_cold_then_warm_launch_maps_every_weight_and_gives_identical_answers(tmp_path: Path) -> None:
     source = save_safetensors(_toy(), tmp_path / "toy.safetensors")
     outputs, states = [], []
