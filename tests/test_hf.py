@@ -374,6 +374,23 @@ def test_torch_save_of_the_state_dict_loads_into_plain_transformers(
     assert cosine(outputs(plain, long_ids()), outputs(model, long_ids())) >= 0.99999
 
 
+def test_load_state_dict_into_a_packed_model_is_refused_and_changes_nothing(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Its tensors are the cache's: a read-only mapping (a copy into one kills the process, see
+    ``tests/test_torch.py``) or, here, the cache's own heap packs. ``load_state_dict`` raises before writing
+    anything, on the model and on every module holding such tensors (packed, served, tied)."""
+    model = hf.from_pretrained(checkpoints["gpt2"], "int8", None, auto_class=CAUSAL)
+    before = outputs(model, ids_for())
+    state = reference(save_tiny("gpt2", tmp_path / "other", seed=5), CAUSAL).state_dict()
+    targets = {"": model, "transformer.wte.": model.transformer.wte, "lm_head.": model.lm_head}
+    targets["transformer.h.0.attn.c_attn."] = model.transformer.h[0].attn.c_attn
+    for prefix, target in targets.items():
+        with pytest.raises(RuntimeError, match="read-only file mapping"):
+            target.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+    assert torch.equal(outputs(model, ids_for()), before)
+
+
 def test_a_sharded_save_pretrained_reloads_whole(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     model = hf.from_pretrained(checkpoints["llama"], "int8", None, auto_class=CAUSAL, kernel_path="fp32")
     model.save_pretrained(tmp_path / "saved", max_shard_size="40KB")

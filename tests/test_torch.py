@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import packcache
-from harness import save_safetensors
+from harness import run_child, save_safetensors
 from packcache.packers import Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.safetensors import SafetensorsFile
@@ -109,6 +110,43 @@ def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(pa
     source = _toy()
     if isinstance(packer, (Int8WeightOnly, Int4WeightOnly)):
         assert not torch.equal(state["up.weight"], source.up.weight)
+
+
+def test_load_state_dict_into_a_converted_module_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """Its tensors are views of a read-only mapping: copying into them would kill the process (SIGSEGV).
+    Loading is refused with one clear error, for the module and for every submodule holding cache tensors,
+    before anything is written; a load that touches none of them still works. In a child: on failure it crashes."""
+    source = save_safetensors(_toy(), tmp_path / "toy.safetensors")
+    code = textwrap.dedent(
+        """
+        import torch
+        sys.path.insert(0, {tests!r})
+        from test_torch import Int8WeightOnly, SafetensorsFile, X, _cache, _skeleton, _toy, convert
+        source, path = sys.argv[1], sys.argv[2]
+        for _ in range(2):  # the second load maps every tensor from the file
+            model = _skeleton()
+            convert(model, _cache(path, Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source))
+        with torch.no_grad():
+            before = model(X)
+        other = _toy(7).state_dict()
+        errors = []
+        for target, prefix in ((model, ""), (model.norm, "norm."), (model.up, "up."), (model.odd, "odd.")):
+            state = {{k[len(prefix):]: v for k, v in other.items() if k.startswith(prefix)}}
+            try:
+                target.load_state_dict(state)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        model.load_state_dict({{}}, strict=False)  # nothing to write: allowed
+        with torch.no_grad():
+            same = torch.equal(model(X), before)
+        report(errors=errors, same=same)
+        """
+    ).format(tests=str(Path(__file__).parent))
+    result = run_child(code, str(source), str(tmp_path / "toy.pcache"))
+    assert result["same"], "a refused load changed the model"
+    assert len(result["errors"]) == 4, result["errors"]
+    for error in result["errors"]:
+        assert "read-only" in error and "packcache" in error, error
 
 
 def test_cold_then_warm_launch_maps_every_weight_and_gives_identical_answers(tmp_path: Path) -> None:

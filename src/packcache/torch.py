@@ -17,7 +17,8 @@ The module may be built on the ``meta`` device (``with torch.device("meta"): mod
 
 Packed tensors are views of a read-only file mapping: writing to them in place
 crashes the process (SIGSEGV), which is why they are buffers and parameters
-without gradients. Saving works: ``state_dict()``
+without gradients, and why ``load_state_dict`` into a converted module raises
+``RuntimeError`` instead of copying into them. Saving works: ``state_dict()``
 holds every weight the way the float module held it (a packed layer's weight is
 the float32 weight it computes, see :meth:`PackedLinear.float_weight`), so
 ``torch.save(model.state_dict())`` and ``save_pretrained`` write a complete
@@ -137,6 +138,7 @@ class PackedLinear(nn.Module):
     Its ``state_dict`` is the layer it replaced: ``weight`` (:meth:`float_weight`, float32,
     ``[out, in]``, or ``[in, out]`` when ``transposed``) and ``bias``, never the packed operands,
     which are non-persistent buffers in a kernel's layout no float model reads.
+    ``load_state_dict`` into it raises ``RuntimeError``: its operands are read-only.
     """
 
     def __init__(
@@ -241,6 +243,24 @@ class PackedLinear(nn.Module):
         if bias is not None:
             destination[prefix + "bias"] = bias
 
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        names = ("weight",) if self._buffers["bias"] is None else ("weight", "bias")
+        _refuse_read_only(state_dict, prefix, names)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )  # fmt: skip
+        if strict:
+            missing_keys.extend(prefix + name for name in names)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, packer={self.packer!r}, "
@@ -295,6 +315,35 @@ def _probed_weight(layer: PackedLinear) -> torch.Tensor:
         probe[:count, start : start + count] = torch.eye(count)
         blocks.append(packer.linear(prepared, probe, path)[:count].float())
     return torch.cat(blocks).t().contiguous()
+
+
+def _refuse_read_only(state_dict: Mapping[str, Any], prefix: str, names: tuple[str, ...]) -> None:
+    """Raise before ``load_state_dict`` copies into a tensor served from the cache (a read-only mapping:
+    the copy would kill the process with SIGSEGV; a heap pack is the cache's own copy, which it serves again)."""
+    for name in names:
+        if prefix + name in state_dict:
+            raise RuntimeError(
+                f"cannot load {prefix + name!r}: packcache serves this model's weights from its cache, a read-only "
+                "file mapping, and load_state_dict would write into them. Load the state dict into a float model "
+                "of the same class (transformers' from_pretrained), or save it with save_pretrained and load that "
+                "directory with packcache.hf.from_pretrained"
+            )
+
+
+class _ReadOnlyTensors:
+    """A ``load_state_dict`` pre-hook of a module holding cache tensors (:func:`_refuse_read_only` for them).
+
+    A plain class, not a closure: modules keep their hooks when pickled or deep-copied."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def __call__(self, state_dict: Mapping[str, Any], prefix: str, *rest: Any) -> None:
+        _refuse_read_only(state_dict, prefix, self.names)
+
+
+#: The key of :class:`_ReadOnlyTensors` among a module's load pre-hooks (torch numbers its own from 0 up).
+_READ_ONLY_HOOK = -1
 
 
 def load_parts(
@@ -571,6 +620,7 @@ def _convert(
         new = PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed)
         _replace(modules, layer.name, new)
         report.converted.append(layer.name)
+    owners: dict[str, list[str]] = {}
     for names in plan.parameters:
         param = module.get_parameter(names[0])
         array = fetch(names, tuple(param.shape), other)["weight"]
@@ -578,9 +628,15 @@ def _convert(
         for alias in names:
             owner, _, attr = alias.rpartition(".")
             modules[owner]._parameters[attr] = served
+            owners.setdefault(owner, []).append(attr)
         report.parameters.append(names[0])
         if len(names) > 1:
             report.tied[names[0]] = names[1:]
+    for owner, attrs in owners.items():
+        # Straight into the hook table (register_load_state_dict_pre_hook adds a handle and a weakref, 3 us a
+        # module): this runs for every module with a parameter on every warm load. One key: converting again
+        # replaces it.
+        modules[owner]._load_state_dict_pre_hooks[_READ_ONLY_HOOK] = _ReadOnlyTensors(tuple(attrs))
 
 
 @dataclass(frozen=True)
