@@ -120,7 +120,6 @@ def test_load_state_dict_into_a_converted_module_is_refused_and_changes_nothing(
     code = textwrap.dedent(
         """
         import torch
-        sys.path.insert(0, {tests!r})
         from test_torch import Int8WeightOnly, SafetensorsFile, X, _cache, _skeleton, _toy, convert
         source, path = sys.argv[1], sys.argv[2]
         for _ in range(2):  # the second load maps every tensor from the file
@@ -131,17 +130,17 @@ def test_load_state_dict_into_a_converted_module_is_refused_and_changes_nothing(
         other = _toy(7).state_dict()
         errors = []
         for target, prefix in ((model, ""), (model.norm, "norm."), (model.up, "up."), (model.odd, "odd.")):
-            state = {{k[len(prefix):]: v for k, v in other.items() if k.startswith(prefix)}}
+            state = {k[len(prefix):]: v for k, v in other.items() if k.startswith(prefix)}
             try:
                 target.load_state_dict(state)
             except RuntimeError as exc:
                 errors.append(str(exc))
-        model.load_state_dict({{}}, strict=False)  # nothing to write: allowed
+        model.load_state_dict({}, strict=False)  # nothing to write: allowed
         with torch.no_grad():
             same = torch.equal(model(X), before)
         report(errors=errors, same=same)
         """
-    ).format(tests=str(Path(__file__).parent))
+    )  # the child prelude puts tests/ on sys.path: it imports this module's Toy
     result = run_child(code, str(source), str(tmp_path / "toy.pcache"))
     assert result["same"], "a refused load changed the model"
     assert len(result["errors"]) == 4, result["errors"]
