@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -310,6 +311,95 @@ def test_threads_loading_at_once_get_right_models(checkpoints: dict[str, Path], 
         assert torch.equal(got, expected[arch]), f"thread {i} ({arch}) got other outputs"
 
 
+# ----------------------------------------------------------------------------- saving a packed model
+# A save writes each packed layer's float32 weight as its dequantising path multiplies by it. With 256 tokens a
+# call every layer runs that path, so the reloaded float model gives the packed model's outputs (cosine >= 0.99999);
+# with few tokens the fused weight-only kernels run on bfloat16 activations instead (cosine >= 0.999). Against the
+# float source the scheme's own tolerance holds (THRESHOLDS): int8 and int4 saves keep their quantisation error.
+
+
+def _layout(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+
+
+def long_ids() -> torch.Tensor:
+    """256 tokens a call: past every fused kernel's rows (at most 192), so every packed layer dequantises."""
+    return torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("scheme", hf.SCHEMES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "bert"])
+def test_save_pretrained_writes_a_checkpoint_plain_transformers_reloads_whole(
+    checkpoints: dict[str, Path], tmp_path: Path, arch: str, scheme: str
+) -> None:
+    """``state_dict()`` has the keys, shapes and dtypes of transformers' own model; ``save_pretrained`` writes
+    the tensors the source holds, under their names and shapes (GPT-2's ``Conv1D`` back in its ``[in, out]``
+    layout, a tied head once), float32. Plain transformers reloads it with nothing missing or unexpected, and
+    its outputs are the packed model's, within the scheme's tolerance of the source's."""
+    auto = _tiny_configs()[arch][1]
+    ref = reference(checkpoints[arch], auto)
+    model = hf.from_pretrained(checkpoints[arch], scheme, None, auto_class=auto, kernel_path="fp32")
+    assert _layout(model.state_dict()) == _layout(ref.state_dict())
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    source, written = hf.Checkpoint(checkpoints[arch]), hf.Checkpoint(saved)
+    assert {n: written.meta(n).shape for n in written} == {n: source.meta(n).shape for n in source}
+    assert {written.meta(n).dtype for n in written} == {"F32"}
+    reloaded, info = getattr(transformers, auto).from_pretrained(saved, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # missing, unexpected, mismatched keys, errors: none
+    reloaded.eval()
+    for ids, tolerance in ((long_ids(), 0.99999), (ids_for(), 0.999)):
+        similarity = cosine(outputs(reloaded, ids), outputs(model, ids))
+        assert similarity >= tolerance, f"{arch} {scheme} {tuple(ids.shape)}: cosine {similarity:.7f}"
+    to_source = cosine(outputs(reloaded, long_ids()), outputs(ref, long_ids()))
+    assert to_source >= THRESHOLDS[scheme], f"{arch} {scheme}: cosine to the source {to_source:.7f}"
+    if scheme != "fp32":  # what the packed layers compute was saved, not a copy of the source's weights
+        name = f"{hf.load_report(model).converted[0]}.weight"
+        assert not np.array_equal(written.read(name), source.read(name)), name
+
+
+def test_torch_save_of_the_state_dict_loads_into_plain_transformers(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """GPT-2 (transposed ``Conv1D``, tied head), int4: ``torch.save(model.state_dict())`` loads with
+    ``weights_only=True`` into transformers' own model, strictly, and gives the packed model's outputs."""
+    model = hf.from_pretrained(checkpoints["gpt2"], "int4", None, auto_class=CAUSAL, kernel_path="fp32")
+    assert isinstance(model.transformer.h[0].attn.c_attn, PackedLinear)
+    state = model.state_dict()
+    assert state["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D's [in, out]
+    torch.save(state, tmp_path / "state.pt")
+    plain = transformers.GPT2LMHeadModel(model.config).eval()
+    plain.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))  # strict
+    assert plain.lm_head.weight is plain.transformer.wte.weight
+    assert cosine(outputs(plain, long_ids()), outputs(model, long_ids())) >= 0.99999
+
+
+def test_load_state_dict_into_a_packed_model_is_refused_and_changes_nothing(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Its tensors are the cache's: a read-only mapping (a copy into one kills the process, see
+    ``tests/test_torch.py``) or, here, the cache's own heap packs. ``load_state_dict`` raises before writing
+    anything, on the model and on every module holding such tensors (packed, served, tied)."""
+    model = hf.from_pretrained(checkpoints["gpt2"], "int8", None, auto_class=CAUSAL)
+    before = outputs(model, ids_for())
+    state = reference(save_tiny("gpt2", tmp_path / "other", seed=5), CAUSAL).state_dict()
+    targets = {"": model, "transformer.wte.": model.transformer.wte, "lm_head.": model.lm_head}
+    targets["transformer.h.0.attn.c_attn."] = model.transformer.h[0].attn.c_attn
+    for prefix, target in targets.items():
+        with pytest.raises(RuntimeError, match="read-only file mapping"):
+            target.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+    assert torch.equal(outputs(model, ids_for()), before)
+
+
+def test_a_sharded_save_pretrained_reloads_whole(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    model = hf.from_pretrained(checkpoints["llama"], "int8", None, auto_class=CAUSAL, kernel_path="fp32")
+    model.save_pretrained(tmp_path / "saved", max_shard_size="40KB")
+    assert len(list((tmp_path / "saved").glob("model-*.safetensors"))) > 1
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", output_loading_info=True)
+    assert not any(info.values()), info
+    assert cosine(outputs(reloaded.eval(), long_ids()), outputs(model, long_ids())) >= 0.99999
+
+
 # ----------------------------------------------------------------------------- the real all-MiniLM-L6-v2
 
 
@@ -377,6 +467,79 @@ def test_sentence_transformer_needs_a_transformer_module(minilm_reference: dict[
     (directory / "modules.json").write_text(json.dumps([m for m in modules if "Transformer" not in m["type"]]))
     with pytest.raises(ValueError, match="no sentence-transformers Transformer module"):
         hf.sentence_transformer(directory, "int8", None)
+
+
+#: Eight texts of about 40 tokens: one call is past every fused kernel's rows (see "saving a packed model").
+LONG_TEXTS = [f"{i}. " + " ".join(TEXTS[2:] * 2) for i in range(8)]
+
+PLAIN_RELOAD = textwrap.dedent(
+    """
+    import json, sys
+    from sentence_transformers import SentenceTransformer
+    texts, directories = json.loads(sys.argv[1]), sys.argv[2:]
+    embeddings = {d: SentenceTransformer(d, device="cpu").encode(texts).tolist() for d in directories}
+    print(json.dumps({"embeddings": embeddings, "packcache": [m for m in sys.modules if m.startswith("packcache")]}))
+    """
+)
+
+
+def test_sentence_transformer_save_reloads_in_plain_sentence_transformers(
+    minilm_reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """``SentenceTransformer.save`` of a packed all-MiniLM-L6-v2 writes the tensors plain sentence-transformers
+    writes for the model (names, shapes, dtypes), and plain sentence-transformers in a fresh interpreter, offline,
+    without packcache, embeds with them what the packed model embeds (cosine >= 0.99999 on texts long enough
+    that every layer dequantises), within the scheme's tolerance of the float model's embeddings."""
+    from sentence_transformers import SentenceTransformer
+
+    float_model = SentenceTransformer(str(minilm_reference["path"]), device="cpu")
+    expected_embeddings = torch.from_numpy(float_model.encode(LONG_TEXTS))
+    float_model.save(str(tmp_path / "float"))
+    plain_files = hf.Checkpoint(tmp_path / "float")
+    expected = {n: (plain_files.meta(n).shape, plain_files.meta(n).dtype) for n in plain_files}
+    packed, directories = {}, {}
+    for scheme in hf.SCHEMES:
+        st = hf.sentence_transformer(minilm_reference["path"], scheme, None, kernel_path="fp32")
+        packed[scheme] = torch.from_numpy(st.encode(LONG_TEXTS))
+        directories[scheme] = tmp_path / scheme
+        st.save(str(directories[scheme]))
+        written = hf.Checkpoint(directories[scheme])
+        assert {n: (written.meta(n).shape, written.meta(n).dtype) for n in written} == expected, scheme
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    argv = [sys.executable, "-c", PLAIN_RELOAD, json.dumps(LONG_TEXTS), *(str(d) for d in directories.values())]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["packcache"] == []
+    for scheme, directory in directories.items():
+        plain = torch.tensor(result["embeddings"][str(directory)])
+        assert cosine(plain, packed[scheme]) >= 0.99999, f"{scheme}: {cosine(plain, packed[scheme]):.7f}"
+        assert cosine(plain, expected_embeddings) >= THRESHOLDS[scheme], scheme
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_minilm_load_state_dict_loads_into_transformers_bert(
+    minilm_reference: dict[str, Any], tmp_path: Path, scheme: str
+) -> None:
+    """``minilm.load``'s encoder (calibrated int4 included) has a ``state_dict`` under ``BertModel``'s names:
+    transformers' model loads it (all but the pooler, which the encoder has not) and gives its outputs."""
+    m = minilm.load(scheme, None, kernel_path="fp32")
+    torch.save(m.encoder.state_dict(), tmp_path / "encoder.pt")
+    plain = reference(minilm_reference["path"], "AutoModel")
+    result = plain.load_state_dict(torch.load(tmp_path / "encoder.pt", weights_only=True), strict=False)
+    assert result.unexpected_keys == [] and sorted(result.missing_keys) == ["pooler.dense.bias", "pooler.dense.weight"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_reference["path"])
+    batch = tokenizer(LONG_TEXTS, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = plain(**batch).last_hidden_state
+        packed = m.encoder(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]).float()
+    real = batch["attention_mask"].bool()
+    assert int(real.sum()) > 192
+    assert cosine(hidden[real], packed[real]) >= 0.99999, f"{scheme}: {cosine(hidden[real], packed[real]):.7f}"
+    name = "encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(
+        m.encoder.state_dict()[name], reference(minilm_reference["path"], "AutoModel").state_dict()[name]
+    )
 
 
 # ----------------------------------------------------------------------------- warm launch reads no tensor byte

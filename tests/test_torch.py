@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import packcache
-from harness import save_safetensors
+from harness import run_child, save_safetensors
 from packcache.packers import Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.safetensors import SafetensorsFile
@@ -72,6 +73,79 @@ def test_convert_packs_linears_and_keeps_the_answers(packer: Any, tolerance: flo
     with torch.no_grad():
         got = model(X)
     assert float((got - expected).abs().max()) < tolerance
+
+
+def _float_toy_from(state: dict[str, torch.Tensor]) -> Toy:
+    model = _toy(5)  # other weights: only what load_state_dict brings can make its answers match
+    model.load_state_dict(state)  # strict: every key, shape and name of a plain Toy
+    return model
+
+
+class _Int8Renamed(Int8WeightOnly):
+    """A packer packcache knows nothing of: its state_dict weight is what its forward computes."""
+
+    id = "test.int8-renamed"
+
+
+@pytest.mark.parametrize(
+    "packer", [LinearFloat32(), LinearBFloat16(), Int8WeightOnly(), Int4WeightOnly(32), _Int8Renamed()], ids=repr
+)
+def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(packer: Any, tmp_path: Path) -> None:
+    """``state_dict()`` of a converted module has exactly the keys, shapes and dtypes of the float module, each
+    packed layer's weight the float32 weight its forward multiplies by: a plain module loads it (strict) and
+    gives the packed module's answers on the dequantising path (enough rows that no fused bf16 kernel runs),
+    through ``torch.save`` and ``torch.load(weights_only=True)`` too."""
+    model = _toy()
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    convert(model, _cache(None, packer), packer, model_id="toy-v1", kernel_path="fp32")
+    state = model.state_dict()
+    assert {name: (tuple(t.shape), t.dtype) for name, t in state.items()} == layout
+    torch.save(state, tmp_path / "toy.pt")
+    reloaded = _float_toy_from(torch.load(tmp_path / "toy.pt", weights_only=True))
+    rows = torch.randn(256, 64, generator=torch.Generator().manual_seed(2))  # past every fused kernel's rows
+    with torch.no_grad():
+        packed, plain = model(rows), reloaded(rows)
+    assert float((packed - plain).abs().max()) <= 1e-5 * float(packed.abs().max())
+    # The weights were not merely copied back: a lossy scheme saves its quantised weight, not the source's.
+    source = _toy()
+    if isinstance(packer, (Int8WeightOnly, Int4WeightOnly)):
+        assert not torch.equal(state["up.weight"], source.up.weight)
+
+
+def test_load_state_dict_into_a_converted_module_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """Its tensors are views of a read-only mapping: copying into them would kill the process (SIGSEGV).
+    Loading is refused with one clear error, for the module and for every submodule holding cache tensors,
+    before anything is written; a load that touches none of them still works. In a child: on failure it crashes."""
+    source = save_safetensors(_toy(), tmp_path / "toy.safetensors")
+    code = textwrap.dedent(
+        """
+        import torch
+        from test_torch import Int8WeightOnly, SafetensorsFile, X, _cache, _skeleton, _toy, convert
+        source, path = sys.argv[1], sys.argv[2]
+        for _ in range(2):  # the second load maps every tensor from the file
+            model = _skeleton()
+            convert(model, _cache(path, Int8WeightOnly()), Int8WeightOnly(), source=SafetensorsFile(source))
+        with torch.no_grad():
+            before = model(X)
+        other = _toy(7).state_dict()
+        errors = []
+        for target, prefix in ((model, ""), (model.norm, "norm."), (model.up, "up."), (model.odd, "odd.")):
+            state = {k[len(prefix):]: v for k, v in other.items() if k.startswith(prefix)}
+            try:
+                target.load_state_dict(state)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        model.load_state_dict({}, strict=False)  # nothing to write: allowed
+        with torch.no_grad():
+            same = torch.equal(model(X), before)
+        report(errors=errors, same=same)
+        """
+    )  # the child prelude puts tests/ on sys.path: it imports this module's Toy
+    result = run_child(code, str(source), str(tmp_path / "toy.pcache"))
+    assert result["same"], "a refused load changed the model"
+    assert len(result["errors"]) == 4, result["errors"]
+    for error in result["errors"]:
+        assert "read-only" in error and "packcache" in error, error
 
 
 def test_cold_then_warm_launch_maps_every_weight_and_gives_identical_answers(tmp_path: Path) -> None:

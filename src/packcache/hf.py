@@ -15,6 +15,12 @@ materialised. The checkpoint is read for its config and safetensors headers only
 tensor bytes are read only to pack a miss, which a warm launch never has. Tied
 parameters (a head tied to the input embeddings) stay one tensor, stored once.
 
+Saving such a model (``save_pretrained``, ``SentenceTransformer.save``, ``state_dict``) writes a
+complete float32 checkpoint that plain transformers and sentence-transformers load: each packed
+layer's weight as the layer computes it (:meth:`~packcache.torch.PackedLinear.float_weight`), under
+the source's names and layouts. ``load_state_dict`` into it raises ``RuntimeError`` (its tensors
+are read-only). See ``docs/HF.md``, "Saving a packed model".
+
 This module imports ``transformers`` (and, for :func:`sentence_transformer`,
 ``sentence_transformers``); ``import packcache`` and ``import packcache.torch`` do not.
 Nothing is fetched from a model hub: ``path`` is a local directory as ``save_pretrained``

@@ -17,7 +17,12 @@ The module may be built on the ``meta`` device (``with torch.device("meta"): mod
 
 Packed tensors are views of a read-only file mapping: writing to them in place
 crashes the process (SIGSEGV), which is why they are buffers and parameters
-without gradients. This module imports torch; ``import packcache`` does not.
+without gradients, and why ``load_state_dict`` into a converted module raises
+``RuntimeError`` instead of copying into them. Saving works: ``state_dict()``
+holds every weight the way the float module held it (a packed layer's weight is
+the float32 weight it computes, see :meth:`PackedLinear.float_weight`), so
+``torch.save(model.state_dict())`` and ``save_pretrained`` write a complete
+float checkpoint. This module imports torch; ``import packcache`` does not.
 
 >>> import torch, packcache
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
@@ -45,7 +50,7 @@ from torch import nn
 
 from . import format as fmt
 from .cache import Session, WeightCache
-from .kernels import activation_dtype
+from .kernels import activation_dtype, int4_layout
 from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta, packed_nbytes, to_float32
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
 from .safetensors import TensorMeta
@@ -129,31 +134,48 @@ class PackedLinear(nn.Module):
     (:mod:`packcache.kernels`) says which of its paths runs, and ``repr`` shows it with
     the torch ops it calls. Inputs of any float dtype are accepted; the output has the
     input's dtype (no conversion when it already is the path's dtype).
+
+    Its ``state_dict`` is the layer it replaced: ``weight`` (:meth:`float_weight`, float32,
+    ``[out, in]``, or ``[in, out]`` when ``transposed``) and ``bias``, never the packed operands,
+    which are non-persistent buffers in a kernel's layout no float model reads.
+    ``load_state_dict`` into it raises ``RuntimeError``: its operands are read-only.
     """
 
-    def __init__(self, packer: TorchPacker, in_features: int, out_features: int, kernel_path: str) -> None:
+    def __init__(
+        self, packer: TorchPacker, in_features: int, out_features: int, kernel_path: str, transposed: bool = False
+    ) -> None:
         super().__init__()
         # Plain attributes, set without nn.Module.__setattr__'s checks: this runs per layer on every warm load.
         self.__dict__.update(
             packer=packer, in_features=in_features, out_features=out_features, kernel_path=kernel_path,
-            _dtype=activation_dtype(kernel_path), _prepared=None,
+            transposed=transposed, _dtype=activation_dtype(kernel_path), _prepared=None,
             training=False,  # inference only: its operands are read-only views of a file mapping
         )  # fmt: skip
         self.packer: TorchPacker
         self.in_features: int
         self.out_features: int
         self.kernel_path: str
+        #: The replaced module stored its weight ``[in, out]`` (GPT-2's ``Conv1D``): ``state_dict`` writes it so.
+        self.transposed: bool
         self._dtype: torch.dtype
         self._prepared: dict[str, torch.Tensor | None] | None
 
     @classmethod
     def from_parts(
-        cls, packer: Packer, parts: Parts, bias: np.ndarray[Any, Any] | None, *, kernel_path: str | None = None
+        cls,
+        packer: Packer,
+        parts: Parts,
+        bias: np.ndarray[Any, Any] | None,
+        *,
+        kernel_path: str | None = None,
+        transposed: bool = False,
     ) -> PackedLinear:
         """A layer over ``parts`` (a pack of ``packer``) and a float32 ``bias``; tensors are zero-copy views.
 
         ``kernel_path``: ``"bf16"``, ``"fp32"``, or ``None``/``"auto"`` for this machine's rule
         (see :mod:`packcache.kernels`; ``$PACKCACHE_KERNEL_PATH`` applies to ``None``).
+        ``transposed``: the layer replaces one that stores its weight ``[in, out]``; only what
+        ``state_dict`` writes depends on it.
 
         Raises:
             TypeError: ``packer`` is not a torch packer (it has no forward).
@@ -165,7 +187,7 @@ class PackedLinear(nn.Module):
         out_features, in_features = packer.dims(parts)
         path = packer.kernel_path(kernel_path)
         packer.check_path(path)  # once per process and path; a set lookup afterwards
-        layer = cls(packer, in_features, out_features, path)
+        layer = cls(packer, in_features, out_features, path, transposed)
         dtypes = packer.part_dtypes()
         # Straight into the buffer table (what register_buffer does after its name checks, which
         # these fixed names pass): this runs for every layer of every warm load.
@@ -193,11 +215,135 @@ class PackedLinear(nn.Module):
         """The torch op this layer runs for an input of ``rows`` rows."""
         return self.packer.kernel(self.kernel_path, rows)
 
+    def float_weight(self) -> torch.Tensor:
+        """The float32 ``[out_features, in_features]`` weight this layer multiplies by: its operands
+        dequantised exactly as its dequantising path does (the fused weight-only kernels, which run
+        for few rows, and the ``bf16`` path also round the activations to bfloat16). With the fp32
+        scheme the weight tensor itself (a read-only view); otherwise a new tensor.
+
+        A packer other than the four of :mod:`packcache.packers_torch` is probed: its forward,
+        without bias, on the unit vectors.
+
+        >>> from packcache.packers_torch import Int8WeightOnly
+        >>> weight = np.array([[1.0, -2.0], [0.5, 0.25]], np.float32)
+        >>> layer = PackedLinear.from_parts(Int8WeightOnly(), Int8WeightOnly().pack(weight, "F32"), None)
+        >>> layer.float_weight().tolist()  # int8 codes times each row's scale: 2/127 and 0.5/127
+        [[1.0078740119934082, -2.0], [0.5, 0.25196850299835205]]
+        """
+        with torch.no_grad():
+            return _float_weight(self)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # What the replaced layer saved, so a checkpoint of a packed model is a float model's (issue 20, item 4):
+        # the packed operands are non-persistent buffers, and saving only them dropped every linear weight.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        weight = self.float_weight()
+        destination[prefix + "weight"] = weight.t().contiguous() if self.transposed else weight
+        bias = self._buffers["bias"]
+        if bias is not None:
+            destination[prefix + "bias"] = bias
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        names = ("weight",) if self._buffers["bias"] is None else ("weight", "bias")
+        _refuse_read_only(state_dict, prefix, names)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )  # fmt: skip
+        if strict:
+            missing_keys.extend(prefix + name for name in names)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, packer={self.packer!r}, "
             f"kernel_path={self.kernel_path!r}, kernels={self.packer.kernels(self.kernel_path)!r}"
         )
+
+
+def _float_weight(layer: PackedLinear) -> torch.Tensor:
+    """:meth:`PackedLinear.float_weight`: each known packer's dequantisation, as its ``linear`` computes it."""
+    packer = layer.packer
+    operand = functools.partial(_operand, layer)
+    kind = type(packer)  # the exact class: a subclass may compute something else
+    if kind is LinearFloat32:
+        return operand("weight")
+    if kind is LinearBFloat16:
+        return operand("weight").float()
+    if kind is Int8WeightOnly:
+        return operand("weight").float().mul_(operand("scales")[:, None])
+    if kind is Int4WeightOnly and isinstance(packer, Int4WeightOnly) and (layout := int4_layout()) is not None:
+        # Int4WeightOnly.linear's per-call dequantisation: (code - 8) * scale + zero, input scales on the rows of W.T.
+        scales_and_zeros = operand("scales_and_zeros")
+        groups, out_features, _ = scales_and_zeros.shape
+        codes = layout.codes_t(operand("weight"), out_features, groups * packer.group_size)
+        scale = scales_and_zeros[..., 0]
+        offset = scales_and_zeros[..., 1] - 8 * scale
+        grouped = codes.view(groups, packer.group_size, out_features)
+        weight_t = torch.addcmul(offset[:, None, :], grouped, scale[:, None, :]).view(-1, out_features)
+        return weight_t.mul_(operand("input_scales")[:, None]).t().contiguous()
+    return _probed_weight(layer)  # a packer packcache does not know, or an int4 layout it cannot read
+
+
+def _operand(layer: PackedLinear, name: str) -> torch.Tensor:
+    tensor = layer._buffers[name]
+    if tensor is None:
+        raise ValueError(f"operand {name!r} is missing")
+    return tensor
+
+
+def _probed_weight(layer: PackedLinear) -> torch.Tensor:
+    """The weight of any packer's layer: its forward, without bias, on the unit vectors (``I @ W.T = W.T``), in
+    blocks of rows, past the packer's fused-kernel rows (its dequantising path, on ``fp32`` where it has it)."""
+    packer = layer.packer
+    path = "fp32" if "fp32" in packer.paths else layer.kernel_path
+    operands: dict[str, torch.Tensor | None] = {name: _operand(layer, name) for name in packer.parts}
+    operands["bias"] = None
+    prepared = packer.prepare(operands, path)
+    rows = max(256, packer.fused_max_rows.get(path, 0) + 1)
+    blocks = []
+    for start in range(0, layer.in_features, rows):
+        count = min(rows, layer.in_features - start)
+        probe = torch.zeros(rows, layer.in_features, dtype=activation_dtype(path))
+        probe[:count, start : start + count] = torch.eye(count)
+        blocks.append(packer.linear(prepared, probe, path)[:count].float())
+    return torch.cat(blocks).t().contiguous()
+
+
+def _refuse_read_only(state_dict: Mapping[str, Any], prefix: str, names: tuple[str, ...]) -> None:
+    """Raise before ``load_state_dict`` copies into a tensor served from the cache (a read-only mapping:
+    the copy would kill the process with SIGSEGV; a heap pack is the cache's own copy, which it serves again)."""
+    for name in names:
+        if prefix + name in state_dict:
+            raise RuntimeError(
+                f"cannot load {prefix + name!r}: packcache serves this model's weights from its cache, a read-only "
+                "file mapping, and load_state_dict would write into them. Load the state dict into a float model "
+                "of the same class (transformers' from_pretrained), or save it with save_pretrained and load that "
+                "directory with packcache.hf.from_pretrained"
+            )
+
+
+class _ReadOnlyTensors:
+    """A ``load_state_dict`` pre-hook of a module holding cache tensors (:func:`_refuse_read_only` for them).
+
+    A plain class, not a closure: modules keep their hooks when pickled or deep-copied."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def __call__(self, state_dict: Mapping[str, Any], prefix: str, *rest: Any) -> None:
+        _refuse_read_only(state_dict, prefix, self.names)
+
+
+#: The key of :class:`_ReadOnlyTensors` among a module's load pre-hooks (torch numbers its own from 0 up).
+_READ_ONLY_HOOK = -1
 
 
 def load_parts(
@@ -471,9 +617,10 @@ def _convert(
         dotted = f"{layer.name}." if layer.name else ""
         parts = fetch([f"{dotted}weight"], layer.shape, packer, layer=layer.name, flip=layer.transposed)
         bias = fetch([f"{dotted}bias"], (layer.shape[0],), other)["weight"] if layer.has_bias else None
-        new = PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path)
+        new = PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed)
         _replace(modules, layer.name, new)
         report.converted.append(layer.name)
+    owners: dict[str, list[str]] = {}
     for names in plan.parameters:
         param = module.get_parameter(names[0])
         array = fetch(names, tuple(param.shape), other)["weight"]
@@ -481,9 +628,15 @@ def _convert(
         for alias in names:
             owner, _, attr = alias.rpartition(".")
             modules[owner]._parameters[attr] = served
+            owners.setdefault(owner, []).append(attr)
         report.parameters.append(names[0])
         if len(names) > 1:
             report.tied[names[0]] = names[1:]
+    for owner, attrs in owners.items():
+        # Straight into the hook table (register_load_state_dict_pre_hook adds a handle and a weakref, 3 us a
+        # module): this runs for every module with a parameter on every warm load. One key: converting again
+        # replaces it.
+        modules[owner]._load_state_dict_pre_hooks[_READ_ONLY_HOOK] = _ReadOnlyTensors(tuple(attrs))
 
 
 @dataclass(frozen=True)
