@@ -643,3 +643,18 @@ def test_cold_build_streams_and_warm_cache_adds_almost_no_anonymous_memory(tmp_p
     warm = _run_anon(path)
     assert warm["state"] == "mapped" and warm["mapped"] == 256 << 20 and warm["heap"] == 0
     assert warm["anon"] < 0.01 * warm["mapped"], warm
+
+
+def test_a_cache_refuses_to_be_pickled_or_copied_and_says_what_to_save(tmp_path: Path) -> None:
+    """An object holding a cache (a model's ``packcache`` attribute) is pickled or deep-copied whole by
+    ``torch.save(model)`` and ``copy.deepcopy``: one TypeError that says what to save, not pickle's
+    complaint about a lock."""
+    import copy
+    import pickle
+
+    with WeightCache(tmp_path / "m.pcache") as cache:
+        holder = {"weights": np.ones(4), "packcache": cache}
+        for attempt in (lambda: pickle.dumps(holder), lambda: copy.deepcopy(holder), lambda: copy.copy(cache)):
+            with pytest.raises(TypeError, match=r"cannot be pickled or copied.*state_dict\(\) or save_pretrained"):
+                attempt()
+        assert cache.stats().state == "mapped" and not cache.closed  # refusing changed nothing

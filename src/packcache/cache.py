@@ -272,6 +272,14 @@ class WeightCache:
         s = self.stats()
         return f"WeightCache({self.path!r}, state={s.state!r}, mapped={s.mapped_bytes}, heap={s.heap_bytes})"
 
+    def __reduce_ex__(self, protocol: object) -> Any:
+        # pickle.dumps, copy.deepcopy and torch.save of an object holding a cache (model.packcache) reach here.
+        raise TypeError(
+            f"a WeightCache ({self.path!r}) cannot be pickled or copied: it holds an open file, its locks and live "
+            "mappings. Save what it serves instead: the model's state_dict() or save_pretrained() (docs/HF.md, "
+            "'Saving a packed model'); open the cache again by its path in the other process"
+        )
+
     # ------------------------------------------------------------------ internals
 
     @contextlib.contextmanager
