@@ -1,9 +1,12 @@
 """The gunicorn master of ``packcache serve``: settings, hooks, and the metrics directory.
 
-gunicorn (pre-fork, ``sync`` workers, ``preload_app`` off) forks the workers; each loads
+gunicorn (pre-fork, ``preload_app`` off) forks the workers; each loads
 its own model after the fork (:func:`~packcache.server.engines.load_engine`), which is what
 makes one worker build a cold cache under the build lock while the others wait and map it.
-The master only imports the engine's modules before forking (no model, no thread).
+The master only imports the engine's modules before forking (no model, no thread). The
+workers are :class:`~packcache.server.worker.BufferingWorker`: an event loop reads each whole
+request (within ``limits``' deadlines) before the application sees it, so a slow client never
+holds a worker.
 
 Hooks: ``child_exit`` marks the worker's pid dead for prometheus_client (its live gauges
 go); ``when_ready`` prints ``packcache serve: listening on http://HOST:PORT`` on stdout
@@ -40,11 +43,12 @@ class ServeOptions:
         engine: what each worker loads (:class:`~packcache.server.engines.EngineSpec`).
         workers: worker processes.
         host, port: where to listen (``port=0``: a free port, printed when ready).
-        timeout: seconds a worker may spend on one request (or on loading its model)
-            before the master kills and replaces it. Must exceed the cache's lock timeout
+        timeout: seconds a worker's application may spend on one request (or the worker on
+            loading its model) before the master kills and replaces it. Time a client takes to
+            send or receive never counts: that is ``limits``' deadlines. Must exceed the cache's lock timeout
             (30 s): a worker waiting for another's build must not be killed for it.
         graceful_timeout: seconds workers get to finish their request after SIGTERM.
-        limits: what one request may ask for.
+        limits: what one request may ask for, and the client deadlines (header, body, send).
         metrics_dir: prometheus_client's directory; ``None``: ``$PROMETHEUS_MULTIPROC_DIR``
             if set (its ``*.db`` files are removed at start, as the client library requires
             between runs; refused unless this user's or root's and writable by no one else),
@@ -131,6 +135,8 @@ def serve(options: ServeOptions) -> int:
 def _application(options: ServeOptions, mark_dead: Callable[[int], None], remove_at_exit: str | None) -> Any:
     from gunicorn.app.base import BaseApplication  # type: ignore[import-untyped]
 
+    from .worker import worker_class
+
     def child_exit(server: Any, worker: Any) -> None:
         mark_dead(worker.pid)
 
@@ -147,7 +153,7 @@ def _application(options: ServeOptions, mark_dead: Callable[[int], None], remove
     settings: dict[str, Any] = {
         "bind": [_bind(options.host, options.port)],
         "workers": options.workers,
-        "worker_class": "sync",
+        "worker_class": worker_class(options.limits),
         "preload_app": False,
         "timeout": int(max(1, options.timeout)),
         "graceful_timeout": int(max(1, options.graceful_timeout)),
