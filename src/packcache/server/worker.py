@@ -576,9 +576,9 @@ class BufferingWorker(Worker):  # type: ignore[misc]
 
     def _call_app(self, request: _Request) -> None:
         """Run the application on one request (in a lane's thread); the loop sends the answer."""
-        keep_alive = request.conn.keep_alive and self.alive
+        keep_alive = False
         try:
-            response = self._response(request, keep_alive)
+            response, keep_alive = self._response(request)
         except BaseException:  # the lane must answer and go on whatever happens, or the worker stops accepting
             self.log.exception("packcache serve: the application failed")
             keep_alive = False
@@ -591,8 +591,9 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         with contextlib.suppress(OSError):
             os.write(self.PIPE[1], b".")  # wake the loop
 
-    def _response(self, request: _Request, keep_alive: bool) -> bytes:
+    def _response(self, request: _Request) -> tuple[bytes, bool]:
         status, headers, body = self._application(request.environ)
+        keep_alive = request.conn.keep_alive and self.alive  # after the application: a SIGTERM meanwhile closes
         names = {name.lower() for name, _ in headers}
         if "content-length" not in names:
             headers.append(("Content-Length", str(len(body))))
@@ -601,7 +602,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         code = int(status[:3])
         bodyless = request.head_only or code in (204, 304) or 100 <= code < 200
-        return head if bodyless else head + body
+        return (head if bodyless else head + body), keep_alive
 
     def _application(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
         answer: list[Any] = []
