@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from test_serve import SRC, TEXTS, Server, call, embed, loaded_workers, scrape, server
 
 PARTIAL_BODY = (
@@ -395,3 +397,23 @@ def test_a_client_that_never_reads_a_64_mib_answer_is_dropped_after_the_send_tim
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         proc.wait(10)
+
+
+def test_deadline_options_and_limits_refuse_zero_negative_nan_and_absurd_values(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A zero, negative, NaN, infinite or hour-long deadline is one usage error, never a server that
+    answers 408 to everything or never times out; ``Limits`` built through the API checks the same."""
+    from packcache.cli import main
+    from packcache.server import Limits
+
+    for option in ("--body-timeout", "--header-timeout", "--send-timeout"):
+        for bad in ("0", "-1", "nan", "inf", "3601", "soon"):
+            assert main(["serve", option, bad]) == 2
+            assert option in capsys.readouterr().err
+    for field_name in ("body_timeout", "header_timeout", "send_timeout"):
+        for value in (0, -1.0, float("nan"), float("inf"), True):
+            with pytest.raises(ValueError, match=field_name):
+                Limits(**{field_name: value})
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        Limits(max_body_bytes=0)

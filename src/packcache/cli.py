@@ -655,7 +655,7 @@ def _seconds(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
     if not 0 < value <= 3600:  # NaN and inf fail this too
-        raise argparse.ArgumentTypeError(f"{value} is not between 0 and 3600 seconds")
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: give seconds over 0 and at most 3600")
     return value
 
 

@@ -79,6 +79,16 @@ class Limits:
     body_timeout: float = 10.0
     send_timeout: float = 10.0
 
+    def __post_init__(self) -> None:
+        for name in ("max_texts", "max_text_chars", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Limits.{name} must be a positive integer, not {value!r}")
+        for name in ("header_timeout", "body_timeout", "send_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
+                raise ValueError(f"Limits.{name} must be seconds in (0, 3600], not {value!r}")  # NaN fails too
+
 
 class _Refusal(Exception):
     def __init__(self, code: int, message: str) -> None:
