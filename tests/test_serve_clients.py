@@ -331,15 +331,19 @@ def test_requests_that_could_hold_a_worker_are_answered_or_refused_by_the_worker
 # ---------------------------------------------------------------- the worker alone, with a big answer
 
 
-_BIG_ANSWER_SERVER = """
-import sys
+#: packcache serve's worker around a plain application: ``/hang`` never returns, ``/?N`` answers N bytes
+#: of ``x`` and the worker's pid. argv: the master's timeout in seconds.
+_PLAIN_SERVER = """
+import os, sys, time
 from gunicorn.app.base import BaseApplication
 from packcache.server.app import Limits
 from packcache.server.worker import worker_class
 
 def app(environ, start_response):
+    if environ["PATH_INFO"] == "/hang":
+        time.sleep(600)
     size = int(environ["QUERY_STRING"] or 0)
-    start_response("200 OK", [("Content-Type", "application/octet-stream")])
+    start_response("200 OK", [("Content-Type", "application/octet-stream"), ("X-Pid", str(os.getpid()))])
     return [b"x" * size]
 
 def ready(server):
@@ -349,7 +353,8 @@ class Server(BaseApplication):
     def load_config(self):
         limits = Limits(send_timeout=2.0)
         for key, value in {"bind": ["127.0.0.1:0"], "workers": 1, "worker_class": worker_class(limits),
-                           "when_ready": ready, "timeout": 30, "control_socket_disable": True}.items():
+                           "when_ready": ready, "timeout": int(sys.argv[1]), "control_socket_disable": True,
+                           "graceful_timeout": 1}.items():
             self.cfg.set(key, value)
     def load(self):
         return app
@@ -358,18 +363,15 @@ Server().run()
 """
 
 
-def test_a_client_that_never_reads_a_64_mib_answer_is_dropped_after_the_send_timeout_and_holds_nothing(
-    tmp_path: Path,
-) -> None:
-    """No answer of ``packcache serve`` outgrows the kernel's socket buffers (256 embeddings are ~2 MB),
-    so the send deadline is shown on the same worker with an application that answers 64 MiB: the
-    loop writes what the client takes, serves others meanwhile, and closes after ``send_timeout``."""
+@contextlib.contextmanager
+def plain_server(tmp_path: Path, timeout: int) -> Iterator[tuple[int, Path]]:
+    """``_PLAIN_SERVER`` in its own session: (port, log); killed with its group on exit."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    log = tmp_path / "big.log"
+    log = tmp_path / "plain.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _BIG_ANSWER_SERVER], stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-c", _PLAIN_SERVER, str(timeout)], stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
         )  # fmt: skip
     try:
@@ -382,21 +384,59 @@ def test_a_client_that_never_reads_a_64_mib_answer_is_dropped_after_the_send_tim
             assert proc.poll() is None, log.read_text()
             time.sleep(0.1)
         assert port, log.read_text()
+        yield port, log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait(10)
+
+
+def plain_get(port: int, target: str, timeout: float = 5.0) -> bytes:
+    client = RawClient(port, f"GET {target} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+    try:
+        return client.answer(timeout)[0]
+    finally:
+        client.close()
+
+
+def test_an_application_that_hangs_past_the_timeout_still_gets_its_worker_replaced(tmp_path: Path) -> None:
+    """The loop keeps telling the master it is alive while clients are slow, but not while one request
+    has been in the application longer than the master's timeout: a hung model is replaced, as a
+    sync worker was."""
+    with plain_server(tmp_path, timeout=3) as (port, log):
+        first = plain_get(port, "/?1")
+        pid = re.search(rb"X-Pid: (\d+)", first)
+        assert status_of(first) == 200 and pid, first
+        began = time.monotonic()
+        client = RawClient(port, b"GET /hang HTTP/1.1\r\nHost: t\r\n\r\n")
+        hung, _ = client.answer(20)
+        client.close()
+        assert hung == b"" and 3 <= time.monotonic() - began < 15  # the connection died with the worker
+        deadline = time.monotonic() + 20
+        while "Booting worker" not in log.read_text().split("WORKER TIMEOUT", 1)[-1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        again = plain_get(port, "/?1", timeout=10)
+        new_pid = re.search(rb"X-Pid: (\d+)", again)
+        assert status_of(again) == 200 and new_pid and new_pid.group(1) != pid.group(1), again
+        assert f"WORKER TIMEOUT (pid:{pid.group(1).decode()})" in log.read_text()
+
+
+def test_a_client_that_never_reads_a_64_mib_answer_is_dropped_after_the_send_timeout_and_holds_nothing(
+    tmp_path: Path,
+) -> None:
+    """No answer of ``packcache serve`` outgrows the kernel's socket buffers (256 embeddings are ~2 MB),
+    so the send deadline is shown on the same worker with an application that answers 64 MiB: the
+    loop writes what the client takes, serves others meanwhile, and closes after ``send_timeout``."""
+    with plain_server(tmp_path, timeout=30) as (port, _):
         reader = RawClient(port, b"GET /big?67108864 HTTP/1.1\r\nHost: t\r\n\r\n", rcvbuf=4096)
         time.sleep(0.5)
         began = time.monotonic()
-        other = RawClient(port, b"GET /?5 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-        response, _ = other.answer(5)
-        other.close()
+        response = plain_get(port, "/?5")
         assert status_of(response) == 200 and response.endswith(b"\r\n\r\nxxxxx") and time.monotonic() - began < 1.5
         time.sleep(2.5)  # past the send deadline
         data, _ = reader.answer(10)
         reader.close()
         assert status_of(data) == 200 and len(data) < 32 << 20, len(data)  # cut off: most of it never sent
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        proc.wait(10)
 
 
 def test_deadline_options_and_limits_refuse_zero_negative_nan_and_absurd_values(
