@@ -299,8 +299,11 @@ class BufferingWorker(Worker):  # type: ignore[misc]
 
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(64):
+            # One at a time, each read at once: a request that came with its connection makes the model's
+            # lane busy before the next accept, so a burst of connections is shared with the other workers.
+            if not self._may_accept(time.monotonic()):
+                return
             if len(self.conns) >= self.max_connections and not self._evict_one():
-                self._set_accepting(False)
                 return
             try:
                 sock, peer = listener.accept()
@@ -324,6 +327,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
             conn = _Conn(sock, peer if isinstance(peer, tuple) else (str(peer), 0), now)
             self.conns[sock.fileno()] = conn
             self._await_request(conn, now)
+            self._receive(conn)
 
     def _evict_one(self) -> bool:
         """Close the oldest connection still sending a request (or lingering): room for a new one."""
