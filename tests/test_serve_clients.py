@@ -177,8 +177,8 @@ def test_fifty_stalled_clients_for_longer_than_the_worker_timeout_never_stop_hea
             worst = max(p[route] for p in during)
             typical = statistics.median(p[route] for p in during)
             # A shared 2-CPU machine: generous bounds, far below a held worker (the probe's 5 s timeout).
-            assert worst < max(1.0, 10 * seconds), (route, worst, seconds)
-            assert typical < 3 * seconds + 0.05, (route, typical, seconds)
+            assert worst < max(2.5, 10 * seconds), (route, worst, seconds)
+            assert typical < 3 * seconds + 0.15, (route, typical, seconds)
         assert len(during) >= 10
         for kind, response, after in outcomes:
             expected = KINDS[kind][2]
