@@ -210,3 +210,27 @@ def test_hold_metrics_dir_walks_the_path_the_way_the_kernel_does_and_refuses_wha
     for path, message in cases.items():
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             hold_metrics_dir(path)
+
+
+def test_a_gunicorn_re_exec_gets_the_operators_metrics_dir_not_this_processs_descriptor(tmp_path: Path) -> None:
+    """gunicorn's USR2 re-executes the master with the environment it saw at start; that must name the
+    directory the operator gave (walked and held again by the new master), never ``/proc/self/fd/N``."""
+    from packcache.server import ServeOptions
+    from packcache.server.master import _application
+
+    real = tmp_path / "metrics"
+    real.mkdir(mode=0o700)
+    for given in (None, str(real)):
+        held = hold_metrics_dir(given)
+        before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = held.path  # as serve() sets it
+        try:
+            application = _application(ServeOptions(), lambda pid: None, held, given)
+            assert application.cfg.env_orig.get("PROMETHEUS_MULTIPROC_DIR") == given
+        finally:
+            if before is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
+            held.remove()
+            os.close(held.fd)

@@ -88,7 +88,8 @@ def serve(options: ServeOptions) -> int:
             "prometheus_client was imported before packcache serve set PROMETHEUS_MULTIPROC_DIR: "
             "its multiprocess mode can no longer be turned on in this process"
         )
-    held = hold_metrics_dir(options.metrics_dir or os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    given_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    held = hold_metrics_dir(options.metrics_dir or given_env)
     if held.private is None:
         held.wipe()
     # Before prometheus_client is imported, before any fork: every worker inherits the descriptor.
@@ -101,7 +102,7 @@ def serve(options: ServeOptions) -> int:
         from . import metrics  # imports prometheus_client, now in multiprocess mode
 
         preimport(options.engine.engine)
-        application = _application(options, metrics.mark_process_dead, held)
+        application = _application(options, metrics.mark_process_dead, held, given_env)
         application.run()
     except SystemExit as exc:
         if os.getpid() != master:
@@ -113,7 +114,10 @@ def serve(options: ServeOptions) -> int:
     return 0
 
 
-def _application(options: ServeOptions, mark_dead: Callable[[int], None], held: HeldDirectory) -> Any:
+def _application(
+    options: ServeOptions, mark_dead: Callable[[int], None], held: HeldDirectory, given_env: str | None = None
+) -> Any:
+    """The gunicorn application. ``given_env``: ``$PROMETHEUS_MULTIPROC_DIR`` as the operator set it."""
     from gunicorn.app.base import BaseApplication  # type: ignore[import-untyped]
 
     from .worker import worker_class
@@ -154,7 +158,14 @@ def _application(options: ServeOptions, mark_dead: Callable[[int], None], held: 
         def load(self) -> Any:
             return make_app(options)
 
-    return Application(prog="packcache serve")
+    application = Application(prog="packcache serve")
+    # gunicorn re-executes itself (USR2) with the environment it saw at start, which holds this
+    # process's /proc/self/fd/N: a descriptor the new master does not have. Give it the operator's.
+    if given_env is None:
+        application.cfg.env_orig.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    else:
+        application.cfg.env_orig["PROMETHEUS_MULTIPROC_DIR"] = given_env
+    return application
 
 
 def make_app(options: ServeOptions) -> Any:

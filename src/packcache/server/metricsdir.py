@@ -167,6 +167,8 @@ class HeldDirectory:
             now = os.stat(name, dir_fd=parent, follow_symlinks=False)
             if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
                 os.rmdir(name, dir_fd=parent)
+        with contextlib.suppress(OSError):
+            os.close(parent)
         self.private = None
 
 
