@@ -2,25 +2,34 @@
 
 Method (printed first when run):
 
-* Servers: ``python -m packcache serve`` (gunicorn, ``sync`` workers, ``preload_app`` off) with
-  1, 2 and 4 workers, for two engines in the same server shape: ``--engine packcache`` (MiniLM,
-  scheme int8, this machine's default kernel path, weights mapped from a cache file) and
-  ``--engine sentence-transformers`` (``SentenceTransformer(<the same model dir>)``, float32, every
-  weight on each worker's heap). Torch threads per worker: serve's default, the CPUs divided
-  among the workers (at least 1). Each packcache server has its own copy of one cache file built
-  beforehand by ``packcache run`` (a prebuilt cache, as docs/DEPLOY.md deploys it), so every
-  worker starts warm. All six servers are started first, then measured in rounds, the order of
-  the configurations rotating each round, so drift hits all alike.
+* Servers: ``python -m packcache serve`` (gunicorn, ``preload_app`` off, serve's own worker: an
+  event loop reads each whole request before the application runs) with 1, 2 and 4 workers, for
+  three configurations in the same server shape: ``--engine packcache`` (MiniLM, scheme int8,
+  this machine's default kernel path, weights mapped from a cache file), ``packcache-sync`` (the
+  same, with gunicorn's ``sync`` worker as serve had before issue 20: the cost of the new worker
+  is packcache over packcache-sync) and ``--engine sentence-transformers``
+  (``SentenceTransformer(<the same model dir>)``, float32, every weight on each worker's heap).
+  Torch threads per worker: serve's default, the CPUs divided among the workers (at least 1).
+  Each packcache server has its own copy of one cache file built beforehand by ``packcache run``
+  (a prebuilt cache, as docs/DEPLOY.md deploys it), so every worker starts warm. All servers
+  (``--engines`` chooses; all three by default) are started first, then measured in rounds, the
+  order of the configurations rotating each round, so drift hits all alike.
 * Load: a closed loop of ``--clients`` client threads in this process (default 8, the same for
   every configuration), each sending ``POST /embed`` with 8 texts and waiting for the whole
-  response before sending the next; a new connection per request (gunicorn's sync worker closes
-  it). The texts are ``benchmarks/inference.py``'s 64 deterministic sentences of 6 to 48 words,
-  taken 8 at a time in order. Before the first round every server answers 4 requests per worker
+  response before sending the next; a new connection per request (as before issue 20: the sync
+  worker closed it). The texts are ``benchmarks/inference.py``'s 64 deterministic sentences of 6
+  to 48 words, taken 8 at a time in order. Before the first round every server answers 4 requests per worker
   per client (warm-up: first forwards, page faults). A measurement window is a fixed number of
   requests (``--requests``, 300; ``--quick`` 100): requests/s = requests / wall time of the
   window; latency = client-side time from connect to the last byte of the response, p50 and p99
   over the window. Figures are the median over the rounds (5; ``--quick`` 2), with min-max.
-  Ratios are packcache over sentence-transformers with the same number of workers.
+  Ratios are over sentence-transformers with the same number of workers ("vs ST"), and packcache
+  over packcache-sync ("vs sync").
+* Stalled clients (``--stalled``, 50; 0 skips it), after the rounds, for the 2-worker servers of
+  packcache and packcache-sync: that many clients each send the headers and 13 bytes of a
+  1000-byte body and stall, then the same closed loop sends 40 requests with a 5 s client
+  timeout; answered requests, failures, p50 and p99 of the answered. The stalled clients are
+  closed afterwards.
 * The client runs on the same machine as the server and takes CPU from it (it reads each
   response but does not parse it during the window); with more workers than cores the workers
   also compete with each other (4 workers on 2 cores oversubscribe them).
@@ -31,7 +40,7 @@ Method (printed first when run):
   Startup: from spawning the server to every worker reporting its model loaded on ``/metrics``,
   and the workers' own ``packcache_load_seconds`` (median).
 
-Usage: python benchmarks/serve.py [--quick] [--json FILE] [--plot FILE] [--clients K]
+Usage: python benchmarks/serve.py [--quick] [--json FILE] [--plot FILE] [--clients K] [--engines A,B] [--stalled N]
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -60,7 +70,13 @@ sys.path.insert(0, HERE)
 import inference  # noqa: E402  (benchmarks/inference.py: bench_texts, cpu_report)
 
 SRC = str(Path(HERE).parent / "src")
-ENGINES = ("sentence-transformers", "packcache")
+ENGINES = ("sentence-transformers", "packcache-sync", "packcache")
+#: packcache-sync: serve with gunicorn's sync worker, as before issue 20 (a benchmark baseline only:
+#: serve itself has no switch for it, since a slow client can hold a sync worker until it is killed).
+_SYNC = (
+    "import sys; import packcache.server.worker as w; w.worker_class = lambda limits: 'sync'; "
+    "from packcache.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 WORKERS = (1, 2, 4)
 BATCH = 8
 
@@ -86,9 +102,9 @@ class Server:
 
 
 def start(engine: str, workers: int, directory: Path, cache_file: Path) -> Server:
-    args = ["--engine", engine]
-    if engine == "packcache":
-        cache_dir = directory / f"cache-{workers}"
+    args = ["--engine", "packcache" if engine.startswith("packcache") else engine]
+    if engine.startswith("packcache"):
+        cache_dir = directory / f"cache-{engine}-{workers}"
         cache_dir.mkdir(mode=0o700)
         shutil.copy2(cache_file, cache_dir / cache_file.name)
         args += ["--cache-dir", str(cache_dir), "--scheme", "int8"]
@@ -96,8 +112,9 @@ def start(engine: str, workers: int, directory: Path, cache_file: Path) -> Serve
     env = {**os.environ, "PYTHONPATH": SRC, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     with open(log, "wb") as out:
+        launcher = ["-c", _SYNC] if engine == "packcache-sync" else ["-m", "packcache"]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "packcache", "serve", "--port", "0", "--workers", str(workers), *args],
+            [sys.executable, *launcher, "serve", "--port", "0", "--workers", str(workers), *args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
         )  # fmt: skip
     return Server(engine, workers, proc, log, started=time.perf_counter())
@@ -137,8 +154,8 @@ def stop(server: Server) -> None:
     server.proc.wait(10)
 
 
-def request(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+def request(port: int, method: str, path: str, body: bytes | None = None, timeout: float = 300) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request(method, path, body, {"Content-Type": "application/json"} if body else {})
         response = conn.getresponse()
@@ -151,8 +168,12 @@ def bodies(texts: list[str]) -> list[bytes]:
     return [json.dumps({"texts": texts[i : i + BATCH]}).encode() for i in range(0, len(texts), BATCH)]
 
 
-def load(port: int, payloads: list[bytes], requests: int, clients: int) -> dict[str, Any]:
-    """A closed loop: ``clients`` threads send ``requests`` requests in all; wall time and latencies."""
+def load(
+    port: int, payloads: list[bytes], requests: int, clients: int, timeout: float = 300, tolerate: bool = False
+) -> dict[str, Any]:
+    """A closed loop: ``clients`` threads send ``requests`` requests in all; wall time and latencies.
+
+    ``tolerate``: count failed requests (``failed``) instead of raising."""
     latencies: list[float] = []
     failures: list[str] = []
     lock = threading.Lock()
@@ -167,7 +188,7 @@ def load(port: int, payloads: list[bytes], requests: int, clients: int) -> dict[
                 sent[0] += 1
             began = time.perf_counter()
             try:
-                status, _ = request(port, "POST", "/embed", payloads[index % len(payloads)])
+                status, _ = request(port, "POST", "/embed", payloads[index % len(payloads)], timeout)
             except (OSError, http.client.HTTPException) as exc:
                 status, _ = 0, repr(exc).encode()
             elapsed = time.perf_counter() - began
@@ -184,17 +205,35 @@ def load(port: int, payloads: list[bytes], requests: int, clients: int) -> dict[
     for t in threads:
         t.join()
     wall = time.perf_counter() - began
-    if failures:
+    if failures and not tolerate:
         raise RuntimeError(f"{len(failures)} requests failed: {failures[:5]}")
-    ordered = sorted(latencies)
+    ordered = sorted(latencies) or [float("nan")]
     return {
         "requests": requests,
+        "answered": len(latencies),
+        "failed": len(failures),
         "wall_s": wall,
         "requests_per_s": requests / wall,
         "texts_per_s": requests * BATCH / wall,
         "p50_s": float(np.percentile(ordered, 50)),
         "p99_s": float(np.percentile(ordered, 99)),
     }
+
+
+def stalled_phase(server: Server, payloads: list[bytes], stalled: int, clients: int) -> dict[str, Any]:
+    """The closed loop while ``stalled`` clients hold a half-sent body each (closed afterwards)."""
+    head = b"POST /embed HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    held = []
+    try:
+        for _ in range(stalled):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sock.sendall(head + b'{"texts": ["a')
+            held.append(sock)
+        time.sleep(0.5)
+        return load(server.port, payloads, 40, clients, timeout=5, tolerate=True) | {"stalled": stalled}
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def memory(server: Server, cache_dir: Path | None) -> dict[str, float]:
@@ -225,7 +264,14 @@ def quality(packcache: Server, baseline: Server, payloads: list[bytes]) -> dict[
     return {"min_cosine": float(min(cosines)), "mean_cosine": float(np.mean(cosines)), "texts": len(cosines)}
 
 
-def run(directory: str, quick: bool, clients: int = 8, requests: int | None = None) -> list[dict[str, Any]]:
+def run(
+    directory: str,
+    quick: bool,
+    clients: int = 8,
+    requests: int | None = None,
+    engines: tuple[str, ...] = ENGINES,
+    stalled: int = 50,
+) -> list[dict[str, Any]]:
     """Every measurement of this file, in ``directory``; one result dict with a row per configuration."""
     from packcache.server import worker_threads
 
@@ -245,7 +291,7 @@ def run(directory: str, quick: bool, clients: int = 8, requests: int | None = No
     servers: dict[tuple[str, int], Server] = {}
     try:
         for workers in WORKERS:
-            for engine in ENGINES:
+            for engine in engines:
                 server = start(engine, workers, work, cache_file)
                 servers[(engine, workers)] = server
                 wait_ready(server)
@@ -253,7 +299,7 @@ def run(directory: str, quick: bool, clients: int = 8, requests: int | None = No
         for server in servers.values():  # warm-up: every worker runs its first forwards
             load(server.port, payloads, 4 * server.workers * clients, clients)
         mem = {
-            key: memory(s, work / f"cache-{s.workers}" if s.engine == "packcache" else None)
+            key: memory(s, work / f"cache-{s.engine}-{s.workers}" if s.engine.startswith("packcache") else None)
             for key, s in servers.items()
         }
         samples: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in servers}
@@ -268,7 +314,15 @@ def run(directory: str, quick: bool, clients: int = 8, requests: int | None = No
                     f"p50 {r['p50_s'] * 1e3:.1f} ms, p99 {r['p99_s'] * 1e3:.1f} ms",
                     flush=True,
                 )
-        q = quality(servers[("packcache", 4)], servers[("sentence-transformers", 4)], payloads)
+        under_stall = {}
+        for engine in ("packcache", "packcache-sync"):
+            if stalled and (engine, 2) in servers:
+                r = under_stall[engine] = stalled_phase(servers[(engine, 2)], payloads, stalled, clients)
+                print(f"  {stalled} stalled clients, {engine} x2: {r['answered']}/{r['requests']} answered, "
+                      f"p50 {r['p50_s'] * 1e3:.1f} ms, p99 {r['p99_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+        q = {}
+        if ("packcache", 4) in servers and ("sentence-transformers", 4) in servers:
+            q = quality(servers[("packcache", 4)], servers[("sentence-transformers", 4)], payloads)
         infos = {key: s.info | {"ready_s": s.ready_s} for key, s in servers.items()}
     finally:
         for server in servers.values():
@@ -287,10 +341,13 @@ def run(directory: str, quick: bool, clients: int = 8, requests: int | None = No
             **mem[(engine, workers)], **infos[(engine, workers)], "rounds": found,
         })  # fmt: skip
     for row in rows:
-        base = next(r for r in rows if r["engine"] == "sentence-transformers" and r["workers"] == row["workers"])
-        row["throughput_vs_st"] = row["requests_per_s"] / base["requests_per_s"]
-        row["p50_vs_st"] = row["p50_ms"] / base["p50_ms"]
-        row["p99_vs_st"] = row["p99_ms"] / base["p99_ms"]
+        for key, engine in (("st", "sentence-transformers"), ("sync", "packcache-sync")):
+            base = next((r for r in rows if r["engine"] == engine and r["workers"] == row["workers"]), None)
+            if base is None or not row["engine"].startswith("packcache" if key == "sync" else ""):
+                continue
+            row[f"throughput_vs_{key}"] = row["requests_per_s"] / base["requests_per_s"]
+            row[f"p50_vs_{key}"] = row["p50_ms"] / base["p50_ms"]
+            row[f"p99_vs_{key}"] = row["p99_ms"] / base["p99_ms"]
     from packcache.kernels import cpu_kernels
 
     return [
@@ -302,31 +359,44 @@ def run(directory: str, quick: bool, clients: int = 8, requests: int | None = No
             "rounds": rounds,
             "kernel_path": cpu_kernels().default_path,
             "cpus": len(os.sched_getaffinity(0)),
-            "rows": sorted(rows, key=lambda r: (r["workers"], r["engine"])),
+            "rows": sorted(rows, key=lambda r: (r["workers"], engines.index(r["engine"]))),
             "quality": q,
+            "stalled": under_stall,
             "load_average": [list(load_before), list(os.getloadavg())],
         }
     ]
 
 
+def _ratio(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else "-"
+
+
 def print_results(results: list[dict[str, Any]]) -> None:
     for r in results:
         print(f"\n{r['workload']} (kernel path {r['kernel_path']}, {r['cpus']} CPUs)")
-        print("| workers | engine | torch threads | requests/s (min-max) | texts/s | vs ST | p50 ms (min-max) "
-              "| vs ST | p99 ms (min-max) | vs ST | PSS/worker MiB | Anonymous/worker MiB | ready s |")  # fmt: skip
-        print("|" + "---|" * 13)
+        print("| workers | engine | torch threads | requests/s (min-max) | texts/s | vs ST | vs sync "
+              "| p50 ms (min-max) | vs ST | vs sync | p99 ms (min-max) | vs ST | vs sync | PSS/worker MiB "
+              "| Anonymous/worker MiB | ready s |")  # fmt: skip
+        print("|" + "---|" * 16)
         for row in r["rows"]:
             print(
                 f"| {row['workers']} | {row['engine']} | {row['torch_threads']} "
                 f"| {row['requests_per_s']:.1f} ({row['requests_per_s_min']:.1f}-{row['requests_per_s_max']:.1f}) "
-                f"| {row['texts_per_s']:.0f} | {row['throughput_vs_st']:.2f}x "
-                f"| {row['p50_ms']:.1f} ({row['p50_ms_min']:.1f}-{row['p50_ms_max']:.1f}) | {row['p50_vs_st']:.2f}x "
-                f"| {row['p99_ms']:.1f} ({row['p99_ms_min']:.1f}-{row['p99_ms_max']:.1f}) | {row['p99_vs_st']:.2f}x "
+                f"| {row['texts_per_s']:.0f} | {_ratio(row, 'throughput_vs_st')} | {_ratio(row, 'throughput_vs_sync')} "
+                f"| {row['p50_ms']:.1f} ({row['p50_ms_min']:.1f}-{row['p50_ms_max']:.1f}) "
+                f"| {_ratio(row, 'p50_vs_st')} | {_ratio(row, 'p50_vs_sync')} "
+                f"| {row['p99_ms']:.1f} ({row['p99_ms_min']:.1f}-{row['p99_ms_max']:.1f}) "
+                f"| {_ratio(row, 'p99_vs_st')} | {_ratio(row, 'p99_vs_sync')} "
                 f"| {row['pss_mib']:.1f} | {row['anonymous_mib']:.1f} | {row['ready_s']:.2f} |"
             )
+        for engine, s in r["stalled"].items():
+            print(f"{s['stalled']} stalled clients, {engine} with 2 workers: {s['answered']} of {s['requests']} "
+                  f"requests answered ({s['failed']} failed, 5 s client timeout), p50 {s['p50_s'] * 1e3:.1f} ms, "
+                  f"p99 {s['p99_s'] * 1e3:.1f} ms")  # fmt: skip
         q = r["quality"]
-        print(f"quality: packcache int8 vs sentence-transformers fp32 on {q['texts']} texts: "
-              f"min cosine {q['min_cosine']:.5f}, mean {q['mean_cosine']:.5f}")  # fmt: skip
+        if q:
+            print(f"quality: packcache int8 vs sentence-transformers fp32 on {q['texts']} texts: "
+                  f"min cosine {q['min_cosine']:.5f}, mean {q['mean_cosine']:.5f}")  # fmt: skip
         print(f"load average before {r['load_average'][0]}, after {r['load_average'][1]}")
 
 
@@ -338,10 +408,21 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
     (r,) = results
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for engine, color, marker in (("packcache", "C0", "o"), ("sentence-transformers", "C1", "s")):
+    labels = {
+        "packcache": "packcache int8 (mapped)",
+        "packcache-sync": "packcache int8, sync worker",
+        "sentence-transformers": "sentence-transformers fp32",
+    }
+    for engine, color, marker in (
+        ("packcache", "C0", "o"),
+        ("packcache-sync", "C2", "^"),
+        ("sentence-transformers", "C1", "s"),
+    ):
         rows = [row for row in r["rows"] if row["engine"] == engine]
+        if not rows:
+            continue
         workers = [row["workers"] for row in rows]
-        label = "packcache int8 (mapped)" if engine == "packcache" else "sentence-transformers fp32"
+        label = labels[engine]
         left.errorbar(
             workers, [row["requests_per_s"] for row in rows], color=color, marker=marker, capsize=3, label=label,
             yerr=[[row["requests_per_s"] - row["requests_per_s_min"] for row in rows],
@@ -370,19 +451,32 @@ def main() -> None:
     parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "serve_throughput.png"), help="the plot")
     parser.add_argument("--clients", type=int, default=8, help="closed-loop client threads (default 8)")
     parser.add_argument("--requests", type=int, help="requests per measurement window (default 300; --quick 100)")
+    parser.add_argument(
+        "--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)} (default: all)"
+    )
+    parser.add_argument(
+        "--stalled", type=int, default=50, help="stalled clients in the last phase (default 50; 0: none)"
+    )
     args = parser.parse_args()
+    engines = tuple(e for e in ENGINES if e in args.engines.split(","))
+    if not engines or set(args.engines.split(",")) - set(ENGINES):
+        parser.error(f"--engines: choose from {', '.join(ENGINES)}")
     began = time.perf_counter()
     print(__doc__.split("Usage:")[0].strip())
     print(f"\ncpu: {inference.cpu_report()}")
     with tempfile.TemporaryDirectory(prefix="packcache-serve-bench-") as d:
-        results = run(d, args.quick, args.clients, args.requests)
+        results = run(d, args.quick, args.clients, args.requests, engines, args.stalled)
     print_results(results)
-    plot(results, args.plot)
     elapsed = time.perf_counter() - began
-    print(f"\ntotal {elapsed:.1f} s; plot {os.path.abspath(args.plot)}")
-    if args.json:
+    if args.json:  # before the plot: a missing matplotlib must not lose the figures
         with open(args.json, "w") as f:
             json.dump({"cpu": inference.cpu_report(), "elapsed_s": elapsed, "results": results}, f, indent=2)
+    try:
+        plot(results, args.plot)
+        shown = os.path.abspath(args.plot)
+    except ModuleNotFoundError as exc:
+        shown = f"not drawn ({exc.name} is missing: bash scripts/bench.sh installs the bench extra)"
+    print(f"\ntotal {elapsed:.1f} s; plot {shown}")
 
 
 if __name__ == "__main__":

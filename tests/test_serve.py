@@ -119,8 +119,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def server(tmp: Path, *args: str, workers: int, name: str = "server") -> Iterator[Server]:
-    """Start ``packcache serve --port 0 --workers N ARGS`` and stop it on exit, whatever happened."""
+def server(
+    tmp: Path, *args: str, workers: int, name: str = "server", wrapper: tuple[str, ...] = ()
+) -> Iterator[Server]:
+    """Start ``packcache serve --port 0 --workers N ARGS`` and stop it on exit, whatever happened.
+
+    ``wrapper`` is put before the command (``("prlimit", "--nofile=160", "--")``)."""
     tmp.mkdir(parents=True, exist_ok=True)
     out, err = tmp / f"{name}.out", tmp / f"{name}.err"
     (tmp / f"{name}-tmp").mkdir(exist_ok=True)
@@ -134,7 +138,7 @@ def server(tmp: Path, *args: str, workers: int, name: str = "server") -> Iterato
     argv = [sys.executable, "-m", "packcache", "serve", "--port", "0", "--workers", str(workers)]
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
         proc = subprocess.Popen(
-            [*argv, "--torch-threads", "1", "--scheme", "int8", *args],  # ARGS may override (the last wins)
+            [*wrapper, *argv, "--torch-threads", "1", "--scheme", "int8", *args],  # ARGS may override (the last wins)
             stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
         )  # fmt: skip
     srv = Server(proc, out, err, tmp / f"{name}-tmp")

@@ -504,7 +504,10 @@ def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
         engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=_kernel_path(args),
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
     )  # fmt: skip
-    limits = Limits(args.max_texts, args.max_text_chars, args.max_body_bytes)
+    limits = Limits(
+        max_texts=args.max_texts, max_text_chars=args.max_text_chars, max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, send_timeout=args.send_timeout,
+    )  # fmt: skip
     options = ServeOptions(
         engine=engine, workers=args.workers, host=args.host, port=args.port, timeout=args.timeout,
         limits=limits, metrics_dir=args.metrics_dir, log_level=args.log_level,
@@ -646,6 +649,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:  # NaN and inf fail this too
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: give seconds over 0 and at most 3600")
+    return value
+
+
 def _add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> None:
     """The options that choose the MiniLM model, its scheme and its cache file: ``run`` and ``serve``
     load it through one loader and one file name, so they take the same options."""
@@ -701,6 +714,20 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--max-texts", type=_positive, default=256, help="texts per request (default 256)")
     serve.add_argument("--max-text-chars", type=_positive, default=10_000, help="characters per text (default 10000)")
     serve.add_argument("--max-body-bytes", type=_positive, default=4 << 20, help="request body bytes (default 4 MiB)")
+    serve.add_argument(
+        "--body-timeout", type=_seconds, default=10.0,
+        help="seconds a client gets to send a request's whole body, from the end of its headers; then 408 "
+        "(default 10). A slow client holds a buffer, never a worker",
+    )  # fmt: skip
+    serve.add_argument(
+        "--header-timeout", type=_seconds, default=10.0,
+        help="seconds a client gets to send the request line and headers, from connecting (or from its "
+        "previous response: the idle time of a kept-alive connection); then 408 (default 10)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--send-timeout", type=_seconds, default=10.0,
+        help="seconds a client gets to take a whole response; then the connection is closed (default 10)",
+    )  # fmt: skip
     serve.add_argument(
         "--metrics-dir",
         help="prometheus_client's multiprocess directory (default: $PROMETHEUS_MULTIPROC_DIR, else a private "

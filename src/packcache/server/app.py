@@ -12,6 +12,9 @@ a 4xx with a JSON error (``{"error": "..."}``) instead of an exception in the wo
   that are not a list of strings, more than ``max_texts`` texts, a text longer than
   ``max_text_chars`` characters or not encodable as UTF-8 (a lone surrogate). 413 for a
   body over ``max_body_bytes`` (read no further), 400 for an empty body or a bad ``Content-Length``.
+  Under ``packcache serve`` the worker (:mod:`.worker`) has read the whole body before this runs
+  and refuses framing problems, oversized bodies and clients past their deadlines (408) itself;
+  these checks stay for any other WSGI server.
 * ``GET /metrics``: the Prometheus exposition of every worker (:mod:`.metrics`); this
   worker's cache figures are written first, so the scraping worker is never stale.
 * ``GET /healthz``: 200 ``{"status": "ok", ...}`` once the worker has loaded its model,
@@ -56,17 +59,35 @@ _METHODS = {"/embed": "POST", "/metrics": "GET", "/healthz": "GET"}
 
 @dataclass(frozen=True)
 class Limits:
-    """What one ``POST /embed`` may ask for.
+    """What one request may ask for, and how long its client may take (:mod:`.worker` keeps the deadlines).
 
     Attributes:
-        max_texts: texts per request (256: a batch that takes seconds, not minutes, on one core).
+        max_texts: texts per ``POST /embed`` (256: a batch that takes seconds, not minutes, on one core).
         max_text_chars: characters per text (10,000; the tokenizer keeps the first 256 tokens).
         max_body_bytes: bytes of request body (4 MiB).
+        header_timeout: seconds for the request line and headers, from the connection being ready
+            for a request (accepted, or its previous response sent); then 408, or a quiet close
+            if nothing came.
+        body_timeout: seconds for the whole body, from the end of the headers; then 408.
+        send_timeout: seconds for the client to take the whole response; then the connection is closed.
     """
 
     max_texts: int = 256
     max_text_chars: int = 10_000
     max_body_bytes: int = 4 << 20
+    header_timeout: float = 10.0
+    body_timeout: float = 10.0
+    send_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_texts", "max_text_chars", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Limits.{name} must be a positive integer, not {value!r}")
+        for name in ("header_timeout", "body_timeout", "send_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
+                raise ValueError(f"Limits.{name} must be seconds in (0, 3600], not {value!r}")  # NaN fails too
 
 
 class _Refusal(Exception):
@@ -77,7 +98,12 @@ class _Refusal(Exception):
 
 class EmbeddingApp:
     """The WSGI callable. ``metrics`` is a :class:`~packcache.server.metrics.WorkerMetrics` (or
-    anything with its ``publish``/``observe``); ``exposition`` returns the ``/metrics`` body and type."""
+    anything with its ``publish``/``observe``); ``exposition`` returns the ``/metrics`` body and type.
+
+    ``express_routes`` tells the worker (:mod:`.worker`) which requests never wait behind a batch.
+    """
+
+    express_routes = frozenset({("GET", "/healthz"), ("GET", "/metrics")})
 
     def __init__(
         self, engine: Engine, metrics: Any, exposition: Callable[[], tuple[bytes, str]], limits: Limits | None = None
@@ -109,6 +135,10 @@ class EmbeddingApp:
         headers += [("Content-Type", content_type), ("Content-Length", str(len(body)))]
         start_response(_STATUS[code], headers)
         return [body]
+
+    def refused(self, route: str, code: int, seconds: float) -> None:
+        """Count a request the worker answered itself (408, 413, ...), as :meth:`__call__` counts its own."""
+        self.metrics.observe(route if route in _METHODS else "other", code, seconds)
 
     def _dispatch(self, route: str, environ: dict[str, Any], headers: list[tuple[str, str]]) -> tuple[int, bytes, str]:
         if route == "other":

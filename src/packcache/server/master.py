@@ -1,33 +1,34 @@
 """The gunicorn master of ``packcache serve``: settings, hooks, and the metrics directory.
 
-gunicorn (pre-fork, ``sync`` workers, ``preload_app`` off) forks the workers; each loads
+gunicorn (pre-fork, ``preload_app`` off) forks the workers; each loads
 its own model after the fork (:func:`~packcache.server.engines.load_engine`), which is what
 makes one worker build a cold cache under the build lock while the others wait and map it.
-The master only imports the engine's modules before forking (no model, no thread).
+The master only imports the engine's modules before forking (no model, no thread). The
+workers are :class:`~packcache.server.worker.BufferingWorker`: an event loop reads each whole
+request (within ``limits``' deadlines) before the application sees it, so a slow client never
+holds a worker.
 
 Hooks: ``child_exit`` marks the worker's pid dead for prometheus_client (its live gauges
 go); ``when_ready`` prints ``packcache serve: listening on http://HOST:PORT`` on stdout
 (``--port 0`` picks a free port, and this line says which); ``on_exit`` removes the
-metrics directory if the master made it. gunicorn's control socket is off (its default
-path is shared by every gunicorn of the user). SIGTERM stops gracefully (workers finish
-their request, up to ``graceful_timeout``), SIGHUP replaces every worker (a rolling restart
-that reopens the cache file), TTIN/TTOU add or remove a worker.
+metrics directory if the master made it (:mod:`.metricsdir` checks and holds the directory).
+gunicorn's control socket is off (its default path is shared by every gunicorn of the user).
+SIGTERM stops gracefully (workers finish their request, up to ``graceful_timeout``), SIGHUP
+replaces every worker (a rolling restart that reopens the cache file), TTIN/TTOU add or remove
+a worker.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import stat
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .app import Limits
 from .engines import EngineSpec, preimport
+from .metricsdir import HeldDirectory, hold_metrics_dir
 
 __all__ = ["ServeOptions", "serve"]
 
@@ -40,15 +41,18 @@ class ServeOptions:
         engine: what each worker loads (:class:`~packcache.server.engines.EngineSpec`).
         workers: worker processes.
         host, port: where to listen (``port=0``: a free port, printed when ready).
-        timeout: seconds a worker may spend on one request (or on loading its model)
-            before the master kills and replaces it. Must exceed the cache's lock timeout
+        timeout: seconds a worker's application may spend on one request (or the worker on
+            loading its model) before the master kills and replaces it. Time a client takes to
+            send or receive never counts: that is ``limits``' deadlines. Must exceed the cache's lock timeout
             (30 s): a worker waiting for another's build must not be killed for it.
         graceful_timeout: seconds workers get to finish their request after SIGTERM.
-        limits: what one request may ask for.
+        limits: what one request may ask for, and the client deadlines (header, body, send).
         metrics_dir: prometheus_client's directory; ``None``: ``$PROMETHEUS_MULTIPROC_DIR``
             if set (its ``*.db`` files are removed at start, as the client library requires
-            between runs; refused unless this user's or root's and writable by no one else),
-            else a fresh private ``0700`` directory removed at exit.
+            between runs; refused unless this user's or root's and writable by no one else, or
+            when reached through a symlink another user can change), else a fresh private
+            ``0700`` directory removed at exit. Either is checked once and held open
+            (:mod:`.metricsdir`): prometheus_client reaches it as ``/proc/self/fd/N``.
         log_level: gunicorn's log level.
     """
 
@@ -63,28 +67,6 @@ class ServeOptions:
     log_level: str = "info"
 
 
-def _metrics_dir(options: ServeOptions) -> tuple[str, bool]:
-    """The directory prometheus_client writes to, and whether the master made it (and removes it)."""
-    given = options.metrics_dir or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not given:
-        return tempfile.mkdtemp(prefix="packcache-serve-metrics-"), True  # mkdtemp: 0700, this user's
-    if not os.path.isdir(given) or not os.access(given, os.W_OK | os.X_OK):
-        raise ValueError(f"the metrics directory {given} is not a writable directory")
-    st = os.stat(given)
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid not in (os.geteuid(), 0):
-        # prometheus_client opens <dir>/<kind>_<pid>.db by name and writes through it: a name planted
-        # there by another user (a symlink; the sticky bit does not stop creating one) redirects it.
-        raise ValueError(
-            f"the metrics directory {given} is another user's or other users can write it (mode "
-            f"{stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}); use a private directory (0700)"
-        )
-    for name in os.listdir(given):
-        if name.endswith(".db"):  # a previous run's figures: wiped before startup, as the client documents
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(given, name))
-    return given, False
-
-
 def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -97,7 +79,7 @@ def serve(options: ServeOptions) -> int:
     problem, which only shows in the metrics).
 
     Raises:
-        ValueError: a metrics directory that cannot be written.
+        ValueError: a metrics directory that cannot be written or trusted (:func:`.metricsdir.hold_metrics_dir`).
         RuntimeError: prometheus_client was imported in this process before
             ``PROMETHEUS_MULTIPROC_DIR`` was set (its values would stay in each worker's memory).
     """
@@ -106,8 +88,12 @@ def serve(options: ServeOptions) -> int:
             "prometheus_client was imported before packcache serve set PROMETHEUS_MULTIPROC_DIR: "
             "its multiprocess mode can no longer be turned on in this process"
         )
-    metrics_dir, own_dir = _metrics_dir(options)
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before prometheus_client is imported, before any fork
+    given_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    held = hold_metrics_dir(options.metrics_dir or given_env)
+    if held.private is None:
+        held.wipe()
+    # Before prometheus_client is imported, before any fork: every worker inherits the descriptor.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = held.path
     threads = str(options.engine.torch_threads)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
         os.environ[name] = threads  # OpenMP, MKL and the tokenizer's pool, as torch's own (set per worker)
@@ -116,20 +102,25 @@ def serve(options: ServeOptions) -> int:
         from . import metrics  # imports prometheus_client, now in multiprocess mode
 
         preimport(options.engine.engine)
-        application = _application(options, metrics.mark_process_dead, metrics_dir if own_dir else None)
+        application = _application(options, metrics.mark_process_dead, held, given_env)
         application.run()
     except SystemExit as exc:
         if os.getpid() != master:
             raise  # a worker leaving gunicorn's loop: let it exit with its own code
         return 0 if exc.code in (None, 0) else 1
     finally:
-        if own_dir and os.getpid() == master:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+        if os.getpid() == master:
+            held.remove()
     return 0
 
 
-def _application(options: ServeOptions, mark_dead: Callable[[int], None], remove_at_exit: str | None) -> Any:
+def _application(
+    options: ServeOptions, mark_dead: Callable[[int], None], held: HeldDirectory, given_env: str | None = None
+) -> Any:
+    """The gunicorn application. ``given_env``: ``$PROMETHEUS_MULTIPROC_DIR`` as the operator set it."""
     from gunicorn.app.base import BaseApplication  # type: ignore[import-untyped]
+
+    from .worker import worker_class
 
     def child_exit(server: Any, worker: Any) -> None:
         mark_dead(worker.pid)
@@ -141,13 +132,12 @@ def _application(options: ServeOptions, mark_dead: Callable[[int], None], remove
             print(f"packcache serve: listening on http://{shown}:{port}", flush=True)
 
     def on_exit(server: Any) -> None:
-        if remove_at_exit:
-            shutil.rmtree(remove_at_exit, ignore_errors=True)
+        held.remove()
 
     settings: dict[str, Any] = {
         "bind": [_bind(options.host, options.port)],
         "workers": options.workers,
-        "worker_class": "sync",
+        "worker_class": worker_class(options.limits),
         "preload_app": False,
         "timeout": int(max(1, options.timeout)),
         "graceful_timeout": int(max(1, options.graceful_timeout)),
@@ -168,7 +158,14 @@ def _application(options: ServeOptions, mark_dead: Callable[[int], None], remove
         def load(self) -> Any:
             return make_app(options)
 
-    return Application(prog="packcache serve")
+    application = Application(prog="packcache serve")
+    # gunicorn re-executes itself (USR2) with the environment it saw at start, which holds this
+    # process's /proc/self/fd/N: a descriptor the new master does not have. Give it the operator's.
+    if given_env is None:
+        application.cfg.env_orig.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    else:
+        application.cfg.env_orig["PROMETHEUS_MULTIPROC_DIR"] = given_env
+    return application
 
 
 def make_app(options: ServeOptions) -> Any:

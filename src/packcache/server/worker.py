@@ -1,0 +1,716 @@
+"""The gunicorn worker of ``packcache serve``: whole requests are read before the application sees one.
+
+A ``sync`` worker reads a request from inside the application, so a client that sends the
+headers and part of the body, then stalls, holds the worker until the master kills it for its
+``timeout``; a handful of such clients stop every worker. Here the worker's main thread is an
+event loop (:mod:`selectors`) that owns every socket: it accepts, reads the request line,
+headers and body without blocking, and hands a request to the application only once the
+whole body is in memory. The application runs in one of two threads (*lanes*): ``main`` for
+``POST /embed`` and everything else, ``express`` for ``GET /healthz`` and ``GET /metrics``,
+so neither a batch nor a slow client delays a probe or a scrape. The loop writes the response
+without blocking too. A stalled client costs a buffer and a descriptor, never a thread.
+
+Deadlines (:class:`~packcache.server.app.Limits`), each checked by the loop, so a client that
+trickles one byte at a time meets them as one that sends nothing:
+
+* ``header_timeout``: the request line and headers, from the moment the connection is ready
+  for a request (accepted, or its previous response sent). Past it: ``408`` if any byte of
+  the request came, else the connection is closed (an idle kept-alive connection).
+* ``body_timeout``: the whole body, from the end of the headers. Past it: ``408``.
+* ``send_timeout``: the whole response, from when it is ready. Past it the connection is
+  closed (a client that does not read its answer).
+
+Refused before the application sees them, with a JSON ``{"error": ...}`` and the connection
+closed: a body over ``max_body_bytes`` (``413``, from ``Content-Length`` at once, without
+reading it; for a chunked body as soon as it grows past the limit), a malformed request
+line, header or chunk, both ``Content-Length`` and ``Transfer-Encoding``, two
+``Content-Length`` headers (``400``), a transfer coding other than ``chunked`` (``501``),
+headers over 32 KiB or 100 fields (``431``), an HTTP version other than 1.0 and 1.1
+(``505``), an ``Expect`` other than ``100-continue`` (``417``), more request bodies in
+memory than the worker's budget (``503``, ``Retry-After: 1``).
+
+The master's ``timeout`` still bounds the application: the loop tells the master it is
+alive only while no request has been in the application longer than ``timeout``, so a model
+that hangs gets its worker replaced, as before. Slow clients never get it killed.
+
+A worker accepts a new connection only while its ``main`` lane is idle (as a ``sync`` worker
+does), so the kernel hands connections to idle workers. It keeps at most
+``max_connections`` open; past it, the oldest connection still sending its request is
+closed for the new one. HTTP/1.1 connections are kept alive (one request at a time, an
+idle connection closed after ``header_timeout``); ``Connection: close`` and HTTP/1.0 close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import queue
+import re
+import resource
+import selectors
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+from gunicorn.workers.base import Worker  # type: ignore[import-untyped]
+
+from .app import Limits
+
+__all__ = ["BufferingWorker", "worker_class"]
+
+MAX_HEAD_BYTES = 32 << 10  # request line and headers
+MAX_FIELDS = 100
+MAX_CHUNK_LINE = 1024  # a chunk-size line with its extensions, and one trailer line
+MAX_TRAILER_BYTES = 8 << 10
+LINGER_SECONDS = 2.0  # after an error answer: read and drop what the client still sends, so it gets the answer
+_READ = 65536
+
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(rb"[\x21-\x7e\x80-\xff]{1,8192}")
+_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+_VERSION = re.compile(rb"HTTP/(\d)\.(\d)")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
+
+_REASONS = {
+    100: "Continue",
+    400: "Bad Request",
+    408: "Request Timeout",
+    413: "Content Too Large",
+    417: "Expectation Failed",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+    505: "HTTP Version Not Supported",
+}
+
+
+class _Refusal(Exception):
+    """A request answered by the worker itself: its status, a message, and extra headers."""
+
+    def __init__(self, code: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.headers = headers
+
+
+# ---------------------------------------------------------------- one connection
+
+
+_HEAD, _BODY, _APP, _WRITE, _LINGER = "head", "body", "app", "write", "linger"
+_EVICTABLE = (_HEAD, _BODY, _LINGER)  # still sending a request, or done: never one the application works on
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    peer: tuple[Any, ...]
+    accepted: float
+    state: str = _HEAD
+    deadline: float = 0.0
+    buf: bytearray = field(default_factory=bytearray)
+    events: int = 0
+    began: float = 0.0  # when this request's first byte (or its head) came, for the 408's latency figure
+    # the request being read
+    method: str = ""
+    target: str = ""
+    version: tuple[int, int] = (1, 1)
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    keep_alive: bool = True
+    body: bytearray = field(default_factory=bytearray)
+    charged: int = 0  # bytes of the body budget this request holds
+    length: int | None = None  # Content-Length; None: chunked
+    chunk_left: int = -1  # chunked: bytes left in this chunk, -1 before a size line, -2 in the trailers
+    trailer_bytes: int = 0
+    # the response being written
+    out: memoryview | None = None
+    closed: bool = False
+
+
+@dataclass
+class _Request:
+    conn: _Conn
+    environ: dict[str, Any]
+    head_only: bool
+    lane: _Lane | None = None
+
+
+class _Lane:
+    """One application thread and its queue; ``started`` says since when its current request runs."""
+
+    def __init__(self, name: str, run: Callable[[_Request], None]) -> None:
+        self.queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self.pending = 0  # queued or running; the loop's thread alone changes it
+        self.started: float | None = None
+        self._run = run
+        self.thread = threading.Thread(target=self._loop, name=f"packcache-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: _Request) -> None:
+        request.lane = self
+        self.pending += 1
+        self.queue.put(request)
+
+    def _loop(self) -> None:
+        while (request := self.queue.get()) is not None:
+            self.started = time.monotonic()
+            try:
+                self._run(request)
+            finally:
+                self.started = None
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+
+# ---------------------------------------------------------------- the worker
+
+
+class BufferingWorker(Worker):  # type: ignore[misc]
+    """A gunicorn worker that reads whole requests in an event loop before running the application.
+
+    ``limits`` (a class attribute: :func:`worker_class` makes a subclass with the server's) gives
+    the body limit and the three client deadlines. The application may name the requests that
+    skip the model's queue in ``express_routes``: a set of ``(method, path)``.
+    """
+
+    limits: Limits = Limits()
+
+    def init_process(self) -> None:
+        self.conns: dict[int, _Conn] = {}
+        self.done: queue.SimpleQueue[tuple[_Request, bytes, bool]] = queue.SimpleQueue()
+        self.selector = selectors.DefaultSelector()
+        self.accepting = False
+        self.accept_paused_until = 0.0
+        self.body_budget = 16 * self.limits.max_body_bytes
+        self.body_held = 0
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.max_connections = max(8, min(1000, (soft if soft > 0 else 1024) - 64))
+        super().init_process()  # loads the application, then calls run()
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        express: Iterable[tuple[str, str]] = getattr(self.wsgi, "express_routes", ())
+        self.express_routes: frozenset[tuple[str, str]] = frozenset(express)
+        self.main = _Lane("main", self._call_app)
+        self.express = _Lane("express", self._call_app)
+        for listener in self.sockets:
+            listener.setblocking(False)
+        self.selector.register(self.PIPE[0], selectors.EVENT_READ, None)
+        stop_by: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                if not self.alive and stop_by is None:
+                    stop_by = now + self.cfg.graceful_timeout
+                    self._stop_accepting_idle()
+                if stop_by is not None and (not self.conns or now >= stop_by):
+                    break
+                if self.ppid != os.getppid():
+                    self.log.info("Parent changed, shutting down: %s", self)
+                    break
+                self._heartbeat(now)
+                self._set_accepting(self._may_accept(now))
+                for key, mask in self.selector.select(self._wait(now)):
+                    self._dispatch(key, mask)
+                self._finish_done()
+                self._expire(time.monotonic())
+        finally:
+            self.main.stop()
+            self.express.stop()
+            for conn in list(self.conns.values()):
+                self._close(conn)
+            self.selector.close()
+            for listener in self.sockets:
+                listener.close()
+
+    def _heartbeat(self, now: float) -> None:
+        # The master replaces a worker that stays silent for `timeout`: stay silent only when the
+        # application itself has run one request that long (a hung model), never for a slow client.
+        started = [t for t in (self.main.started, self.express.started) if t is not None]
+        if not started or now - min(started) < self.timeout:
+            self.notify()
+
+    def _wait(self, now: float) -> float:
+        deadlines = [c.deadline for c in self.conns.values() if c.state != _APP]
+        return max(0.0, min([1.0, *(d - now for d in deadlines)]))
+
+    def _may_accept(self, now: float) -> bool:
+        # Only while the model's lane is idle, as a sync worker accepts only when free: the kernel then
+        # hands each new connection to an idle worker. A stalled client never makes the lane busy.
+        if not self.alive or self.main.pending or now < self.accept_paused_until:
+            return False
+        return len(self.conns) < self.max_connections or any(c.state in _EVICTABLE for c in self.conns.values())
+
+    def _set_accepting(self, wanted: bool) -> None:
+        if wanted == self.accepting:
+            return
+        for listener in self.sockets:
+            if wanted:
+                self.selector.register(listener, selectors.EVENT_READ, "listener")
+            else:
+                self.selector.unregister(listener)
+        self.accepting = wanted
+
+    def _stop_accepting_idle(self) -> None:
+        """SIGTERM: no new connection; close those waiting for a request; the rest finish."""
+        self._set_accepting(False)
+        for conn in list(self.conns.values()):
+            if conn.state == _HEAD and not conn.buf:
+                self._close(conn)
+            else:
+                conn.keep_alive = False
+
+    def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
+        if key.data is None:  # the wake-up pipe: a signal, or an application thread finished
+            with contextlib.suppress(OSError):
+                while os.read(self.PIPE[0], 4096):
+                    pass
+        elif key.data == "listener":
+            self._accept(key.fileobj)  # type: ignore[arg-type]
+        else:
+            conn: _Conn = key.data
+            if mask & selectors.EVENT_WRITE and conn.state == _WRITE:
+                self._send(conn)
+            elif mask & selectors.EVENT_READ:
+                self._receive(conn)
+
+    def _expire(self, now: float) -> None:
+        for conn in [c for c in self.conns.values() if c.state != _APP and c.deadline <= now]:
+            if conn.state == _HEAD and not conn.buf:
+                self._close(conn)  # nothing of a request came: an idle connection, closed quietly
+            elif conn.state in (_HEAD, _BODY):
+                what = "the request headers" if conn.state == _HEAD else "the request body"
+                limit = self.limits.header_timeout if conn.state == _HEAD else self.limits.body_timeout
+                self._refuse(conn, _Refusal(408, f"{what} did not arrive within {limit:g} s"))
+            else:  # _WRITE: the client does not take its answer; _LINGER: done waiting
+                self._close(conn)
+
+    # ------------------------------------------------------------ connections
+
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(64):
+            # One at a time, each read at once: a request that came with its connection makes the model's
+            # lane busy before the next accept, so a burst of connections is shared with the other workers.
+            if not self._may_accept(time.monotonic()):
+                return
+            if len(self.conns) >= self.max_connections and not self._evict_one():
+                return
+            try:
+                sock, peer = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.log.warning("packcache serve: cannot accept a connection (%s)", errno.errorcode[exc.errno])
+                    if not self._evict_one():
+                        self.accept_paused_until = time.monotonic() + 0.5  # not a busy loop on a full table
+                        return
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
+                    continue
+                raise
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            now = time.monotonic()
+            conn = _Conn(sock, peer if isinstance(peer, tuple) else (str(peer), 0), now)
+            self.conns[sock.fileno()] = conn
+            self._await_request(conn, now)
+            self._receive(conn)
+
+    def _evict_one(self) -> bool:
+        """Close the oldest connection still sending a request (or lingering): room for a new one."""
+        candidates = [c for c in self.conns.values() if c.state in _EVICTABLE]
+        if not candidates:
+            return False
+        self._close(min(candidates, key=lambda c: (c.state != _LINGER, c.accepted)))
+        return True
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if events == conn.events:
+            return
+        if not conn.events:
+            self.selector.register(conn.sock, events, conn)
+        elif not events:
+            self.selector.unregister(conn.sock)
+        else:
+            self.selector.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._watch(conn, 0)
+        self._release_body(conn)
+        self.conns.pop(conn.sock.fileno(), None)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+    def _release_body(self, conn: _Conn) -> None:
+        self.body_held -= conn.charged
+        conn.charged = 0
+        conn.body = bytearray()
+
+    def _await_request(self, conn: _Conn, now: float) -> None:
+        conn.state, conn.deadline = _HEAD, now + self.limits.header_timeout
+        conn.method, conn.target, conn.headers, conn.length, conn.chunk_left = "", "", [], 0, -1
+        conn.trailer_bytes = 0
+        conn.began = now
+        self._watch(conn, selectors.EVENT_READ)
+        if conn.buf:  # pipelined: the next request's bytes already came
+            self._advance(conn)
+
+    def _receive(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_READ)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not data:  # the client closed (or shut down its side) before a whole request came
+            self._close(conn)
+            return
+        if conn.state == _LINGER:
+            return  # dropped: the answer is sent, the client is still sending
+        if conn.state == _HEAD and not conn.buf:
+            conn.began = time.monotonic()
+        conn.buf += data
+        self._advance(conn)
+
+    def _advance(self, conn: _Conn) -> None:
+        """Parse what is buffered; hand a whole request to the application."""
+        try:
+            if conn.state == _HEAD and not self._parse_head(conn):
+                return
+            if conn.state == _BODY and not self._parse_body(conn):
+                return
+        except _Refusal as refusal:
+            self._refuse(conn, refusal)
+            return
+        self._start_app(conn)
+
+    # ------------------------------------------------------------ parsing
+
+    def _parse_head(self, conn: _Conn) -> bool:
+        while conn.buf[:2] == b"\r\n":  # RFC 9112 2.2: empty lines before a request line are ignored
+            del conn.buf[:2]
+        end = conn.buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(conn.buf) > MAX_HEAD_BYTES:
+                raise _Refusal(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes")
+            return False
+        if end > MAX_HEAD_BYTES:
+            raise _Refusal(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes")
+        head = bytes(conn.buf[:end])
+        del conn.buf[: end + 4]
+        lines = head.split(b"\r\n")
+        if any(b"\r" in line or b"\n" in line or b"\0" in line for line in lines):
+            raise _Refusal(400, "a bare CR, LF or NUL in the request head")
+        parts = lines[0].split(b" ")
+        if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or len(parts[0]) > 32 or not _TARGET.fullmatch(parts[1]):
+            raise _Refusal(400, "a malformed request line")
+        version = _VERSION.fullmatch(parts[2])
+        if version is None:
+            raise _Refusal(400, "a malformed request line")
+        conn.version = (int(version[1]), int(version[2]))
+        if conn.version not in ((1, 0), (1, 1)):
+            raise _Refusal(505, "HTTP/1.0 and HTTP/1.1 are served")
+        conn.method, conn.target = parts[0].decode("ascii"), parts[1].decode("latin-1")
+        if len(lines) - 1 > MAX_FIELDS:
+            raise _Refusal(431, f"more than {MAX_FIELDS} header fields")
+        headers: list[tuple[str, str]] = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            # No whitespace before the colon and no obs-fold (RFC 9112 5.1, 5.2): both smuggle.
+            if not colon or not _TOKEN.fullmatch(name):
+                raise _Refusal(400, "a malformed header field")
+            value = value.strip(b" \t")
+            if not _FIELD_VALUE.fullmatch(value):
+                raise _Refusal(400, "a malformed header field value")
+            headers.append((name.decode("ascii").lower(), value.decode("latin-1")))
+        conn.headers = headers
+        self._framing(conn)
+        return True
+
+    def _framing(self, conn: _Conn) -> None:
+        """How the body is delimited (RFC 9112 6.3), refused when ambiguous; 413 and 417 before any body."""
+        lengths = [v for n, v in conn.headers if n == "content-length"]
+        codings = [v for n, v in conn.headers if n == "transfer-encoding"]
+        tokens = {t.strip().lower() for n, v in conn.headers if n == "connection" for t in v.split(",")}
+        conn.keep_alive = conn.version == (1, 1) and "close" not in tokens and self.alive
+        limit = self.limits.max_body_bytes
+        if codings:
+            if lengths:
+                raise _Refusal(400, "both Content-Length and Transfer-Encoding")
+            if conn.version != (1, 1):
+                raise _Refusal(400, "Transfer-Encoding in an HTTP/1.0 request")
+            if [c.strip().lower() for c in ",".join(codings).split(",")] != ["chunked"]:
+                raise _Refusal(501, "the only transfer coding served is chunked")
+            conn.length = None
+        elif lengths:
+            if len(lengths) > 1:
+                raise _Refusal(400, "more than one Content-Length")
+            if not lengths[0].isdigit() or not lengths[0].isascii() or len(lengths[0]) > 18:
+                raise _Refusal(400, "Content-Length is not a byte count")
+            conn.length = int(lengths[0])
+            if conn.length > limit:
+                raise _Refusal(413, f"the body is {conn.length} bytes; at most {limit} are accepted")
+        else:
+            conn.length = 0
+        expect = [v.strip().lower() for n, v in conn.headers if n == "expect"]
+        if expect and expect != ["100-continue"]:
+            raise _Refusal(417, "the only expectation served is 100-continue")
+        if conn.length:
+            self._charge(conn, conn.length)
+        conn.state, conn.deadline = _BODY, time.monotonic() + self.limits.body_timeout
+        if expect and conn.length != 0 and conn.version == (1, 1) and not conn.buf:
+            # The client waits for this before it sends the body (curl does, for bodies over 1 KiB).
+            with contextlib.suppress(OSError):
+                conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _charge(self, conn: _Conn, size: int) -> None:
+        """Hold ``size`` more bytes of the worker's budget for bodies in memory, or refuse (503)."""
+        if self.body_held + size > self.body_budget:
+            raise _Refusal(503, "too many request bodies are arriving at once; retry", (("Retry-After", "1"),))
+        self.body_held += size
+        conn.charged += size
+
+    def _parse_body(self, conn: _Conn) -> bool:
+        if conn.length is not None:
+            take = min(conn.length - len(conn.body), len(conn.buf))
+            conn.body += conn.buf[:take]
+            del conn.buf[:take]
+            return len(conn.body) == conn.length
+        return self._parse_chunks(conn)
+
+    def _parse_chunks(self, conn: _Conn) -> bool:
+        limit = self.limits.max_body_bytes
+        while True:
+            if conn.chunk_left > 0:
+                take = min(conn.chunk_left, len(conn.buf))
+                conn.body += conn.buf[:take]
+                del conn.buf[:take]
+                conn.chunk_left -= take
+                if conn.chunk_left:
+                    return False
+                conn.chunk_left = 0  # the chunk's CRLF comes next
+            line_end = conn.buf.find(b"\r\n")
+            if line_end < 0:
+                if len(conn.buf) > MAX_CHUNK_LINE:
+                    raise _Refusal(400, "a chunk line is too long")
+                return False
+            line = bytes(conn.buf[:line_end])
+            del conn.buf[: line_end + 2]
+            if conn.chunk_left == 0:  # after a chunk's data: an empty line
+                if line:
+                    raise _Refusal(400, "a chunk is longer than its size says")
+                conn.chunk_left = -1
+            elif conn.chunk_left == -1:  # a chunk-size line
+                size = _CHUNK_SIZE.fullmatch(line) if len(line) <= MAX_CHUNK_LINE else None
+                if size is None:
+                    raise _Refusal(400, "a malformed chunk size")
+                chunk = int(size[1], 16)
+                if len(conn.body) + chunk > limit:
+                    raise _Refusal(413, f"the body is over {limit} bytes")
+                if chunk == 0:
+                    conn.chunk_left = -2
+                else:
+                    self._charge(conn, chunk)
+                    conn.chunk_left = chunk
+            else:  # trailer fields, up to an empty line; read and dropped
+                if not line:
+                    return True
+                conn.trailer_bytes += len(line) + 2
+                name, colon, _ = line.partition(b":")
+                if not colon or not _TOKEN.fullmatch(name) or conn.trailer_bytes > MAX_TRAILER_BYTES:
+                    raise _Refusal(400, "malformed or too many trailer fields")
+
+    # ------------------------------------------------------------ the application
+
+    def _start_app(self, conn: _Conn) -> None:
+        target = conn.target
+        if target.startswith(("http://", "https://")):  # absolute form (RFC 9112 3.2.2)
+            slash = target.find("/", target.find("//") + 2)
+            target = target[slash:] if slash >= 0 else "/"
+        path, _, query = target.partition("?")
+        host, port = conn.sock.getsockname()[:2] if conn.sock.family != socket.AF_UNIX else ("", 0)
+        environ: dict[str, Any] = {
+            "REQUEST_METHOD": conn.method,
+            "SCRIPT_NAME": "",
+            "PATH_INFO": unquote_to_bytes(path).decode("latin-1"),
+            "QUERY_STRING": query,
+            "RAW_URI": conn.target,
+            "SERVER_PROTOCOL": f"HTTP/{conn.version[0]}.{conn.version[1]}",
+            "SERVER_NAME": str(host),
+            "SERVER_PORT": str(port),
+            "REMOTE_ADDR": str(conn.peer[0]),
+            "REMOTE_PORT": str(conn.peer[1]) if len(conn.peer) > 1 else "",
+            "CONTENT_LENGTH": str(len(conn.body)) if conn.body or conn.length is None else "",
+            "wsgi.version": (1, 0),
+            "wsgi.url_scheme": "http",
+            "wsgi.input": io.BytesIO(bytes(conn.body)),
+            "wsgi.errors": sys.stderr,
+            "wsgi.multithread": True,
+            "wsgi.multiprocess": True,
+            "wsgi.run_once": False,
+        }
+        for name, value in conn.headers:
+            if name in ("content-length", "transfer-encoding"):
+                continue  # the body is whole: CONTENT_LENGTH above says how long
+            key = "CONTENT_TYPE" if name == "content-type" else "HTTP_" + name.upper().replace("-", "_")
+            environ[key] = f"{environ[key]},{value}" if key in environ else value
+        conn.body = bytearray()  # the copy above is the application's; the budget stays held until it answers
+        conn.state = _APP
+        self._watch(conn, 0)  # one request at a time: the next one waits in the kernel's buffer
+        lane = self.express if (conn.method, environ["PATH_INFO"]) in self.express_routes else self.main
+        lane.submit(_Request(conn, environ, conn.method == "HEAD"))
+
+    def _call_app(self, request: _Request) -> None:
+        """Run the application on one request (in a lane's thread); the loop sends the answer."""
+        keep_alive = False
+        try:
+            response, keep_alive = self._response(request)
+        except BaseException:  # the lane must answer and go on whatever happens, or the worker stops accepting
+            self.log.exception("packcache serve: the application failed")
+            keep_alive = False
+            body = _error("internal error (logged by the worker)")
+            response = (
+                "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode() + body
+        self.done.put((request, response, keep_alive))
+        with contextlib.suppress(OSError):
+            os.write(self.PIPE[1], b".")  # wake the loop
+
+    def _response(self, request: _Request) -> tuple[bytes, bool]:
+        status, headers, body = self._application(request.environ)
+        keep_alive = request.conn.keep_alive and self.alive  # after the application: a SIGTERM meanwhile closes
+        names = {name.lower() for name, _ in headers}
+        if "content-length" not in names:
+            headers.append(("Content-Length", str(len(body))))
+        headers.append(("Connection", "keep-alive" if keep_alive else "close"))
+        lines = [f"HTTP/1.1 {status}", *(f"{name}: {value}" for name, value in headers)]
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        code = int(status[:3])
+        bodyless = request.head_only or code in (204, 304) or 100 <= code < 200
+        return (head if bodyless else head + body), keep_alive
+
+    def _application(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        answer: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[..., Any]:
+            if answer and exc_info is None:
+                raise RuntimeError("start_response called twice")
+            answer[:] = [status, list(headers)]
+            return lambda data: None  # the legacy write() callable: unused by this application
+
+        result: Iterable[bytes] = self.wsgi(environ, start_response)
+        try:
+            body = b"".join(result)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        status, headers = answer
+        for name, value in headers:
+            if any(c in name + value for c in "\r\n\0"):
+                raise ValueError("a response header with CR, LF or NUL")
+        return str(status), headers, body
+
+    def _finish_done(self) -> None:
+        while True:
+            try:
+                request, response, keep_alive = self.done.get_nowait()
+            except queue.Empty:
+                return
+            assert request.lane is not None
+            request.lane.pending -= 1
+            conn = request.conn
+            self._release_body(conn)
+            if conn.closed:
+                continue
+            conn.keep_alive = keep_alive and conn.keep_alive
+            conn.state, conn.deadline = _WRITE, time.monotonic() + self.limits.send_timeout
+            conn.out = memoryview(response)
+            self._send(conn)
+
+    # ------------------------------------------------------------ answers
+
+    def _send(self, conn: _Conn) -> None:
+        assert conn.out is not None
+        try:
+            while conn.out:
+                sent = conn.sock.send(conn.out)
+                conn.out = conn.out[sent:]
+        except (BlockingIOError, InterruptedError):
+            self._watch(conn, selectors.EVENT_WRITE)
+            return
+        except OSError:
+            self._close(conn)
+            return
+        conn.out = None
+        if conn.state == _LINGER:
+            self._linger(conn)
+        elif conn.keep_alive and self.alive:
+            self._await_request(conn, time.monotonic())
+        elif conn.buf:
+            self._linger(conn)  # pipelined bytes came: read them off before closing, or the answer may be lost
+        else:
+            self._close(conn)
+
+    def _refuse(self, conn: _Conn, refusal: _Refusal) -> None:
+        """Answer ``refusal`` and close: the rest of this request (if any) is never read."""
+        now = time.monotonic()
+        self._release_body(conn)
+        route = self._route(conn)
+        recorder = getattr(self.wsgi, "refused", None)
+        if recorder is not None:
+            with contextlib.suppress(Exception):  # metrics never fail an answer
+                recorder(route, refusal.code, now - conn.began)
+        body = _error(str(refusal))
+        lines = [
+            f"HTTP/1.1 {refusal.code} {_REASONS[refusal.code]}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+            "Connection: close",
+            *(f"{name}: {value}" for name, value in refusal.headers),
+        ]
+        conn.out = memoryview(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        conn.state, conn.keep_alive, conn.deadline = _LINGER, False, now + self.limits.send_timeout
+        conn.buf = bytearray()
+        self._send(conn)
+
+    def _route(self, conn: _Conn) -> str:
+        path = conn.target.partition("?")[0]
+        return path if path in ("/embed", "/metrics", "/healthz") else "other"
+
+    def _linger(self, conn: _Conn) -> None:
+        # Closing with unread bytes in the receive buffer sends a reset, which can destroy the answer
+        # before the client reads it: shut down our side, read and drop until the client closes.
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_WR)
+        conn.state, conn.buf = _LINGER, bytearray()
+        conn.deadline = min(conn.deadline, time.monotonic() + LINGER_SECONDS)
+        self._watch(conn, selectors.EVENT_READ)
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+def worker_class(limits: Limits) -> type[BufferingWorker]:
+    """A :class:`BufferingWorker` subclass with the server's limits (gunicorn instantiates it per worker)."""
+    return type("PackcacheWorker", (BufferingWorker,), {"limits": limits})

@@ -1,0 +1,463 @@
+"""Slow and hostile clients against ``packcache serve`` (issue 20, item 1), with real sockets on 127.0.0.1.
+
+Before: gunicorn ``sync`` workers read the body from inside the application. A client that sent
+the headers and part of a body, then stalled, held its worker until the master killed it for its
+``--timeout``, and a few such clients stopped every worker: ``/healthz`` went unanswered and the
+master logged ``WORKER TIMEOUT`` and replaced them. Now each worker's event loop reads whole
+requests (``packcache.server.worker``); a stalled client holds a buffer, gets ``408`` after
+``--body-timeout`` (or ``--header-timeout``), and no worker is ever killed for it.
+
+The servers come from ``tests/test_serve.py``'s ``server()`` (a child in its own session, a
+watchdog, stopped in ``finally``); every raw client has a socket timeout, so nothing here hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_serve import SRC, TEXTS, Server, call, embed, loaded_workers, scrape, server
+
+PARTIAL_BODY = (
+    b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    b'{"texts": ["a'
+)
+PARTIAL_HEADERS = b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Le"
+PARTIAL_CHUNKED = b"POST /embed HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n40\r\n{\"texts\""
+#: kind -> (what it sends first, whether it then trickles a byte every 0.3 s, what it must get)
+KINDS = {
+    "partial-body": (PARTIAL_BODY, False, "body"),
+    "trickled-body": (PARTIAL_BODY, True, "body"),
+    "partial-chunked": (PARTIAL_CHUNKED, False, "body"),
+    "partial-headers": (PARTIAL_HEADERS, False, "headers"),
+    "trickled-headers": (PARTIAL_HEADERS, True, "headers"),
+    "silent": (b"", False, "closed"),
+}
+
+
+class RawClient:
+    """One TCP client that sends what it is told and reads whatever comes back, with a deadline."""
+
+    def __init__(self, port: int, first: bytes = b"", rcvbuf: int | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(10)
+        self.sock.connect(("127.0.0.1", port))
+        self.opened = time.monotonic()
+        if first:
+            self.sock.sendall(first)
+
+    def send(self, data: bytes) -> bool:
+        try:
+            self.sock.sendall(data)
+            return True
+        except OSError:
+            return False
+
+    def answer(self, timeout: float = 15.0) -> tuple[bytes, float]:
+        """Everything the server sends until it closes (or ``timeout``), and when its first byte came."""
+        data, first = b"", -1.0
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(OSError):
+            while time.monotonic() < deadline:
+                self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                if first < 0:
+                    first = time.monotonic() - self.opened
+                data += chunk
+        return data, (first if first >= 0 else time.monotonic() - self.opened)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def status_of(response: bytes) -> int:
+    found = re.match(rb"HTTP/1\.1 (\d{3}) ", response)
+    return int(found.group(1)) if found else 0
+
+
+def json_body(response: bytes) -> Any:
+    return json.loads(response.partition(b"\r\n\r\n")[2])
+
+
+@contextlib.contextmanager
+def trickling(clients: list[RawClient], every: float = 0.3) -> Iterator[None]:
+    """Send one byte (``a``) on each client every ``every`` seconds until the block ends or it fails."""
+    stop = threading.Event()
+
+    def run() -> None:
+        alive = list(clients)
+        while alive and not stop.wait(every):
+            alive = [c for c in alive if c.send(b"a")]
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def probe(srv: Server) -> dict[str, float]:
+    """Seconds for one ``GET /healthz``, one ``GET /metrics`` and one ``POST /embed`` of two texts."""
+    times = {}
+    for route, method, body in (
+        ("/healthz", "GET", None),
+        ("/metrics", "GET", None),
+        ("/embed", "POST", json.dumps({"texts": TEXTS[:2]}).encode()),
+    ):
+        began = time.monotonic()
+        status, _ = call(srv, method, route, body, timeout=5)
+        assert status == 200, (route, status)
+        times[route] = time.monotonic() - began
+    return times
+
+
+def master_log_facts(srv: Server) -> tuple[int, int]:
+    """(``WORKER TIMEOUT`` lines, ``Booting worker`` lines) in the server's log."""
+    text = srv.err.read_text()
+    return text.count("WORKER TIMEOUT"), text.count("Booting worker")
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def test_fifty_stalled_clients_for_longer_than_the_worker_timeout_never_stop_healthz_metrics_or_embed(
+    tmp_path: Path,
+) -> None:
+    """Two waves of 50 stalled clients (6 kinds) keep every path of a stall busy for ~7 s, past the
+    master's 6 s ``--timeout``: probes stay near their usual latency, each stalled request gets its
+    408 (a silent connection is closed) after the 3 s deadline, trickling does not extend it, and
+    the same two workers serve throughout: none killed, none replaced."""
+    deadline = 3.0
+    args = ("--cache-dir", str(tmp_path / "cache"), "--timeout", "6")
+    args += ("--body-timeout", str(deadline), "--header-timeout", str(deadline))
+    with server(tmp_path, *args, workers=2) as srv:
+        loaded_workers(srv, 2)
+        pids = srv.workers()
+        port = int(srv.url.rsplit(":", 1)[1])
+        baseline = [probe(srv) for _ in range(5)]
+        usual = {route: statistics.median(p[route] for p in baseline) for route in baseline[0]}
+
+        stall_began = time.monotonic()
+        during: list[dict[str, float]] = []
+        outcomes: list[tuple[str, bytes, float]] = []
+        for _wave in range(2):
+            kinds = [list(KINDS)[i % len(KINDS)] for i in range(50)]
+            clients = [RawClient(port, KINDS[kind][0]) for kind in kinds]
+            with trickling([c for c, kind in zip(clients, kinds, strict=True) if KINDS[kind][1]]):
+                wave_end = time.monotonic() + deadline + 0.5
+                while time.monotonic() < wave_end:
+                    during.append(probe(srv))
+                    time.sleep(0.05)
+                outcomes += [(kind, *c.answer()) for c, kind in zip(clients, kinds, strict=True)]
+            for c in clients:
+                c.close()
+        stalled_for = time.monotonic() - stall_began
+        assert stalled_for > 6.5, "the stall must outlast the master's --timeout"
+
+        for route, seconds in usual.items():
+            worst = max(p[route] for p in during)
+            typical = statistics.median(p[route] for p in during)
+            # A shared 2-CPU machine: generous bounds, far below a held worker (the probe's 5 s timeout).
+            assert worst < max(2.5, 10 * seconds), (route, worst, seconds)
+            assert typical < 3 * seconds + 0.15, (route, typical, seconds)
+        assert len(during) >= 10
+        for kind, response, after in outcomes:
+            expected = KINDS[kind][2]
+            if expected == "closed":
+                assert response == b"" and deadline - 0.1 <= after < deadline + 2.5, (kind, response, after)
+                continue
+            assert status_of(response) == 408, (kind, response[:200])
+            assert b"\r\nConnection: close\r\n" in response, response[:200]
+            assert f"the request {expected}" in json_body(response)["error"], response
+            assert deadline - 0.1 <= after < deadline + 2.5, (kind, after)
+
+        time.sleep(0.5)
+        assert srv.workers() == pids, "no worker was killed or replaced"
+        assert master_log_facts(srv) == (0, 2), srv.log()
+        s = scrape(srv)
+        refused = sum(1 for kind, *_ in outcomes if KINDS[kind][2] != "closed")
+        assert sum(v for (route, code, _), v in s.requests.items() if code == "408") == refused
+        assert set(s.workers) == set(pids)
+
+
+def test_more_stalled_connections_than_a_worker_holds_evict_the_oldest_and_healthz_is_answered(
+    tmp_path: Path,
+) -> None:
+    """Under ``ulimit -n 200`` one worker keeps at most 136 connections; 300 stalled ones make it close
+    the oldest still sending its request, so a new client is always accepted and answered."""
+    args = ("--cache-dir", str(tmp_path / "cache"), "--header-timeout", "30", "--body-timeout", "30")
+    with server(tmp_path, *args, workers=1, wrapper=("prlimit", "--nofile=200:200", "--")) as srv:
+        (pid,) = loaded_workers(srv, 1).workers
+        port = int(srv.url.rsplit(":", 1)[1])
+        clients = [RawClient(port, PARTIAL_BODY if i % 2 else b"") for i in range(300)]
+        try:
+            time.sleep(0.5)
+            times = [probe(srv) for _ in range(3)]
+            assert max(t["/healthz"] for t in times) < 2.0, times
+            evicted = 0
+            for c in clients[:150]:  # the oldest were closed for the newer ones, with no answer
+                c.sock.settimeout(0.01)
+                try:
+                    evicted += c.sock.recv(1) == b""
+                except ConnectionResetError:
+                    evicted += 1
+                except TimeoutError:
+                    pass
+            assert evicted >= 100, evicted
+        finally:
+            for c in clients:
+                c.close()
+        assert srv.workers() == [pid] and master_log_facts(srv) == (0, 1)
+
+
+def test_requests_that_could_hold_a_worker_are_answered_or_refused_by_the_worker_at_once(tmp_path: Path) -> None:
+    """The rest of the class, on one worker with 2 s deadlines: chunked bodies (whole, stalled, too
+    big), a huge Content-Length, ``Expect: 100-continue``, keep-alive and pipelining, an idle
+    kept-alive connection, ambiguous framing (smuggling shapes), a head too big, a body budget that
+    many half-sent bodies exhaust. One worker serves it all and is never replaced."""
+    args = ("--cache-dir", str(tmp_path / "cache"), "--body-timeout", "2", "--header-timeout", "2")
+    args += ("--max-body-bytes", "100000", "--max-texts", "64")
+    with server(tmp_path, *args, workers=1) as srv:
+        (pid,) = loaded_workers(srv, 1).workers
+        port = int(srv.url.rsplit(":", 1)[1])
+        payload = json.dumps({"texts": TEXTS[:3]}).encode()
+        _, expected = embed(srv, TEXTS[:3])
+
+        def exchange(raw: bytes, timeout: float = 10.0) -> tuple[bytes, float]:
+            client = RawClient(port, raw)
+            try:
+                return client.answer(timeout)
+            finally:
+                client.close()
+
+        # A chunked body, in odd chunk sizes with an extension and a trailer: the same embeddings.
+        chunks = [payload[i : i + 7] for i in range(0, len(payload), 7)]
+        chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\nX-Trailer: 1\r\n\r\n"
+        head = b"POST /embed HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        response, _ = exchange(head + chunked)
+        assert status_of(response) == 200 and json_body(response)["embeddings"] == expected
+
+        # Refused at once, before any body is read (well inside the 2 s deadlines).
+        refusals = {
+            "huge content-length": (b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Length: 999999999999999\r\n\r\n", 413),
+            "chunked over the limit": (head + b"186a1\r\n" + b"x" * 1000, 413),
+            "content-length and chunked": (
+                b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                400,
+            ),
+            "two content-lengths": (
+                b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}", 400
+            ),
+            "signed content-length": (b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Length: +2\r\n\r\n{}", 400),
+            "space before the colon": (b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Length : 2\r\n\r\n{}", 400),
+            "obs-fold": (b"POST /embed HTTP/1.1\r\nHost: t\r\n x: y\r\n\r\n", 400),
+            "bare LF": (b"GET /healthz HTTP/1.1\nHost: t\r\n\r\n", 400),
+            "gzip coding": (b"POST /embed HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501),
+            "bad chunk size": (head + b"zz\r\n", 400),
+            "HTTP/2.0 line": (b"GET /healthz HTTP/2.0\r\nHost: t\r\n\r\n", 505),
+            "head over 32 KiB": (b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 40000, 431),
+            "expect something else": (
+                b"POST /embed HTTP/1.1\r\nHost: t\r\nExpect: 200-ok\r\nContent-Length: 2\r\n\r\n", 417
+            ),
+        }  # fmt: skip
+        for name, (raw, code) in refusals.items():
+            response, after = exchange(raw)
+            assert status_of(response) == code, (name, response[:200])
+            assert after < 1.5 and "error" in json_body(response), (name, after)
+            assert b"\r\nConnection: close\r\n" in response, name
+
+        # Expect: 100-continue: the interim answer first, then the body is read and served.
+        client = RawClient(port, b"POST /embed HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nConnection: close\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % len(payload))  # fmt: skip
+        assert client.sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        client.send(payload)
+        response, _ = client.answer()
+        client.close()
+        assert status_of(response) == 200 and json_body(response)["embeddings"] == expected
+
+        # Keep-alive: two requests pipelined in one write, then a third, on one connection; the idle
+        # connection is then closed quietly after the header deadline.
+        one = b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        client = RawClient(port, one + b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        client.sock.settimeout(10)
+        received = b""
+        while received.count(b"HTTP/1.1 200 OK") < 2 or not received.endswith(b"}"):
+            received += client.sock.recv(65536)
+        client.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        rest = b""
+        while not rest.endswith(b"}"):
+            rest += client.sock.recv(65536)
+        answered = time.monotonic()
+        tail, _ = client.answer()
+        idle = time.monotonic() - answered
+        client.close()
+        assert received.count(b"HTTP/1.1 200 OK") == 2 and b"Connection: keep-alive" in received
+        assert rest.startswith(b"HTTP/1.1 200 OK") and tail == b"" and 1.9 < idle < 4.5, (rest[:100], tail, idle)
+
+        # A body budget (16 x --max-body-bytes in memory at once): the 17th half-sent 100 kB body is refused.
+        half = b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n" + b"x" * 10
+        holders = [RawClient(port, half) for _ in range(16)]
+        time.sleep(0.3)
+        response, after = exchange(half)
+        assert status_of(response) == 503 and b"\r\nRetry-After: 1\r\n" in response and after < 1.5, response[:200]
+        for c in holders:
+            assert status_of(c.answer()[0]) == 408
+            c.close()
+        response, _ = exchange(half)  # the budget is free again: this one waits for its body (408 after 2 s)
+        assert status_of(response) == 408
+
+        served_by, again = embed(srv, TEXTS[:3])
+        assert served_by == pid and again == expected
+        assert srv.workers() == [pid] and master_log_facts(srv) == (0, 1), srv.log()
+        codes = {code for (_, code, p) in scrape(srv).requests if p == pid}
+        assert {"400", "408", "413", "417", "431", "501", "503", "505"} <= codes, codes
+
+
+# ---------------------------------------------------------------- the worker alone, with a big answer
+
+
+#: packcache serve's worker around a plain application: ``/hang`` never returns, ``/?N`` answers N bytes
+#: of ``x`` and the worker's pid. argv: the master's timeout in seconds.
+_PLAIN_SERVER = """
+import os, sys, time
+from gunicorn.app.base import BaseApplication
+from packcache.server.app import Limits
+from packcache.server.worker import worker_class
+
+def app(environ, start_response):
+    if environ["PATH_INFO"] == "/hang":
+        time.sleep(600)
+    size = int(environ["QUERY_STRING"] or 0)
+    start_response("200 OK", [("Content-Type", "application/octet-stream"), ("X-Pid", str(os.getpid()))])
+    return [b"x" * size]
+
+def ready(server):
+    print("port", server.LISTENERS[0].sock.getsockname()[1], flush=True)
+
+class Server(BaseApplication):
+    def load_config(self):
+        limits = Limits(send_timeout=2.0)
+        for key, value in {"bind": ["127.0.0.1:0"], "workers": 1, "worker_class": worker_class(limits),
+                           "when_ready": ready, "timeout": int(sys.argv[1]), "control_socket_disable": True,
+                           "graceful_timeout": 1}.items():
+            self.cfg.set(key, value)
+    def load(self):
+        return app
+
+Server().run()
+"""
+
+
+@contextlib.contextmanager
+def plain_server(tmp_path: Path, timeout: int) -> Iterator[tuple[int, Path]]:
+    """``_PLAIN_SERVER`` in its own session: (port, log); killed with its group on exit."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    log = tmp_path / "plain.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PLAIN_SERVER, str(timeout)], stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        port = 0
+        for _ in range(300):
+            found = re.search(r"^port (\d+)$", log.read_text(), re.M)
+            if found:
+                port = int(found.group(1))
+                break
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        assert port, log.read_text()
+        yield port, log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait(10)
+
+
+def plain_get(port: int, target: str, timeout: float = 5.0) -> bytes:
+    client = RawClient(port, f"GET {target} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+    try:
+        return client.answer(timeout)[0]
+    finally:
+        client.close()
+
+
+def test_an_application_that_hangs_past_the_timeout_still_gets_its_worker_replaced(tmp_path: Path) -> None:
+    """The loop keeps telling the master it is alive while clients are slow, but not while one request
+    has been in the application longer than the master's timeout: a hung model is replaced, as a
+    sync worker was."""
+    with plain_server(tmp_path, timeout=3) as (port, log):
+        first = plain_get(port, "/?1")
+        pid = re.search(rb"X-Pid: (\d+)", first)
+        assert status_of(first) == 200 and pid, first
+        began = time.monotonic()
+        client = RawClient(port, b"GET /hang HTTP/1.1\r\nHost: t\r\n\r\n")
+        hung, _ = client.answer(20)
+        client.close()
+        assert hung == b"" and 3 <= time.monotonic() - began < 15  # the connection died with the worker
+        deadline = time.monotonic() + 20
+        while "Booting worker" not in log.read_text().split("WORKER TIMEOUT", 1)[-1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        again = plain_get(port, "/?1", timeout=10)
+        new_pid = re.search(rb"X-Pid: (\d+)", again)
+        assert status_of(again) == 200 and new_pid and new_pid.group(1) != pid.group(1), again
+        assert f"WORKER TIMEOUT (pid:{pid.group(1).decode()})" in log.read_text()
+
+
+def test_a_client_that_never_reads_a_64_mib_answer_is_dropped_after_the_send_timeout_and_holds_nothing(
+    tmp_path: Path,
+) -> None:
+    """No answer of ``packcache serve`` outgrows the kernel's socket buffers (256 embeddings are ~2 MB),
+    so the send deadline is shown on the same worker with an application that answers 64 MiB: the
+    loop writes what the client takes, serves others meanwhile, and closes after ``send_timeout``."""
+    with plain_server(tmp_path, timeout=30) as (port, _):
+        reader = RawClient(port, b"GET /big?67108864 HTTP/1.1\r\nHost: t\r\n\r\n", rcvbuf=4096)
+        time.sleep(0.5)
+        began = time.monotonic()
+        response = plain_get(port, "/?5")
+        assert status_of(response) == 200 and response.endswith(b"\r\n\r\nxxxxx") and time.monotonic() - began < 1.5
+        time.sleep(2.5)  # past the send deadline
+        data, _ = reader.answer(10)
+        reader.close()
+        assert status_of(data) == 200 and len(data) < 32 << 20, len(data)  # cut off: most of it never sent
+
+
+def test_deadline_options_and_limits_refuse_zero_negative_nan_and_absurd_values(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A zero, negative, NaN, infinite or hour-long deadline is one usage error, never a server that
+    answers 408 to everything or never times out; ``Limits`` built through the API checks the same."""
+    from packcache.cli import main
+    from packcache.server import Limits
+
+    for option in ("--body-timeout", "--header-timeout", "--send-timeout"):
+        for bad in ("0", "-1", "nan", "inf", "3601", "soon"):
+            assert main(["serve", option, bad]) == 2
+            assert option in capsys.readouterr().err
+    for field_name in ("body_timeout", "header_timeout", "send_timeout"):
+        for value in (0, -1.0, float("nan"), float("inf"), True):
+            with pytest.raises(ValueError, match=field_name):
+                Limits(**{field_name: value})
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        Limits(max_body_bytes=0)
