@@ -508,13 +508,23 @@ def test_a_worker_killed_mid_request_is_replaced_and_maps_again(tmp_path: Path) 
         assert_no_heap(new)
         good = [a for a in answers if not isinstance(a, Exception)]
         assert good and all(a == expected for a in good), "no client saw a wrong embedding"
-        assert [a for a in answers if isinstance(a, Exception)] == [], "requests on the other worker never failed"
+        # A client request the victim had accepted while it was still receiving the big body waited behind it and
+        # dies with the worker: a connection error, at most one per client, never a wrong answer or an HTTP error.
+        failed = [a for a in answers if isinstance(a, Exception)]
+        assert len(failed) <= len(clients) and all(_lost_connection(a) for a in failed), failed
         seen = embed_from_every_worker(srv, set(after.workers), TEXTS)
         assert all(a == expected for answers_ in seen.values() for a in answers_)
     now = path.stat()
     assert (now.st_ino, now.st_size, now.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
     report = packcache.verify(path)
     assert report.ok, report
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    """A request whose connection the server dropped (urllib wraps some of these in URLError)."""
+    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
+        exc = exc.reason
+    return isinstance(exc, (ConnectionError, http.client.HTTPException))
 
 
 def _new_model_version(model: Path) -> None:
