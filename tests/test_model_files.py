@@ -28,12 +28,14 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import packcache
 from harness.cli_child import run_cli_cases
 from packcache import FormatError, UntrustedFileError
 from packcache.models import minilm
-from packcache.models.bert import BertConfig, BertEncoder
+from packcache.models.bert import MAX_SIZE, BertConfig, BertEncoder
 
 SRC = Path(packcache.__file__).resolve().parents[1]
 CHILD_TIMEOUT = 120.0
@@ -298,6 +300,42 @@ def test_the_shapes_a_config_implies_are_the_encoders_parameters() -> None:
         assert built == [(name, shape) for name, shape, _ in config_.tensor_shapes()]
 
 
+#: Any JSON value, biased to what a config field holds: integers of every size, floats past 1e308, booleans.
+FIELD_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.integers(0, 3000) | st.floats(allow_nan=False)
+    | st.text(max_size=8) | st.sampled_from(["gelu", "absolute", "bert", "1e400", 1e308]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+CONFIG_FIELDS = [*BertConfig.__dataclass_fields__, "max_seq_length", "unknown"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.dictionaries(st.sampled_from(CONFIG_FIELDS), FIELD_VALUES, max_size=6))
+def test_any_values_in_config_json_make_a_checked_config_or_one_format_error(
+    tmp_path: Path, fields: dict[str, Any]
+) -> None:
+    """The whole class, not the spellings above: whatever JSON values the fields hold, ``BertConfig.from_file``
+    gives a config whose every size is an integer in range (so nothing built from it divides by zero or
+    overflows), or a ``FormatError`` naming the file; and checking it against a header takes as many lookups
+    as the header has tensors, not as many as the config asks for."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    try:
+        config_ = BertConfig.from_file(path)
+    except FormatError as exc:
+        assert str(exc).startswith(f"{path}: ") and "\n" not in str(exc)
+        return
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        value = getattr(config_, name)
+        assert type(value) is int and 1 <= value <= MAX_SIZE
+    assert config_.hidden_size % config_.num_attention_heads == 0 and config_.layer_norm_eps > 0
+    held = {name: shape for name, shape, _ in BertConfig(num_hidden_layers=2).tensor_shapes()}
+    looked: list[str] = []
+    config_.mismatch(lambda name: looked.append(name) or held.get(name))
+    assert len(looked) <= len(held) + 1
+
+
 def test_bert_config_refuses_bad_values_made_in_code_too() -> None:
     with pytest.raises(ValueError, match="num_attention_heads must be an integer from 1"):
         BertConfig(num_attention_heads=0)
@@ -343,15 +381,18 @@ def serve_until_exit(argv: list[str], timeout: float = 90.0) -> tuple[int | None
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
+    code: int | None = None
     try:
         _, err = proc.communicate(timeout=timeout)
-        return proc.returncode, err
+        code = proc.returncode
     except subprocess.TimeoutExpired:
-        return None, ""
+        err = "(still running)"
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        if code is None:
+            err = (proc.communicate(timeout=10)[1] or "") + err  # reaps it and closes the pipe
+    return code, err
 
 
 @pytest.mark.parametrize(

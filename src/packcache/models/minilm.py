@@ -590,11 +590,15 @@ def load(
         stored or packed to heap (and why); ``m.kernel_path`` which path runs.
 
     Raises:
-        ValueError: unknown scheme, a directory as ``cache``, a WeightCache made for
-            another platform, a checkpoint whose shapes do not match its config, or a
-            kernel path the scheme does not have (``fp32`` runs ``fp32`` only).
+        ValueError: unknown scheme, a directory as ``cache`` (unless it is named ``*.pcache``: that
+            one is counted as ``open_failed``, ``EISDIR``, and the model loads from heap), a WeightCache
+            made for another platform, or a kernel path the scheme does not have (``fp32`` runs ``fp32`` only).
         ModuleNotFoundError: no ``model_path`` and the model package is not installed.
-        packcache.FormatError: a malformed safetensors header. Cache problems never raise.
+        packcache.FormatError: a malformed ``config.json``, ``sentence_bert_config.json``, ``tokenizer.json``
+            or safetensors header, or a config whose shapes the weights do not have (each names the file
+            and the field or offset; checked before anything is built).
+        packcache.UntrustedFileError: one of them is not a regular file (a FIFO is refused, never waited on).
+            Cache problems never raise.
     """
     linear_packer, other_packer = _packers(scheme, group_size)
     path = linear_packer.kernel_path(kernel_path)
