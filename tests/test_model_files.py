@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 import packcache
 from harness.cli_child import run_cli_cases
 from packcache import FormatError, UntrustedFileError
-from packcache.models import minilm
-from packcache.models.bert import MAX_SIZE, BertConfig, BertEncoder
+from packcache.models import bert, minilm
+from packcache.models.bert import BertConfig, BertEncoder
 
 SRC = Path(packcache.__file__).resolve().parents[1]
 CHILD_TIMEOUT = 120.0
@@ -328,7 +328,7 @@ def test_any_values_in_config_json_make_a_checked_config_or_one_format_error(
         return
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         value = getattr(config_, name)
-        assert type(value) is int and 1 <= value <= MAX_SIZE
+        assert type(value) is int and 1 <= value <= bert.MAX_SIZE
     assert config_.hidden_size % config_.num_attention_heads == 0 and config_.layer_norm_eps > 0
     held = {name: shape for name, shape, _ in BertConfig(num_hidden_layers=2).tensor_shapes()}
     looked: list[str] = []
