@@ -788,3 +788,55 @@ def test_build_fails_when_the_file_cannot_hold_the_model(
     assert code == 1
     assert "packcache build: cannot load the checkpoint" in failed["stderr"] and "does not exist" in failed["stderr"]
     assert not (tmp_path / "c.pcache").exists()
+
+
+# ----------------------------------------------------------------------------- hostile config values (issue 20)
+
+#: arch -> config.json edit -> what the one line says. Each ended in a traceback (ZeroDivisionError, TypeError,
+#: AttributeError, an 80 GB allocation), built a model of no layers, or built ten million layers on ``meta``.
+HOSTILE_CONFIGS: dict[str, tuple[str, dict[str, Any] | str, str]] = {
+    "zero heads": ("bert", {"num_attention_heads": 0}, "transformers cannot build BertModel from it"),
+    "a string for a size": ("bert", {"hidden_size": "64"}, "cannot read it as a bert config: Validation error"),
+    "a string for eps": ("llama", {"rms_norm_eps": "x"}, "rms_norm_eps"),
+    "an absurd layer count": ("bert", {"num_hidden_layers": 10_000_000}, "num_hidden_layers is 10000000, but"),
+    "an absurd n_layer": ("gpt2", {"n_layer": 10_000_000}, "num_hidden_layers is 10000000, but"),
+    "a negative layer count": ("llama", {"num_hidden_layers": -1}, "num_hidden_layers is -1, but"),
+    "a position table of 10^10": ("bert", {"max_position_embeddings": 10**10}, "non-persistent buffers would take"),
+    "a size past int64": ("llama", {"vocab_size": 10**30}, "transformers cannot build LlamaForCausalLM from it"),
+    "a number past a float": ("bert", '{"model_type": "bert", "layer_norm_eps": 1e400}', "1e400 does not fit a float"),
+}
+
+
+def test_hostile_config_values_end_in_one_line_naming_config_json(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """``packcache build`` (which reads the config, counts the packs on a ``meta`` skeleton, then loads) on configs
+    whose values transformers' own classes do not bound: one line naming ``config.json``, in a child bounded in
+    time and address space (``harness.cli_child``)."""
+    from harness.cli_child import run_cli_cases
+
+    cases = []
+    for name, (arch, change, _) in HOSTILE_CONFIGS.items():
+        directory = shutil.copytree(checkpoints[arch], tmp_path / name.replace(" ", "-"))
+        config = directory / "config.json"
+        text = change if isinstance(change, str) else json.dumps({**json.loads(config.read_text()), **change})
+        config.write_text(text)
+        auto = _tiny_configs()[arch][1]
+        cases.append((name, ["build", str(directory), "--scheme", "fp32", "--cache-dir", str(tmp_path / "c"),
+                             "--auto-class", auto]))  # fmt: skip
+    results = run_cli_cases(cases)
+    wrong = {}
+    for name, result in results.items():
+        lines = result["stderr"].splitlines()
+        line = lines[0] if lines else ""
+        if not (result.get("rc") == 1 and len(lines) == 1 and "/config.json: " in line
+                and line.startswith("packcache build: cannot load the checkpoint: ")
+                and HOSTILE_CONFIGS[name][2] in line):  # fmt: skip
+            wrong[name] = {k: v for k, v in result.items() if k != "stdout"}
+    assert not wrong, json.dumps(wrong, indent=1)[:6000]
+    assert not list((tmp_path / "c").glob("*.pcache")), "nothing was packed or written"
+
+
+def test_a_hostile_generation_config_is_a_format_error_naming_it(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    directory = shutil.copytree(checkpoints["gpt2"], tmp_path / "gpt2")
+    (directory / "generation_config.json").write_text(json.dumps({"watermarking_config": "x"}))
+    with pytest.raises(FormatError, match=r"generation_config\.json: not a generation config: .*validate"):
+        hf.from_pretrained(directory, "int8", None, auto_class=CAUSAL)

@@ -21,13 +21,15 @@ packcache.errors.FormatError: x.json: offset 72: JSON: nested deeper than 64 lev
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
 
+from ._paths import read_bounded
 from .errors import FormatError
 
-__all__ = ["loads"]
+__all__ = ["load_file", "loads"]
 
 #: Deepest nesting accepted. safetensors headers are 3 levels deep, pack keys and
 #: platform fingerprints a handful; 64 leaves room without letting ``repr`` recurse.
@@ -100,6 +102,13 @@ def _parse_constant(text: str) -> Any:
     raise _Refused(f"{text} is not JSON")
 
 
+def _parse_finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"the number {text[:40]} does not fit a float")
+    return value
+
+
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = dict(pairs)
     if len(result) != len(pairs):
@@ -150,6 +159,7 @@ def loads(
     what: str = "JSON",
     max_depth: int = MAX_DEPTH,
     unique_keys: bool = False,
+    finite: bool = False,
 ) -> Any:
     """Parse untrusted JSON ``data`` (UTF-8 bytes) within bounds.
 
@@ -161,13 +171,15 @@ def loads(
         max_depth: deepest nesting of arrays and objects accepted.
         unique_keys: refuse an object that names a key twice (``json`` keeps the last,
             another reader may keep the first: the two would see different files).
+        finite: refuse a number too large for a float (``1e400``, which ``json`` reads as infinity).
 
     Returns:
         The parsed value (dicts, lists, str, int, float, bool, None).
 
     Raises:
         FormatError: not UTF-8, not JSON, nested deeper than ``max_depth``, an integer
-            over :data:`MAX_INT_DIGITS` digits, ``NaN``/``Infinity``, or a duplicate key;
+            over :data:`MAX_INT_DIGITS` digits, ``NaN``/``Infinity`` (with ``finite``, a number
+            that overflows a float), or a duplicate key;
             its ``offset`` is ``base_offset`` plus the byte position (the start of ``data``
             when the parser does not say where).
     """
@@ -183,7 +195,10 @@ def loads(
     parse_int = _parse_int if _LONG_DIGITS in data.translate(_DIGIT_MAP) else None
     hook = _unique_object if unique_keys else None
     try:
-        return json.loads(text, parse_int=parse_int, parse_constant=_parse_constant, object_pairs_hook=hook)
+        return json.loads(
+            text, parse_int=parse_int, parse_float=_parse_finite if finite else None,
+            parse_constant=_parse_constant, object_pairs_hook=hook,
+        )  # fmt: skip
     except json.JSONDecodeError as exc:
         where = base_offset + len(text[: exc.pos].encode("utf-8", "surrogatepass"))
         raise FormatError(f"{what}: not UTF-8 JSON: {exc.msg}", path=path, offset=where) from None
@@ -191,3 +206,15 @@ def loads(
         # _Refused from a hook (or int()'s own digit limit): the hooks do not know where they
         # are, so the start of the JSON is the honest offset.
         raise FormatError(f"{what}: refused: {exc}", path=path, offset=base_offset) from None
+
+
+def load_file(path: str, *, what: str, max_bytes: int) -> Any:
+    """Parse the small JSON file at ``path`` (a checkpoint's ``config.json``, say) within bounds: read by
+    :func:`packcache._paths.read_bounded` (no FIFO hang, no swapped symlink, a regular file of at most
+    ``max_bytes``), then :func:`loads` with ``finite`` on (a config value never needs infinity).
+
+    Raises:
+        FormatError: too large, or not bounded JSON (naming the file and the offset).
+        UntrustedFileError: not a regular file. OSError: it cannot be opened or read.
+    """
+    return loads(read_bounded(path, what=what, max_bytes=max_bytes), path=path, what=what, finite=True)

@@ -60,6 +60,7 @@ __all__ = [
     "parse_temp_name",
     "pread_exact",
     "pid_alive",
+    "read_bounded",
     "remove_orphans",
     "still_linked",
     "temp_prefix",
@@ -140,6 +141,29 @@ def pread_exact(fd: int, size: int, offset: int, *, path: str, what: str) -> byt
         chunks.append(chunk)
         done += len(chunk)
     return b"".join(chunks)
+
+
+def read_bounded(path: str, *, what: str, max_bytes: int) -> bytes:
+    """The whole of a small file packcache does not own (a checkpoint's ``config.json``, its tokenizer),
+    read as every source file is: without blocking on a FIFO, without following a symlink swapped in
+    after the check, a regular file only (anyone's: ownership is not checked), and no larger than
+    ``max_bytes``, measured before a byte is read.
+
+    Raises:
+        UntrustedFileError: not a regular file (its message names ``what``).
+        FormatError: larger than ``max_bytes``, or it shrank while being read.
+        OSError: it cannot be opened or read (``FileNotFoundError``, ``PermissionError``, ...).
+    """
+    try:
+        fd, st = open_checked(path, trust=False)
+    except UntrustedFileError as exc:
+        raise UntrustedFileError(path, exc.reason, what=what) from None
+    try:
+        if st.st_size > max_bytes:
+            raise FormatError(f"the {what} is {st.st_size} bytes, past the {max_bytes}-byte cap", path=path)
+        return pread_exact(fd, st.st_size, 0, path=path, what=what)
+    finally:
+        os.close(fd)
 
 
 def open_checked(

