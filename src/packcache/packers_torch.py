@@ -172,18 +172,14 @@ class TorchPacker(Packer):
     def platform_tags(self) -> dict[str, Any]:
         return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
-    def fingerprint(self) -> str:
-        digest = super().fingerprint()
-        self.check_path(self.kernel_path(None))
-        return digest
-
     def check_path(self, path: str) -> None:
         """Run :func:`_self_check` on kernel ``path`` once per process per packer identity.
 
-        The platform fingerprint checks the path this process runs by default (the machine's
-        rule or ``$PACKCACHE_KERNEL_PATH``); :meth:`PackedLinear.from_parts
-        <packcache.torch.PackedLinear.from_parts>` checks a path forced on a layer. A path no layer
-        runs is not checked: its kernels' first calls cost tens of milliseconds at every launch.
+        :meth:`PackedLinear.from_parts <packcache.torch.PackedLinear.from_parts>` checks the path
+        each layer runs, before the layer exists. The fingerprint checks no path: it is the same on
+        every path, and a path is the caller's choice (an explicit ``kernel_path``, else
+        ``$PACKCACHE_KERNEL_PATH``, else the machine's rule), which the fingerprint does not know. A
+        path no layer runs is not checked: its kernels' first calls cost tens of milliseconds.
 
         Raises:
             PackResultError: the kernel does not compute what the layout means on ``path``.
@@ -214,12 +210,13 @@ class TorchPacker(Packer):
     def kernel_path(self, requested: str | None = None) -> str:
         """The path a layer of this packer runs.
 
-        ``requested`` (``bf16``, ``fp32``, or ``None``/``"auto"`` for the rule of
-        :mod:`packcache.kernels`); ``None`` also reads ``$PACKCACHE_KERNEL_PATH``, which
-        applies only if this packer has that path.
+        ``requested`` (``bf16``, ``fp32``, or ``"auto"`` for the rule of :mod:`packcache.kernels`)
+        is an explicit choice and wins; ``None`` (no choice) reads ``$PACKCACHE_KERNEL_PATH``, which
+        applies only if this packer has that path, else the rule. The environment is read only for ``None``.
 
         Raises:
-            ValueError: an explicitly requested path this packer does not have, or an unknown one.
+            ValueError: an explicitly requested path this packer does not have, an unknown one, or
+                (for ``None``) a ``$PACKCACHE_KERNEL_PATH`` that is not a path nor ``auto``.
         """
         path = requested_path(requested)
         if path is not None and path not in self.paths:
