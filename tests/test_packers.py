@@ -481,3 +481,27 @@ def test_the_behavioural_fingerprints_and_the_self_check_still_hold() -> None:
             layer = PackedLinear.from_parts(packer, packer.fingerprint_pack(), None, kernel_path=path)
             with torch.inference_mode():
                 assert bool(torch.isfinite(layer(torch.ones(2, 256))).all())
+
+
+def test_rows_and_groups_of_subnormal_weights_pack_to_nearly_zero_without_warnings() -> None:
+    """A largest magnitude below 127 (or 15) times the smallest subnormal makes the step 0: int8 and
+    int4 divided by zero (a RuntimeWarning, an error under ``-W error``). They pack the values as ~0."""
+    w = fingerprint_input((32, 64))
+    w[:3] = 0.0
+    w[0, :4], w[1, :] = np.float32(1e-44), np.float32(3e-39)
+    w[2, :32] = np.linspace(0, 1e-42, 32, dtype=np.float32)
+    weight, scales = quantize_int8_rows(w)
+    assert np.abs(weight[:3].astype(np.float32) * scales[:3, None] - w[:3]).max() < 1e-38
+    codes, scales4, zeros = quantize_int4_groups(w, 32, zero_code=8)
+    assert np.abs(dequantize_int4(codes, scales4, zeros, zero_code=8)[:3] - w[:3]).max() < 1e-38
+    for packer in [Int8PerChannel(), *_torch_packers()]:
+        packer.checked_pack(w, "F32", fingerprint_stats(64), name="subnormal")  # filterwarnings = error
+
+
+def test_a_refusal_survives_pickling_with_its_tensor_and_index() -> None:
+    import pickle
+
+    with pytest.raises(NonFiniteWeightError) as caught:
+        Float32().checked_pack(np.array([1.0, np.nan], np.float32), "F32", name="b")
+    copy = pickle.loads(pickle.dumps(caught.value))
+    assert (str(copy), copy.tensor, copy.index) == (str(caught.value), "b", (1,))

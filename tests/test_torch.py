@@ -241,6 +241,13 @@ def test_a_non_finite_bias_or_norm_is_refused_by_every_scheme(
         convert(_skeleton(), _cache(None, packer), packer, source=SafetensorsFile(source))
 
 
+def test_a_non_finite_weight_of_an_in_memory_module_is_refused_too() -> None:
+    """``convert`` without a source packs the module's own parameters (``ModuleSource``): the same rule."""
+    model = _with(_toy(), "odd.weight", (19, 31), float("-inf"))
+    with pytest.raises(packcache.NonFiniteWeightError, match=r"'odd\.weight' holds -Inf at row 19, column 31"):
+        convert(model, _cache(None, Int8WeightOnly()), Int8WeightOnly(), model_id="toy")
+
+
 def _poison(checkpoint: Path, tensor: str, row: int, column: int) -> None:
     """Write NaN over element ``[row, column]`` of float32 ``tensor`` in a safetensors file, in place."""
     with open(checkpoint, "r+b") as f:

@@ -529,7 +529,10 @@ def quantize_int8_rows(w: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], n
     amax = np.abs(w).max(axis=1) if w.shape[1] else np.zeros(w.shape[0], np.float32)
     if not np.isfinite(amax).all():  # NaN propagates through max and Inf is its own: no extra pass
         raise non_finite_source(w)
-    scales = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    step = amax / np.float32(127.0)
+    # A row of subnormals (largest magnitude below ~1.8e-43) has a step of 0: it packs as zeros, like an
+    # all-zero row, instead of dividing by zero.
+    scales = np.where(step > 0, step, np.float32(1.0)).astype(np.float32)
     q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
     return q, scales
 
@@ -598,7 +601,8 @@ def quantize_int4_groups(
     lo, hi = x.min(axis=2, keepdims=True), x.max(axis=2, keepdims=True)
     if not (np.isfinite(lo).all() and np.isfinite(hi).all()):  # NaN and Inf reach min/max: no extra pass
         raise non_finite_source(x.reshape(out_features, in_features), original=np.asarray(w))
-    with np.errstate(over="ignore", invalid="ignore"):  # a range beyond float32: refused below
+    # A range beyond float32 is refused below; a range of subnormals (a step of 0) ends as finite codes.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         codes, scales, zeros = _int4_search(x, lo, hi, d, zero_code, refine)
     if not (np.isfinite(scales).all() and np.isfinite(zeros).all()):
         row, group = (int(i) for i in np.argwhere(~(np.isfinite(scales) & np.isfinite(zeros))[:, :, 0])[0])
