@@ -137,9 +137,10 @@ def non_finite_index(array: np.ndarray[Any, Any], dtype: str = "F32") -> tuple[i
         flat = flat.view(np.uint16)
     for start in range(0, flat.size, _SCAN_CHUNK):
         chunk = flat[start : start + _SCAN_CHUNK]
-        bad = (chunk & np.uint16(0x7F80)) == np.uint16(0x7F80) if bf16 else ~np.isfinite(chunk)
-        if bad.any():
-            return tuple(int(i) for i in np.unravel_index(start + int(np.argmax(bad)), array.shape))
+        # isfinite().all(): one temporary, ~0.4 ns per value (an inverted mask and any() take twice that).
+        finite = (chunk & np.uint16(0x7F80)) != np.uint16(0x7F80) if bf16 else np.isfinite(chunk)
+        if not finite.all():
+            return tuple(int(i) for i in np.unravel_index(start + int(np.argmin(finite)), array.shape))
     return None
 
 
@@ -364,7 +365,10 @@ class Packer:
             raise PackResultError(f"packer {self.id} must return the parts {list(self.parts)}, got {got}")
         for part, array in packed.items():
             check_self_contained(array, f"{self.id}:{part}")
-        for part in self.parts:  # the built-in packers refuse before this; another packer may not
+        # packcache's own pack() methods refuse before this (a second scan of a cold pack costs ~0.5 ns per
+        # value); a packer whose pack() is anyone else's, a subclass's override included, is checked here.
+        own = getattr(type(self).pack, "__module__", None) in _REFUSING_MODULES
+        for part in () if own else self.parts:
             index = non_finite_index(packed[part])
             if index is not None:
                 if dtype in ("F16", "F32", "F64", "BF16") and non_finite_index(source, dtype) is not None:
@@ -384,6 +388,8 @@ class Packer:
 
 
 _CACHEABLE_KINDS = "biuf"
+#: Modules whose packers' pack() refuses non-finite values itself (:func:`finite_float32` and the quantizers).
+_REFUSING_MODULES = frozenset({"packcache.packers", "packcache.packers_torch"})
 
 
 def check_self_contained(array: object, what: str) -> None:
