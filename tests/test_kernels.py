@@ -6,7 +6,16 @@ each packed layer calls and the dtype of what it receives. Speed is measured in 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import platform
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -239,25 +248,29 @@ class _MisreadInt8(Int8WeightOnly):
 
 
 @pytest.mark.parametrize("wrong_path", ["fp32", "bf16"])
-def test_a_kernel_that_misreads_the_layout_fails_loudly_on_the_path_that_runs(wrong_path: str) -> None:
-    """The self-check runs on the default path at the fingerprint, and on a forced path at the first
-    layer that runs it; a path no layer runs is not checked (its first kernel calls cost time)."""
+def test_a_kernel_that_misreads_the_layout_fails_loudly_on_the_path_that_runs(
+    wrong_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The self-check runs on the path a layer runs, before the layer exists, whichever way the path
+    was chosen (argument, environment, the rule); a path no layer runs is not checked (its first kernel
+    calls cost time), and the fingerprint, the same on every path, checks none."""
+    monkeypatch.delenv(KERNEL_PATH_ENV, raising=False)
     packer = type(
         f"Misread{wrong_path}", (_MisreadInt8,), {"wrong_path": wrong_path, "id": f"test.misread-{wrong_path}"}
     )()
     parts = packer.pack(np.ones((8, 64), np.float32), "F32")
-    default = packer.kernel_path(None)
-    other = next(p for p in packer.paths if p != default)
-    if wrong_path == default:
+    other = next(p for p in packer.paths if p != wrong_path)
+    packer.fingerprint()  # no path: nothing to say
+    PackedLinear.from_parts(packer, parts, None, kernel_path=other)  # the right path loads
+    with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}.*bump the packer's version"):
+        PackedLinear.from_parts(packer, parts, None, kernel_path=wrong_path)
+    monkeypatch.setenv(KERNEL_PATH_ENV, wrong_path)
+    with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
+        convert(nn.Sequential(nn.Linear(64, 8)), packcache.WeightCache(None), packer, model_id="toy")
+    if cpu_kernels().default_path == wrong_path:
+        monkeypatch.delenv(KERNEL_PATH_ENV)
         with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
-            packer.fingerprint()
-        with pytest.raises(packcache.PackResultError, match="bump the packer's version"):
-            PackedLinear.from_parts(packer, parts, None, kernel_path=wrong_path)
-        PackedLinear.from_parts(packer, parts, None, kernel_path=other)  # the right path still loads
-    else:
-        packer.fingerprint()  # the default path reads the layout right: nothing to say
-        with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
-            PackedLinear.from_parts(packer, parts, None, kernel_path=wrong_path)
+            PackedLinear.from_parts(packer, parts, None)
 
 
 def test_the_self_check_reuses_the_fingerprints_pack() -> None:
@@ -277,3 +290,178 @@ def test_the_self_check_reuses_the_fingerprints_pack() -> None:
     assert len(calls) == 2
     PackedLinear.from_parts(packer, packer.fingerprint_pack(), None, kernel_path="fp32")  # another path's check
     assert len(calls) == 2
+
+
+# ------------------------------------------------------------------ an explicit choice wins over the environment
+
+
+def _fresh(code: str, tmp_path: Path, env_value: str | None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (fingerprints and self-checks are computed once per process)
+    with ``$PACKCACHE_KERNEL_PATH`` set to ``env_value`` (``None``: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != KERNEL_PATH_ENV}
+    if env_value is not None:
+        env[KERNEL_PATH_ENV] = env_value
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def _other_path() -> str:
+    """The path this machine's rule does not pick."""
+    return next(p for p in ("bf16", "fp32") if p != cpu_kernels().default_path)
+
+
+@pytest.mark.parametrize("env_value", ["gpu", "BF16"])
+def test_an_explicit_kernel_path_wins_over_an_invalid_environment_value(tmp_path: Path, env_value: str) -> None:
+    """Every scheme, as the loaders call it (the platform first, then ``convert``), and ``minilm.load``:
+    ``kernel_path="fp32"`` (or ``"auto"``) runs whatever ``$PACKCACHE_KERNEL_PATH`` holds. The packers'
+    fingerprint used to read the variable regardless, so a bad value failed every explicit choice."""
+    code = """
+        import torch, packcache
+        from packcache.models import minilm
+        from packcache.packers import SCHEMES, Float32, platform_for
+        from packcache.kernels import cpu_kernels
+        from packcache.torch import PackedLinear, convert, scheme_packer
+
+        for scheme in SCHEMES:
+            for choice, expected in (("fp32", "fp32"), ("auto", None)):
+                packer = scheme_packer(scheme)
+                expected = expected or (cpu_kernels().default_path if "bf16" in packer.paths else "fp32")
+                platform = platform_for([packer, Float32()])
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+                reference = model(torch.ones(2, 64))
+                cache = packcache.WeightCache(f"{scheme}-{choice}.pcache", platform=platform)
+                report = convert(model, cache, packer, model_id="toy", kernel_path=choice)
+                assert report.kernel_path == expected, (scheme, choice, report.kernel_path)
+                assert {m.kernel_path for m in model.modules() if isinstance(m, PackedLinear)} == {expected}
+                with torch.inference_mode():
+                    got = model(torch.ones(2, 64))
+                assert float((got - reference).abs().max()) < 0.1, (scheme, choice)
+                cache.close()
+        m = minilm.load("int8", cache=None, kernel_path="fp32")
+        assert m.kernel_path == "fp32" and m.embed(["an explicit choice"]).shape == (1, 384)
+        print("ok")
+    """
+    done = _fresh(code, tmp_path, env_value)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_an_explicit_kernel_path_runs_no_self_check_of_the_environments_path(tmp_path: Path) -> None:
+    """With a valid ``$PACKCACHE_KERNEL_PATH`` naming the other path, an explicit choice checks only the
+    path that runs: the environment's path costs no kernel call (and cannot fail the load)."""
+    code = f"""
+        import torch, packcache
+        from packcache import packers_torch
+        from packcache.packers import Float32, platform_for
+        from packcache.torch import convert, scheme_packer
+
+        chosen = {cpu_kernels().default_path!r}
+        for scheme in ("int8", "int4", "bf16"):
+            packer = scheme_packer(scheme)
+            platform = platform_for([packer, Float32()])
+            model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+            convert(model, packcache.WeightCache(None), packer, model_id="toy", kernel_path=chosen)
+        print(sorted({{key[-1] for key in packers_torch._CHECKED}}))
+    """
+    done = _fresh(code, tmp_path, _other_path())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == repr([cpu_kernels().default_path])
+
+
+def test_the_command_line_names_the_variable_and_its_values_as_the_library_does() -> None:
+    from packcache import cli
+    from packcache.kernels import KERNEL_PATHS
+
+    assert cli._KERNEL_PATH_ENV == KERNEL_PATH_ENV
+    assert sorted(cli._KERNEL_PATH_CHOICES) == sorted(["auto", *KERNEL_PATHS])
+
+
+def _cli(tmp_path: Path, env_value: str | None, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != KERNEL_PATH_ENV}
+    if env_value is not None:
+        env[KERNEL_PATH_ENV] = env_value
+    env["PYTHONWARNINGS"] = "ignore"
+    return subprocess.run(
+        [sys.executable, "-m", "packcache", *argv],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--no-cache", "--scheme", "int8"],
+        ["build", "no-such-checkpoint", "--cache-dir", "."],
+        ["serve", "--port", "0", "--workers", "1", "--no-cache", "--scheme", "int8"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_an_invalid_environment_value_without_a_choice_is_one_usage_error_at_startup(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """No ``--kernel-path``: a bad ``$PACKCACHE_KERNEL_PATH`` stops ``run``, ``build`` and ``serve`` before
+    anything loads or listens, with one line naming the variable and exit 2 (as a bad ``--kernel-path``)."""
+    started = time.monotonic()
+    done = _cli(tmp_path, "gpu", *argv, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and KERNEL_PATH_ENV in lines[0] and "'gpu'" in lines[0], done.stderr[-3000:]
+    assert lines[0].startswith(f"packcache {argv[0]}: ") and "unset it" in lines[0], lines
+    assert ("--kernel-path" in lines[0]) == (argv[0] != "build"), lines  # build has no such option
+    assert done.stdout == "" and "listening" not in done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_an_explicit_cli_kernel_path_wins_over_the_environment(tmp_path: Path) -> None:
+    """``--kernel-path fp32`` runs with an invalid ``$PACKCACHE_KERNEL_PATH``; ``--kernel-path auto`` is the
+    machine's rule whatever the variable says (it is an explicit choice too)."""
+    done = _cli(tmp_path, "gpu", "run", "--no-cache", "--scheme", "int8", "--kernel-path", "fp32", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["kernel_path"] == "fp32"
+    done = _cli(tmp_path, _other_path(), "run", "--no-cache", "--scheme", "int8", "--kernel-path", "auto", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["kernel_path"] == cpu_kernels().default_path
+    done = _cli(tmp_path, _other_path(), "run", "--no-cache", "--scheme", "int8", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["kernel_path"] == _other_path()  # no choice: the environment's
+
+
+def test_serve_with_an_explicit_kernel_path_boots_its_workers_whatever_the_environment(tmp_path: Path) -> None:
+    """``serve --kernel-path fp32`` under an invalid ``$PACKCACHE_KERNEL_PATH``: the worker loads (it
+    used to fail to boot on the variable, and the server stopped) and reports path fp32."""
+    env = {k: v for k, v in os.environ.items() if k not in (KERNEL_PATH_ENV, "PROMETHEUS_MULTIPROC_DIR")}
+    env.update({KERNEL_PATH_ENV: "gpu", "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)})
+    out, err = tmp_path / "serve.out", tmp_path / "serve.err"
+    argv = ["serve", "--port", "0", "--workers", "1", "--torch-threads", "1", "--no-cache", "--scheme", "int8"]
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "packcache", *argv, "--kernel-path", "fp32"],
+            stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline, info = time.monotonic() + 120, ""
+        while time.monotonic() < deadline and not info:
+            assert proc.poll() is None, f"the server exited {proc.returncode}: {err.read_text()[-3000:]}"
+            url = next(
+                (line.rsplit(" ", 1)[1] for line in out.read_text().splitlines() if "listening on " in line), None
+            )
+            if url is not None:
+                try:
+                    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+                        text = response.read().decode()
+                    info = next((line for line in text.splitlines() if line.startswith("packcache_worker_info{")), "")
+                except OSError:
+                    pass
+            time.sleep(0.2)
+        assert 'kernel_path="fp32"' in info, (info, err.read_text()[-3000:])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -195,6 +195,7 @@ import gc, json, sys, zlib
 import torch
 torch.set_num_threads(1)  # four workers on two cores: no thread pools fighting over them
 from packcache.models import minilm
+from packcache.torch import scheme_packer
 
 def anonymous_kib():
     for line in open("/proc/self/smaps_rollup"):
@@ -204,10 +205,13 @@ def anonymous_kib():
 
 scheme, path, wait = sys.argv[1], sys.argv[2] or None, sys.argv[3] == "wait"
 # What every launch pays whatever the weights' origin happens before the baseline: the
-# tokenizer, the packers' fingerprints (once per process), and Python's allocator warmed by
-# building and dropping one weightless (meta) skeleton of the model (~0.25 MiB of module objects).
+# tokenizer, the packers' fingerprints and the kernel self-check of the path the load runs (once
+# per process), and Python's allocator warmed by building and dropping one weightless (meta)
+# skeleton of the model (~0.25 MiB of module objects).
 tokenizer = minilm.load_tokenizer()
 minilm.platform(scheme)
+linear = scheme_packer(scheme)
+linear.check_path(linear.kernel_path(None))
 with torch.device("meta"):
     skeleton = minilm.BertEncoder(minilm.BertConfig.from_file(minilm.default_model_path() / "config.json"))
 del skeleton

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from packcache import FormatError, PackResultError
+from packcache import FormatError, NonFiniteWeightError, PackResultError
 from packcache.packers import (
     Float32,
     Int8PerChannel,
@@ -21,9 +22,11 @@ from packcache.packers import (
     TransposeFloat32,
     dequantize_int4,
     fingerprint_input,
+    fingerprint_stats,
     platform_for,
     quantize_int4_activation_aware,
     quantize_int4_groups,
+    quantize_int8_rows,
     to_float32,
 )
 from packcache.safetensors import SafetensorsFile
@@ -158,7 +161,7 @@ def test_key_comes_from_metadata_and_changes_with_identity_shape_and_params() ->
 
     meta = TensorMeta(name="w", shape=(4, 8), dtype="F32", identity="sha256:" + "1" * 64 + ":8")
     key = Int8PerChannel().key(meta, "weight")
-    assert key["packer"] == "np.int8c" and key["version"] == 1 and key["source"]["identity"] == meta.identity
+    assert key["packer"] == "np.int8c" and key["version"] == 2 and key["source"]["identity"] == meta.identity
     other_file = TensorMeta(name="w", shape=(4, 8), dtype="F32", identity="sha256:" + "2" * 64 + ":8")
     assert Int8PerChannel().key(other_file, "weight") != key
     assert Int8PerChannel().key(TensorMeta("w", (4, 9), "F32", meta.identity), "weight") != key
@@ -315,3 +318,190 @@ def test_tensors_that_are_not_self_contained_bytes_are_refused() -> None:
         tensor_to_numpy(torch.nn.Parameter(base), "w")
     bits = tensor_to_numpy(base.to(torch.bfloat16), "w")
     assert bits.dtype == np.uint16 and to_float32(bits, "BF16").tolist() == base.tolist()
+
+
+# --------------------------------------------------------------------------- non-finite weights
+
+NON_FINITE = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+SHOWN = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
+
+
+def _source(dtype: str, value: float, at: tuple[int, int] = (5, 3), shape: tuple[int, int] = (32, 64)) -> Any:
+    """A fingerprint-like weight with one ``value`` at ``at``, stored as safetensors dtype ``dtype``."""
+    w = fingerprint_input(shape)
+    w[at] = value
+    if dtype == "BF16":
+        return _bf16_bits(w)
+    return w.astype({"F32": np.float32, "F16": np.float16, "F64": np.float64}[dtype])
+
+
+def _torch_packers() -> list[Packer]:
+    from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
+
+    return [LinearFloat32(), LinearBFloat16(), Int8WeightOnly(), Int4WeightOnly(32), Int4WeightOnly(32, False)]
+
+
+@pytest.mark.parametrize("value", sorted(NON_FINITE))
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "F64"])
+def test_every_packer_refuses_a_non_finite_source_naming_row_and_column(dtype: str, value: str) -> None:
+    """NaN, +Inf and -Inf, in every source dtype, for the numpy packers and every scheme's torch packer:
+    the same refusal, never a pack. int8 used to turn a NaN row into a finite all-zero channel."""
+    source = _source(dtype, NON_FINITE[value])
+    for packer in [Float32(), TransposeFloat32(), Int8PerChannel(), *_torch_packers()]:
+        expected = rf"holds {re.escape(SHOWN[value])} at row 5, column 3"
+        with pytest.raises(NonFiniteWeightError, match=expected) as caught:
+            packer.pack(source, dtype)
+        assert caught.value.index == (5, 3) and caught.value.tensor is None, packer
+        with pytest.raises(NonFiniteWeightError, match=r"tensor 'layer\.weight' holds") as caught:
+            packer.checked_pack(source, dtype, name="layer.weight")
+        assert caught.value.tensor == "layer.weight" and caught.value.index == (5, 3), packer
+        assert isinstance(caught.value, ValueError)  # the command line's "cannot load the model" catches it
+
+
+@pytest.mark.parametrize("value", sorted(NON_FINITE))
+def test_the_quantizers_refuse_non_finite_weights_instead_of_laundering_them(value: str) -> None:
+    w = _source("F32", NON_FINITE[value], at=(7, 40))
+    with pytest.raises(NonFiniteWeightError, match="row 7, column 40"):
+        quantize_int8_rows(w)
+    with pytest.raises(NonFiniteWeightError, match="row 7, column 40"):
+        quantize_int4_groups(w, 32, zero_code=8)
+    with pytest.raises(NonFiniteWeightError, match="row 7, column 40"):
+        quantize_int4_activation_aware(w, 32, fingerprint_stats(64), zero_code=8)
+
+
+def test_the_message_counts_every_non_finite_value_and_names_the_first() -> None:
+    w = fingerprint_input((32, 64))
+    w[9, 60], w[4, 2], w[4, 11] = np.inf, np.nan, -np.inf
+    with pytest.raises(NonFiniteWeightError) as caught:
+        Int8PerChannel().checked_pack(w, "F32", name="enc.w")
+    text = str(caught.value)
+    assert "tensor 'enc.w' holds NaN at row 4, column 2" in text and "3 non-finite values in 2 rows" in text, text
+    assert "fix the checkpoint" in text, text
+
+
+@pytest.mark.parametrize(
+    ("shape", "at", "where"), [((64,), (7,), "at index 7"), ((2, 4, 8), (1, 2, 3), r"at index \(1, 2, 3\)")]
+)
+def test_a_non_finite_bias_norm_or_other_tensor_is_refused_too(
+    shape: tuple[int, ...], at: tuple[int, ...], where: str
+) -> None:
+    w = np.ones(shape, np.float32)
+    w[at] = np.nan
+    with pytest.raises(NonFiniteWeightError, match=f"tensor 'x' holds NaN {where}"):
+        Float32().checked_pack(w, "F32", name="x")
+
+
+def test_a_finite_weight_a_scheme_cannot_hold_is_refused_not_turned_into_inf() -> None:
+    """F64 beyond float32's range, float32 that bfloat16 rounds to Inf (above ~3.39e38), and an int4 group
+    whose range overflows float32: refused like NaN, never packed as a non-finite value."""
+    from packcache.packers_torch import Int4WeightOnly, LinearBFloat16
+
+    huge = fingerprint_input((32, 64)).astype(np.float64)
+    huge[2, 9] = 1e300
+    for packer in [Float32(), Int8PerChannel(), *_torch_packers()]:
+        with pytest.raises(NonFiniteWeightError, match=r"holds 1e\+300 at row 2, column 9.*float32"):
+            packer.checked_pack(huge, "F64", name="w")
+    top = fingerprint_input((32, 64))
+    top[3, 4] = np.float32(3.4e38)
+    with pytest.raises(NonFiniteWeightError, match=r"row 3, column 4.*bfloat16"):
+        LinearBFloat16().checked_pack(top, "F32", name="w")
+    spread = fingerprint_input((32, 64))
+    spread[6, 33], spread[6, 40] = np.float32(3e38), np.float32(-3e38)
+    for packer in (Int4WeightOnly(32), Int4WeightOnly(32, activation_aware=False)):
+        with pytest.raises(NonFiniteWeightError, match=r"row 6, group 1.*overflows float32"):
+            packer.checked_pack(spread, "F32", fingerprint_stats(64), name="w")
+    with pytest.raises(NonFiniteWeightError, match=r"row 6, group 1"):
+        quantize_int4_groups(spread, 32)
+
+
+@pytest.mark.parametrize("value", sorted(NON_FINITE))
+def test_non_finite_calibration_statistics_are_refused(value: str) -> None:
+    """``E[x x^T]`` holding NaN or Inf means the float model computes them on the calibration texts."""
+    from packcache.packers_torch import Int4WeightOnly
+
+    stats = fingerprint_stats(64)
+    stats[3, 3] = NON_FINITE[value]
+    with pytest.raises(NonFiniteWeightError, match="calibration statistics"):
+        Int4WeightOnly(32).checked_pack(fingerprint_input((32, 64)), "F32", stats, name="w")
+    with pytest.raises(NonFiniteWeightError, match="calibration statistics"):
+        quantize_int4_activation_aware(fingerprint_input((32, 64)), 32, stats)
+
+
+def test_a_custom_packer_that_makes_a_non_finite_pack_is_refused() -> None:
+    class Reciprocal(Float32):
+        id = "test.reciprocal"
+
+        def pack(self, source: Any, dtype: str, stats: Any = None) -> dict[str, np.ndarray[Any, Any]]:
+            with np.errstate(divide="ignore"):
+                return {"weight": np.float32(1.0) / to_float32(source, dtype)}
+
+    w = np.ones((4, 8), np.float32)
+    w[2, 5] = 0.0
+    made = r"tensor 'r' is finite, but packer test\.reciprocal made its part 'weight' hold \+Inf at row 2, column 5"
+    with pytest.raises(NonFiniteWeightError, match=made):
+        Reciprocal().checked_pack(w, "F32", name="r")
+
+
+#: sha256 of each packer's pack of the fingerprint input, before non-finite weights were refused: the
+#: refusal adds checks, it changes no byte of a finite pack (the int8 packers' version went from 1 to 2
+#: only so that caches holding packs laundered by version 1 are rebuilt).
+FINGERPRINTS = {
+    "np.f32": "b663132fdcddfaf81daf890f94100ac06ce9110e1881478c910ed2cf84806ad8",
+    "np.f32t": "0e4348f76208c5e1ab2442d1f2f606fa54d8de44eb1e8f66bc17a5ba78c190e1",
+    "np.int8c": "a3c07ae19a7cc508727a04252501f652942eabcc844fabd9a5b2ed4d3cdec0a0",
+    "torch.linear.f32": "b663132fdcddfaf81daf890f94100ac06ce9110e1881478c910ed2cf84806ad8",
+    "torch.linear.bf16": "b13068b554e1328272243c00715a0a34f612b2263afa32f9ab9e017bd16d9490",
+    "torch.int8wo": "a3c07ae19a7cc508727a04252501f652942eabcc844fabd9a5b2ed4d3cdec0a0",
+}
+#: The int4 codes, scales and zeros before torch lays them out (the layout depends on the CPU).
+INT4_QUANTIZED = {
+    "lsq-clip": "161bce403ff23ca8e1578837ddd2de0b65f277e8a111a7e63b5e9f1fbdff1271",
+    "awq-lsq-clip": "0121ed90720fc3306b784781d70f517899b3f380788c49d9bd0ba3ea27a657a2",
+}
+
+
+def test_the_behavioural_fingerprints_and_the_self_check_still_hold() -> None:
+    import torch
+
+    from packcache.torch import PackedLinear
+
+    packers = [Float32(), TransposeFloat32(), Int8PerChannel(), *_torch_packers()]
+    got = {p.id: p.fingerprint() for p in packers if p.id in FINGERPRINTS}
+    assert got == FINGERPRINTS
+    x = fingerprint_input()
+
+    def digest(arrays: Any) -> str:
+        return hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()
+
+    assert digest(quantize_int4_groups(x, 32, zero_code=8)) == INT4_QUANTIZED["lsq-clip"]
+    aware = quantize_int4_activation_aware(x, 32, fingerprint_stats(), zero_code=8)
+    assert digest(aware) == INT4_QUANTIZED["awq-lsq-clip"]
+    for packer in _torch_packers():
+        for path in packer.paths:  # each path's kernel self-check on the fingerprint pack
+            layer = PackedLinear.from_parts(packer, packer.fingerprint_pack(), None, kernel_path=path)
+            with torch.inference_mode():
+                assert bool(torch.isfinite(layer(torch.ones(2, 256))).all())
+
+
+def test_rows_and_groups_of_subnormal_weights_pack_to_nearly_zero_without_warnings() -> None:
+    """A largest magnitude below 127 (or 15) times the smallest subnormal makes the step 0: int8 and
+    int4 divided by zero (a RuntimeWarning, an error under ``-W error``). They pack the values as ~0."""
+    w = fingerprint_input((32, 64))
+    w[:3] = 0.0
+    w[0, :4], w[1, :] = np.float32(1e-44), np.float32(3e-39)
+    w[2, :32] = np.linspace(0, 1e-42, 32, dtype=np.float32)
+    weight, scales = quantize_int8_rows(w)
+    assert np.abs(weight[:3].astype(np.float32) * scales[:3, None] - w[:3]).max() < 1e-38
+    codes, scales4, zeros = quantize_int4_groups(w, 32, zero_code=8)
+    assert np.abs(dequantize_int4(codes, scales4, zeros, zero_code=8)[:3] - w[:3]).max() < 1e-38
+    for packer in [Int8PerChannel(), *_torch_packers()]:
+        packer.checked_pack(w, "F32", fingerprint_stats(64), name="subnormal")  # filterwarnings = error
+
+
+def test_a_refusal_survives_pickling_with_its_tensor_and_index() -> None:
+    import pickle
+
+    with pytest.raises(NonFiniteWeightError) as caught:
+        Float32().checked_pack(np.array([1.0, np.nan], np.float32), "F32", name="b")
+    copy = pickle.loads(pickle.dumps(caught.value))
+    assert (str(copy), copy.tensor, copy.index) == (str(caught.value), "b", (1,))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -13,10 +16,10 @@ from torch import nn
 
 import packcache
 from harness import run_child, save_safetensors
-from packcache.packers import Float32, platform_for
+from packcache.packers import SCHEMES, Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.safetensors import SafetensorsFile
-from packcache.torch import PackedLinear, as_tensor, convert
+from packcache.torch import PackedLinear, as_tensor, convert, scheme_packer
 
 
 class Toy(nn.Module):
@@ -255,3 +258,101 @@ def test_source_shape_mismatch_is_an_error(tmp_path: Path) -> None:
         model = Wider()
     with pytest.raises(ValueError, match="shape"):
         convert(model, _cache(None, LinearFloat32()), LinearFloat32(), source=SafetensorsFile(source))
+
+
+# ------------------------------------------------------------------ non-finite weights (issue 20)
+
+NON_FINITE = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+SHOWN = {"nan": "NaN", "+inf": r"\+Inf", "-inf": "-Inf"}
+TOLERANCE = {"fp32": 1e-5, "bf16": 0.05, "int8": 0.02, "int4": 0.15}
+
+
+def _with(model: nn.Module, name: str, index: tuple[int, ...], value: float) -> nn.Module:
+    with torch.no_grad():
+        model.get_parameter(name)[index] = value
+    return model
+
+
+@pytest.mark.parametrize("value", sorted(NON_FINITE))
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_non_finite_weight_is_refused_by_every_scheme_and_the_fixed_checkpoint_loads(
+    tmp_path: Path, scheme: str, value: str
+) -> None:
+    """End to end, from a safetensors file into a cache file: NaN, +Inf or -Inf in one weight is refused at
+    pack time by every scheme, naming the tensor, row and column; nothing of it is cached. int8 used to
+    serve that output channel as a finite 0 (the all-zero-row scale), fp32/bf16/int4 as NaN or Inf.
+    The same cache file then loads the repaired checkpoint, and its forward matches the float model."""
+    packer = scheme_packer(scheme)
+    broken = save_safetensors(_with(_toy(), "down.weight", (5, 3), NON_FINITE[value]), tmp_path / "broken.safetensors")
+    cache = _cache(tmp_path / "toy.pcache", packer)
+    refused = rf"'down\.weight' holds {SHOWN[value]} at row 5, column 3"
+    with pytest.raises(packcache.NonFiniteWeightError, match=refused):
+        convert(_skeleton(), cache, packer, source=SafetensorsFile(broken))  # "up" is packed before "down"
+    cache.close()
+    names = {e.name.split(":")[0] for e in packcache.inspect(tmp_path / "toy.pcache").entries}
+    assert names == {"up.weight", "up.bias"}  # what was packed before the refusal; nothing of "down"
+
+    repaired = save_safetensors(_toy(), tmp_path / "repaired.safetensors")
+    cache = _cache(tmp_path / "toy.pcache", packer)
+    model = _skeleton()
+    report = convert(model, cache, packer, source=SafetensorsFile(repaired))
+    assert report.stats.state == "stored" and report.stats.heap_bytes == 0, report.stats
+    with torch.inference_mode():
+        got, expected = model(X), _toy()(X)
+    assert bool(torch.isfinite(got).all()) and float((got - expected).abs().max()) < TOLERANCE[scheme]
+    cache.close()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(("name", "index", "where"), [("up.bias", (7,), "index 7"), ("norm.weight", (60,), "index 60")])
+def test_a_non_finite_bias_or_norm_is_refused_by_every_scheme(
+    tmp_path: Path, scheme: str, name: str, index: tuple[int, ...], where: str
+) -> None:
+    """The tensors every scheme packs as float32 (biases, norms, embeddings) follow the same rule."""
+    source = save_safetensors(_with(_toy(), name, index, float("nan")), tmp_path / "toy.safetensors")
+    packer = scheme_packer(scheme)
+    with pytest.raises(packcache.NonFiniteWeightError, match=rf"'{name}' holds NaN at {where}"):
+        convert(_skeleton(), _cache(None, packer), packer, source=SafetensorsFile(source))
+
+
+def test_a_non_finite_weight_of_an_in_memory_module_is_refused_too() -> None:
+    """``convert`` without a source packs the module's own parameters (``ModuleSource``): the same rule."""
+    model = _with(_toy(), "odd.weight", (19, 31), float("-inf"))
+    with pytest.raises(packcache.NonFiniteWeightError, match=r"'odd\.weight' holds -Inf at row 19, column 31"):
+        convert(model, _cache(None, Int8WeightOnly()), Int8WeightOnly(), model_id="toy")
+
+
+def _poison(checkpoint: Path, tensor: str, row: int, column: int) -> None:
+    """Write NaN over element ``[row, column]`` of float32 ``tensor`` in a safetensors file, in place."""
+    with open(checkpoint, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(length))[tensor]
+        assert info["dtype"] == "F32"
+        f.seek(8 + length + info["data_offsets"][0] + 4 * (row * info["shape"][1] + column))
+        f.write(struct.pack("<f", float("nan")))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--model", "{model}", "--no-cache", "--scheme", "int8"],
+        ["build", "{model}", "--loader", "minilm", "--cache-dir", "{tmp}", "--scheme", "int8"],
+        ["build", "{model}", "--cache-dir", "{tmp}", "--scheme", "int4"],
+    ],
+    ids=["run", "build-minilm", "build-hf"],
+)
+def test_the_command_line_refuses_a_checkpoint_with_a_nan_weight_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    from packcache.cli import main
+    from packcache.models import minilm
+
+    model = tmp_path / "model"
+    shutil.copytree(minilm.default_model_path(), model)
+    _poison(model / "model.safetensors", "encoder.layer.0.attention.self.query.weight", 5, 3)
+    code = main([a.format(model=model, tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "encoder.layer.0.attention.self.query.weight' holds NaN at row 5, column 3" in lines[0], lines

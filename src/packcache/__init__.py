@@ -16,6 +16,7 @@ from .cache import Session, WeightCache, aggregate_stats
 from .errors import (
     FormatError,
     LockTimeoutError,
+    NonFiniteWeightError,
     OptionError,
     OptionTypeError,
     OptionValueError,
@@ -56,6 +57,7 @@ __all__ = [
     "InspectEntry",
     "InspectReport",
     "LockTimeoutError",
+    "NonFiniteWeightError",
     "OPTION_KEYS",
     "OptionError",
     "OptionTypeError",

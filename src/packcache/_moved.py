@@ -6,7 +6,10 @@ for one release and gets a :class:`DeprecationWarning` naming the new one. The
 alias is the same module object, not a copy.
 
 Installed once, by ``packcache/__init__.py``; a finder that answers only for the
-names in :data:`MOVED`.
+names in :data:`MOVED`. The import system sets ``__spec__`` and ``__loader__`` on
+whatever module a loader creates, so the loader creates a throw-away placeholder and
+puts the real module in ``sys.modules`` in its place: the real module keeps its own
+spec, and ``importlib.reload`` of it (by either name) executes its source again.
 """
 
 from __future__ import annotations
@@ -39,16 +42,20 @@ class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self) if fullname in MOVED else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        new = MOVED[spec.name]
+        # A placeholder, never the real module: the import system sets __spec__ and __loader__ on
+        # what this returns, and on the real module they would make reload() reload the alias.
+        return ModuleType(spec.name)
+
+    def exec_module(self, module: ModuleType) -> None:
+        old, new = module.__name__, MOVED[module.__name__]
         warnings.warn(
-            f"{spec.name} is internal and has moved to {new.__name__}; the old name goes away in the next release",
+            f"{old} is internal and has moved to {new.__name__}; the old name goes away in the next release",
             DeprecationWarning,
             stacklevel=2,  # the import statement: warnings skips importlib's own frames
         )
-        return new
-
-    def exec_module(self, module: ModuleType) -> None:
-        return None  # the module it aliases is already executed
+        # The import returns what sys.modules holds after exec_module (a module may replace itself
+        # there), so the old name is the same module object, with its own spec untouched.
+        sys.modules[old] = new
 
 
 def install() -> None:

@@ -212,9 +212,45 @@ def _scheme(args: argparse.Namespace) -> str:
     return default_scheme()
 
 
+#: ``packcache.kernels.KERNEL_PATH_ENV`` and the values it takes, named without importing torch (a test
+#: checks that they agree): the command line checks the variable before it imports anything heavy.
+_KERNEL_PATH_ENV = "PACKCACHE_KERNEL_PATH"
+_KERNEL_PATH_CHOICES = ("auto", "bf16", "fp32")
+
+
+class _UsageError(Exception):
+    """A usage error found after the arguments were parsed (an environment variable): one line, exit 2."""
+
+
 def _kernel_path(args: argparse.Namespace) -> str | None:
-    """``--kernel-path``; ``None`` for ``auto`` (the machine's rule)."""
-    return None if args.kernel_path == "auto" else str(args.kernel_path)
+    """``--kernel-path`` as given: an explicit choice (``auto``, the machine's rule, included) wins over
+    ``$PACKCACHE_KERNEL_PATH``. Not given (or a command without the option): ``None``, which lets the
+    variable choose where the model loads; it is checked here, at startup, so a bad value stops the
+    command once instead of failing the load (or every ``serve`` worker's).
+
+    Raises:
+        _UsageError: no ``--kernel-path`` and a ``$PACKCACHE_KERNEL_PATH`` that is not a path nor ``auto``.
+    """
+    given = getattr(args, "kernel_path", None)
+    if given is not None:
+        return str(given)
+    value = os.environ.get(_KERNEL_PATH_ENV) or None  # empty: unset
+    if value is not None and value not in _KERNEL_PATH_CHOICES:
+        instead = ", or choose one with --kernel-path" if hasattr(args, "kernel_path") else ""
+        raise _UsageError(
+            f"the environment variable {_KERNEL_PATH_ENV}={value!r} is not a kernel path (expected "
+            f"{', '.join(_KERNEL_PATH_CHOICES)}): unset it{instead}"
+        )
+    return None
+
+
+def _why_path(kernel_path: str | None, runs: str, cpu: dict[str, Any]) -> str:
+    """Why ``run`` runs path ``runs``: the option (``kernel_path``), the environment, or the machine's rule."""
+    if kernel_path not in (None, "auto"):
+        return "forced"
+    if kernel_path is None and os.environ.get(_KERNEL_PATH_ENV) == runs:
+        return f"${_KERNEL_PATH_ENV}"
+    return "native bf16" if cpu["native_bf16"] else "no native bf16"
 
 
 def _cache_file(args: argparse.Namespace, scheme: str) -> str | None:
@@ -269,6 +305,7 @@ def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
 
 
 def cmd_run(args: argparse.Namespace, out: _Out) -> int:
+    kernel_path = _kernel_path(args)  # before the model's modules are imported: a bad variable fails at once
     try:
         # Imported by name so the core type-checks and runs without the model extras.
         minilm: Any = importlib.import_module("packcache.models.minilm")
@@ -282,7 +319,7 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     from .kernels import cpu_kernels
     from .memory import release_free_heap, smaps_rollup
 
-    scheme, kernel_path = _scheme(args), _kernel_path(args)
+    scheme = _scheme(args)
     try:
         path = _cache_file(args, scheme)
         # The tokenizer first, so the memory figures below are those of the weights.
@@ -322,7 +359,7 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         "embed": speed,
         "embeddings_shape": list(embeddings.shape),
     }
-    why_path = "forced" if kernel_path else ("native bf16" if cpu["native_bf16"] else "no native bf16")
+    why_path = _why_path(kernel_path, model.kernel_path, cpu)
     how_scheme = " (auto: fast on this CPU)" if args.scheme == "auto" else ""
     lines = [
         f"model         all-MiniLM-L6-v2{' (' + args.model + ')' if args.model else ''}, scheme {scheme}{how_scheme}",
@@ -446,6 +483,7 @@ def _build_with_minilm(args: argparse.Namespace, scheme: str) -> tuple[str, int,
 def cmd_build(args: argparse.Namespace, out: _Out) -> int:
     from .memory import release_free_heap, smaps_rollup
 
+    _kernel_path(args)  # build has no --kernel-path, but its load reads the variable: check it at startup
     scheme = _scheme(args)
     try:
         path, total, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
@@ -498,6 +536,7 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
+    kernel_path = _kernel_path(args)  # in the master, at startup: not once per worker that fails to boot
     # Checked by name, without importing: prometheus_client must not be imported before serve() sets
     # PROMETHEUS_MULTIPROC_DIR, and the model's modules load in serve() too.
     needed = [("gunicorn", "serve"), ("prometheus_client", "serve"), ("torch", "models"), ("tokenizers", "models")]
@@ -521,7 +560,7 @@ def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
             print(f"packcache serve: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
     engine = EngineSpec(
-        engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=_kernel_path(args),
+        engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path,
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
     )  # fmt: skip
     limits = Limits(
@@ -687,8 +726,9 @@ def _add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> Non
         help="weight scheme (default auto: int8 on CPUs with AVX2/AVX512, where it is fast; else fp32)",
     )  # fmt: skip
     parser.add_argument(
-        "--kernel-path", choices=("auto", "bf16", "fp32"), default="auto",
-        help="kernel path (default auto: bf16 with native bfloat16, else fp32; fp32 scheme: fp32)",
+        "--kernel-path", choices=_KERNEL_PATH_CHOICES, default=None,
+        help=f"kernel path (default: ${_KERNEL_PATH_ENV}, else auto: bf16 with native bfloat16, else fp32; the fp32 "
+        "scheme runs fp32); given, it wins over the variable",
     )  # fmt: skip
     parser.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
     parser.add_argument("--no-cache", action="store_true", help=no_cache)
@@ -772,6 +812,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # escape sequences or newlines), never as a traceback. Anything else is a bug: let it show.
     try:
         return int(args.func(args, out))
+    except _UsageError as exc:
+        print(f"packcache {args.command}: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
     except FormatError as exc:
         print(f"packcache {args.command}: not a valid cache file: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED

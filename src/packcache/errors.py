@@ -7,6 +7,7 @@ catch either::
     PackCacheError
     ├── FormatError(ValueError)           a cache file breaks docs/FORMAT.md
     ├── LockTimeoutError(TimeoutError)    another process held the build lock too long
+    ├── NonFiniteWeightError(ValueError)  a source weight holds NaN or ±Inf (or would become one)
     ├── OptionError(KeyError)             an unknown option key
     │   └── ReadOnlyOptionError           writing a key that can only be read
     ├── OptionValueError(ValueError)      an option value out of range
@@ -24,9 +25,12 @@ reason, logged once, answered with a heap pack. It never leaves the package.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "FormatError",
     "LockTimeoutError",
+    "NonFiniteWeightError",
     "OptionError",
     "OptionTypeError",
     "OptionValueError",
@@ -68,6 +72,45 @@ class LockTimeoutError(PackCacheError, TimeoutError):
     Raised by the maintenance entry points (``compact``); a model load never raises
     it: its packs go to heap with reason ``locked``.
     """
+
+
+class NonFiniteWeightError(PackCacheError, ValueError):
+    """A source tensor holds NaN, +Inf or -Inf, or a finite value the scheme would turn into one
+    (float64 beyond float32's range, a float32 that bfloat16 rounds to Inf, an int4 group whose
+    range overflows float32), or a packer made a non-finite pack of it. Every packer refuses to
+    pack it, with every scheme: no quantized scheme can compute what the float model does with
+    such a weight, so none is allowed to pretend it does (``docs/TORCH.md``).
+
+    A broken checkpoint, not a cache problem: it fails the load. The message names the tensor
+    (when known: :meth:`packcache.packers.Packer.checked_pack` adds it), the first position and
+    how many values are non-finite.
+
+    Attributes:
+        tensor: the source tensor's name, or ``None`` when the packer was called directly.
+        index: the position of the first offending value (for an int4 group: ``(row, group)``).
+    """
+
+    def __init__(self, problem: str, *, tensor: str | None = None, index: tuple[int, ...] | None = None) -> None:
+        self.problem = problem
+        self.tensor = tensor
+        self.index = index
+        where = f"tensor {tensor!r}" if tensor is not None else "the source tensor"
+        super().__init__(
+            f"{where} {problem}; packcache packs no NaN or infinite weight, with any scheme: "
+            "fix the checkpoint (this is not a cache problem)"
+        )
+
+    def naming(self, tensor: str) -> NonFiniteWeightError:
+        """The same error, naming ``tensor`` (the packer that raised it did not know the name)."""
+        return NonFiniteWeightError(self.problem, tensor=tensor, index=self.index)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only arguments: rebuild from them, not from the formatted message (pickling, workers).
+        return (_rebuild_non_finite, (self.problem, self.tensor, self.index))
+
+
+def _rebuild_non_finite(problem: str, tensor: str | None, index: tuple[int, ...] | None) -> NonFiniteWeightError:
+    return NonFiniteWeightError(problem, tensor=tensor, index=index)
 
 
 class OptionError(PackCacheError, KeyError):

@@ -26,7 +26,9 @@ exact reference.
 :func:`packcache.torch.convert`, :meth:`packcache.torch.PackedLinear.from_parts` and
 :func:`packcache.models.minilm.load` (an error if the packer has no such path), or the
 environment variable ``PACKCACHE_KERNEL_PATH`` (``bf16``, ``fp32`` or ``auto``), which
-applies to every packer that has that path.
+applies to every packer that has that path. An explicit choice wins: the variable is read
+only where ``kernel_path`` is ``None`` (``"auto"`` is a choice, the rule), and an invalid
+value there is a ``ValueError`` naming it.
 
 >>> cpu_kernels().default_path in KERNEL_PATHS
 True
@@ -153,19 +155,31 @@ def cpu_kernels() -> CpuKernels:
 
 
 def requested_path(requested: str | None) -> str | None:
-    """Normalise a path request: an explicit ``requested``, else ``$PACKCACHE_KERNEL_PATH``;
-    ``None`` or ``"auto"`` means "let the rule choose".
+    """Normalise a path request: an explicit ``requested`` wins and the environment is not read;
+    ``None`` (no choice) reads ``$PACKCACHE_KERNEL_PATH`` (unset or empty: no choice either).
+    Returns the path, or ``None`` for "let the rule choose" (``"auto"``, or no choice anywhere).
 
     Raises:
-        ValueError: a value that is not a path nor ``auto`` (naming where it came from).
+        ValueError: a value that is not a path nor ``auto``, naming where it came from (the argument,
+            or the environment variable and how to get past it).
+
+    >>> requested_path("fp32"), requested_path("auto")
+    ('fp32', None)
     """
-    source = "kernel_path"
     if requested is None:
-        requested, source = os.environ.get(KERNEL_PATH_ENV) or None, KERNEL_PATH_ENV
-    if requested is None or requested == "auto":
+        value = os.environ.get(KERNEL_PATH_ENV) or None
+        if value is None or value == "auto":
+            return None
+        if value not in KERNEL_PATHS:
+            raise ValueError(
+                f"the environment variable {KERNEL_PATH_ENV}={value!r} is not a kernel path: expected one of "
+                f"{', '.join(KERNEL_PATHS)} or auto; unset it, or choose a path explicitly (kernel_path=)"
+            )
+        return value
+    if requested == "auto":
         return None
     if requested not in KERNEL_PATHS:
-        raise ValueError(f"{source}={requested!r}: expected one of {', '.join(KERNEL_PATHS)} or 'auto'")
+        raise ValueError(f"kernel_path={requested!r}: expected one of {', '.join(KERNEL_PATHS)} or 'auto'")
     return requested
 
 

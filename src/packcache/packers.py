@@ -21,6 +21,14 @@ This module imports numpy only; the packers that call torch's CPU kernels live i
 Source dtypes are safetensors codes (``"F32"``, ``"F16"``, ``"BF16"``); numpy has no
 bfloat16, so a ``BF16`` source arrives as ``uint16`` holding the raw bits.
 
+**Non-finite weights are refused.** Every packer here and in :mod:`packcache.packers_torch`
+raises :class:`~packcache.errors.NonFiniteWeightError` for a source holding NaN, +Inf or -Inf,
+or a finite value its scheme would turn into one (:func:`finite_float32`), naming the first
+position and counting the rest; :meth:`Packer.checked_pack` adds the tensor's name, and refuses
+a pack with a non-finite float part from any packer. No quantized scheme can compute what the
+float model does with such a weight (an int8 row scale of NaN, an int4 group of span Inf), and
+even the float model's answer depends on its attention kernel, so none pretends to.
+
 >>> import numpy as np
 >>> w = np.arange(6, dtype=np.float16).reshape(2, 3)
 >>> parts = TransposeFloat32().pack(w, "F16")
@@ -40,7 +48,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from .errors import PackResultError
+from .errors import NonFiniteWeightError, PackResultError
 
 __all__ = [
     "AWQ_EXPONENTS",
@@ -56,6 +64,9 @@ __all__ = [
     "fingerprint_stats",
     "platform_for",
     "dequantize_int4",
+    "finite_float32",
+    "non_finite_index",
+    "non_finite_source",
     "packed_nbytes",
     "quantize_int4_activation_aware",
     "quantize_int4_groups",
@@ -100,6 +111,116 @@ def to_float32(source: np.ndarray[Any, Any], dtype: str) -> np.ndarray[Any, Any]
     if dtype in ("F32", "F16", "F64"):
         return np.array(source, dtype=np.float32, order="C", copy=True)
     raise TypeError(f"unsupported source dtype {dtype!r}: expected F32, F16, BF16 or F64")
+
+
+#: Elements per step when scanning for non-finite values: bounds the temporary mask (1 MiB).
+_SCAN_CHUNK = 1 << 20
+
+
+def non_finite_index(array: np.ndarray[Any, Any], dtype: str = "F32") -> tuple[int, ...] | None:
+    """The position of the first NaN, +Inf or -Inf in ``array``, or ``None`` if it holds none.
+
+    ``dtype`` ``"BF16"`` reads ``array`` as bfloat16 bits (uint16, all exponent bits set); any other
+    value reads it as the float array it is. Integer arrays hold no non-finite value. Scans in chunks,
+    so the temporary memory stays at 1 MiB whatever the size.
+
+    >>> non_finite_index(np.array([[1.0, 2.0], [np.nan, 4.0]]))
+    (1, 0)
+    >>> non_finite_index(np.array([0x7F80], np.uint16), "BF16"), non_finite_index(np.ones(3, np.float16))
+    ((0,), None)
+    """
+    bf16 = dtype == "BF16"
+    if not bf16 and array.dtype.kind != "f":
+        return None
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if bf16:
+        flat = flat.view(np.uint16)
+    for start in range(0, flat.size, _SCAN_CHUNK):
+        chunk = flat[start : start + _SCAN_CHUNK]
+        # isfinite().all(): one temporary, ~0.4 ns per value (an inverted mask and any() take twice that).
+        finite = (chunk & np.uint16(0x7F80)) != np.uint16(0x7F80) if bf16 else np.isfinite(chunk)
+        if not finite.all():
+            return tuple(int(i) for i in np.unravel_index(start + int(np.argmin(finite)), array.shape))
+    return None
+
+
+def _non_finite_mask(array: np.ndarray[Any, Any], dtype: str) -> np.ndarray[Any, Any]:
+    if dtype == "BF16":
+        bits = np.ascontiguousarray(array).view(np.uint16)
+        mask: np.ndarray[Any, Any] = (bits & np.uint16(0x7F80)) == np.uint16(0x7F80)
+    else:
+        mask = ~np.isfinite(array)
+    return mask
+
+
+def _where(index: tuple[int, ...]) -> str:
+    """A position as the message says it: a 2-d weight's row and column, else the index."""
+    if len(index) == 2:
+        return f"row {index[0]}, column {index[1]}"
+    if len(index) == 1:
+        return f"index {index[0]}"
+    return f"index {index}"
+
+
+def _shown(value: float) -> str:
+    if np.isnan(value):
+        return "NaN"
+    if np.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return f"{value:.6g}"
+
+
+def _element(array: np.ndarray[Any, Any], index: tuple[int, ...], dtype: str) -> float:
+    if dtype == "BF16":
+        return float(to_float32(np.asarray(array[index]).reshape(1), "BF16")[0])
+    return float(array[index])
+
+
+def non_finite_source(
+    array: np.ndarray[Any, Any], dtype: str = "F32", *, original: np.ndarray[Any, Any] | None = None
+) -> NonFiniteWeightError:
+    """The error for a source ``array`` (read as ``dtype``) that holds a non-finite value.
+
+    ``original``: the array ``array`` was converted from (a float64 source made float32): a value
+    finite there went out of float32's range. The message names the first position and counts
+    every non-finite value (and, for a 2-d weight, the rows they are in).
+    """
+    index = non_finite_index(array, dtype)
+    assert index is not None, "non_finite_source() of a finite array"
+    value = _element(array, index, dtype)
+    if original is not None and np.isfinite(original[index]):
+        return NonFiniteWeightError(
+            f"holds {_shown(float(original[index]))} at {_where(index)}, beyond float32's range "
+            f"(it would become {_shown(value)})",
+            index=index,
+        )
+    mask = _non_finite_mask(array, dtype)
+    count = int(mask.sum())
+    counted = f"{count} non-finite value{'s' if count != 1 else ''}"
+    if mask.ndim == 2:
+        rows = int(mask.any(axis=1).sum())
+        counted += f" in {rows} row{'s' if rows != 1 else ''}"
+    return NonFiniteWeightError(f"holds {_shown(value)} at {_where(index)} ({counted})", index=index)
+
+
+def finite_float32(source: np.ndarray[Any, Any], dtype: str) -> np.ndarray[Any, Any]:
+    """:func:`to_float32`, refusing a source that holds NaN or ±Inf, or a float64 value beyond float32's
+    range: what every packer here packs from. One scan of the float32 copy.
+
+    Raises:
+        NonFiniteWeightError: naming the first position (not the tensor: :meth:`Packer.checked_pack` adds it).
+        TypeError: an unsupported ``dtype``.
+
+    >>> finite_float32(np.array([[1.0, np.inf]]), "F64")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packcache.errors.NonFiniteWeightError: the source tensor holds +Inf at row 0, column 1 (1 non-finite value ...
+    """
+    with np.errstate(over="ignore"):  # F64 beyond float32's range becomes Inf: refused just below
+        weight = to_float32(source, dtype)
+    if non_finite_index(weight) is not None:
+        raise non_finite_source(weight, original=source if dtype == "F64" else None)
+    return weight
 
 
 def fingerprint_input(shape: tuple[int, int] = FINGERPRINT_SHAPE) -> np.ndarray[Any, Any]:
@@ -217,19 +338,48 @@ class Packer:
         return {"id": self.id, "version": self.version, "params": self.params, "fingerprint": self.fingerprint()}
 
     def checked_pack(
-        self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None
+        self,
+        source: np.ndarray[Any, Any],
+        dtype: str,
+        stats: np.ndarray[Any, Any] | None = None,
+        *,
+        name: str | None = None,
     ) -> Parts:
-        """:meth:`pack`, then check that every part is a plain self-contained array.
+        """:meth:`pack`, then check that every part is a plain self-contained array holding no NaN or Inf.
+
+        ``name`` (the source tensor's name) is what a refusal names.
 
         Raises:
             PackResultError: a part is missing, extra, or not a cacheable array.
+            NonFiniteWeightError: the source holds NaN or ±Inf, or a value this packer's scheme would
+                turn into one, or the pack has a non-finite float part (whichever packer made it).
         """
-        packed = self.pack(source, dtype, stats) if self.uses_stats else self.pack(source, dtype)
+        try:
+            packed = self.pack(source, dtype, stats) if self.uses_stats else self.pack(source, dtype)
+        except NonFiniteWeightError as error:
+            if name is None or error.tensor is not None:
+                raise
+            raise error.naming(name) from None
         if not isinstance(packed, dict) or set(packed) != set(self.parts):
             got = sorted(packed) if isinstance(packed, dict) else type(packed).__name__
             raise PackResultError(f"packer {self.id} must return the parts {list(self.parts)}, got {got}")
         for part, array in packed.items():
             check_self_contained(array, f"{self.id}:{part}")
+        # packcache's own pack() methods refuse before this (a second scan of a cold pack costs ~0.4 ns per
+        # value); a packer whose pack() is anyone else's, a subclass's override included, is checked here.
+        own = getattr(type(self).pack, "__module__", None) in _REFUSING_MODULES
+        for part in () if own else self.parts:
+            index = non_finite_index(packed[part])
+            if index is not None:
+                if dtype in ("F16", "F32", "F64", "BF16") and non_finite_index(source, dtype) is not None:
+                    refused = non_finite_source(source, dtype)  # the packer passed the source's NaN or Inf on
+                    raise refused if name is None else refused.naming(name)
+                raise NonFiniteWeightError(
+                    f"is finite, but packer {self.id} made its part {part!r} hold "
+                    f"{_shown(float(packed[part][index]))} at {_where(index)}",
+                    tensor=name,
+                    index=index,
+                )
         return packed
 
     def __repr__(self) -> str:
@@ -238,6 +388,8 @@ class Packer:
 
 
 _CACHEABLE_KINDS = "biuf"
+#: Modules whose packers' pack() refuses non-finite values itself (:func:`finite_float32` and the quantizers).
+_REFUSING_MODULES = frozenset({"packcache.packers", "packcache.packers_torch"})
 
 
 def check_self_contained(array: object, what: str) -> None:
@@ -330,7 +482,7 @@ class Float32(Packer):
     version = 1
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
-        return {"weight": to_float32(source, dtype)}
+        return {"weight": finite_float32(source, dtype)}
 
 
 class TransposeFloat32(Packer):
@@ -346,7 +498,7 @@ class TransposeFloat32(Packer):
         return None if len(shape) == 2 else f"needs a 2-d weight, got shape {list(shape)}"
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
-        return {"weight": np.ascontiguousarray(to_float32(source, dtype).T)}
+        return {"weight": np.ascontiguousarray(finite_float32(source, dtype).T)}
 
 
 class Int8PerChannel(Packer):
@@ -356,24 +508,37 @@ class Int8PerChannel(Packer):
     float32 ``[out]``; the weight is ``weight * scales[:, None]``. A row's scale is
     its largest magnitude / 127 (1.0 for an all-zero row). This is exactly the
     operand layout of ``torch._weight_int8pack_mm``.
+
+    Version 2 refuses NaN and ±Inf (version 1 packed a NaN row as an all-zero channel);
+    finite packs are byte-identical, but caches of version 1 are rebuilt once.
     """
 
     id = "np.int8c"
-    version = 1
+    version = 2
     parts = ("weight", "scales")
 
     def eligible(self, shape: tuple[int, ...]) -> str | None:
         return None if len(shape) == 2 else f"needs a 2-d weight, got shape {list(shape)}"
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
-        weight, scales = quantize_int8_rows(to_float32(source, dtype))
+        weight, scales = quantize_int8_rows(finite_float32(source, dtype))
         return {"weight": weight, "scales": scales}
 
 
 def quantize_int8_rows(w: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """Round-to-nearest symmetric int8 per row of float32 ``w``: ``(int8 weight, float32 scales)``."""
+    """Round-to-nearest symmetric int8 per row of float32 ``w``: ``(int8 weight, float32 scales)``.
+
+    Raises:
+        NonFiniteWeightError: ``w`` holds NaN or ±Inf (a NaN row scale would pick the all-zero-row
+            scale and turn the row into a finite channel of zeros).
+    """
     amax = np.abs(w).max(axis=1) if w.shape[1] else np.zeros(w.shape[0], np.float32)
-    scales = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    if not np.isfinite(amax).all():  # NaN propagates through max and Inf is its own: no extra pass
+        raise non_finite_source(w)
+    step = amax / np.float32(127.0)
+    # A row of subnormals (largest magnitude below ~1.8e-43) has a step of 0: it packs as zeros, like an
+    # all-zero row, instead of dividing by zero.
+    scales = np.where(step > 0, step, np.float32(1.0)).astype(np.float32)
     q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
     return q, scales
 
@@ -408,11 +573,17 @@ def quantize_int4_groups(
        fitted ``(s, m)`` and re-fit, keeping the result only if the error drops.
 
     Deterministic, and never worse than plain round-to-nearest (the ``r = 1.0`` candidate).
+    A non-finite ``w`` is refused, and so is a group whose range overflows float32 (its scale
+    or offset would be Inf).
 
     Returns ``(codes uint8 [out, in], scales float32 [in/g, out], zeros float32
     [in/g, out])`` with ``x ~ (q - zero_code) * scale + zero``: ``zero_code=8`` is
     the convention of torch's int4 CPU kernel. The final codes are rounded against
     the float32 scale and zero actually stored.
+
+    Raises:
+        NonFiniteWeightError: ``w`` holds NaN or ±Inf (or float64 beyond float32's range), or a
+            group's range overflows float32 (``index`` is then ``(row, group)``).
 
     >>> codes, scales, zeros = quantize_int4_groups(np.linspace(-1, 1, 32, dtype=np.float32)[None], 32)
     >>> codes.shape, scales.shape, int(codes.min()), int(codes.max())
@@ -423,7 +594,8 @@ def quantize_int4_groups(
         raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
     shape = (out_features, in_features // group_size, group_size)
     # float32 search (half the memory traffic of float64); sums over one group of <= 128 stay exact enough.
-    x = np.asarray(w, dtype=np.float32).reshape(shape)
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes Inf: refused below
+        x = np.asarray(w, dtype=np.float32).reshape(shape)
     if importance is None:
         d = np.ones((1, shape[1], group_size), np.float32)
     else:
@@ -433,6 +605,37 @@ def quantize_int4_groups(
         # Normalised to a peak of 1; a feature never seen still counts a little.
         d = (raw / peak + 1e-6).astype(np.float32).reshape(1, shape[1], group_size)
     lo, hi = x.min(axis=2, keepdims=True), x.max(axis=2, keepdims=True)
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):  # NaN and Inf reach min/max: no extra pass
+        raise non_finite_source(x.reshape(out_features, in_features), original=np.asarray(w))
+    # A range beyond float32 is refused below; a range of subnormals (a step of 0) ends as finite codes.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        codes, scales, zeros = _int4_search(x, lo, hi, d, zero_code, refine)
+    if not (np.isfinite(scales).all() and np.isfinite(zeros).all()):
+        row, group = (int(i) for i in np.argwhere(~(np.isfinite(scales) & np.isfinite(zeros))[:, :, 0])[0])
+        first = group * group_size
+        raise NonFiniteWeightError(
+            f"holds values at row {row}, group {group} (columns {first}-{first + group_size - 1}) whose range "
+            f"({float(lo[row, group, 0]):.6g} to {float(hi[row, group, 0]):.6g}) overflows float32: "
+            "int4 cannot hold them",
+            index=(row, group),
+        )
+    return (
+        codes.reshape(out_features, in_features),
+        np.ascontiguousarray(scales[:, :, 0].T),
+        np.ascontiguousarray(zeros[:, :, 0].T),
+    )
+
+
+def _int4_search(
+    x: np.ndarray[Any, Any],
+    lo: np.ndarray[Any, Any],
+    hi: np.ndarray[Any, Any],
+    d: np.ndarray[Any, Any],
+    zero_code: int,
+    refine: int,
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The search of :func:`quantize_int4_groups` over ``x [out, groups, g]``: codes ``[out, groups, g]``,
+    scales and zeros ``[out, groups, 1]``."""
     span = hi - lo
     flat = span <= 0
     safe_span = np.where(flat, 1.0, span)
@@ -474,8 +677,9 @@ def quantize_int4_groups(
     s64 = scales.astype(np.float64)
     m64 = zeros.astype(np.float64) - zero_code * s64
     codes = np.clip(np.rint((x - m64) / np.where(flat, 1.0, s64)), 0, 15)
-    codes = np.where(flat, zero_code, codes).astype(np.uint8).reshape(out_features, in_features)
-    return codes, np.ascontiguousarray(scales[:, :, 0].T), np.ascontiguousarray(zeros[:, :, 0].T)
+    # A group whose scale overflowed has NaN codes here: it is refused by the caller, never cast.
+    codes = np.where(flat | ~np.isfinite(codes), zero_code, codes).astype(np.uint8)
+    return codes, scales, zeros
 
 
 def dequantize_int4(
@@ -504,8 +708,21 @@ def quantize_int4_activation_aware(
 
     Returns ``(codes, scales, zeros, input_scales)``: the layer computes
     ``(x * input_scales) @ dequant(codes, scales, zeros)^T``; ``input_scales = 1 / c`` (float32 ``[in]``).
+
+    Raises:
+        NonFiniteWeightError: ``w`` holds NaN or ±Inf, or a group's range overflows float32 (as
+            :func:`quantize_int4_groups` with ``alpha = 0``; an ``alpha`` whose column scales push a
+            group beyond float32 is only left out of the search), or ``second_moment`` holds NaN or
+            ±Inf (the float model computes them on the calibration texts).
     """
     h = np.asarray(second_moment, dtype=np.float64)
+    bad = non_finite_index(h)
+    if bad is not None:
+        raise NonFiniteWeightError(
+            f"has non-finite calibration statistics: E[x x^T] of the layer's input holds {_shown(float(h[bad]))} "
+            f"at {_where(bad)}, so the float model computes NaN or Inf on the calibration texts",
+            index=bad,
+        )
     energy = np.clip(np.diag(h), 0.0, None)
     rms = np.sqrt(energy)
     positive = rms > 0
@@ -516,12 +733,18 @@ def quantize_int4_activation_aware(
     for alpha in AWQ_EXPONENTS:
         inv = (1.0 / base**alpha).astype(np.float32)
         column = 1.0 / inv.astype(np.float64)  # the scale the float32 input scale really undoes
-        result = quantize_int4_groups(
-            w64 * column, group_size, zero_code=zero_code, importance=energy / (column * column)
-        )
+        try:
+            result = quantize_int4_groups(
+                w64 * column, group_size, zero_code=zero_code, importance=energy / (column * column)
+            )
+        except NonFiniteWeightError:
+            if alpha == 0.0:  # the weight itself: refused
+                raise
+            continue  # only this alpha's column scales push a group beyond float32
         delta = dequant = dequantize_int4(*result, zero_code=zero_code)
         delta = dequant / column - w64
-        err = float(np.sum((delta @ h) * delta))
+        with np.errstate(over="ignore", invalid="ignore"):  # a huge error is Inf: it loses, never raises
+            err = float(np.sum((delta @ h) * delta))
         if best is None or err < best[0]:
             best = (err, result, inv)
     assert best is not None

@@ -14,6 +14,9 @@ Their :meth:`~packcache.packers.Packer.platform_tags` name the torch version and
 ``torch.backends.cpu.get_cpu_capability()``: the int4 layout is blocked differently
 per CPU capability, and the behavioural fingerprint catches a layout change in a new torch.
 
+Every packer refuses a source holding NaN or ±Inf, or a finite value its scheme would turn
+into one (:class:`~packcache.errors.NonFiniteWeightError`, see :mod:`packcache.packers`).
+
 Each packer also owns its forward (:meth:`TorchPacker.linear`), on each kernel path of
 :mod:`packcache.kernels` it supports (:attr:`TorchPacker.paths`). :class:`packcache.torch.PackedLinear`
 only delegates to it. The path is a runtime choice: it changes neither the packed bytes
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import PackResultError
+from .errors import NonFiniteWeightError, PackResultError
 from .kernels import KERNEL_PATHS, activation_dtype, cpu_kernels, int4_layout, requested_path
 from .packers import (
     Packer,
@@ -44,6 +47,9 @@ from .packers import (
     dequantize_int4,
     fingerprint_input,
     fingerprint_stats,
+    finite_float32,
+    non_finite_index,
+    non_finite_source,
     quantize_int4_activation_aware,
     quantize_int4_groups,
     quantize_int8_rows,
@@ -172,18 +178,14 @@ class TorchPacker(Packer):
     def platform_tags(self) -> dict[str, Any]:
         return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
-    def fingerprint(self) -> str:
-        digest = super().fingerprint()
-        self.check_path(self.kernel_path(None))
-        return digest
-
     def check_path(self, path: str) -> None:
         """Run :func:`_self_check` on kernel ``path`` once per process per packer identity.
 
-        The platform fingerprint checks the path this process runs by default (the machine's
-        rule or ``$PACKCACHE_KERNEL_PATH``); :meth:`PackedLinear.from_parts
-        <packcache.torch.PackedLinear.from_parts>` checks a path forced on a layer. A path no layer
-        runs is not checked: its kernels' first calls cost tens of milliseconds at every launch.
+        :meth:`PackedLinear.from_parts <packcache.torch.PackedLinear.from_parts>` checks the path
+        each layer runs, before the layer exists. The fingerprint checks no path: it is the same on
+        every path, and a path is the caller's choice (an explicit ``kernel_path``, else
+        ``$PACKCACHE_KERNEL_PATH``, else the machine's rule), which the fingerprint does not know. A
+        path no layer runs is not checked: its kernels' first calls cost tens of milliseconds.
 
         Raises:
             PackResultError: the kernel does not compute what the layout means on ``path``.
@@ -214,12 +216,13 @@ class TorchPacker(Packer):
     def kernel_path(self, requested: str | None = None) -> str:
         """The path a layer of this packer runs.
 
-        ``requested`` (``bf16``, ``fp32``, or ``None``/``"auto"`` for the rule of
-        :mod:`packcache.kernels`); ``None`` also reads ``$PACKCACHE_KERNEL_PATH``, which
-        applies only if this packer has that path.
+        ``requested`` (``bf16``, ``fp32``, or ``"auto"`` for the rule of :mod:`packcache.kernels`)
+        is an explicit choice and wins; ``None`` (no choice) reads ``$PACKCACHE_KERNEL_PATH``, which
+        applies only if this packer has that path, else the rule. The environment is read only for ``None``.
 
         Raises:
-            ValueError: an explicitly requested path this packer does not have, or an unknown one.
+            ValueError: an explicitly requested path this packer does not have, an unknown one, or
+                (for ``None``) a ``$PACKCACHE_KERNEL_PATH`` that is not a path nor ``auto``.
         """
         path = requested_path(requested)
         if path is not None and path not in self.paths:
@@ -325,7 +328,7 @@ class LinearFloat32(TorchPacker):
         return _two_d(shape)
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
-        weight = torch.from_numpy(to_float32(source, dtype))
+        weight = torch.from_numpy(finite_float32(source, dtype))
         return {"weight": tensor_to_numpy(weight.contiguous(), f"{self.id}:weight")}
 
     def intended(
@@ -355,9 +358,20 @@ class LinearBFloat16(TorchPacker):
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
         if dtype == "BF16":
+            if non_finite_index(source, "BF16") is not None:
+                raise non_finite_source(source, "BF16")
             weight = torch.from_numpy(np.ascontiguousarray(source).view(np.int16).copy()).view(torch.bfloat16)
         else:
-            weight = torch.from_numpy(to_float32(source, dtype)).to(torch.bfloat16)
+            finite = finite_float32(source, dtype)
+            weight = torch.from_numpy(finite).to(torch.bfloat16)
+            index = non_finite_index(weight.view(torch.int16).numpy(), "BF16")
+            if index is not None:  # above bfloat16's largest finite value (~3.39e38), rounding gives Inf
+                raise NonFiniteWeightError(
+                    f"holds {float(finite[index]):.6g} at row {index[0]}, column {index[1]}, which rounds to "
+                    f"{'+' if finite[index] > 0 else '-'}Inf in bfloat16 (largest finite: "
+                    f"{float(torch.finfo(torch.bfloat16).max):.6g})",
+                    index=index,
+                )
         return {"weight": tensor_to_numpy(weight.contiguous(), f"{self.id}:weight")}
 
     def intended(
@@ -380,6 +394,9 @@ class LinearBFloat16(TorchPacker):
 class Int8WeightOnly(TorchPacker):
     """Per-channel symmetric int8, the operands of ``torch._weight_int8pack_mm(x, weight, scales)``.
 
+    Version 2 refuses NaN and ±Inf (version 1 packed a NaN row as an all-zero channel); finite
+    packs are byte-identical, but caches of version 1 are rebuilt once.
+
     Up to :attr:`fused_max_rows` rows that fused kernel, on bf16 activations (its only vectorised
     variant; it also needs ``in_features % 16 == 0``); for more rows the weight is converted to the
     path's dtype once per call (bf16 on path ``bf16``, float32 on path ``fp32``) for ``linear``,
@@ -387,7 +404,7 @@ class Int8WeightOnly(TorchPacker):
     """
 
     id = "torch.int8wo"
-    version = 1
+    version = 2
     parts = ("weight", "scales")
     fused_max_rows = FUSED_MAX_ROWS_INT8
 
@@ -395,7 +412,7 @@ class Int8WeightOnly(TorchPacker):
         return _two_d(shape)
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
-        weight, scales = quantize_int8_rows(to_float32(source, dtype))
+        weight, scales = quantize_int8_rows(finite_float32(source, dtype))
         return {
             "weight": tensor_to_numpy(torch.from_numpy(weight), f"{self.id}:weight"),
             "scales": tensor_to_numpy(torch.from_numpy(scales), f"{self.id}:scales"),
@@ -503,7 +520,7 @@ class Int4WeightOnly(TorchPacker):
         reason = self.eligible(tuple(source.shape))
         if reason is not None:
             raise ValueError(f"{self.id}: {reason}")
-        weight = to_float32(source, dtype)
+        weight = finite_float32(source, dtype)
         if stats is not None and self.activation_aware:
             return quantize_int4_activation_aware(weight, self.group_size, stats, zero_code=8)
         codes, scales, zeros = quantize_int4_groups(weight, self.group_size, zero_code=8)

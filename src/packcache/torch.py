@@ -371,7 +371,7 @@ def load_parts(
             nonlocal packed
             if packed is None:
                 layer_stats = stats() if use_stats and stats is not None else None
-                packed = packer.checked_pack(read(), meta.dtype, layer_stats)
+                packed = packer.checked_pack(read(), meta.dtype, layer_stats, name=name)
             return packed[part]
 
         return pack
