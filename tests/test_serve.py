@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -801,3 +802,42 @@ def _refuse_shared_metrics_dir(base: Path) -> None:
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
     assert "other users can write" in done.stderr and "listening" not in done.stdout, done.stderr[-2000:]
     assert (shared / "a.db").is_symlink() and victim.read_bytes() == b"keep"
+
+
+def test_the_sentence_transformers_engine_never_reaches_a_hub_whatever_hf_hub_offline_says() -> None:
+    """The baseline engine promises a local directory, never a hub. It only defaulted
+    ``HF_HUB_OFFLINE=1``, so an operator's ``HF_HUB_OFFLINE=0`` let ``--model org/name`` download.
+    A real listener stands in for the hub (``HF_ENDPOINT``); the worker's load must fail without
+    one connection to it."""
+    hub = socket.socket()
+    hub.bind(("127.0.0.1", 0))
+    hub.listen(16)
+    hub.settimeout(0.2)
+    code = (
+        "import json\n"
+        "from packcache.server.engines import EngineSpec, load_engine\n"
+        "try:\n"
+        "    load_engine(EngineSpec(engine='sentence-transformers', model='someorg/some-model'))\n"
+        "    print(json.dumps('loaded'))\n"
+        "except Exception as e:\n"
+        "    print(json.dumps(type(e).__name__))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+           "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}", "HF_HOME": tempfile.mkdtemp()}  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    connections = 0
+    try:
+        while child.poll() is None:
+            with contextlib.suppress(TimeoutError):
+                conn, _ = hub.accept()
+                connections += 1
+                conn.close()
+        out, err = child.communicate(timeout=120)
+    finally:
+        hub.close()
+        if child.poll() is None:
+            child.kill()
+        shutil.rmtree(env["HF_HOME"], ignore_errors=True)
+    assert connections == 0, f"the engine asked the hub {connections} times"
+    assert child.returncode == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1]) != "loaded", out

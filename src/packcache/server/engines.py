@@ -136,7 +136,9 @@ def preimport(engine: str) -> None:
     fork stays safe; each worker loads its own weights after the fork.
     """
     if engine == "sentence-transformers":
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only: never a hub
+        # A local directory only, never a hub: forced, not defaulted, so an operator's
+        # HF_HUB_OFFLINE=0 cannot turn ``--model org/name`` into a download.
+        os.environ["HF_HUB_OFFLINE"] = "1"
         import sentence_transformers  # noqa: F401
     importlib.import_module("packcache.models.minilm")
 
@@ -162,12 +164,13 @@ def load_engine(spec: EngineSpec) -> Engine:
             _prefault(model.encoder)
         return engine
     if spec.engine == "sentence-transformers":
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ["HF_HUB_OFFLINE"] = "1"
         from sentence_transformers import SentenceTransformer
 
         path = spec.model or str(minilm.default_model_path())
         started = time.perf_counter()
-        model = SentenceTransformer(path, device="cpu")
+        # local_files_only too: huggingface_hub reads HF_HUB_OFFLINE once, when it is imported.
+        model = SentenceTransformer(path, device="cpu", local_files_only=True)
         return _SentenceTransformers(model, time.perf_counter() - started)
     raise ValueError(f"unknown engine {spec.engine!r}: expected one of {', '.join(ENGINES)}")
 
