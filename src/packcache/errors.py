@@ -13,6 +13,7 @@ catch either::
     ├── OptionValueError(ValueError)      an option value out of range
     │   └── OptionTypeError(TypeError)    an option value of the wrong type
     ├── PackResultError(TypeError)        ``pack()`` returned something uncacheable
+    ├── RemoteError(OSError)              a store, manifest or published file could not be used
     ├── SessionError(RuntimeError)        a session used wrongly (nested, closed)
     └── UntrustedFileError(PermissionError)  a file fails the trust check (owner, mode, kind)
 
@@ -37,6 +38,7 @@ __all__ = [
     "PackCacheError",
     "PackResultError",
     "ReadOnlyOptionError",
+    "RemoteError",
     "SessionError",
     "UntrustedFileError",
 ]
@@ -135,6 +137,40 @@ class OptionTypeError(OptionValueError, TypeError):
 
 class PackResultError(PackCacheError, TypeError):
     """``pack()`` returned something that is not a cacheable numpy array."""
+
+
+class RemoteError(PackCacheError, OSError):
+    """A fleet store, a manifest or a published cache file could not be used (docs/FLEET.md).
+
+    ``reason`` is one of :data:`packcache.stats.REMOTE_REASONS` (``remote_absent``,
+    ``remote_error``, ``remote_timeout``, ...). A model load never raises it: a cache with
+    ``remote=`` counts it as a remote miss and packs locally. ``publish``, ``fetch`` and
+    ``probe`` (the command line and the library calls behind them) raise it.
+
+    Attributes:
+        reason: the remote miss reason.
+        url: the store URL or key the problem is about, when known.
+        errno: the OS error number (``0`` when there is none, e.g. an HTTP status).
+    """
+
+    def __init__(self, reason: str, message: str, *, url: str | None = None, errno: int = 0) -> None:
+        self.reason = reason
+        self.url = url
+        super().__init__(f"{reason}: {url + ': ' if url else ''}{message}")
+        # After super().__init__: OSError's constructor sets errno from its arguments (to None here).
+        self.errno = errno
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_remote, (self.reason, str(self.args[0]), self.url, self.errno))
+
+
+def _rebuild_remote(reason: str, text: str, url: str | None, errno: int) -> RemoteError:
+    error = RemoteError(reason, "", url=url, errno=errno)
+    error.args = (text,)
+    return error
 
 
 class SessionError(PackCacheError, RuntimeError):

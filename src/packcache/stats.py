@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "FAILURE_REASONS",
+    "REMOTE_REASONS",
     "CacheState",
     "CacheStats",
     "HeapReason",
@@ -53,6 +54,21 @@ FAILURE_REASONS = frozenset(
         HeapReason.MAP_FAILED,
         HeapReason.UNTRUSTED,
     }
+)
+
+
+#: Why a cache with ``remote=`` did not get its file from the store (docs/FLEET.md). Every key is
+#: always present in ``CacheStats.remote_misses_by_reason``.
+REMOTE_REASONS = (
+    "remote_absent",  # no manifest for this (model, platform class), or its blob is missing
+    "remote_error",  # the store failed: down, refused, 403, 5xx, a malformed answer
+    "remote_timeout",  # the store did not answer within remote_timeout (the total for one fetch)
+    "remote_untrusted",  # the manifest is unsigned (without allow_unsigned), or no trusted key signed it
+    "remote_stale",  # the manifest expired, or is older than one this machine already accepted
+    "remote_incompatible",  # the manifest or the blob's header is for another model or platform class
+    "remote_corrupt",  # the blob's size or sha256 is not the manifest's, or the file fails verification
+    "remote_no_space",  # not enough free space for the blob, or ENOSPC/EDQUOT/EFBIG while writing it
+    "remote_write_failed",  # the cache directory cannot take the file (read-only, permissions, ...)
 )
 
 
