@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .stats import FAILURE_REASONS, CacheStats, HeapReason, derive_state, dominant_reason, zero_reasons
+from .stats import (
+    FAILURE_REASONS,
+    CacheStats,
+    HeapReason,
+    derive_state,
+    dominant_reason,
+    zero_reasons,
+    zero_remote_reasons,
+)
 
 if TYPE_CHECKING:
     from ._store import Fault  # a type only: the ledger records faults, the file layer makes them
@@ -71,6 +79,11 @@ class Ledger:
         self.map_seconds = 0.0
         self.blocking: Fault | None = None  # the file cannot be opened or trusted
         self.commit_fault: Fault | None = None  # the last commit failed
+        self.remote = {"hits": 0, "bytes": 0}
+        self.remote_seconds = 0.0
+        self.remote_misses = zero_remote_reasons()
+        self.remote_errno = 0
+        self.remote_error = ""
         self.logged: set[str] = set()
         self.cached: tuple[int, bool, CacheStats] | None = None
 
@@ -188,6 +201,22 @@ class Ledger:
         else:
             logger.debug("packcache: %s: packs go to heap (%s)", reason.value, message)
 
+    def remote_result(self, *, nbytes: int, seconds: float, miss: str | None = None, err: int = 0,
+                      message: str = "") -> None:  # fmt: skip
+        """Count one fetch from the store: a hit (``miss`` None) or a miss for reason ``miss``
+        (one of :data:`packcache.stats.REMOTE_REASONS`), with its errno and message."""
+        self.seq += 1
+        try:
+            self.remote["bytes"] += nbytes
+            self.remote_seconds += seconds
+            if miss is None:
+                self.remote["hits"] += 1
+            else:
+                self.remote_misses[miss] += 1
+                self.remote_errno, self.remote_error = err, message
+        finally:
+            self.seq += 1
+
     def first(self, what: str) -> bool:
         if what in self.logged:
             return False
@@ -238,4 +267,10 @@ class Ledger:
             map_seconds=self.map_seconds,
             path=path,
             failing=failing,
+            remote_hits=self.remote["hits"],
+            remote_bytes=self.remote["bytes"],
+            remote_seconds=self.remote_seconds,
+            remote_misses_by_reason=dict(self.remote_misses),
+            remote_errno=self.remote_errno,
+            remote_error=self.remote_error,
         )

@@ -22,6 +22,7 @@ and never see a half-made change.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -39,9 +40,9 @@ from . import format as fmt
 from ._ledger import Held, Ledger
 from ._registry import DEFAULTS, aggregate_stats, live_caches, register, unregister
 from ._store import Fault, FileStore
-from .errors import PackResultError, SessionError
+from .errors import PackResultError, RemoteError, SessionError
 from .options import get_instance_option, set_instance_option
-from .stats import FAILURE_REASONS, CacheStats, HeapReason
+from .stats import FAILURE_REASONS, REMOTE_REASONS, CacheStats, HeapReason
 
 __all__ = ["Session", "WeightCache", "aggregate_stats", "live_caches"]
 
@@ -122,6 +123,16 @@ class WeightCache:
         verify: check each hit's checksum before serving it (reads every page of
             the pack, so off by default); a pack that fails is packed and stored again.
             The process-wide option ``packed_cache_verify`` forces it on too.
+        remote: a store URL (``s3://bucket/prefix``, ``gs://...``, ``file:///dir`` or a plain
+            directory; docs/FLEET.md). At a session's first miss, before packing, the cache fetches
+            the file published there for its model (the file's name without ``.pcache``) and this
+            platform, checked, into ``path``. A clean local hit never asks the store; a store
+            problem is a counted remote miss (``CacheStats.remote_misses_by_reason``), never an
+            error: the load packs locally.
+        remote_timeout: seconds for everything one fetch asks the store (manifest, header, blob).
+        trusted_keys: ed25519 public keys (SubjectPublicKeyInfo PEM: ``bytes`` of the PEM, or the
+            path of a ``.pub.pem`` file); one of them must have signed the manifest.
+        allow_unsigned: accept manifests nobody signed (a private store you trust as it is).
 
     Raises:
         ValueError/TypeError: for invalid arguments (an empty path, a writable mode, ...),
@@ -148,6 +159,10 @@ class WeightCache:
         file_mode: int = 0o600,
         dir_mode: int = 0o700,
         verify: bool = False,
+        remote: str | os.PathLike[str] | None = None,
+        remote_timeout: float = 10.0,
+        trusted_keys: Sequence[bytes | str | os.PathLike[str]] = (),
+        allow_unsigned: bool = False,
     ) -> None:
         platform_bytes = fmt.canonical_key(platform)
         fmt.check_new_file(alignment, platform_bytes)
@@ -161,6 +176,23 @@ class WeightCache:
         self.lock_timeout = _check_timeout(DEFAULTS["lock_timeout"] if lock_timeout is None else lock_timeout)
         self.enabled = (DEFAULTS["enabled"] if enabled is None else bool(enabled)) and self.path is not None
         self.verify = bool(verify) or bool(DEFAULTS["verify"])
+        self.remote = os.fspath(remote) if remote is not None else None
+        if self.remote is not None and (not isinstance(self.remote, str) or not self.remote or "\0" in self.remote):
+            raise ValueError(f"remote must be a store URL or directory, got {remote!r}")
+        if (
+            isinstance(remote_timeout, bool)
+            or not isinstance(remote_timeout, (int, float))
+            or not (math.isfinite(remote_timeout) and remote_timeout > 0)
+        ):
+            raise ValueError(f"remote_timeout must be a finite number of seconds > 0, got {remote_timeout!r}")
+        self.remote_timeout = float(remote_timeout)
+        if isinstance(trusted_keys, (str, bytes, os.PathLike)):
+            raise TypeError("trusted_keys is a list of keys (PEM bytes or paths), not one key")
+        self.trusted_keys: tuple[bytes | str, ...] = tuple(
+            k if isinstance(k, bytes) else os.fspath(k) for k in trusted_keys
+        )  # fmt: skip
+        self.allow_unsigned = bool(allow_unsigned)
+        self._remote_tried = False
         self._seat = _Seat()
         self._finalized = False
         self._store: FileStore | None = None
@@ -708,6 +740,9 @@ class Session:
                 if store.locked or self._lock_fault is not None:
                     return  # another thread of this session got it (or failed) meanwhile
             timeout = self._cache.lock_timeout
+            if self._cache.remote is not None and not self._cache._remote_tried:
+                self._cache._remote_tried = True
+                self._fetch_remote()
             try:
                 store.take_lock(timeout)
             except Fault as fault:
@@ -717,6 +752,45 @@ class Session:
             with self._mutex:
                 store.hold_lock(timeout)
                 self._refresh()
+
+    def _fetch_remote(self) -> None:
+        """The first miss of a cache with ``remote=``: fetch the published file before building one.
+
+        Runs before the build lock is taken (the fetch takes it itself, so one process per
+        machine downloads and the others find the file there), without the mutex: other threads
+        keep serving hits meanwhile. The file lands by rename; the caller's refresh maps it.
+        Every problem is counted as a remote miss and logged once per reason: the load goes on.
+        """
+        cache, ledger = self._cache, self._ledger
+        assert cache.path is not None and cache.remote is not None
+        started = time.perf_counter()
+        try:
+            from .fleet.fetch import fetch, load_trusted_keys
+
+            report = fetch(
+                cache.remote, cache.path, platform=cache.platform, trusted_keys=load_trusted_keys(cache.trusted_keys),
+                allow_unsigned=cache.allow_unsigned, timeout=cache.remote_timeout, lock_timeout=cache.lock_timeout,
+            )  # fmt: skip
+        except RemoteError as exc:
+            reason, err, message = exc.reason, exc.errno or 0, str(exc)
+        except ImportError as exc:
+            reason, err, message = "remote_error", 0, f"{exc} (remote= needs: pip install 'packcache[fleet]')"
+        except Exception as exc:  # a store problem must never fail a model load
+            logger.debug("packcache: unexpected error fetching %s", cache.remote, exc_info=True)
+            reason, err, message = "remote_error", getattr(exc, "errno", 0) or 0, f"{type(exc).__name__}: {exc}"
+        else:
+            ledger.remote_result(nbytes=report.bytes, seconds=time.perf_counter() - started)
+            logger.info(
+                "packcache: %s %s from %s (generation %d, %d bytes read)", "fetched" if report.downloaded else "found",
+                cache.path, cache.remote, report.generation, report.bytes,
+            )  # fmt: skip
+            return
+        if reason not in REMOTE_REASONS:
+            reason = "remote_error"
+        ledger.remote_result(nbytes=0, seconds=time.perf_counter() - started, miss=reason, err=err, message=message)
+        if ledger.first(reason):
+            name = errno.errorcode.get(err, "no errno") if err else "no errno"
+            logger.warning("packcache: %s [%s]: %s; packing locally", reason, name, message)
 
     def _reuse_heap(self, name: str, digest: bytes, route: _Route) -> np.ndarray[Any, Any] | None:
         """Still failing since an earlier session: serve the heap copy already held, not a second one."""

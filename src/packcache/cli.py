@@ -329,8 +329,9 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         before = smaps_rollup()
         started = time.perf_counter()
         with _Progress(total, sys.stderr):
+            cache = _cache_arg(args, path, minilm.platform(scheme))
             model = minilm.load(
-                scheme=scheme, cache=path, model_path=args.model, tokenizer=tokenizer, kernel_path=kernel_path
+                scheme=scheme, cache=cache, model_path=args.model, tokenizer=tokenizer, kernel_path=kernel_path
             )
     except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
         # A cache problem never lands here (it is reported in the stats); a bad model path does.
@@ -368,11 +369,13 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         f"embedding     {speed['texts']} texts: {speed['median_ms']:.1f} ms ({speed['texts_per_second']:.0f} texts/s), "
         f"first call {speed['first_ms']:.1f} ms",
         *loaded.lines[3:],
+        *_remote_line(model.cache.stats(), args.remote),
         f"embeddings    {tuple(embeddings.shape)}",
         *loaded.warning_lines,
     ]
     out.emit(data, "\n".join(lines))
     model.close()
+    model.cache.close()  # the loader closes only a cache it opened; with --remote this one is ours
     return EXIT_OK
 
 
@@ -459,8 +462,9 @@ def _build_with_hf(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any
     total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
 
     def load() -> _Built:
+        cache = _cache_arg(args, path, hf.platform(scheme, args.group_size))
         model = hf.from_pretrained(
-            args.checkpoint, scheme, path, auto_class=args.auto_class, group_size=args.group_size
+            args.checkpoint, scheme, cache, auto_class=args.auto_class, group_size=args.group_size
         )
         return _Built(model.packcache, hf.load_report(model), type(model).__name__, args.auto_class)
 
@@ -474,7 +478,7 @@ def _build_with_minilm(args: argparse.Namespace, scheme: str) -> tuple[str, int,
     total = minilm.pack_count(scheme, **where)
 
     def load() -> _Built:
-        model = minilm.load(scheme, cache=path, **where)
+        model = minilm.load(scheme, cache=_cache_arg(args, path, minilm.platform(scheme, args.group_size)), **where)
         return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, as run/serve --model")
 
     return path, total, load
@@ -524,6 +528,7 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
         f"layers        {len(report.converted)} packed, {len(report.ineligible)} not"
         + (f" ({sanitize(ineligible)})" if ineligible else ""),
         *loaded.lines[3:],
+        *_remote_line(stats, args.remote),
         *loaded.warning_lines,
     ]
     out.emit(data, "\n".join(lines))
@@ -562,6 +567,8 @@ def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
     engine = EngineSpec(
         engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path,
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
+        remote=args.remote if path is not None else None, remote_timeout=args.remote_timeout,
+        trusted_keys=tuple(args.trusted_key), allow_unsigned=args.allow_unsigned,
     )  # fmt: skip
     limits = Limits(
         max_texts=args.max_texts, max_text_chars=args.max_text_chars, max_body_bytes=args.max_body_bytes,
@@ -580,6 +587,125 @@ def cmd_serve(args: argparse.Namespace, out: _Out) -> int:
         print("packcache serve: the server stopped with an error (a worker could not load the model, or the "
               "address could not be bound; see the log above)", file=sys.stderr)  # fmt: skip
     return code
+
+
+# --------------------------------------------------------------------------- fleet: publish and fetch
+
+
+def cmd_publish(args: argparse.Namespace, out: _Out) -> int:
+    from .fleet.publish import publish
+
+    try:
+        report = publish(
+            args.file, args.url, private_key=args.sign, sources=args.model, builder=args.builder,
+            expires_in=None if args.expires_days == 0 else args.expires_days * 86400.0, timeout=args.timeout,
+        )  # fmt: skip
+    except ImportError as exc:
+        print(f"packcache publish needs the fleet extra ({exc}): pip install 'packcache[fleet]'", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as exc:  # a source that does not hold the bytes its name claims, a bad key
+        print(f"packcache publish: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    data = report.to_json()
+    lines = [
+        f"published     {sanitize(args.file)} -> {sanitize(report.url)}",
+        f"model         {report.model}   class {report.platform_class}",
+        f"blob          {report.blob_key} ({_mib(report.size)}, {'uploaded' if report.uploaded else 'already there'})",
+        f"manifest      {report.manifest_key}, generation {report.generation}, "
+        + (f"signed by {report.signed_by}" if report.signed_by else "UNSIGNED (machines need --allow-unsigned)"),
+        f"sources       {report.sources_checked} hashed again and found as the packs name them",
+    ]
+    out.emit(data, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_fetch(args: argparse.Namespace, out: _Out) -> int:
+    from .fleet.fetch import fetch, load_trusted_keys
+
+    if args.cache is None and args.model is None:
+        raise _UsageError("give the checkpoint (--model DIR, whose cache file is named by its content) or --cache FILE")
+    scheme = _scheme(args)
+    try:
+        module: Any = importlib.import_module("packcache.hf" if args.loader == "hf" else "packcache.models.minilm")
+        platform = module.platform(scheme, args.group_size)
+        if args.cache is not None:
+            path = args.cache
+        elif args.loader == "hf":
+            path = str(
+                module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
+            )
+        else:
+            path = str(module.default_cache_path(scheme, model_path=args.model, group_size=args.group_size,
+                                                 cache_dir=args.cache_dir))  # fmt: skip
+    except ImportError as exc:
+        print(f"packcache fetch needs the {args.loader} extra ({exc})", file=sys.stderr)
+        return EXIT_FAILED
+    except (ValueError, FormatError, OSError) as exc:
+        print(f"packcache fetch: cannot read the checkpoint: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    from .format import canonical_key
+
+    report = fetch(
+        args.url, path, platform=canonical_key(platform), trusted_keys=load_trusted_keys(args.trusted_key),
+        allow_unsigned=args.allow_unsigned, timeout=args.timeout,
+    )  # fmt: skip
+    lines = [
+        f"{'fetched' if report.downloaded else 'up to date'}    {sanitize(report.path)}",
+        f"from          {sanitize(report.url)}: {report.model}, class {report.platform_class}, "
+        f"generation {report.generation}" + (f", signed by {report.signed_by}" if report.signed_by else ", unsigned"),
+        f"read          {_mib(report.bytes)} in {report.seconds:.2f} s",
+    ]
+    out.emit(report.to_json(), "\n".join(lines))
+    return EXIT_OK
+
+
+def _add_fleet(sub: Any) -> None:
+    publish = sub.add_parser(
+        "publish",
+        help="publish a cache file to a store: verified, its sources hashed again, uploaded by content, named by a "
+        "signed manifest",
+        description="Verify FILE, hash every source its packs name again (found under --model, where this user last "
+        "hashed it, or in the Hugging Face hub cache), upload it create-only to URL/blobs/sha256/<hex>.pcache and "
+        "write URL/manifests/<model>/<class>.json with a conditional put (docs/FLEET.md).",
+    )
+    publish.add_argument("file", help="the cache file (built by build, run or serve)")
+    publish.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
+    publish.add_argument("--sign", metavar="KEY.pem", help="sign the manifest with this ed25519 private key")
+    publish.add_argument(
+        "--model", action="append", default=[], metavar="DIR",
+        help="where the checkpoint the file was built from lies (repeatable)",
+    )  # fmt: skip
+    publish.add_argument("--builder", help="free text recorded in the manifest (default: packcache <version>)")
+    publish.add_argument(
+        "--expires-days", type=float, default=30.0, help="days until the manifest expires (0: never; default 30)"
+    )
+    publish.add_argument("--timeout", type=_seconds, default=600.0, help="seconds for the whole upload (default 600)")
+    publish.add_argument("--json", action="store_true", help="print one JSON object")
+    publish.set_defaults(func=cmd_publish)
+
+    fetch = sub.add_parser(
+        "fetch",
+        help="fetch the published cache file of a checkpoint from a store, checked (an init container's step)",
+        description="Read URL's manifest for the checkpoint's cache file and this machine's platform class, check "
+        "its signature, expiry and generation, download the blob beside the local file while hashing it, verify "
+        "it and rename it into place. Exit 1 with the miss reason when the store cannot give it (docs/FLEET.md).",
+    )
+    fetch.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
+    fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
+    fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
+    fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
+    fetch.add_argument(
+        "--loader", choices=("minilm", "hf"), default="minilm",
+        help="whose cache file: minilm (default; run/serve --model, build --loader minilm) or hf (build)",
+    )  # fmt: skip
+    fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default="auto", help="weight scheme (default auto)")
+    fetch.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
+    fetch.add_argument("--trusted-key", action="append", default=[], metavar="PUB.pem",
+                       help="a trusted ed25519 public key (repeatable)")  # fmt: skip
+    fetch.add_argument("--allow-unsigned", action="store_true", help="accept manifests nobody signed")
+    fetch.add_argument("--timeout", type=_seconds, default=600.0, help="seconds for the whole fetch (default 600)")
+    fetch.add_argument("--json", action="store_true", help="print one JSON object")
+    fetch.set_defaults(func=cmd_fetch)
 
 
 def _superseded(path: str | None) -> InspectReport | None:
@@ -663,10 +789,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--auto-class", default="AutoModel", help="the transformers auto class, e.g. AutoModelForCausalLM (hf loader)"
     )
     build.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
+    _add_remote_options(build)
     build.add_argument("--json", action="store_true", help="print one JSON object")
     build.set_defaults(func=cmd_build)
 
     _add_serve(sub)
+    _add_fleet(sub)
 
     ins = sub.add_parser(
         "inspect",
@@ -733,6 +861,54 @@ def _add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> Non
     parser.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
     parser.add_argument("--no-cache", action="store_true", help=no_cache)
     parser.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
+    _add_remote_options(parser)
+
+
+def _add_remote_options(parser: argparse.ArgumentParser) -> None:
+    """``--remote`` and its companions (docs/FLEET.md): on a local miss, fetch the published file first."""
+    parser.add_argument(
+        "--remote", metavar="URL",
+        help="a store of published caches (s3://bucket/prefix, gs://..., file:///dir or a directory): on a local "
+        "miss the cache file is fetched from it, checked, before anything is packed; a store problem is a counted "
+        "remote miss and the model is packed locally (docs/FLEET.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--remote-timeout", type=_seconds, default=10.0, metavar="S",
+        help="seconds for everything one fetch asks the store, download included (default 10)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trusted-key", action="append", default=[], metavar="PUB.pem",
+        help="an ed25519 public key (the .pub.pem 'packcache keygen' writes) whose signature on a manifest is "
+        "trusted (repeatable: key rotation)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-unsigned", action="store_true", help="accept manifests nobody signed (a store you trust as it is)"
+    )
+
+
+def _cache_arg(args: argparse.Namespace, path: str | None, platform: Any) -> Any:
+    """What a loader's ``cache=`` gets: the path, or with ``--remote`` a WeightCache that fetches on a miss
+    (made with the loader's own platform mapping, as the loader would make it)."""
+    if path is None or getattr(args, "remote", None) is None:
+        return path
+    from .cache import WeightCache
+
+    return WeightCache(
+        path, platform=platform, remote=args.remote, remote_timeout=args.remote_timeout,
+        trusted_keys=args.trusted_key, allow_unsigned=args.allow_unsigned,
+    )  # fmt: skip
+
+
+def _remote_line(stats: Any, remote: str | None) -> list[str]:
+    """The text report's line about the store, when ``--remote`` was given."""
+    if remote is None:
+        return []
+    if stats.remote_hits:
+        return [f"remote        fetched from {sanitize(remote)} ({_mib(stats.remote_bytes)} read)"]
+    misses = ", ".join(f"{r} {n}" for r, n in stats.remote_misses_by_reason.items() if n)
+    if misses:
+        return [f"remote        miss: {misses}: {sanitize(stats.remote_error)}; packed locally"]
+    return [f"remote        not asked: the local file held every pack ({sanitize(remote)})"]
 
 
 def _add_serve(sub: Any) -> None:

@@ -76,6 +76,7 @@ __all__ = [
     "digest_path",
     "file_digest",
     "model_cache_name",
+    "recorded_location",
     "stat_key",
 ]
 
@@ -101,6 +102,8 @@ RELIABLE_FILESYSTEMS: dict[int, str] = {
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _RECORD_FORMAT = "packcache-digest/1"
+_LOCATION_FORMAT = "packcache-location/1"
+_WHERE = "where"  # subdirectory of the digest cache: where each digest was last hashed
 _RECORD_MAX_BYTES = 4096
 _MAX_RECORDS = 4096  # more than this in the directory: the least recently written quarter goes
 _TEMP_PREFIX = ".tmp-"
@@ -195,7 +198,17 @@ def file_digest(fd: int, path: str, st: os.stat_result | None = None) -> FileDig
         _remember(key, digest)
         with _records(create=True) as records:
             records.store(key, digest)
+            records.store_location(digest, path)
     return FileDigest(digest, st.st_size, "hashed")
+
+
+def recorded_location(sha256: str) -> str | None:
+    """Where this user last hashed a file with content ``sha256`` (a path to look at, never trusted:
+    ``packcache publish`` hashes what it finds there again), or None."""
+    if not _SHA256_HEX.fullmatch(sha256):
+        return None
+    with _records() as records:
+        return records.location(sha256)
 
 
 def stat_key(st: os.stat_result) -> StatKey:
@@ -374,6 +387,79 @@ class _Records:
                 os.unlink(temp, dir_fd=self.fd)
             raise
         self._prune()
+
+    def store_location(self, digest: str, path: str) -> None:
+        """Record where a file of content ``digest`` was hashed (``where/<sha256>``: a hint for publish)."""
+        if self.fd is None:
+            return
+        record = json.dumps({"format": _LOCATION_FORMAT, "path": os.path.abspath(path)}).encode()
+        if len(record) > _RECORD_MAX_BYTES:
+            return
+        with contextlib.suppress(OSError):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(_WHERE, 0o700, dir_fd=self.fd)
+            where = os.open(_WHERE, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+            try:
+                if trust_problem(os.fstat(where), directory=True) is not None:
+                    return
+                temp = f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=where)  # fmt: skip
+                try:
+                    os.fchmod(fd, 0o600)
+                    os.write(fd, record)
+                finally:
+                    os.close(fd)
+                try:
+                    os.rename(temp, digest, src_dir_fd=where, dst_dir_fd=where)
+                except OSError:
+                    os.unlink(temp, dir_fd=where)
+                    raise
+                self._prune_where(where)
+            finally:
+                os.close(where)
+
+    def location(self, digest: str) -> str | None:
+        """The path :meth:`store_location` recorded for ``digest``, or None."""
+        if self.fd is None:
+            return None
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+        try:
+            where = os.open(_WHERE, flags | os.O_DIRECTORY, dir_fd=self.fd)
+        except OSError:
+            return None
+        try:
+            fd = os.open(digest, flags, dir_fd=where)
+        except OSError:
+            return None
+        finally:
+            os.close(where)
+        try:
+            st = os.fstat(fd)
+            if trust_problem(st) is not None or st.st_size > _RECORD_MAX_BYTES:
+                return None
+            record = json.loads(os.pread(fd, _RECORD_MAX_BYTES, 0))
+        except (OSError, ValueError, RecursionError):
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(record, dict) or record.get("format") != _LOCATION_FORMAT:
+            return None
+        path = record.get("path")
+        return path if isinstance(path, str) and path.startswith("/") and "\0" not in path else None
+
+    @staticmethod
+    def _prune_where(where: int) -> None:
+        names = [n for n in os.listdir(where) if _SHA256_HEX.fullmatch(n)]
+        if len(names) <= _MAX_RECORDS:
+            return
+        dated = []
+        for name in names:
+            with contextlib.suppress(OSError):
+                dated.append((os.stat(name, dir_fd=where, follow_symlinks=False).st_mtime_ns, name))
+        for _, name in sorted(dated)[: len(dated) - _MAX_RECORDS * 3 // 4]:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=where)
 
     def _prune(self) -> None:
         """Remove temp records of writers that died, and the oldest records past :data:`_MAX_RECORDS`."""

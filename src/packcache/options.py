@@ -73,6 +73,14 @@ _KEYS: dict[str, _Key] = {
     "packed_cache_hits": _stat("hits", "packs mapped from existing entries"),
     "packed_cache_stored": _stat("stored", "packs written to the file and served mapped"),
     "packed_cache_heap_packs": _stat("heap_packs", "packs served from heap"),
+    "packed_cache_remote_hits": _stat("remote_hits", "cache files got from the store (remote=) instead of packed"),
+    "packed_cache_remote_bytes": _stat("remote_bytes", "bytes read from the store"),
+    "packed_cache_remote_seconds": _stat("remote_seconds", "seconds spent asking the store", float),
+    "packed_cache_remote_misses": _stat(
+        "remote_misses_by_reason", "fetches that did not give the cache its file, by reason (a dict)", dict
+    ),
+    "packed_cache_remote_errno": _stat("remote_errno", "errno of the latest remote miss, 0 if none"),
+    "packed_cache_remote_error": _stat("remote_error", "message of the latest remote miss, '' if none", str),
     "packed_cache_enabled": _Key(bool, "caching on (True) or off (False)", attribute="enabled"),
     "packed_cache_read_only": _Key(bool, "never write; missing entries go to heap (read_only)", attribute="read_only"),
     "packed_cache_verify": _Key(bool, "check each hit's checksum before serving it", attribute="verify"),

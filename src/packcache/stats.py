@@ -22,6 +22,7 @@ __all__ = [
     "dominant_reason",
     "sum_stats",
     "zero_reasons",
+    "zero_remote_reasons",
 ]
 
 
@@ -131,6 +132,11 @@ def zero_reasons() -> dict[str, int]:
     return dict.fromkeys(_REASON_VALUES, 0)
 
 
+def zero_remote_reasons() -> dict[str, int]:
+    """A fresh ``{remote reason: 0}`` dict with every reason of :data:`REMOTE_REASONS` present."""
+    return dict.fromkeys(REMOTE_REASONS, 0)
+
+
 @dataclass(frozen=True)
 class CacheStats:
     """A consistent snapshot of one cache (or of all live caches, summed).
@@ -165,6 +171,15 @@ class CacheStats:
     path: str = ""  #: the cache file ('' when off; for aggregates, '' unless one cache)
     #: a failure is known now (file cannot be opened or trusted, last commit failed), with or without packs
     failing: bool = False
+    #: cache files this cache got from its store (``remote=``) instead of packing: downloaded, or found
+    #: already fetched by another process once the build lock was free
+    remote_hits: int = 0
+    remote_bytes: int = 0  #: bytes read from the store (manifests, headers, blobs)
+    remote_seconds: float = 0.0  #: time spent asking the store, waiting included
+    #: fetches that did not give this cache its file, by reason (every reason present; docs/FLEET.md)
+    remote_misses_by_reason: dict[str, int] = field(default_factory=zero_remote_reasons)
+    remote_errno: int = 0  #: errno of the latest remote miss, 0 if none (or an HTTP failure)
+    remote_error: str = ""  #: message of the latest remote miss, '' if none
 
     @classmethod
     def fast(cls, **fields: Any) -> CacheStats:
@@ -249,4 +264,10 @@ def sum_stats(snapshots: Iterable[CacheStats]) -> CacheStats:
         map_seconds=sum(s.map_seconds for s in items),
         path=items[0].path if len(items) == 1 else "",
         failing=failing,
+        remote_hits=sum(s.remote_hits for s in items),
+        remote_bytes=sum(s.remote_bytes for s in items),
+        remote_seconds=sum(s.remote_seconds for s in items),
+        remote_misses_by_reason={r: sum(s.remote_misses_by_reason.get(r, 0) for s in items) for r in REMOTE_REASONS},
+        remote_errno=next((s.remote_errno for s in items if s.remote_error), 0),
+        remote_error=next((s.remote_error for s in items if s.remote_error), ""),
     )

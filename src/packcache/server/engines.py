@@ -45,6 +45,9 @@ class EngineSpec:
         torch_threads: torch intra-op threads per worker.
         prefault: after the load, read one byte of every page of every weight tensor, so the
             worker's page tables hold the whole model before the first request.
+        remote, remote_timeout, trusted_keys, allow_unsigned: a store of published caches and how to
+            trust it (:class:`packcache.WeightCache`'s arguments of the same names): on a local miss a
+            worker fetches the file first (one per machine: the others wait on the build lock and map it).
     """
 
     engine: str = "packcache"
@@ -54,6 +57,10 @@ class EngineSpec:
     kernel_path: str | None = None
     torch_threads: int = 1
     prefault: bool = False
+    remote: str | None = None
+    remote_timeout: float = 10.0
+    trusted_keys: tuple[str, ...] = ()
+    allow_unsigned: bool = False
 
 
 class Engine:
@@ -158,7 +165,15 @@ def load_engine(spec: EngineSpec) -> Engine:
     torch.set_num_threads(spec.torch_threads)
     minilm: Any = importlib.import_module("packcache.models.minilm")
     if spec.engine == "packcache":
-        model = minilm.load(spec.scheme, cache=spec.cache, model_path=spec.model, kernel_path=spec.kernel_path)
+        cache: Any = spec.cache
+        if spec.remote is not None and spec.cache is not None:
+            from ..cache import WeightCache
+
+            cache = WeightCache(
+                spec.cache, platform=minilm.platform(spec.scheme), remote=spec.remote,
+                remote_timeout=spec.remote_timeout, trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
+            )  # fmt: skip
+        model = minilm.load(spec.scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path)
         engine: Engine = _Packcache(model, spec.cache)
         if spec.prefault:
             _prefault(model.encoder)

@@ -26,6 +26,10 @@ series when the worker's pid is marked dead):
 ``packcache_written_bytes``                  bytes this worker wrote to the file (its build)
 ``packcache_errno``                          errno of the latest failure, 0 if none
 ``packcache_packs{outcome}``                 requests that ended ``hit``, ``stored``, ``heap``
+``packcache_remote_hits``                    cache files got from the store (``--remote``)
+``packcache_remote_bytes``                   bytes read from the store
+``packcache_remote_misses{reason}``          fetches that did not give the cache its file, by
+                                             reason (every reason of docs/FLEET.md, 0 included)
 ``packcache_load_seconds``                   the worker's model load (cache open, map or pack)
 ``packcache_worker_info{engine,scheme,...}`` 1, with what the worker serves as labels
 ===========================================  ==============================================
@@ -57,7 +61,7 @@ from prometheus_client import (
     multiprocess,
 )
 
-from ..stats import CacheState, CacheStats, HeapReason
+from ..stats import REMOTE_REASONS, CacheState, CacheStats, HeapReason
 
 __all__ = ["ROUTES", "WorkerMetrics", "exposition", "mark_process_dead"]
 
@@ -112,6 +116,9 @@ class WorkerMetrics:
                 _gauge("packcache_written_bytes", "Bytes this worker wrote to the cache file"),
                 _gauge("packcache_errno", "errno of the latest failure, 0 if none"),
                 _gauge("packcache_packs", "Pack requests by outcome (hit, stored, heap)", ("outcome",)),
+                _gauge("packcache_remote_hits", "Cache files got from the store instead of packed"),
+                _gauge("packcache_remote_bytes", "Bytes read from the store"),
+                _gauge("packcache_remote_misses", "Fetches that did not give the file, by reason", ("reason",)),
             )
         return self._cache
 
@@ -122,11 +129,12 @@ class WorkerMetrics:
         key = (
             stats.state, stats.heap_reason, tuple(sorted(stats.heap_bytes_by_reason.items())), stats.mapped_bytes,
             stats.file_bytes, stats.reclaimable_bytes, stats.written_bytes, stats.errno, stats.hits, stats.stored,
-            stats.heap_packs,
+            stats.heap_packs, stats.remote_hits, stats.remote_bytes,
+            tuple(sorted(stats.remote_misses_by_reason.items())),
         )  # fmt: skip
         if key == self._published:
             return
-        state, reason, heap, mapped, file_bytes, reclaimable, written, errno, packs = self._cache_gauges()
+        state, reason, heap, mapped, file_bytes, reclaimable, written, errno, packs, *remote = self._cache_gauges()
         for name in _STATES:
             state.labels(name).set(1 if name == stats.state else 0)
         for name in (*_REASONS, "none"):
@@ -141,6 +149,11 @@ class WorkerMetrics:
         packs.labels("hit").set(stats.hits)
         packs.labels("stored").set(stats.stored)
         packs.labels("heap").set(stats.heap_packs)
+        remote_hits, remote_bytes, remote_misses = remote
+        remote_hits.set(stats.remote_hits)
+        remote_bytes.set(stats.remote_bytes)
+        for name in REMOTE_REASONS:
+            remote_misses.labels(name).set(stats.remote_misses_by_reason.get(name, 0))
         self._published = key
 
     def observe(self, route: str, code: int, seconds: float) -> None:

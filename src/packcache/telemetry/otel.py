@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from opentelemetry.metrics import CallbackOptions, MeterProvider, ObservableGauge, Observation, get_meter_provider
 
 from ..cache import aggregate_stats
+from ..stats import REMOTE_REASONS
 from . import STATE_VALUES, reasons
 
 __all__ = ["register"]
@@ -38,6 +39,19 @@ def _reclaimable(options: CallbackOptions) -> Iterable[Observation]:
     return [Observation(aggregate_stats().reclaimable_bytes)]
 
 
+def _remote_hits(options: CallbackOptions) -> Iterable[Observation]:
+    return [Observation(aggregate_stats().remote_hits)]
+
+
+def _remote_bytes(options: CallbackOptions) -> Iterable[Observation]:
+    return [Observation(aggregate_stats().remote_bytes)]
+
+
+def _remote_misses(options: CallbackOptions) -> Iterable[Observation]:
+    by_reason = aggregate_stats().remote_misses_by_reason
+    return [Observation(by_reason.get(r, 0), {"reason": r}) for r in REMOTE_REASONS]
+
+
 def _state(options: CallbackOptions) -> Iterable[Observation]:
     state = aggregate_stats().state
     return [Observation(STATE_VALUES[state], {"state": state})]
@@ -48,7 +62,9 @@ def register(meter_provider: MeterProvider | None = None) -> list[ObservableGaug
 
     Gauges: ``packcache.heap_bytes`` (attribute ``reason``), ``packcache.mapped_bytes``,
     ``packcache.file_bytes``, ``packcache.reclaimable_bytes``, ``packcache.state`` (0 off, 1 mapped, 2 stored, 3 heap,
-    4 degraded; attribute ``state``). Values are summed over every live cache.
+    4 degraded; attribute ``state``), ``packcache.remote_hits``, ``packcache.remote_bytes`` and
+    ``packcache.remote_misses`` (attribute ``reason``: every reason of docs/FLEET.md). Values are
+    summed over every live cache.
     """
     meter = (meter_provider or get_meter_provider()).get_meter("packcache")
     return [
@@ -64,6 +80,17 @@ def register(meter_provider: MeterProvider | None = None) -> list[ObservableGaug
             [_reclaimable],
             unit="By",
             description="bytes of cache files compaction would reclaim",
+        ),
+        meter.create_observable_gauge(
+            "packcache.remote_hits", [_remote_hits], description="cache files got from the store instead of packed"
+        ),
+        meter.create_observable_gauge(
+            "packcache.remote_bytes", [_remote_bytes], unit="By", description="bytes read from the store"
+        ),
+        meter.create_observable_gauge(
+            "packcache.remote_misses",
+            [_remote_misses],
+            description="fetches from the store that did not give a cache its file, by reason",
         ),
         meter.create_observable_gauge(
             "packcache.state", [_state], description="0 off, 1 mapped, 2 stored, 3 heap, 4 degraded"

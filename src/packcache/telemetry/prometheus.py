@@ -15,6 +15,7 @@ from prometheus_client.core import REGISTRY, CollectorRegistry, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from ..cache import aggregate_stats
+from ..stats import REMOTE_REASONS
 from . import STATE_VALUES, reasons
 
 __all__ = ["PackCacheCollector", "register"]
@@ -38,6 +39,15 @@ class PackCacheCollector(Collector):
         state.add_metric([s.state], STATE_VALUES[s.state])
         yield state
         yield GaugeMetricFamily("packcache_errno", "errno of the latest failure, 0 if none", s.errno)
+        yield GaugeMetricFamily("packcache_remote_hits", "Cache files got from the store, not packed", s.remote_hits)
+        yield GaugeMetricFamily("packcache_remote_bytes", "Bytes read from the store", s.remote_bytes)
+        misses = GaugeMetricFamily(
+            "packcache_remote_misses", "Fetches from the store that did not give a cache its file, by reason",
+            labels=["reason"],
+        )  # fmt: skip
+        for reason in REMOTE_REASONS:
+            misses.add_metric([reason], s.remote_misses_by_reason.get(reason, 0))
+        yield misses
 
 
 def register(registry: CollectorRegistry = REGISTRY) -> PackCacheCollector:

@@ -1,0 +1,341 @@
+"""Fetching a published cache file: checked before, during and after the download.
+
+:func:`fetch` is what ``packcache fetch`` and a ``WeightCache(remote=...)`` miss run
+(docs/FLEET.md, "Fetching"). Under the build lock of the local file (one download per machine):
+
+1. read the manifest ``manifests/<model>/<class>.json`` (bounded), check its signature against
+   the trusted keys, its model and class against this file's, its expiry, and its generation
+   against the last one this user accepted from that store (no rollback);
+2. check the blob's size, and read its header by a range read: the platform must be this
+   machine's;
+3. check the free space of the cache directory;
+4. stream the blob into a temp file beside the local file while hashing it; check size and
+   sha256, ``fsync``, verify every pack's checksum, and only then rename it over the local path
+   (a mapped file is never truncated or rewritten: processes mapping the old one keep it).
+
+Every problem raises :class:`~packcache.errors.RemoteError` with one of
+:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. All calls to
+the store share one deadline (``timeout``): a store that hangs costs at most that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import format as fmt
+from .._paths import (
+    acquire_build_lock,
+    create_temp,
+    fsync_dir,
+    lock_path_for,
+    open_checked,
+    trust_problem,
+    unlink_quietly,
+    user_cache_home,
+)
+from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
+from ..maintenance import verify
+from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_generation, load_public_keys, manifest_key, read_envelope
+from .platform import platform_class
+from .publish import model_of
+from .stores import Store, open_store
+
+__all__ = ["FetchReport", "accepted_generation", "fetch", "load_trusted_keys", "state_dir"]
+
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_MARGIN = 1 << 20  # free space to leave besides the blob
+_STATE_MAX_BYTES = 4096
+
+
+def load_trusted_keys(keys: Sequence[bytes | str]) -> list[bytes]:
+    """PEM bytes of each trusted key: ``bytes`` as given, a ``str`` read as the path of a public key file
+    (:func:`packcache.fleet.manifest.load_public_keys`: bounded, never blocking on a FIFO, checked).
+
+    Raises:
+        RemoteError: ``remote_untrusted``, naming a key file that cannot be read.
+    """
+    loaded = []
+    for key in keys:
+        if isinstance(key, bytes):
+            loaded.append(key)
+            continue
+        try:
+            loaded.extend(load_public_keys([key]))
+        except (OSError, FormatError, UntrustedFileError) as exc:
+            raise RemoteError("remote_untrusted", f"cannot use the trusted key: {exc}", url=key) from None
+    return loaded
+
+
+@dataclass(frozen=True)
+class FetchReport:
+    """What :func:`fetch` did. ``downloaded`` is False when the local file already was the published one."""
+
+    url: str
+    path: str
+    model: str
+    platform_class: str
+    generation: int
+    sha256: str
+    size: int
+    downloaded: bool
+    bytes: int  # bytes read from the store (manifest, header and blob)
+    seconds: float
+    signed_by: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def state_dir() -> str:
+    """Where this user keeps the last generation accepted per (store, model, class):
+    ``$XDG_CACHE_HOME/packcache/fleet`` (or ``~/.cache/packcache/fleet``)."""
+    return os.path.join(user_cache_home(), "fleet")
+
+
+def fetch(
+    url: str,
+    path: str | os.PathLike[str],
+    *,
+    platform: bytes,
+    trusted_keys: Sequence[bytes] = (),
+    allow_unsigned: bool = False,
+    timeout: float = 10.0,
+    lock_timeout: float = 30.0,
+    file_mode: int = 0o600,
+    dir_mode: int = 0o700,
+    store: Store | None = None,
+) -> FetchReport:
+    """Make ``path`` the cache file published at ``url`` for its model and this platform.
+
+    Args:
+        platform: this machine's canonical platform bytes (``WeightCache.platform``); the
+            published file must have been built under the same.
+        trusted_keys: ed25519 public keys (SubjectPublicKeyInfo PEM bytes); one must have
+            signed the manifest, unless ``allow_unsigned``.
+        timeout: seconds for everything the store is asked (manifest, header, blob).
+        lock_timeout: seconds to wait for another process fetching or building the same file.
+        store: an open store to use instead of opening ``url`` (kept open).
+
+    Raises:
+        RemoteError: the reason says what failed; nothing was written but the lock file.
+    """
+    started = time.monotonic()
+    deadline = started + timeout
+    name = os.path.abspath(os.fspath(path))
+    model = model_of(name)
+    cls = platform_class(platform)
+    directory = os.path.dirname(name)
+    try:
+        os.makedirs(directory, mode=dir_mode, exist_ok=True)
+        lock_fd = acquire_build_lock(os.path.realpath(name), lock_timeout, file_mode & 0o644)
+    except LockTimeoutError as exc:
+        raise RemoteError("remote_timeout", f"another process held the build lock: {exc}", url=name) from None
+    except UntrustedFileError as exc:
+        raise RemoteError("remote_write_failed", str(exc), url=name) from None
+    except OSError as exc:
+        raise _write_error(exc, lock_path_for(name)) from None
+    try:
+        with contextlib.ExitStack() as stack:
+            if store is None:
+                store = stack.enter_context(open_store(url, timeout=timeout))
+            return _fetch_locked(store, url, name, model, cls, platform, trusted_keys, allow_unsigned, deadline,
+                                 started, file_mode)  # fmt: skip
+    finally:
+        os.close(lock_fd)
+
+
+def _fetch_locked(
+    store: Store, url: str, name: str, model: str, cls: str, platform: bytes, trusted_keys: Sequence[bytes],
+    allow_unsigned: bool, deadline: float, started: float, file_mode: int,
+) -> FetchReport:  # fmt: skip
+    key = manifest_key(model, cls)
+    data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+    read = len(data)
+    manifest, signed_by = read_envelope(data, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned)
+    if (manifest.model, manifest.platform_class) != (model, cls):
+        raise RemoteError(
+            "remote_incompatible", f"the manifest at {key} is for {manifest.model} / {manifest.platform_class}, "
+            f"not {model} / {cls}", url=url,
+        )  # fmt: skip
+    state = _state_path(url, model, cls)
+    accepted = accepted_generation(state)
+    check_generation(manifest, accepted[0] if accepted else None, last_blob_sha256=accepted[1] if accepted else None)
+    done = _local_is(name, manifest)
+    if not done:
+        read += _download(store, url, name, manifest, platform, deadline, file_mode)
+    _accept(state, manifest)
+    return FetchReport(
+        url=url, path=name, model=model, platform_class=cls, generation=manifest.generation,
+        sha256=manifest.blob_sha256, size=manifest.size, downloaded=not done, bytes=read,
+        seconds=round(time.monotonic() - started, 3), signed_by=signed_by,
+    )  # fmt: skip
+
+
+def _local_is(name: str, manifest: Manifest) -> bool:
+    """Whether the local file already holds exactly the published blob (then nothing is downloaded)."""
+    try:
+        fd, st = open_checked(name)
+    except (OSError, UntrustedFileError):
+        return False
+    try:
+        if st.st_size != manifest.size:
+            return False
+        digest = hashlib.sha256()
+        offset = 0
+        while offset < st.st_size:
+            chunk = os.pread(fd, min(8 << 20, st.st_size - offset), offset)
+            if not chunk:
+                return False
+            digest.update(chunk)
+            offset += len(chunk)
+        return digest.hexdigest() == manifest.blob_sha256
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _download(
+    store: Store, url: str, name: str, manifest: Manifest, platform: bytes, deadline: float, file_mode: int
+) -> int:
+    blob = manifest.blob_key
+    where = f"{url.rstrip('/')}/{blob}"
+    info = store.head(blob, deadline=deadline)
+    if info.size != manifest.size:
+        raise RemoteError("remote_corrupt", f"{info.size} bytes, the manifest says {manifest.size}", url=where)
+    head = store.get_range(blob, 0, min(fmt.HEADER_READ_SIZE, manifest.size), deadline=deadline)
+    try:
+        header = fmt.decode_header(head, path=where)
+    except FormatError as exc:
+        raise RemoteError("remote_corrupt", f"not a packcache file: {exc}", url=where) from None
+    if header.platform != platform:
+        raise RemoteError(
+            "remote_incompatible", "its header names another platform than this machine's (the manifest's class "
+            "does not match its blob)", url=where,
+        )  # fmt: skip
+    directory = os.path.dirname(name)
+    try:
+        vfs = os.statvfs(directory)
+    except OSError as exc:
+        raise _write_error(exc, directory) from None
+    free = vfs.f_bavail * vfs.f_frsize
+    if free < manifest.size + _MARGIN:
+        raise RemoteError(
+            "remote_no_space", f"{free} bytes free in {directory}, the file needs {manifest.size}", url=where,
+            errno=errno.ENOSPC,
+        )  # fmt: skip
+    try:
+        fd, temp = create_temp(name, file_mode)
+    except OSError as exc:
+        raise _write_error(exc, directory) from None
+    try:
+        digest = hashlib.sha256()
+        written = 0
+
+        def sink(chunk: memoryview) -> None:
+            nonlocal written
+            digest.update(chunk)
+            view = chunk
+            while view:
+                try:
+                    count = os.write(fd, view)
+                except OSError as exc:
+                    raise _write_error(exc, temp) from None
+                view = view[count:]
+                written += count
+
+        store.download(blob, sink, deadline=deadline, max_bytes=manifest.size)
+        if written != manifest.size or digest.hexdigest() != manifest.blob_sha256:
+            raise RemoteError(
+                "remote_corrupt", f"{written} bytes with sha256 {digest.hexdigest()[:16]}..., the manifest says "
+                f"{manifest.size} bytes, {manifest.blob_sha256[:16]}...", url=where,
+            )  # fmt: skip
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise _write_error(exc, temp) from None
+        report = verify(temp)
+        if not report.ok:
+            raise RemoteError("remote_corrupt", f"it fails verification: {report.problems[0]}", url=where)
+        try:
+            os.rename(temp, os.path.realpath(name))
+            fsync_dir(directory)
+        except OSError as exc:
+            raise _write_error(exc, name) from None
+    except BaseException:
+        unlink_quietly(temp)
+        raise
+    finally:
+        os.close(fd)
+    return written + len(head)
+
+
+def _write_error(exc: OSError, where: str) -> RemoteError:
+    code = exc.errno or 0
+    reason = "remote_no_space" if code in _NO_SPACE else "remote_write_failed"
+    return RemoteError(reason, f"{errno.errorcode.get(code, 'E?')}: {exc.strerror or exc}", url=where, errno=code)
+
+
+# --------------------------------------------------------------------------- accepted generations
+
+
+def _state_path(url: str, model: str, cls: str) -> str:
+    digest = hashlib.sha256(f"{url.rstrip('/')}\0{model}\0{cls}".encode()).hexdigest()[:32]
+    return os.path.join(state_dir(), f"{digest}.json")
+
+
+def accepted_generation(path: str) -> tuple[int, str] | None:
+    """The generation and blob sha256 recorded in the state file at ``path``, or None (none, or one this
+    user cannot trust: then the rollback check has nothing to compare with)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if trust_problem(st) is not None or st.st_size > _STATE_MAX_BYTES:
+            return None
+        record = json.loads(os.pread(fd, _STATE_MAX_BYTES, 0))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(record, dict):
+        return None
+    generation, sha256 = record.get("generation"), record.get("sha256")
+    if type(generation) is not int or generation < 0 or not isinstance(sha256, str):
+        return None
+    return generation, sha256
+
+
+def _accept(path: str, manifest: Manifest) -> None:
+    """Record ``manifest``'s generation as accepted (temp + rename; a failure only weakens the rollback check)."""
+    accepted = accepted_generation(path)
+    if accepted is not None and accepted[0] >= manifest.generation:
+        return
+    directory = os.path.dirname(path)
+    data = json.dumps({"generation": manifest.generation, "sha256": manifest.blob_sha256}).encode()
+    with contextlib.suppress(OSError):
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if trust_problem(os.stat(directory), directory=True) is not None:
+            return
+        temp = os.path.join(directory, f".tmp-{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        try:
+            os.rename(temp, path)
+        except OSError:
+            unlink_quietly(temp)
+            raise

@@ -1,0 +1,322 @@
+"""Publishing a cache file to a store: checked, content-addressed, named by a signed manifest.
+
+:func:`publish` is what ``packcache publish FILE URL`` runs (docs/FLEET.md, "Publishing"):
+
+1. The file is verified whole (every pack's checksum, :func:`packcache.verify`) under its build
+   lock, which it holds to the end, so no build appends to or replaces it meanwhile. A file
+   with superseded bytes is refused (``packcache compact FILE`` first): a published blob is
+   downloaded by every machine, so it carries no dead bytes.
+2. Every source the packs name (``sha256:<hex>:<size>`` in their keys) is found on this machine
+   and hashed again, for real: a hub blob's name, a digest record or a key could all claim bytes
+   the file does not hold (a corrupt blob keeps its name). Where to look: ``sources`` (the
+   checkpoint directories or files), where this user last hashed each digest
+   (:func:`packcache.identity.recorded_location`), and the Hugging Face hub cache (blobs are
+   named by their sha256).
+3. The file is hashed and uploaded create-only to ``blobs/sha256/<hex>.pcache``: an object
+   already there (the same bytes, by its name) is kept, after its size is checked.
+4. The manifest ``manifests/<model>/<class>.json`` is written with a conditional put: created,
+   or replaced only if it is still the one read (its ETag), with the next generation. Of two
+   publishers racing, one wins; the other gets ``RemoteError("remote_conflict")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import stat
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import _boundedjson as boundedjson
+from .. import format as fmt
+from .._generations import read_committed
+from .._paths import acquire_build_lock, open_checked, still_linked
+from ..errors import FormatError, RemoteError
+from ..identity import recorded_location
+from ..maintenance import verify
+from .manifest import MAX_ENVELOPE_BYTES, Manifest, encode_unsigned, manifest_key, sign
+from .platform import platform_class
+from .stores import open_store
+
+__all__ = ["DEFAULT_EXPIRES", "PublishReport", "model_of", "publish", "source_identities"]
+
+_IDENTITY = re.compile(r"sha256:([0-9a-f]{64}):([0-9]{1,20})")
+_CHUNK = 8 << 20
+DEFAULT_EXPIRES = 30 * 86400  # a month: a fleet that stops publishing stops trusting old manifests
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    """What :func:`publish` did. ``uploaded`` is False when the store already held the blob."""
+
+    url: str
+    model: str
+    platform_class: str
+    blob_key: str
+    manifest_key: str
+    sha256: str
+    size: int
+    generation: int
+    uploaded: bool
+    signed_by: str | None
+    sources_checked: int
+    expires: int | None
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_of(path: str) -> str:
+    """The model a cache file is published under: its file name without ``.pcache``.
+
+    Default names are made of content (``identity.model_cache_name``), so every machine that
+    loads the same checkpoint with the same scheme asks for the same model.
+    """
+    name = os.path.basename(path)
+    return name[: -len(".pcache")] if name.endswith(".pcache") else name
+
+
+def source_identities(keys: Iterable[bytes]) -> set[tuple[str, int]]:
+    """Every ``(sha256, size)`` a pack key names its source by (any string of the form
+    ``sha256:<64 hex>:<size>`` anywhere in a key that is bounded JSON)."""
+    found: set[tuple[str, int]] = set()
+    for raw in keys:
+        try:
+            value = boundedjson.loads(raw, what="pack key")
+        except FormatError:
+            continue
+        for text in _strings(value):
+            match = _IDENTITY.fullmatch(text)
+            if match:
+                found.add((match.group(1), int(match.group(2))))
+    return found
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def publish(
+    path: str | os.PathLike[str],
+    url: str,
+    *,
+    private_key: str | None = None,
+    sources: Sequence[str] = (),
+    builder: str | None = None,
+    expires_in: float | None = DEFAULT_EXPIRES,
+    timeout: float = 600.0,
+    lock_timeout: float = 30.0,
+) -> PublishReport:
+    """Publish the cache file at ``path`` to the store at ``url`` (module docstring).
+
+    Args:
+        private_key: an ed25519 private key (PKCS#8 PEM) to sign the manifest with; ``None``
+            publishes it unsigned (machines then need ``allow_unsigned``).
+        sources: checkpoint directories or files to find the sources in (besides this user's
+            records of where each was last hashed, and the hub cache).
+        builder: free text recorded in the manifest (default: ``packcache <version>``).
+        expires_in: seconds until the manifest expires; ``None`` for never.
+        timeout: seconds for the whole upload (the store's calls share one deadline).
+
+    Raises:
+        FormatError: the file is not a valid cache, fails verification, or holds superseded bytes.
+        FileNotFoundError: a source the packs name is nowhere to be found (the message names it).
+        ValueError: a source found does not hold the bytes its name claims.
+        RemoteError: the store failed (``remote_conflict``: another publisher won the race).
+        UntrustedFileError, LockTimeoutError, OSError: opening or locking the file.
+    """
+    started = time.monotonic()
+    name = os.fspath(path)
+    fd, st = open_checked(name, noatime=True)
+    try:
+        real = os.path.realpath(name)
+        lock_fd = acquire_build_lock(real, lock_timeout, stat.S_IMODE(st.st_mode) & 0o644)
+        try:
+            if not still_linked(fd, real):
+                raise FormatError("the file was replaced while it was being opened: publish it again", path=name)
+            header, slot, entries = read_committed(fd, path=name)
+            if slot is None:
+                raise FormatError("the file holds no committed generation: nothing to publish", path=name)
+            report = verify(real)
+            if not report.ok:
+                raise FormatError(f"the file fails verification: {report.problems[0]}", path=name)
+            size = os.fstat(fd).st_size
+            dead = size - fmt.compacted_size(entries.values(), header)
+            if dead > 0:
+                raise FormatError(
+                    f"{dead} superseded bytes: run `packcache compact {name}` first (every machine would fetch them)",
+                    path=name,
+                )
+            checked = _check_sources(source_identities(e.key for e in entries.values()), sources)
+            sha256 = _hash_fd(fd, size)
+            if (os.fstat(fd).st_size, os.fstat(fd).st_mtime_ns) != (size, st.st_mtime_ns):
+                raise FormatError("the file changed while it was hashed: publish it again", path=name)
+            model = model_of(name)
+            cls = platform_class(header.platform)
+            deadline = time.monotonic() + timeout
+            with open_store(url, timeout=timeout) as store:
+                manifest_name = manifest_key(model, cls)
+                blob = f"blobs/sha256/{sha256}.pcache"
+                uploaded = store.put_file(blob, real, deadline=deadline)
+                if not uploaded:
+                    held = store.head(blob, deadline=deadline)
+                    if held.size != size:
+                        raise RemoteError(
+                            "remote_corrupt", f"an object of {held.size} bytes already holds the content address "
+                            f"of these {size} bytes", url=f"{url.rstrip('/')}/{blob}",
+                        )  # fmt: skip
+                previous, etag = _current_generation(store, manifest_name, deadline)
+                now = int(time.time())
+                manifest = Manifest(
+                    model=model, platform_class=cls, blob_sha256=sha256, size=size, generation=previous + 1,
+                    created=now, expires=None if expires_in is None else now + int(expires_in),
+                    builder=builder or _default_builder(),
+                )  # fmt: skip
+                if private_key is not None:
+                    from .manifest import load_private_key
+
+                    envelope = sign(manifest, load_private_key(private_key))
+                    signed_by: str | None = json.loads(envelope)["signatures"][0]["key"]
+                else:
+                    envelope, signed_by = encode_unsigned(manifest), None
+                store.put_bytes(manifest_name, envelope, deadline=deadline, if_match=etag)
+        finally:
+            os.close(lock_fd)
+    finally:
+        os.close(fd)
+    return PublishReport(
+        url=url, model=model, platform_class=cls, blob_key=blob, manifest_key=manifest_name, sha256=sha256,
+        size=size, generation=manifest.generation, uploaded=uploaded, signed_by=signed_by,
+        sources_checked=checked, expires=manifest.expires, seconds=round(time.monotonic() - started, 3),
+    )  # fmt: skip
+
+
+def _default_builder() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"packcache {version('packcache')}"
+    except PackageNotFoundError:
+        return "packcache"
+
+
+def _current_generation(store: Any, key: str, deadline: float) -> tuple[int, str | None]:
+    """The generation of the manifest at ``key`` and its ETag, or ``(0, None)`` when there is none.
+
+    Only its generation is read, without checking its signature: a publisher needs the next
+    number, and the conditional put makes sure nobody replaced the manifest meanwhile.
+    """
+    try:
+        data, info = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+    except RemoteError as exc:
+        if exc.reason == "remote_absent":
+            return 0, None
+        raise
+    try:
+        envelope = boundedjson.loads(data, what="manifest")
+        generation = envelope["manifest"]["generation"]
+    except (FormatError, KeyError, TypeError) as exc:
+        raise RemoteError("remote_corrupt", f"the current manifest is not readable ({exc}): remove it to start over",
+                          url=key) from None  # fmt: skip
+    if type(generation) is not int or generation < 0:
+        raise RemoteError("remote_corrupt", f"the current manifest's generation is {generation!r}", url=key)
+    return generation, info.etag
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _check_sources(wanted: set[tuple[str, int]], given: Sequence[str]) -> int:
+    """Find and rehash every source in ``wanted``; return how many were checked.
+
+    Raises:
+        FileNotFoundError: one is nowhere to be found. ValueError: one found does not match.
+    """
+    if not wanted:
+        return 0
+    candidates = _given_files(given)
+    for sha256, size in sorted(wanted):
+        tried: list[str] = []
+        for candidate in _candidates(sha256, size, candidates):
+            tried.append(candidate)
+            try:
+                fd, st = open_checked(candidate, trust=False)
+            except OSError:
+                continue
+            try:
+                if st.st_size == size and _hash_fd(fd, size) == sha256:
+                    break
+            finally:
+                os.close(fd)
+        else:
+            where = f" (tried {', '.join(tried[:4])}{' ...' if len(tried) > 4 else ''})" if tried else ""
+            raise FileNotFoundError(
+                f"no file here holds source sha256:{sha256}:{size}, which packs of this cache name{where}: "
+                "give the checkpoint (--model DIR); publish hashes every source again before it vouches for it"
+            )
+    return len(wanted)
+
+
+def _given_files(given: Sequence[str]) -> dict[int, list[str]]:
+    """Regular files under ``given`` (directories two levels deep), by size."""
+    by_size: dict[int, list[str]] = {}
+    for root in given:
+        paths = [root] if not os.path.isdir(root) else _walk(root, depth=2)
+        for candidate in paths:
+            with contextlib.suppress(OSError):
+                st = os.stat(candidate)
+                if stat.S_ISREG(st.st_mode):
+                    by_size.setdefault(st.st_size, []).append(candidate)
+    return by_size
+
+
+def _walk(root: str, depth: int) -> list[str]:
+    found: list[str] = []
+    with contextlib.suppress(OSError), os.scandir(root) as it:
+        for entry in it:
+            if entry.is_file():
+                found.append(entry.path)
+            elif entry.is_dir(follow_symlinks=False) and depth > 1:
+                found.extend(_walk(entry.path, depth - 1))
+    return found
+
+
+def _candidates(sha256: str, size: int, given: dict[int, list[str]]) -> Iterator[str]:
+    yield from given.get(size, [])
+    seen = recorded_location(sha256)
+    if seen is not None:
+        yield seen
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub"
+    )
+    with contextlib.suppress(OSError), os.scandir(hub) as it:
+        for repo in it:
+            if repo.name.startswith("models--"):
+                blob = os.path.join(repo.path, "blobs", sha256)
+                if os.path.isfile(blob):
+                    yield blob
+
+
+def _hash_fd(fd: int, size: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, min(_CHUNK, size - offset), offset)
+        if not chunk:
+            raise FormatError(f"the file ended at {offset} of {size} bytes while it was hashed")
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
