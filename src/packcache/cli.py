@@ -659,7 +659,7 @@ def cmd_fetch(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK
 
 
-def _add_fleet(sub: Any) -> None:
+def _add_publish_fetch(sub: Any) -> None:
     publish = sub.add_parser(
         "publish",
         help="publish a cache file to a store: verified, its sources hashed again, uploaded by content, named by a "
@@ -794,7 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.set_defaults(func=cmd_build)
 
     _add_serve(sub)
-    _add_fleet(sub)
+    _add_publish_fetch(sub)
 
     ins = sub.add_parser(
         "inspect",
