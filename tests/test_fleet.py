@@ -413,6 +413,9 @@ def test_eight_processes_fetching_at_once_download_once(tmp_path: Path, keys: di
 def test_two_publishers_racing_one_wins_the_other_gets_remote_conflict(tmp_path: Path, keys: dict[str, Path]) -> None:
     built = tmp_path / "a" / "model-x.pcache"
     build(built)
+    twin = tmp_path / "b" / "model-x.pcache"  # two CI jobs, each with its own copy (one build lock each)
+    twin.parent.mkdir()
+    shutil.copy2(built, twin)
     store = str(tmp_path / "store")
     os.mkdir(store)
     code = (
@@ -425,13 +428,13 @@ def test_two_publishers_racing_one_wins_the_other_gets_remote_conflict(tmp_path:
         "    return found\n"
         "p._current_generation = slow\n"
         "try:\n"
-        f"    print(p.publish({str(built)!r}, {store!r}, private_key={str(keys['ci'])!r}).generation)\n"
+        f"    print(p.publish(sys.argv[1], {store!r}, private_key={str(keys['ci'])!r}).generation)\n"
         "except Exception as e:\n"
         "    print(getattr(e, 'reason', type(e).__name__))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True, env=env)
+             for path in (built, twin)]  # fmt: skip
     outcomes = sorted(proc.communicate(timeout=60)[0].strip() for proc in procs)
     assert outcomes == ["1", "remote_conflict"], outcomes
 
