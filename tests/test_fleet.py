@@ -541,3 +541,29 @@ def test_built_once_published_and_fetched_on_another_machine_with_zero_packs_com
     refused = _cli("fetch", str(store), "--model", str(copy), "--scheme", "int8", "--cache-dir", str(b / "cache4"),
                    env=env_b)  # fmt: skip
     assert refused.returncode == 1 and "remote_untrusted" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_publish_and_read_through_against_a_real_s3_server(
+    tmp_path: Path, keys: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto's S3 server over real HTTP: create-only blobs, compare-and-swap manifests, range reads."""
+    from harness.s3server import moto_server
+
+    built = tmp_path / "a" / "model-x.pcache"
+    arrays = build(built)
+    with moto_server() as server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        url = f"{server.url}/fleet"
+        first = publish(built, url, private_key=str(keys["ci"]))
+        again = publish(built, url, private_key=str(keys["ci"]))  # the blob is there: only the manifest moves
+        assert (first.uploaded, first.generation, again.uploaded, again.generation) == (True, 1, False, 2)
+        stats = load(tmp_path / "b" / "model-x.pcache", arrays, remote=url, trusted_keys=[keys["ci.pub"]])
+        assert (stats.remote_hits, stats.stored, stats.state) == (1, 0, "mapped"), stats
+        assert (tmp_path / "b" / "model-x.pcache").read_bytes() == built.read_bytes()
+        server.kill()  # the store goes down: a local hit does not notice, a miss is counted
+        stats = load(tmp_path / "b" / "model-x.pcache", arrays, remote=url, trusted_keys=[keys["ci.pub"]])
+        assert (stats.remote_hits, misses(stats), stats.state) == (0, {}, "mapped")
+        stats = load(tmp_path / "c" / "model-x.pcache", arrays, remote=url, remote_timeout=3,
+                     trusted_keys=[keys["ci.pub"]])  # fmt: skip
+        _assert_miss(stats, "remote_error", arrays)
