@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -338,7 +339,7 @@ def test_requests_that_could_hold_a_worker_are_answered_or_refused_by_the_worker
 #: packcache serve's worker around a plain application: ``/hang`` never returns, ``/?N`` answers N bytes
 #: of ``x`` and the worker's pid. argv: the master's timeout in seconds.
 _PLAIN_SERVER = """
-import os, sys, time
+import os, sys, threading, time
 from gunicorn.app.base import BaseApplication
 from packcache.server.app import Limits
 from packcache.server.worker import worker_class
@@ -347,7 +348,9 @@ def app(environ, start_response):
     if environ["PATH_INFO"] == "/hang":
         time.sleep(600)
     size = int(environ["QUERY_STRING"] or 0)
-    start_response("200 OK", [("Content-Type", "application/octet-stream"), ("X-Pid", str(os.getpid()))])
+    main = threading.current_thread() is threading.main_thread()
+    start_response("200 OK", [("Content-Type", "application/octet-stream"), ("X-Pid", str(os.getpid())),
+                              ("X-Main-Thread", str(int(main)))])
     return [b"x" * size]
 
 def ready(server):
@@ -401,6 +404,34 @@ def plain_get(port: int, target: str, timeout: float = 5.0) -> bytes:
         return client.answer(timeout)[0]
     finally:
         client.close()
+
+
+def test_the_application_runs_in_the_workers_main_thread_and_sigterm_still_stops_it_at_once(tmp_path: Path) -> None:
+    """torch's OpenMP pool keeps its threads spinning between parallel regions only for the process's
+    initial thread: a model run from any other thread took twice as long with 2 torch threads
+    (docs/BENCHMARKS.md, "Multi-worker server"). So the loop has a thread of its own and the main
+    thread runs the application; SIGTERM, whichever thread the kernel gives it to, still stops the
+    idle worker within a fraction of a second (gunicorn's handler runs only in the main thread)."""
+    with plain_server(tmp_path, timeout=30) as (port, log):
+        answer = plain_get(port, "/?3")
+        assert status_of(answer) == 200 and b"\r\nX-Main-Thread: 1\r\n" in answer, answer
+        pid = int(re.search(rb"X-Pid: (\d+)", answer).group(1))  # type: ignore[union-attr]
+        for _ in range(5):
+            assert plain_get(port, "/?1").endswith(b"x")
+        began = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        while _alive(pid) and time.monotonic() - began < 10:
+            time.sleep(0.01)
+        assert not _alive(pid) and time.monotonic() - began < 2.0, log.read_text()[-2000:]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by the master, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_an_application_that_hangs_past_the_timeout_still_gets_its_worker_replaced(tmp_path: Path) -> None:

@@ -2,12 +2,13 @@
 
 A ``sync`` worker reads a request from inside the application, so a client that sends the
 headers and part of the body, then stalls, holds the worker until the master kills it for its
-``timeout``; a handful of such clients stop every worker. Here the worker's main thread is an
-event loop (:mod:`selectors`) that owns every socket: it accepts, reads the request line,
-headers and body without blocking, and hands a request to the application only once the
-whole body is in memory. The application runs in one of two threads (*lanes*): ``main`` for
-``POST /embed`` and everything else, ``express`` for ``GET /healthz`` and ``GET /metrics``,
-so neither a batch nor a slow client delays a probe or a scrape. The loop writes the response
+``timeout``; a handful of such clients stop every worker. Here an event loop
+(:mod:`selectors`, in a thread of its own) owns every socket: it accepts, reads the request
+line, headers and body without blocking, and hands a request to the application only once
+the whole body is in memory. The application runs in one of two threads (*lanes*): ``main``
+(the worker's main thread, see :meth:`BufferingWorker.run`) for ``POST /embed`` and everything
+else, ``express`` for ``GET /healthz`` and ``GET /metrics``, so neither a batch nor a slow
+client delays a probe or a scrape. The loop writes the response
 without blocking too. A stalled client costs a buffer and a descriptor, never a thread.
 
 Deadlines (:class:`~packcache.server.app.Limits`), each checked by the loop, so a client that
@@ -144,23 +145,38 @@ class _Request:
 
 
 class _Lane:
-    """One application thread and its queue; ``started`` says since when its current request runs."""
+    """One application thread and its queue; ``started`` says since when its current request runs.
 
-    def __init__(self, name: str, run: Callable[[_Request], None]) -> None:
+    ``own_thread=False``: the lane makes no thread; whoever calls :meth:`serve` runs it (the
+    worker's main thread runs the ``main`` lane, see :meth:`BufferingWorker.run`).
+    """
+
+    def __init__(self, name: str, run: Callable[[_Request], None], *, own_thread: bool = True) -> None:
         self.queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self.pending = 0  # queued or running; the loop's thread alone changes it
         self.started: float | None = None
         self._run = run
-        self.thread = threading.Thread(target=self._loop, name=f"packcache-{name}", daemon=True)
-        self.thread.start()
+        # The main thread must come back to the interpreter now and then: a signal the kernel gave
+        # another thread (the loop's) interrupts no wait of the main thread, yet only the main thread
+        # runs Python's signal handlers (gunicorn's SIGTERM handler among them).
+        self._poll = None if own_thread else 0.05
+        if own_thread:
+            threading.Thread(target=self.serve, name=f"packcache-{name}", daemon=True).start()
 
     def submit(self, request: _Request) -> None:
         request.lane = self
         self.pending += 1
         self.queue.put(request)
 
-    def _loop(self) -> None:
-        while (request := self.queue.get()) is not None:
+    def serve(self) -> None:
+        """Run the lane's requests until :meth:`stop`."""
+        while True:
+            try:
+                request = self.queue.get(timeout=self._poll)
+            except queue.Empty:
+                continue
+            if request is None:
+                return
             self.started = time.monotonic()
             try:
                 self._run(request)
@@ -199,10 +215,44 @@ class BufferingWorker(Worker):  # type: ignore[misc]
     # ------------------------------------------------------------ the loop
 
     def run(self) -> None:
+        """The event loop runs in a thread of its own; this (the main) thread runs the ``main`` lane.
+
+        The model must run in the main thread: torch's OpenMP pool (libgomp) keeps its threads
+        spinning between parallel regions only for the process's initial thread. From any other
+        thread each of a forward's ~50 parallel regions wakes sleeping threads, and one batch took
+        twice as long with 2 torch threads (``benchmarks/serve.py``, 1 worker: 27 against a
+        ``sync`` worker's 45 requests/s). Signals still reach the main thread: gunicorn's handlers
+        run there between two requests or in the lane's wait, and its wake-up pipe wakes the loop.
+        """
         express: Iterable[tuple[str, str]] = getattr(self.wsgi, "express_routes", ())
         self.express_routes: frozenset[tuple[str, str]] = frozenset(express)
-        self.main = _Lane("main", self._call_app)
+        self.main = _Lane("main", self._call_app, own_thread=False)
         self.express = _Lane("express", self._call_app)
+        failed: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                self._loop()
+            except BaseException as exc:  # re-raised in the main thread, as gunicorn expects of run()
+                failed.append(exc)
+            finally:
+                self.main.stop()  # the main thread leaves its lane once the loop has ended
+
+        loop_thread = threading.Thread(target=loop, name="packcache-loop", daemon=True)
+        loop_thread.start()
+        self.main.serve()
+        loop_thread.join()
+        if failed:
+            raise failed[0]
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # In the main thread, which may have been running the model when the signal came: the
+        # loop's thread woke on gunicorn's wake-up pipe before ``alive`` changed, so wake it again.
+        super().handle_exit(sig, frame)
+        with contextlib.suppress(OSError):
+            os.write(self.PIPE[1], b".")
+
+    def _loop(self) -> None:
         for listener in self.sockets:
             listener.setblocking(False)
         self.selector.register(self.PIPE[0], selectors.EVENT_READ, None)
@@ -583,7 +633,9 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         keep_alive = False
         try:
             response, keep_alive = self._response(request)
-        except BaseException:  # the lane must answer and go on whatever happens, or the worker stops accepting
+        except BaseException as exc:  # the lane must answer and go on whatever happens, or the worker stops accepting
+            if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
+                raise  # gunicorn's SIGABRT/SIGQUIT/SIGINT handlers exit from the main thread: a hung model included
             self.log.exception("packcache serve: the application failed")
             keep_alive = False
             body = _error("internal error (logged by the worker)")
