@@ -545,9 +545,12 @@ def _new_model_version(model: Path) -> None:
     os.replace(temp, weights)
 
 
-def test_a_cache_file_replaced_while_serving_old_workers_keep_theirs_restarted_ones_map_the_new(
+def test_a_model_updated_in_place_while_serving_old_workers_keep_theirs_restarted_ones_map_the_new(
     tmp_path: Path,
 ) -> None:
+    """Cache files are named by content, and each worker names its own when it loads: the next model
+    version copied over the model directory, its cache built beside and renamed into place, is
+    what replaced and restarted workers open, while the old workers keep serving the old file."""
     from packcache.models import minilm
 
     model = tmp_path / "model"
@@ -558,11 +561,13 @@ def test_a_cache_file_replaced_while_serving_old_workers_keep_theirs_restarted_o
         path = Path(next(iter(old.workers.values())).info["cache_file"])
         first = embed_from_every_worker(srv, set(old.workers), TEXTS)
         e1 = next(iter(first.values()))[0]
-        old_inode = path.stat().st_ino
+        old_bytes = path.read_bytes()
 
-        # A newer build: the next model version, its cache built beside the live one, renamed over it.
+        # The next model version, its cache built elsewhere and renamed into the cache directory.
         _new_model_version(model)
-        staging = tmp_path / "staging" / path.name
+        new_path = minilm.default_cache_path("int8", model_path=model, cache_dir=tmp_path / "cache")
+        assert new_path != path, "another model, another file"
+        staging = tmp_path / "staging" / new_path.name
         code = (
             "import json, sys, torch\n"
             "torch.set_num_threads(1)\n"
@@ -579,19 +584,13 @@ def test_a_cache_file_replaced_while_serving_old_workers_keep_theirs_restarted_o
         assert done.returncode == 0, done.stderr[-2000:]
         e2 = np.asarray(json.loads(done.stdout))
         assert np.abs(e2 - np.asarray(e1)).max() > 1e-3, "the new version embeds differently"
-        os.rename(staging, path)
-        assert path.stat().st_ino != old_inode
+        os.rename(staging, new_path)
 
-        # The old workers keep serving from the old file's pages (now an unlinked inode).
+        # The old workers keep serving the old model from the old file.
         again = embed_from_every_worker(srv, set(old.workers), TEXTS)
         assert all(a == e1 for answers in again.values() for a in answers)
         for pid in old.workers:
-            mapping = file_mapping_usage(path, pid)
-            assert mapping.mappings > 0 and mapping.deleted == mapping.mappings, mapping
-        unchanged = scrape(srv).workers
-        assert {pid: w.current_state for pid, w in unchanged.items()} == {
-            pid: w.current_state for pid, w in old.workers.items()
-        }
+            assert file_mapping_usage(path, pid).mappings > 0
 
         # One worker replaced (SIGTERM: gunicorn starts another): old and new serve side by side.
         stopped, kept = sorted(old.workers)
@@ -603,7 +602,8 @@ def test_a_cache_file_replaced_while_serving_old_workers_keep_theirs_restarted_o
         for a in seen[fresh]:
             np.testing.assert_allclose(a, e2, rtol=0, atol=2e-5)
         assert mixed.workers[fresh].current_state == "mapped" and mixed.workers[fresh].values["written_bytes"] == 0
-        assert file_mapping_usage(path, fresh).deleted == 0 and file_mapping_usage(path, kept).deleted > 0
+        assert mixed.workers[fresh].info["cache_file"] == str(new_path)
+        assert file_mapping_usage(new_path, fresh).mappings > 0 and file_mapping_usage(path, fresh).mappings == 0
 
         # A rolling restart (SIGHUP) replaces the rest: every worker maps the new file.
         os.kill(srv.pid, signal.SIGHUP)
@@ -611,14 +611,15 @@ def test_a_cache_file_replaced_while_serving_old_workers_keep_theirs_restarted_o
         for w in new.workers.values():
             assert w.current_state == "mapped" and w.values["written_bytes"] == 0, w
             assert_no_heap(w)
-            mapping = file_mapping_usage(path, w.pid)
-            assert mapping.mappings > 0 and mapping.deleted == 0
+            assert file_mapping_usage(new_path, w.pid).mappings > 0
         final = embed_from_every_worker(srv, set(new.workers), TEXTS)
         for answers in final.values():
             for a in answers:
                 np.testing.assert_allclose(a, e2, rtol=0, atol=2e-5)
-    report = packcache.verify(path)
-    assert report.ok, report
+    assert path.read_bytes() == old_bytes  # nothing wrote to the old model's file
+    for file in (path, new_path):
+        report = packcache.verify(file)
+        assert report.ok, report
 
 
 @pytest.mark.root
@@ -843,3 +844,105 @@ def test_the_sentence_transformers_engine_never_reaches_a_hub_whatever_hf_hub_of
     assert connections == 0, f"the engine asked the hub {connections} times"
     assert child.returncode == 0, err[-2000:]
     assert json.loads(out.strip().splitlines()[-1]) != "loaded", out
+
+
+def _tiny_bert(directory: Path, seed: int) -> Path:
+    """A tiny random BERT (safetensors) the MiniLM loader serves, with all-MiniLM-L6-v2's tokenizer."""
+    code = (
+        "import shutil, sys, torch, transformers\n"
+        "from packcache.models import minilm\n"
+        "config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,\n"
+        "    num_attention_heads=2, intermediate_size=128, max_position_embeddings=512)\n"
+        "torch.manual_seed(int(sys.argv[2]))\n"
+        "transformers.BertModel(config).save_pretrained(sys.argv[1])\n"
+        "for name in ('tokenizer.json', 'sentence_bert_config.json'):\n"
+        "    shutil.copy(minilm.default_model_path() / name, sys.argv[1])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-c", code, str(directory), str(seed)], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return directory
+
+
+def _publish(tmp: Path, checkpoint: Path, store: Path, key: Path) -> dict[str, Any]:
+    """Machine A's CI job: build the checkpoint's cache, publish it signed; the publish report."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore",
+           "XDG_CACHE_HOME": str(tmp / "xdg"), "PACKCACHE_DIGEST_DIR": str(tmp / "digests")}  # fmt: skip
+    cli = [sys.executable, "-m", "packcache"]
+    built = subprocess.run([*cli, "build", str(checkpoint), "--loader", "minilm", "--scheme", "int8", "--cache-dir",
+                            str(tmp / "cache"), "--json"], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert built.returncode == 0, built.stderr[-2000:]
+    published = subprocess.run(
+        [*cli, "publish", json.loads(built.stdout)["cache_file"], str(store), "--sign", str(key), "--model",
+         str(checkpoint), "--json"], capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert published.returncode == 0, published.stderr[-2000:]
+    report: dict[str, Any] = json.loads(published.stdout)
+    return report
+
+
+def test_a_fresh_machine_serves_from_the_store_and_a_rolling_restart_picks_up_the_next_published_model(
+    tmp_path: Path,
+) -> None:
+    """The two-machine scenario (issue 21): machine A builds and publishes; machine B (another directory,
+    a copy of the checkpoint at another path with other mtimes, other variables) starts 4 workers with
+    --remote: one download, nothing packed, every worker mapped. Then A publishes the next model version,
+    B's model directory is updated in place and a rolling restart picks it up while requests go on."""
+    from packcache.fleet.manifest import generate_key, public_path_for
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    key = a / "ci.pem"
+    a.mkdir()
+    generate_key(key)
+    store = tmp_path / "store"
+    store.mkdir()
+    v1 = _publish(a, _tiny_bert(a / "v1", seed=1), store, key)
+    model = b / "models" / "current"
+    shutil.copytree(a / "v1", model)
+    later = time.time() + 3600
+    for path in model.iterdir():
+        os.utime(path, (later, later))
+    remote = ("--remote", str(store), "--trusted-key", public_path_for(key))
+    args = ("--cache-dir", str(b / "cache"), "--model", str(model), *remote)
+    with server(b, *args, workers=4) as srv:
+        first = loaded_workers(srv, 4, timeout=120)
+        for w in first.workers.values():
+            assert w.current_state == "mapped" and w.values["written_bytes"] == 0 and w.packs["stored"] == 0, w
+            assert w.values["remote_hits"] == 1 and w.info["cache_file"].endswith(f"{v1['model']}.pcache"), w
+        downloads = [w.pid for w in first.workers.values() if w.values["remote_bytes"] >= v1["size"]]
+        assert len(downloads) == 1, {w.pid: w.values["remote_bytes"] for w in first.workers.values()}
+        e1 = embed_from_every_worker(srv, set(first.workers), TEXTS)
+
+        # The next version: published by A; B's operator copies it over the model directory, then SIGHUP.
+        v2 = _publish(a, _tiny_bert(a / "v2", seed=2), store, key)
+        assert v2["model"] != v1["model"]
+        failures: list[str] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            while not stop.is_set():
+                try:
+                    status, _ = call(srv, "POST", "/embed", json.dumps({"texts": TEXTS}).encode(), timeout=30)
+                    if status != 200:
+                        failures.append(str(status))
+                except OSError as exc:
+                    failures.append(repr(exc))
+
+        client = threading.Thread(target=traffic)
+        client.start()
+        try:
+            for name in os.listdir(a / "v2"):
+                shutil.copy(a / "v2" / name, model / f".{name}.new")
+                os.rename(model / f".{name}.new", model / name)
+            os.kill(srv.pid, signal.SIGHUP)
+            second = loaded_workers(srv, 4, exclude=set(first.workers), timeout=120)
+        finally:
+            stop.set()
+            client.join(60)
+        assert failures == [], failures[:5]
+        for w in second.workers.values():
+            assert w.current_state == "mapped" and w.values["written_bytes"] == 0 and w.packs["stored"] == 0, w
+            assert w.info["cache_file"].endswith(f"{v2['model']}.pcache"), w
+        e2 = embed_from_every_worker(srv, set(second.workers), TEXTS)
+        assert np.abs(np.asarray(next(iter(e2.values()))[0]) - np.asarray(next(iter(e1.values()))[0])).max() > 1e-3

@@ -45,6 +45,10 @@ class EngineSpec:
         torch_threads: torch intra-op threads per worker.
         prefault: after the load, read one byte of every page of every weight tensor, so the
             worker's page tables hold the whole model before the first request.
+        cache_dir: when set (``serve`` sets it), each worker names its cache file in it by the content it
+            loads (:func:`packcache.models.minilm.default_cache_path`), so a model directory updated in
+            place and a rolling restart (SIGHUP) open the new model's file; ``cache`` is then the name
+            the master found at startup.
         remote, remote_timeout, trusted_keys, allow_unsigned: a store of published caches and how to
             trust it (:class:`packcache.WeightCache`'s arguments of the same names): on a local miss a
             worker fetches the file first (one per machine: the others wait on the build lock and map it).
@@ -57,6 +61,7 @@ class EngineSpec:
     kernel_path: str | None = None
     torch_threads: int = 1
     prefault: bool = False
+    cache_dir: str | None = None
     remote: str | None = None
     remote_timeout: float = 10.0
     trusted_keys: tuple[str, ...] = ()
@@ -165,16 +170,19 @@ def load_engine(spec: EngineSpec) -> Engine:
     torch.set_num_threads(spec.torch_threads)
     minilm: Any = importlib.import_module("packcache.models.minilm")
     if spec.engine == "packcache":
-        cache: Any = spec.cache
-        if spec.remote is not None and spec.cache is not None:
+        path = spec.cache
+        if path is not None and spec.cache_dir is not None:
+            path = str(minilm.default_cache_path(spec.scheme, model_path=spec.model, cache_dir=spec.cache_dir))
+        cache: Any = path
+        if spec.remote is not None and path is not None:
             from ..cache import WeightCache
 
             cache = WeightCache(
-                spec.cache, platform=minilm.platform(spec.scheme), remote=spec.remote,
+                path, platform=minilm.platform(spec.scheme), remote=spec.remote,
                 remote_timeout=spec.remote_timeout, trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
             )  # fmt: skip
         model = minilm.load(spec.scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path)
-        engine: Engine = _Packcache(model, spec.cache)
+        engine: Engine = _Packcache(model, path)
         if spec.prefault:
             _prefault(model.encoder)
         return engine
