@@ -870,8 +870,10 @@ def _publish(tmp: Path, checkpoint: Path, store: Path, key: Path) -> dict[str, A
     env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore",
            "XDG_CACHE_HOME": str(tmp / "xdg"), "PACKCACHE_DIGEST_DIR": str(tmp / "digests")}  # fmt: skip
     cli = [sys.executable, "-m", "packcache"]
-    built = subprocess.run([*cli, "build", str(checkpoint), "--loader", "minilm", "--scheme", "int8", "--cache-dir",
-                            str(tmp / "cache"), "--json"], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    built = subprocess.run(
+        [*cli, "build", str(checkpoint), "--loader", "minilm", "--scheme", "int8", "--cache-dir", str(tmp / "cache"),
+         "--json"], capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
     assert built.returncode == 0, built.stderr[-2000:]
     published = subprocess.run(
         [*cli, "publish", json.loads(built.stdout)["cache_file"], str(store), "--sign", str(key), "--model",
@@ -909,7 +911,10 @@ def test_a_fresh_machine_serves_from_the_store_and_a_rolling_restart_picks_up_th
         first = loaded_workers(srv, 4, timeout=120)
         for w in first.workers.values():
             assert w.current_state == "mapped" and w.values["written_bytes"] == 0 and w.packs["stored"] == 0, w
-            assert w.values["remote_hits"] == 1 and w.info["cache_file"].endswith(f"{v1['model']}.pcache"), w
+            assert w.info["cache_file"].endswith(f"{v1['model']}.pcache"), w
+        # A worker that started after the file landed never asked the store (a clean local hit);
+        # those that missed waited for the one download and found the file there.
+        assert sum(w.values["remote_hits"] for w in first.workers.values()) >= 1
         downloads = [w.pid for w in first.workers.values() if w.values["remote_bytes"] >= v1["size"]]
         assert len(downloads) == 1, {w.pid: w.values["remote_bytes"] for w in first.workers.values()}
         e1 = embed_from_every_worker(srv, set(first.workers), TEXTS)
