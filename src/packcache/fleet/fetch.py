@@ -6,11 +6,10 @@
 1. read the manifest ``manifests/<model>/<class>.json`` (bounded), check its signature against
    the trusted keys, its model and class against this file's, its expiry, and its generation
    against the last one this user accepted from that store (no rollback);
-2. check the blob's size, and read its header by a range read: the platform must be this
-   machine's;
+2. read the blob's header by a range read: the platform must be this machine's;
 3. check the free space of the cache directory;
-4. stream the blob into a temp file beside the local file while hashing it; check size and
-   sha256, ``fsync``, verify every pack's checksum, and only then rename it over the local path
+4. stream the blob into a temp file beside the local file while hashing it (no more bytes than
+   the manifest's size are taken); check size and sha256, ``fsync``, verify every pack's checksum, and only then rename it over the local path
    (a mapped file is never truncated or rewritten: processes mapping the old one keep it).
 
 Every problem raises :class:`~packcache.errors.RemoteError` with one of
@@ -209,9 +208,8 @@ def _download(
 ) -> int:
     blob = manifest.blob_key
     where = f"{url.rstrip('/')}/{blob}"
-    info = store.head(blob, deadline=deadline)
-    if info.size != manifest.size:
-        raise RemoteError("remote_corrupt", f"{info.size} bytes, the manifest says {manifest.size}", url=where)
+    # No HEAD first: the download refuses more bytes than the manifest's size before taking any, and
+    # fewer are caught below (a HEAD costs a round trip, and on a directory store a hash of the blob).
     head = store.get_range(blob, 0, min(fmt.HEADER_READ_SIZE, manifest.size), deadline=deadline)
     try:
         header = fmt.decode_header(head, path=where)
