@@ -28,7 +28,7 @@ import pytest
 from harness.mounts import read_only_bind, tmpfs
 from harness.s3server import S3Server, free_port, moto_server, s3_env, weed_server
 from packcache.errors import RemoteError
-from packcache.fleet import stores
+from packcache.fleet import _dirstore, _objectstore, stores
 from packcache.fleet.stores import CHUNK_BYTES, DirectoryStore, ObjectStore, Store, check_key, open_store
 
 GRACE = 1.0  # the interface's promise: no call returns later than deadline + 1 s
@@ -322,6 +322,34 @@ def test_a_server_that_accepts_and_never_answers_times_out_within_the_deadline(
         assert server.connections, "the store never connected"
     finally:
         server.close()
+
+
+def test_a_silent_server_is_a_timeout_after_the_stall_bound_well_before_a_far_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = SilentServer()
+    try:
+        for name, value in s3_env(f"http://127.0.0.1:{server.port}").items():
+            monkeypatch.setenv(name, value)
+        with open_store("s3://bucket/prefix", timeout=0.3) as store:
+            started = time.monotonic()
+            error = reason_of(lambda: store.head("k", deadline=soon(30)))
+        assert error.reason == "remote_timeout", error
+        assert time.monotonic() - started < 5, "three tries of 0.3 s and two short backoffs, not the 30 s deadline"
+    finally:
+        server.close()
+
+
+def test_a_file_above_the_single_put_limit_goes_up_in_parts_and_stays_create_only(
+    s3_environment: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(_objectstore, "_SINGLE_PUT_MAX", 1 << 20)  # what 1 GiB is in production, small enough here
+    data = write_file(tmp_path / "blob", 11 << 20, seed=8)
+    write_file(tmp_path / "other", 11 << 20, seed=9)
+    with open_store(f"{s3_environment.url}/{uuid.uuid4().hex}") as store:
+        assert store.put_file("blobs/b", str(tmp_path / "blob"), deadline=soon(60)) is True
+        assert store.put_file("blobs/b", str(tmp_path / "other"), deadline=soon(60)) is False
+        assert store.get("blobs/b", deadline=soon(60), max_bytes=len(data))[0] == data
 
 
 def test_a_server_that_stalls_in_the_middle_of_a_body_times_out_within_the_deadline(
@@ -629,7 +657,7 @@ def test_a_syscall_blocked_in_the_kernel_is_abandoned_at_the_deadline(tmp_path: 
     closed: list[int] = []
     deadline = time.monotonic() + 0.3
     # A blocking open of a FIFO stands in for a read from a dead hard-mounted NFS server.
-    result = stores._run_bounded(lambda: os.open(fifo, os.O_RDONLY), deadline, closed.append)
+    result = _dirstore.run_bounded(lambda: os.open(fifo, os.O_RDONLY), deadline, closed.append)
     assert result is None and time.monotonic() - deadline <= GRACE
     writer = os.open(fifo, os.O_WRONLY)  # let the abandoned open finish: its descriptor is closed for us
     os.close(writer)
