@@ -439,6 +439,25 @@ def test_a_403_is_a_remote_error_with_the_status(monkeypatch: pytest.MonkeyPatch
         httpd.server_close()
 
 
+def test_urls_choose_the_store_and_unknown_forms_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert isinstance(open_store(f"file://{tmp_path}"), DirectoryStore)
+    assert isinstance(open_store("file://localhost/srv/store"), DirectoryStore)
+    relative = open_store("shared/store")
+    assert isinstance(relative, DirectoryStore) and relative.root == str(tmp_path / "shared" / "store")
+    for url in ("ftp://host/x", "file://otherhost/srv", "file:relative/path"):
+        with pytest.raises(ValueError, match="store URL"):
+            open_store(url)
+
+
+def test_an_http_store_refuses_to_publish_with_a_remote_error(s3_environment: S3Server) -> None:
+    """obstore's HTTP store has no create-only or compare-and-swap put: http(s):// stores are read-only."""
+    with open_store(f"{s3_environment.endpoint}/{s3_environment.bucket}/{uuid.uuid4().hex}") as http:
+        assert isinstance(http, ObjectStore)
+        refused = reason_of(lambda: http.put_bytes("new.json", b"x", deadline=soon(), if_match=None))
+        assert refused.reason == "remote_error" and "not yet implemented" in str(refused), refused
+
+
 def test_the_url_keeps_no_credentials() -> None:
     with open_store("https://user:secret@store.example/prefix?sig=token") as store:
         assert store.url == "https://store.example/prefix"
@@ -477,6 +496,25 @@ if pid == 0:
         os._exit(1)
     except RemoteError as e:
         os._exit(0 if e.reason == "remote_error" and "fork" in str(e) and time.monotonic() - started < 1 else 2)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "0", (done.stdout, done.stderr)
+
+
+def test_a_child_of_a_parent_that_only_opened_a_store_can_use_it(s3_environment: S3Server) -> None:
+    """A pre-fork server master may open a store (no request): its workers still fetch."""
+    url = f"{s3_environment.url}/fork-ok"
+    with open_store(url) as seed:
+        seed.put_bytes("k", b"x", deadline=soon(), if_match=None)
+    code = f"""
+import os, time
+from packcache.fleet.stores import open_store
+store = open_store({url!r})
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if store.get("k", deadline=time.monotonic() + 10, max_bytes=10)[0] == b"x" else 1)
 _, status = os.waitpid(pid, 0)
 print(os.waitstatus_to_exitcode(status))
 """

@@ -315,7 +315,7 @@ class DirectoryStore(Store):
         try:
             st = os.fstat(src)
             if not stat.S_ISREG(st.st_mode):
-                raise IsADirectoryError(errno_mod.EINVAL, "not a regular file", path)
+                raise OSError(errno_mod.EINVAL, "not a regular file", path)
 
             def copy(fd: int) -> None:
                 offset = 0

@@ -91,9 +91,11 @@ class ObjectStore(Store):
             os.environ.get(name, "").lower().startswith("http://") for name in _ENDPOINT_ENV.get(scheme, ())
         )
         self._closed = False
-        self._client(time.monotonic() + self._stall, "configure", "")  # a bad URL or configuration fails here
+        # A bad URL or configuration fails here. Building a client makes no request, and only a request
+        # starts obstore's runtime (what fork breaks), so a pre-fork master may open stores.
+        self._client(time.monotonic() + self._stall, "configure", "", request=False)
 
-    def _client(self, deadline: float, doing: str, key: str) -> Any:
+    def _client(self, deadline: float, doing: str, key: str, *, request: bool = True) -> Any:
         """An obstore store whose requests end by ``deadline`` (connect and stall bounded by ``timeout`` too)."""
         global _obstore_used
         if self._closed:
@@ -127,7 +129,7 @@ class ObjectStore(Store):
             )
         except Exception as exc:
             raise self._error(exc, key, doing, deadline) from exc
-        _obstore_used = True
+        _obstore_used = _obstore_used or request
         return client
 
     def _error(self, exc: BaseException, key: str, doing: str, deadline: float) -> RemoteError:
@@ -241,7 +243,7 @@ class ObjectStore(Store):
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise IsADirectoryError(errno_mod.EINVAL, "not a regular file", path)
+                raise OSError(errno_mod.EINVAL, "not a regular file", path)
             try:
                 self.head(key, deadline=deadline)
                 return False
