@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,6 +142,7 @@ def moto_server(bucket: str = "packcache-test", *, startup: float = 30.0) -> Ite
         yield S3Server(endpoint, bucket, s3_env(endpoint), process, log)
     finally:
         _stop(process)
+        shutil.rmtree(log.parent, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -169,6 +171,7 @@ def weed_server(bucket: str = "packcache-test", *, startup: float = 60.0) -> Ite
         yield S3Server(endpoint, bucket, s3_env(endpoint), process, log)
     finally:
         _stop(process)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def _boto3_client(endpoint: str) -> Any:

@@ -52,10 +52,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 _STATUS = re.compile(r"status(?: code)?: (\d{3})")
 _OS_CODE = re.compile(r"Os \{\s*code: (\d+)")
 _SINGLE_PUT_MAX = 1 << 30  # a create-only PUT holds the whole file in memory (obstore sends it in one request)
+_S3_ENDPOINTS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_AZURE_ENDPOINTS = ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")
+#: The variables naming each scheme's endpoint: plain http is allowed exactly when that endpoint is http://.
 _ENDPOINT_ENV = {
-    "s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"),
-    "s3a": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"),
-    "gs": ("GOOGLE_CLOUD_STORAGE_URL", "GOOGLE_BASE_URL"),
+    "s3": _S3_ENDPOINTS,
+    "s3a": _S3_ENDPOINTS,
+    "gs": ("GOOGLE_BASE_URL",),
+    **{scheme: _AZURE_ENDPOINTS for scheme in ("az", "adl", "azure", "abfs", "abfss")},
 }
 
 
@@ -87,8 +91,10 @@ class ObjectStore(Store):
         self._raw_url = url
         self._stall = max(float(timeout), 0.001)
         scheme = urllib.parse.urlsplit(url).scheme.lower()
-        self._allow_http = scheme == "http" or any(
-            os.environ.get(name, "").lower().startswith("http://") for name in _ENDPOINT_ENV.get(scheme, ())
+        self._allow_http = (
+            scheme == "http"
+            or any(os.environ.get(name, "").lower().startswith("http://") for name in _ENDPOINT_ENV.get(scheme, ()))
+            or (scheme in _ENDPOINT_ENV["az"] and os.environ.get("AZURE_STORAGE_USE_EMULATOR", "").lower() == "true")
         )
         self._closed = False
         # A bad URL or configuration fails here. Building a client makes no request, and only a request
