@@ -42,19 +42,6 @@ def soon(seconds: float = 20.0) -> float:
 # =========================================================================== servers and stores
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[S3Server]:
-    with moto_server() as server:
-        yield server
-
-
-@pytest.fixture
-def s3_environment(moto: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for name, value in moto.env.items():
-        monkeypatch.setenv(name, value)
-    return moto
-
-
 @pytest.fixture(params=["directory", "moto"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """The same contract against each implementation; every test gets a fresh root or prefix."""
@@ -65,7 +52,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
             assert isinstance(s, DirectoryStore)
             yield s
     else:
-        server = request.getfixturevalue("s3_environment")
+        server = request.getfixturevalue("moto_env")
         with open_store(f"{server.url}/{uuid.uuid4().hex}") as s:
             assert isinstance(s, ObjectStore)
             yield s
@@ -341,12 +328,12 @@ def test_a_silent_server_is_a_timeout_after_the_stall_bound_well_before_a_far_de
 
 
 def test_a_file_above_the_single_put_limit_goes_up_in_parts_and_stays_create_only(
-    s3_environment: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    moto_env: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(_objectstore, "_SINGLE_PUT_MAX", 1 << 20)  # what 1 GiB is in production, small enough here
     data = write_file(tmp_path / "blob", 11 << 20, seed=8)
     write_file(tmp_path / "other", 11 << 20, seed=9)
-    with open_store(f"{s3_environment.url}/{uuid.uuid4().hex}") as store:
+    with open_store(f"{moto_env.url}/{uuid.uuid4().hex}") as store:
         assert store.put_file("blobs/b", str(tmp_path / "blob"), deadline=soon(60)) is True
         assert store.put_file("blobs/b", str(tmp_path / "other"), deadline=soon(60)) is False
         assert store.get("blobs/b", deadline=soon(60), max_bytes=len(data))[0] == data
@@ -450,9 +437,9 @@ def test_urls_choose_the_store_and_unknown_forms_are_refused(tmp_path: Path, mon
             open_store(url)
 
 
-def test_an_http_store_refuses_to_publish_with_a_remote_error(s3_environment: S3Server) -> None:
+def test_an_http_store_refuses_to_publish_with_a_remote_error(moto_env: S3Server) -> None:
     """obstore's HTTP store has no create-only or compare-and-swap put: http(s):// stores are read-only."""
-    with open_store(f"{s3_environment.endpoint}/{s3_environment.bucket}/{uuid.uuid4().hex}") as http:
+    with open_store(f"{moto_env.endpoint}/{moto_env.bucket}/{uuid.uuid4().hex}") as http:
         assert isinstance(http, ObjectStore)
         refused = reason_of(lambda: http.put_bytes("new.json", b"x", deadline=soon(), if_match=None))
         assert refused.reason == "remote_error" and "not yet implemented" in str(refused), refused
@@ -481,18 +468,18 @@ except ModuleNotFoundError as e:
     assert "pip install 'packcache[fleet]'" in done.stdout and (tmp_path / "k").read_bytes() == b"x"
 
 
-def test_a_child_forked_after_obstore_was_used_gets_an_error_not_a_hang(s3_environment: S3Server) -> None:
+def test_a_child_forked_after_obstore_was_used_gets_an_error_not_a_hang(moto_env: S3Server) -> None:
     code = f"""
 import os, time
 from packcache.errors import RemoteError
 from packcache.fleet.stores import open_store
-store = open_store({s3_environment.url + "/fork"!r})
+store = open_store({moto_env.url + "/fork"!r})
 store.put_bytes("k", b"x", deadline=time.monotonic() + 10, if_match=None)
 pid = os.fork()
 if pid == 0:
     started = time.monotonic()
     try:
-        open_store({s3_environment.url + "/fork"!r}).head("k", deadline=time.monotonic() + 10)
+        open_store({moto_env.url + "/fork"!r}).head("k", deadline=time.monotonic() + 10)
         os._exit(1)
     except RemoteError as e:
         os._exit(0 if e.reason == "remote_error" and "fork" in str(e) and time.monotonic() - started < 1 else 2)
@@ -503,9 +490,9 @@ print(os.waitstatus_to_exitcode(status))
     assert done.returncode == 0 and done.stdout.strip() == "0", (done.stdout, done.stderr)
 
 
-def test_a_child_of_a_parent_that_only_opened_a_store_can_use_it(s3_environment: S3Server) -> None:
+def test_a_child_of_a_parent_that_only_opened_a_store_can_use_it(moto_env: S3Server) -> None:
     """A pre-fork server master may open a store (no request): its workers still fetch."""
-    url = f"{s3_environment.url}/fork-ok"
+    url = f"{moto_env.url}/fork-ok"
     with open_store(url) as seed:
         seed.put_bytes("k", b"x", deadline=soon(), if_match=None)
     code = f"""

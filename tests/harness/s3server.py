@@ -3,7 +3,8 @@
 Each is a context manager yielding an :class:`S3Server`: a bucket URL and the ``AWS_*`` environment
 that reaches it (dummy keys, ``us-east-1``, ``AWS_ENDPOINT_URL=http://127.0.0.1:<port>``). The server
 is a real process listening only on 127.0.0.1; it is killed (and waited for) on exit. Tests use the
-pytest fixtures of ``tests/test_fleet_stores.py``, other code ``with moto_server() as server:``.
+fixtures ``moto_s3`` (one server per run) and ``moto_env`` (its variables set) of ``tests/conftest.py``;
+other code ``with moto_server() as server:``.
 """
 
 from __future__ import annotations
