@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
+from harness.s3server import S3Server, moto_server
 from packcache import _registry
 
 # Hypothesis writes under its home directory even with database=None; keep it out of the work tree.
@@ -23,3 +24,19 @@ def _restore_process_defaults() -> Iterator[None]:
     yield
     _registry.DEFAULTS.clear()
     _registry.DEFAULTS.update(saved)
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[S3Server]:
+    """One moto S3 server on 127.0.0.1 for the whole run (tests/harness/s3server.py); give each test its own
+    key prefix (``f"{moto_s3.url}/{uuid.uuid4().hex}"``)."""
+    with moto_server() as server:
+        yield server
+
+
+@pytest.fixture
+def moto_env(moto_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """:func:`moto_s3` with its ``AWS_*`` variables (dummy keys, ``AWS_ENDPOINT_URL``) set for this test."""
+    for name, value in moto_s3.env.items():
+        monkeypatch.setenv(name, value)
+    return moto_s3

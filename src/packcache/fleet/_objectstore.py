@@ -1,0 +1,297 @@
+"""The object store (S3, GCS, Azure, HTTP) through obstore: see :class:`ObjectStore` (private: import from
+``stores``)."""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import re
+import stat
+import time
+import urllib.parse
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from packcache.errors import RemoteError
+
+from ._storebase import CHUNK_BYTES, ObjectInfo, Store, T, check_key, check_range, read_all, redact, remaining
+
+__all__ = ["ObjectStore"]
+
+_FLEET_EXTRA = "pip install 'packcache[fleet]'"
+
+
+def _import_obstore() -> Any:
+    try:
+        import obstore
+        import obstore.exceptions
+        import obstore.store
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            f"object store URLs (s3://, gs://, az://, http(s)://) need obstore, from the fleet extra: {_FLEET_EXTRA}",
+            name="obstore",
+        ) from exc
+    return obstore
+
+
+# obstore's runtime threads do not survive fork: in a child forked after its parent used obstore every
+# request hangs (test_a_child_forked_after_obstore_was_used_gets_an_error_not_a_hang). Such a child
+# gets a clear error at once instead of a timeout on every call.
+_obstore_used = False
+_inherited_obstore = False
+
+
+def _after_fork_in_child() -> None:
+    global _inherited_obstore
+    _inherited_obstore = _inherited_obstore or _obstore_used
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_STATUS = re.compile(r"status(?: code)?: (\d{3})")
+_OS_CODE = re.compile(r"Os \{\s*code: (\d+)")
+_SINGLE_PUT_MAX = 1 << 30  # a create-only PUT holds the whole file in memory (obstore sends it in one request)
+_S3_ENDPOINTS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_AZURE_ENDPOINTS = ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")
+#: The variables naming each scheme's endpoint: plain http is allowed exactly when that endpoint is http://.
+_ENDPOINT_ENV = {
+    "s3": _S3_ENDPOINTS,
+    "s3a": _S3_ENDPOINTS,
+    "gs": ("GOOGLE_BASE_URL",),
+    **{scheme: _AZURE_ENDPOINTS for scheme in ("az", "adl", "azure", "abfs", "abfss")},
+}
+
+
+class ObjectStore(Store):
+    """A store in an object store (S3, GCS, Azure, HTTP) through ``obstore`` (the ``fleet`` extra).
+
+    Credentials and endpoints come from each store's standard environment (S3: ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``; plain
+    ``http://`` is allowed when the endpoint is an ``http://`` URL). Create-only puts send
+    ``If-None-Match: *`` and compare-and-swap sends ``If-Match: <etag>``: the server must honour them
+    (AWS S3, moto and SeaweedFS do; see docs/FLEET.md).
+
+    Each call builds its own client whose overall timeout is the time left to the call's deadline, so
+    obstore itself cuts a silent or stalled server at the deadline and no request outlives its call.
+    (obstore's async API would allow cancelling instead, but its runtime can abort the interpreter at
+    exit after an async call: the synchronous API does not.) Requests are retried at most twice
+    (5xx, dropped connections) within the deadline.
+    """
+
+    def __init__(self, url: str, *, timeout: float = 10.0) -> None:
+        """``timeout`` (seconds) bounds connecting and a stalled read; each call's deadline bounds the whole call.
+
+        Raises:
+            ModuleNotFoundError: obstore is not installed.
+            RemoteError: obstore cannot make a store of ``url`` (``remote_error``).
+        """
+        self._obstore = _import_obstore()
+        self.url = redact(url)
+        self._raw_url = url
+        self._stall = max(float(timeout), 0.001)
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        self._allow_http = (
+            scheme == "http"
+            or any(os.environ.get(name, "").lower().startswith("http://") for name in _ENDPOINT_ENV.get(scheme, ()))
+            or (scheme in _ENDPOINT_ENV["az"] and os.environ.get("AZURE_STORAGE_USE_EMULATOR", "").lower() == "true")
+        )
+        self._closed = False
+        # A bad URL or configuration fails here. Building a client makes no request, and only a request
+        # starts obstore's runtime (what fork breaks), so a pre-fork master may open stores.
+        self._client(time.monotonic() + self._stall, "configure", "", request=False)
+
+    def _client(self, deadline: float, doing: str, key: str, *, request: bool = True) -> Any:
+        """An obstore store whose requests end by ``deadline`` (connect and stall bounded by ``timeout`` too)."""
+        global _obstore_used
+        if self._closed:
+            raise RemoteError("remote_error", f"{doing} {key!r}: the store is closed", url=self.url)
+        if _inherited_obstore:
+            raise RemoteError(
+                "remote_error",
+                f"{doing} {key!r}: obstore was used before this process was forked and its runtime does not "
+                "survive fork; use object stores only in processes that did not inherit them",
+                url=self.url,
+            )
+        left = remaining(deadline)
+        if left <= 0:
+            raise RemoteError("remote_timeout", f"{doing} {key!r}: the deadline passed", url=self.url)
+        whole = timedelta(seconds=left)
+        stall = timedelta(seconds=min(left, self._stall))
+        client_options = {
+            "allow_http": self._allow_http,
+            "connect_timeout": stall,
+            "read_timeout": stall,
+            "timeout": whole,
+        }
+        retry_config = {
+            "max_retries": 2,
+            "retry_timeout": whole,
+            "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=1), "base": 2},
+        }
+        try:
+            client = self._obstore.store.from_url(
+                self._raw_url, client_options=client_options, retry_config=retry_config
+            )
+        except Exception as exc:
+            raise self._error(exc, key, doing, deadline) from exc
+        _obstore_used = _obstore_used or request
+        return client
+
+    def _error(self, exc: BaseException, key: str, doing: str, deadline: float) -> RemoteError:
+        """The one translation of an obstore error into a :class:`RemoteError`."""
+        text = str(exc)
+        first = text.split("\n", 1)[0].strip()[:400]
+        status_match = _STATUS.search(text)
+        code_match = _OS_CODE.search(text)
+        code = int(code_match.group(1)) if code_match else 0
+        status = f" (HTTP {status_match.group(1)})" if status_match else ""
+        where = f"{doing} {key!r}" if key else doing
+        exceptions = self._obstore.exceptions
+        if isinstance(exc, FileNotFoundError):
+            return RemoteError("remote_absent", f"no object at {key!r}", url=self.url)
+        if isinstance(exc, exceptions.AlreadyExistsError):
+            return RemoteError("remote_conflict", f"{where}: an object already exists{status}", url=self.url)
+        if isinstance(exc, exceptions.PreconditionError):
+            return RemoteError(
+                "remote_conflict", f"{where}: the object changed (its ETag no longer matches)", url=self.url
+            )
+        timed_out = any(word in text for word in ("kind: Timeout", "TimedOut"))  # obstore's stall bound fired
+        if not status_match and (timed_out or time.monotonic() >= deadline - 0.05):
+            return RemoteError("remote_timeout", f"{where}: no answer before the deadline ({first})", url=self.url)
+        os_error = f" ({errno_mod.errorcode.get(code, code)}: {os.strerror(code)})" if code else ""
+        return RemoteError(
+            "remote_error", f"{where}{status}{os_error}: {type(exc).__name__}: {first}", url=self.url, errno=code
+        )
+
+    def _call(self, key: str, doing: str, deadline: float, call: Callable[[Any], T]) -> T:
+        client = self._client(deadline, doing, key)
+        try:
+            return call(client)
+        except Exception as exc:
+            raise self._error(exc, key, doing, deadline) from exc
+
+    # -- reads
+
+    def head(self, key: str, *, deadline: float) -> ObjectInfo:
+        """See :meth:`Store.head`."""
+        check_key(key)
+        meta = self._call(key, "head", deadline, lambda client: self._obstore.head(client, key))
+        return ObjectInfo(int(meta["size"]), meta.get("e_tag"))
+
+    def get(self, key: str, *, deadline: float, max_bytes: int) -> tuple[bytes, ObjectInfo]:
+        """See :meth:`Store.get`: streamed and counted, so a body longer than announced is caught."""
+        parts: list[bytes] = []
+        info = self.download(key, lambda chunk: parts.append(bytes(chunk)), deadline=deadline, max_bytes=max_bytes)
+        return b"".join(parts), info
+
+    def get_range(self, key: str, start: int, end: int, *, deadline: float) -> bytes:
+        """See :meth:`Store.get_range`."""
+        check_key(key)
+        check_range(start, end)
+        if start == end:
+            self.head(key, deadline=deadline)  # an absent key is absent, whatever the range
+            return b""
+        try:
+            data = self._call(
+                key, "get_range", deadline, lambda c: bytes(self._obstore.get_range(c, key, start=start, end=end))
+            )
+        except RemoteError as exc:
+            if "(HTTP 416)" in str(exc):
+                return b""  # the range starts at or past the object's end
+            raise
+        if len(data) > end - start:
+            raise RemoteError(
+                "remote_error", f"get_range {key!r}: {len(data)} bytes for a range of {end - start}", url=self.url
+            )
+        return data
+
+    def download(self, key: str, sink: Callable[[memoryview], None], *, deadline: float, max_bytes: int) -> ObjectInfo:
+        """See :meth:`Store.download`."""
+        check_key(key)
+        client = self._client(deadline, "download", key)
+        try:
+            result = self._obstore.get(client, key)
+            meta = result.meta
+            stream = iter(result.stream(min_chunk_size=CHUNK_BYTES // 2))
+        except Exception as exc:
+            raise self._error(exc, key, "download", deadline) from exc
+        size, etag = int(meta["size"]), meta.get("e_tag")
+        if size > max_bytes:
+            raise RemoteError("remote_corrupt", f"{key!r} holds {size} bytes (at most {max_bytes})", url=self.url)
+        received = 0
+        while True:
+            try:
+                chunk = next(stream)
+            except StopIteration:
+                break
+            except Exception as exc:
+                raise self._error(exc, key, "download", deadline) from exc
+            received += len(chunk)
+            if received > size:
+                raise RemoteError("remote_corrupt", f"{key!r}: more than the {size} bytes announced", url=self.url)
+            view = memoryview(chunk)
+            for at in range(0, len(view), CHUNK_BYTES):
+                sink(view[at : at + CHUNK_BYTES])  # what the sink raises is the caller's: it propagates as is
+        if received != size:
+            raise RemoteError("remote_error", f"download {key!r}: ended after {received} of {size} bytes", url=self.url)
+        return ObjectInfo(size, etag)
+
+    # -- writes
+
+    def put_file(self, key: str, path: str, *, deadline: float) -> bool:
+        """See :meth:`Store.put_file`. Up to 1 GiB: one create-only PUT (the file is held in memory while it
+        is sent). Larger: a multipart upload after a HEAD finds no object; two publishers racing on the
+        same key may then both write (blob keys are content hashes: the same bytes)."""
+        check_key(key)
+        obs = self._obstore
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno_mod.EINVAL, "not a regular file", path)
+            try:
+                self.head(key, deadline=deadline)
+                return False
+            except RemoteError as exc:
+                if exc.reason != "remote_absent":
+                    raise
+            if st.st_size <= _SINGLE_PUT_MAX:
+                data = read_all(fd, st.st_size)
+                if len(data) != st.st_size:
+                    raise OSError(errno_mod.EIO, f"{path} changed while it was read")
+                try:
+                    self._call(
+                        key, "put_file", deadline, lambda c: obs.put(c, key, data, mode="create", use_multipart=False)
+                    )
+                except RemoteError as exc:
+                    if exc.reason == "remote_conflict":
+                        return False
+                    raise
+                return True
+            with open(os.dup(fd), "rb", closefd=True) as source:
+                self._call(
+                    key, "put_file", deadline, lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4)
+                )
+            return True
+        finally:
+            os.close(fd)
+
+    def put_bytes(self, key: str, data: bytes, *, deadline: float, if_match: str | None) -> str:
+        """See :meth:`Store.put_bytes`."""
+        check_key(key)
+        payload = bytes(data)
+        mode: Any = "create" if if_match is None else {"e_tag": if_match}
+        try:
+            result = self._call(
+                key, "put_bytes", deadline, lambda c: self._obstore.put(c, key, payload, mode=mode, use_multipart=False)
+            )
+        except RemoteError as exc:
+            if if_match is not None and exc.reason == "remote_absent":  # deleted since: it no longer matches
+                raise RemoteError("remote_conflict", f"put_bytes {key!r}: the object is gone", url=self.url) from exc
+            raise
+        return str(result.get("e_tag") or "")
+
+    def close(self) -> None:
+        """See :meth:`Store.close`: every call has its own client, so nothing stays open."""
+        self._closed = True
