@@ -494,11 +494,18 @@ def _public_key(pem: bytes, *, where: str, path: str | None = None) -> Any:
 
 
 def _kind(key: object) -> str:
-    name = type(key).__name__.replace("_", "")
-    for kind in ("RSA", "EllipticCurve", "DSA", "Ed448", "X25519", "X448"):
-        if kind.lower() in name.lower():
-            return f"an {kind} key" if kind[0] in "AEIOUR" else f"a {kind} key"
-    return f"a {name}"
+    """What kind of key ``key`` is, in words (for the message that refuses it)."""
+    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, rsa, x448, x25519
+
+    kinds = [
+        ((rsa.RSAPrivateKey, rsa.RSAPublicKey), "an RSA key"),
+        ((ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey), "an elliptic-curve (ECDSA) key"),
+        ((dsa.DSAPrivateKey, dsa.DSAPublicKey), "a DSA key"),
+        ((ed448.Ed448PrivateKey, ed448.Ed448PublicKey), "an Ed448 key"),
+        ((x25519.X25519PrivateKey, x25519.X25519PublicKey), "an X25519 key"),
+        ((x448.X448PrivateKey, x448.X448PublicKey), "an X448 key"),
+    ]
+    return next((words for types, words in kinds if isinstance(key, types)), f"a {type(key).__name__}")
 
 
 def _short(exc: BaseException) -> str:
