@@ -34,7 +34,8 @@ BLOB = "0123456789abcdef" * 4
 def a_manifest(**changes: Any) -> Manifest:
     fields: dict[str, Any] = {
         "model": "bert-int8-0123456789abcdef", "platform_class": "pc1-" + "ab" * 16, "blob_sha256": BLOB,
-        "size": 123_456, "generation": 3, "created": NOW - 100, "expires": NOW + 86_400, "builder": "packcache 0.1.0 ci-7",
+        "size": 123_456, "generation": 3, "created": NOW - 100, "expires": NOW + 86_400,
+        "builder": "packcache 0.1.0 ci-7",
     }  # fmt: skip
     fields.update(changes)
     return Manifest(**fields)
@@ -56,7 +57,9 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return made
 
 
-def read(data: bytes, trusted: list[bytes], *, allow_unsigned: bool = False, now: float = NOW) -> tuple[Manifest, str | None]:
+def read(
+    data: bytes, trusted: list[bytes], *, allow_unsigned: bool = False, now: float = NOW
+) -> tuple[Manifest, str | None]:
     return mf.read_envelope(data, trusted_keys=trusted, allow_unsigned=allow_unsigned, now=now)
 
 
@@ -75,11 +78,17 @@ def test_a_signed_manifest_round_trips_with_the_signing_key_named(keys: dict[str
     envelope = mf.sign(m, keys["new"]["private"])
     assert read(envelope, [keys["new"]["public"]]) == (m, keys["new"]["id"])
     assert m.blob_key == f"blobs/sha256/{BLOB}.pcache"
-    assert m.manifest_key == mf.manifest_key(m.model, m.platform_class) == f"manifests/{m.model}/{m.platform_class}.json"
+    assert (
+        m.manifest_key == mf.manifest_key(m.model, m.platform_class) == f"manifests/{m.model}/{m.platform_class}.json"
+    )
     data = json.loads(envelope)
     assert sorted(data) == ["manifest", "signatures"] and data["manifest"] == m.to_dict()
     [signature] = data["signatures"]
-    assert (signature["alg"], signature["key"], len(base64.b64decode(signature["sig"]))) == ("ed25519", keys["new"]["id"], 64)
+    assert (signature["alg"], signature["key"], len(base64.b64decode(signature["sig"]))) == (
+        "ed25519",
+        keys["new"]["id"],
+        64,
+    )
 
 
 def test_canonical_bytes_are_sorted_compact_ascii_and_pinned() -> None:
@@ -229,7 +238,9 @@ MALFORMED = {
         signatures=[{"alg": "ed25519", "key": "0" * 32, "sig": base64.b64encode(bytes(63)).decode()}]
     ),
     "non-canonical base64": _envelope(signatures=[{"alg": "ed25519", "key": "0" * 32, "sig": "A" * 85 + "B=="}]),
-    "a bad key id": _envelope(signatures=[{"alg": "ed25519", "key": "xyz", "sig": base64.b64encode(bytes(64)).decode()}]),
+    "a bad key id": _envelope(
+        signatures=[{"alg": "ed25519", "key": "xyz", "sig": base64.b64encode(bytes(64)).decode()}]
+    ),
 }
 
 
@@ -325,7 +336,11 @@ def _pem_files(directory: Path) -> dict[str, Path]:
     rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     ec_key = ec.generate_private_key(ec.SECP256R1())
     ed = ed25519.Ed25519PrivateKey.generate()
-    pkcs8, spki, pem = serialization.PrivateFormat.PKCS8, serialization.PublicFormat.SubjectPublicKeyInfo, serialization.Encoding.PEM
+    pkcs8, spki, pem = (
+        serialization.PrivateFormat.PKCS8,
+        serialization.PublicFormat.SubjectPublicKeyInfo,
+        serialization.Encoding.PEM,
+    )
     files = {
         "rsa private": rsa_key.private_bytes(pem, pkcs8, serialization.NoEncryption()),
         "rsa public": rsa_key.public_key().public_bytes(pem, spki),
