@@ -304,14 +304,17 @@ def probe_file(
     base = os.path.basename(name)
     model = base[: -len(".pcache")] if base.endswith(".pcache") else base
     try:
-        fd, st = open_checked(name, trust=False, noatime=True)
-        untrusted = trust_problem(st)
-    except UntrustedFileError as exc:
-        if not os.path.islink(name):
-            return ProbeReport(Verdict.NOT_APPLICABLE, [f"not a packcache file: {exc.reason}"], model=model,
-                               source=name)  # fmt: skip
-        fd, st = open_checked(os.path.realpath(name), trust=False, noatime=True)
-        untrusted = exc.reason
+        try:
+            fd, st = open_checked(name, trust=False, noatime=True)
+            untrusted = trust_problem(st)
+        except UntrustedFileError as exc:
+            if not os.path.islink(name):
+                raise
+            # A symlink in an unsafe directory: the cache refuses the path, what it names can still be looked at.
+            fd, st = open_checked(os.path.realpath(name), trust=False, noatime=True)
+            untrusted = exc.reason
+    except UntrustedFileError as exc:  # a FIFO, socket, device or directory: refused without blocking
+        return ProbeReport(Verdict.NOT_APPLICABLE, [f"not a packcache file: {exc.reason}"], model=model, source=name)
     try:
 
         def pread(start: int, end: int) -> bytes:
