@@ -189,7 +189,7 @@ CORE_CASES: dict[str, tuple[dict[str, Any], dict[str, Any], list[tuple[str, dict
         {"app": 1},
         [("a", {"v": 1}), ("b", {"v": 1}), ("w", {"v": 0}), ("w", {"v": 1})],
         Verdict.COMPATIBLE_SUBOPTIMAL,
-    ),  # fmt: skip
+    ),
     "another value": ({"app": 1}, {"app": 2}, [("w", {"v": 1})], Verdict.INCOMPATIBLE),
     "1 and 1.0": ({"app": 1}, {"app": 1.0}, [("w", {"v": 1})], Verdict.INCOMPATIBLE),
     "an extra field": ({"app": 1}, {"app": 1, "gpu": None}, [("w", {"v": 1})], Verdict.INCOMPATIBLE),
