@@ -824,7 +824,9 @@ def test_the_sentence_transformers_engine_never_reaches_a_hub_whatever_hf_hub_of
     )
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
            "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}", "HF_HOME": tempfile.mkdtemp()}  # fmt: skip
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     connections = 0
     try:
         while child.poll() is None:
