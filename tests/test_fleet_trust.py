@@ -439,3 +439,25 @@ def test_without_cryptography_the_core_imports_and_keygen_names_the_fleet_extra(
     assert result["refusal"][0] == "remote_untrusted" and "packcache[fleet]" in result["refusal"][1]
     assert done.stderr.count("\n") == 1 and "pip install 'packcache[fleet]'" in done.stderr
     assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_openssl_verifies_a_packcache_signature_and_its_keys_sign_for_packcache(tmp_path: Path) -> None:
+    """Interoperability, both ways, with real openssl processes: the format is the canonical bytes and ed25519,
+    nothing of packcache's own."""
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    assert run("openssl", "genpkey", "-algorithm", "ed25519", "-out", "o.pem").returncode == 0
+    assert run("openssl", "pkey", "-in", "o.pem", "-pubout", "-out", "o.pub.pem").returncode == 0
+    private, [public] = mf.load_private_key(tmp_path / "o.pem"), mf.load_public_keys([tmp_path / "o.pub.pem"])
+    m = a_manifest()
+    envelope = mf.sign(m, private)
+    assert read(envelope, [public])[1] == mf.key_id(public)
+    (tmp_path / "canonical.json").write_bytes(m.canonical())
+    (tmp_path / "sig.bin").write_bytes(base64.b64decode(json.loads(envelope)["signatures"][0]["sig"]))
+    verify = ("openssl", "pkeyutl", "-verify", "-pubin", "-inkey", "o.pub.pem", "-rawin", "-sigfile", "sig.bin")
+    done = run(*verify, "-in", "canonical.json")
+    assert done.returncode == 0 and "Signature Verified Successfully" in done.stdout, done.stderr
+    (tmp_path / "tampered.json").write_bytes(a_manifest(generation=4).canonical())
+    assert run(*verify, "-in", "tampered.json").returncode != 0
