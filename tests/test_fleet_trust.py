@@ -396,9 +396,11 @@ def test_a_wrong_key_file_is_one_clear_error_naming_it(
     assert words in str(caught.value) and str(path.name) in str(caught.value)
 
 
-def test_a_trusted_key_that_is_no_ed25519_public_key_is_a_configuration_error(tmp_path: Path) -> None:
+def test_a_trusted_key_that_is_no_ed25519_public_key_is_a_configuration_error(
+    tmp_path: Path, keys: dict[str, Any]
+) -> None:
     paths = _pem_files(tmp_path)
-    envelope = mf.encode_unsigned(a_manifest())
+    envelope = mf.sign(a_manifest(), keys["new"]["private"])
     with pytest.raises(FormatError, match="trusted key 1 is an RSA key"):
         read(envelope, [paths["rsa public"].read_bytes()])
 
@@ -417,9 +419,14 @@ from packcache.errors import RemoteError
 from packcache.cli import main
 loaded = "cryptography" in sys.modules and sys.modules["cryptography"] is not None
 m = mf.make_manifest("m", "pc1-x", "ab" * 32, 8192, 1, builder="ci")
-unsigned_ok = mf.read_envelope(mf.encode_unsigned(m), trusted_keys=[], allow_unsigned=True)[0] == m
+some_key = [b"-----BEGIN PUBLIC KEY-----"]
+unsigned_ok = all(
+    mf.read_envelope(mf.encode_unsigned(m), trusted_keys=keys, allow_unsigned=True)[0] == m for keys in ([], some_key)
+)
+signed = json.loads(mf.encode_unsigned(m))
+signed["signatures"] = [{"alg": "ed25519", "key": "0" * 32, "sig": "A" * 86 + "=="}]
 try:
-    mf.read_envelope(mf.encode_unsigned(m), trusted_keys=[b"-----BEGIN PUBLIC KEY-----"], allow_unsigned=False)
+    mf.read_envelope(json.dumps(signed).encode(), trusted_keys=some_key, allow_unsigned=False)
     refusal = None
 except RemoteError as exc:
     refusal = [exc.reason, str(exc)]

@@ -348,6 +348,10 @@ def _check_signatures(
             "remote_untrusted", "no trusted key is configured and unsigned manifests are not allowed "
             "(give --trusted-key PUB.pem, or allow unsigned manifests knowingly)", url=url,
         )  # fmt: skip
+    if not ours:  # nothing to verify: no cryptography needed
+        if allow_unsigned:
+            return None
+        raise RemoteError("remote_untrusted", "the manifest is unsigned (unsigned manifests are not allowed)", url=url)
     try:
         trusted = {}
         for number, pem in enumerate(trusted_keys):
@@ -372,8 +376,6 @@ def _check_signatures(
         return entry["key"]
     if allow_unsigned:
         return None
-    if not signatures:
-        raise RemoteError("remote_untrusted", "the manifest is unsigned (unsigned manifests are not allowed)", url=url)
     named = ", ".join(sorted({s["key"][:32] for s in signatures}))
     raise RemoteError(
         "remote_untrusted", f"the manifest is signed only by keys not trusted here ({named}); "
