@@ -197,3 +197,13 @@ def test_differences_name_every_field_old_value_first_and_never_come_back_empty(
     assert [d.field for d in differences(twice, fmt.canonical_key({"packers": [{"id": "p"}]}))] == ["packers"]
     assert differences(b'{"a":1}', b'{"a": 1}') == [Difference("platform", '{"a":1}', '{"a": 1}')]
     assert differences(file, file) == []
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "bf16", "int8", "int4"])
+def test_both_loaders_give_one_platform_per_scheme(scheme: str) -> None:
+    """``probe`` derives this machine's platform with the MiniLM loader's function; a file of ``packcache.hf``
+    (``packcache build``'s default loader) must get the same, or probe would call it incompatible."""
+    from packcache import hf
+
+    for group_size in (32, 64) if scheme == "int4" else (32,):
+        assert hf.platform(scheme, group_size) == minilm.platform(scheme, group_size)
