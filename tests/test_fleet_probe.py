@@ -390,3 +390,15 @@ def test_an_unusable_newest_generation_is_suboptimal_and_the_older_one_is_what_a
     assert (report.verdict, report.generation, report.entries) == (Verdict.COMPATIBLE_SUBOPTIMAL, 1, 1)
     assert f"generation {newest.generation} is unusable" in report.reasons[1]
     assert not _packed_again(path, {}, "w", {"v": 1}) and _packed_again(path, {}, "x", {"v": 1})
+
+
+def test_the_text_output_leads_with_the_verdict_and_names_each_difference(
+    built: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["probe", str(built["other"])]) == 4
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "verdict       incompatible" and lines[1] == f"file          {built['other']}"
+    assert f"reason        cpu_capability: {OTHER_CAPABILITY.upper()} -> {HERE_CAPABILITY}" in lines
+    assert any(line.startswith("reason        packers[torch.int4wo].fingerprint: ") for line in lines)
+    assert main(["probe", str(built["here"])]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "verdict       compatible"
