@@ -2,6 +2,8 @@
 
 Exit codes: 0 success, 1 a check failed (or the work could not be done),
 2 usage error. Every command that prints data takes ``--json``.
+``packcache probe`` grades a file instead: 0 compatible, 3 compatible_suboptimal,
+4 incompatible, 5 not_applicable, 6 unverified (1: it could not be read, 2: usage).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, TextIO
 
 from ._paths import DEFAULT_LOCK_TIMEOUT, default_cache_dir
 from .cache import aggregate_stats
-from .errors import FormatError, LockTimeoutError, PackCacheError, UntrustedFileError
+from .errors import FormatError, LockTimeoutError, PackCacheError, RemoteError, UntrustedFileError
 from .maintenance import InspectReport, compact, gc, inspect, verify
 from .packers import SCHEMES
 
@@ -122,6 +124,147 @@ def cmd_compact(args: argparse.Namespace, out: _Out) -> int:
         text += f"; dropped {len(report.dropped)} failing their checksum: {', '.join(map(sanitize, report.dropped))}"
     out.emit(data, text)
     return EXIT_OK
+
+
+# --------------------------------------------------------------------------- fleet: platform, keygen, probe
+
+
+def _models_needed(command: str) -> Any:
+    """``packcache.models.minilm``, or None after one line naming the models extra (it imports torch)."""
+    try:
+        return importlib.import_module("packcache.models.minilm")
+    except ImportError as exc:
+        print(f"packcache {command} needs the models extra ({exc}): pip install 'packcache[models]'", file=sys.stderr)
+        return None
+
+
+def _platform_bytes(minilm: Any, scheme: str, group_size: int) -> bytes:
+    from .format import canonical_key
+
+    return canonical_key(minilm.platform(scheme, group_size))
+
+
+def _field_lines(prefix: str, value: Any) -> list[str]:
+    """``field: value`` lines of a platform mapping, nested names dotted and packers named by id."""
+    if isinstance(value, dict) and value:
+        return [
+            line for key in sorted(value) for line in _field_lines(f"{prefix}.{key}" if prefix else key, value[key])
+        ]
+    if prefix == "packers" and isinstance(value, list) and all(isinstance(p, dict) and "id" in p for p in value):
+        return [
+            line
+            for p in sorted(value, key=lambda p: str(p["id"]))
+            for line in _field_lines(f"packers[{p['id']}]", {k: v for k, v in p.items() if k != "id"})
+        ]
+    return [f"{prefix}: {value if isinstance(value, str) else json.dumps(value, sort_keys=True)}"]
+
+
+def cmd_platform(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache platform``: this machine's platform class for a scheme, and the fields behind it; exit 0."""
+    from .fleet.platform import platform_class, platform_fields
+
+    minilm = _models_needed("platform")
+    if minilm is None:
+        return EXIT_FAILED
+    platform = _platform_bytes(minilm, _scheme(args), args.group_size)
+    fields = platform_fields(platform)
+    identity = platform_class(platform)
+    out.emit({"class": identity, "fields": fields}, "\n".join([identity, *map(sanitize, _field_lines("", fields))]))
+    return EXIT_OK
+
+
+def cmd_keygen(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache keygen KEY.pem``: a new ed25519 key pair, KEY.pem (0600) and KEY.pub.pem (0644); exit 0."""
+    from .fleet.manifest import generate_key, public_path_for
+
+    public = public_path_for(args.key)
+    try:
+        identity = generate_key(args.key, public)
+    except ImportError as exc:
+        print(f"packcache keygen: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    data = {"key_id": identity, "private_key": args.key, "public_key": public}
+    text = (
+        f"key id        {identity}\n"
+        f"private key   {sanitize(args.key)} (mode 0600: keep it with the builder, e.g. a CI secret)\n"
+        f"public key    {sanitize(public)} (give it to every machine: --trusted-key {sanitize(public)})"
+    )
+    out.emit(data, text)
+    return EXIT_OK
+
+
+def _scheme_of(file_platform: bytes) -> tuple[str, int] | None:
+    """The scheme (and int4 group size) whose packers are the ones a fingerprint lists, or None."""
+    from .fleet.platform import platform_fields
+    from .packers import Float32
+    from .torch import scheme_packer
+
+    try:
+        packers = platform_fields(file_platform).get("packers")
+    except FormatError:
+        return None
+    if not isinstance(packers, list) or not all(isinstance(p, dict) for p in packers):
+        return None
+    ids = sorted(str(p.get("id")) for p in packers)
+    groups = [p.get("params", {}).get("group_size") for p in packers if isinstance(p.get("params"), dict)]
+    group_size = next((g for g in groups if isinstance(g, int) and not isinstance(g, bool)), 32)
+    for scheme in SCHEMES:
+        try:
+            packer = scheme_packer(scheme, group_size)
+        except ValueError:
+            continue
+        if ids == sorted({packer.id, Float32.id}):
+            return scheme, group_size
+    return None
+
+
+def cmd_probe(args: argparse.Namespace, out: _Out) -> int:
+    """``packcache probe FILE``: a graded verdict from the header and index; exit by verdict (module docstring)."""
+    from .fleet.probe import probe_file
+
+    minilm = _models_needed("probe")
+    if minilm is None:
+        return EXIT_FAILED
+    compared: list[str] = []
+
+    def expected(file_platform: bytes) -> bytes:
+        # This machine's fingerprint for the file's own scheme (read from its packers), or for --scheme.
+        found = _scheme_of(file_platform)
+        if args.scheme is not None:
+            scheme = _scheme(args)
+            group_size = args.group_size or (found[1] if found and found[0] == scheme else 32)
+            compared.append(f"compared with scheme {scheme}" + (f", group size {group_size}" * (scheme == "int4")))
+        elif found is not None:
+            scheme, group_size = found[0], args.group_size or found[1]
+            compared.append(
+                f"the file's packers are scheme {scheme}'s" + (f" (group size {group_size})" * (scheme == "int4"))
+            )
+        else:
+            scheme, group_size = _scheme(argparse.Namespace(scheme="auto")), args.group_size or 32
+            compared.append(
+                f"the file's packers are those of no scheme of this packcache; compared with scheme {scheme}, "
+                "this machine's default"
+            )
+        return _platform_bytes(minilm, scheme, group_size)
+
+    report = probe_file(args.file, expected_platform=expected, expected_model=args.expected_model)
+    if compared:
+        report = dataclasses.replace(report, reasons=[*report.reasons, *compared])
+    lines = [
+        f"verdict       {report.verdict.value}",
+        f"file          {sanitize(args.file)}",
+        f"class         file {report.platform_class or '-'}, here {report.platform_class_here or '-'}",
+        f"generation    {report.generation}: {report.entries} packs"
+        + (
+            " (as its commit slot says; index not read)"
+            if report.verdict.value == "incompatible"
+            else f", {report.live_bytes} live bytes, {report.superseded_bytes} superseded"
+        ),
+        f"read          {report.bytes_read} bytes (header and index)",
+        *(f"reason        {sanitize(r)}" for r in report.reasons),
+    ]
+    out.emit(report.to_dict(), "\n".join(lines))
+    return report.exit_code
 
 
 # --------------------------------------------------------------------------- gc
@@ -753,7 +896,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="packcache",
         description="Cache packed model weights in a memory-mapped file, and account for every byte.",
-        epilog="Exit codes: 0 ok, 1 a check failed or the work could not be done, 2 usage error.",
+        epilog="Exit codes: 0 ok, 1 a check failed or the work could not be done, 2 usage error. probe: 0 "
+        "compatible, 3 compatible_suboptimal, 4 incompatible, 5 not_applicable, 6 unverified.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -827,7 +971,60 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     gc.add_argument("--json", action="store_true")
     gc.set_defaults(func=cmd_gc)
+    _add_fleet(sub)
     return parser
+
+
+def _add_fleet(sub: Any) -> None:
+    plat = sub.add_parser(
+        "platform",
+        help="this machine's platform class for a scheme: the id a fleet store files caches under, and its fields",
+        description="Print the platform class id, then the fields it is derived from (packer ids, versions, params "
+        "and behavioural fingerprints, torch version, CPU capability, format version). Machines with one class "
+        "map each other's cache files; no path, host, user, rank or environment variable enters it.",
+    )
+    plat.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default="auto",
+        help="weight scheme (default auto: as run/build choose it on this CPU)",
+    )  # fmt: skip
+    plat.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
+    plat.add_argument("--json", action="store_true", help='print {"class": ..., "fields": {...}}')
+    plat.set_defaults(func=cmd_platform)
+
+    key = sub.add_parser(
+        "keygen",
+        help="make an ed25519 key pair for signing published manifests: KEY.pem (private, 0600) and KEY.pub.pem",
+        description="Write a new ed25519 private key to KEY.pem (unencrypted PKCS#8 PEM, mode 0600) and its public "
+        "key to KEY.pub.pem (SubjectPublicKeyInfo PEM, 0644); never overwrites either. Prints the key id "
+        "signatures name. Needs the fleet extra.",
+    )
+    key.add_argument("key", metavar="KEY.pem")
+    key.add_argument("--json", action="store_true")
+    key.set_defaults(func=cmd_keygen)
+
+    probe = sub.add_parser(
+        "probe",
+        help="say from a cache file's header and index whether this machine can map it (exit 0 only if compatible)",
+        description="Read FILE's header and index (never its packs) and give a verdict: compatible (exit 0), "
+        "compatible_suboptimal (3), incompatible (4, naming every differing platform field), not_applicable (5: "
+        "not a packcache file, or another model), unverified (6); 1 when FILE cannot be read. This machine's "
+        "platform is that of the file's own scheme, read from its packers, unless --scheme is given.",
+    )
+    probe.add_argument("file", metavar="FILE")
+    probe.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default=None,
+        help="compare with this scheme's platform (default: the scheme of the file's packers)",
+    )  # fmt: skip
+    probe.add_argument(
+        "--group-size", type=int, default=None, choices=(32, 64, 128),
+        help="int4 group size (default: the file's)",
+    )  # fmt: skip
+    probe.add_argument(
+        "--expected-model", metavar="NAME", help="the model wanted: a file of another (its name without .pcache) "
+        "is not_applicable",
+    )  # fmt: skip
+    probe.add_argument("--json", action="store_true")
+    probe.set_defaults(func=cmd_probe)
 
 
 def _positive(text: str) -> int:
@@ -992,12 +1189,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         print(f"packcache {args.command}: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
+    except RemoteError as exc:
+        print(f"packcache {args.command}: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
     except FormatError as exc:
-        print(f"packcache {args.command}: not a valid cache file: {sanitize(str(exc))}", file=sys.stderr)
+        what = "" if args.command in _FLEET_COMMANDS else "not a valid cache file: "
+        print(f"packcache {args.command}: {what}{sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     except (UntrustedFileError, LockTimeoutError, OSError) as exc:
         print(f"packcache {args.command}: {sanitize(_describe(exc))}", file=sys.stderr)
         return EXIT_FAILED
+
+
+#: Commands whose FormatError is about a key or a manifest, not a cache file.
+_FLEET_COMMANDS = ("keygen", "platform", "probe")
 
 
 def _describe(exc: OSError) -> str:
