@@ -537,6 +537,16 @@ def test_built_once_published_and_fetched_on_another_machine_with_zero_packs_com
     fetched = _cli("fetch", str(store), "--model", str(copy), "--scheme", "int8", "--cache-dir", str(b / "cache3"),
                    "--trusted-key", str(keys["ci.pub"]), "--json", env=env_b)  # fmt: skip
     assert fetched.returncode == 0 and json.loads(fetched.stdout)["downloaded"] is True, fetched.stderr
+    # probe by URL: the manifest (signature checked), then the blob's header and index by range reads.
+    manifest_url = f"file://{store}/{report['manifest_key']}"
+    probed = _cli("probe", manifest_url, "--trusted-key", str(keys["ci.pub"]), "--json", env=env_b)
+    verdict = json.loads(probed.stdout)
+    assert probed.returncode == 0 and verdict["verdict"] == "compatible", probed.stdout + probed.stderr
+    assert 0 < verdict["bytes_read"] < report["size"] // 10
+    unverified = _cli("probe", manifest_url, "--json", env=env_b)
+    assert unverified.returncode == 6 and json.loads(unverified.stdout)["verdict"] == "unverified"
+    blob = _cli("probe", f"{store}/{report['blob_key']}".replace(str(store), f"file://{store}"), env=env_b)
+    assert blob.returncode == 0 and "compatible" in blob.stdout, blob.stdout + blob.stderr
     # Without the key the fetch is refused, in one line, exit 1.
     refused = _cli("fetch", str(store), "--model", str(copy), "--scheme", "int8", "--cache-dir", str(b / "cache4"),
                    env=env_b)  # fmt: skip

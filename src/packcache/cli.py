@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -247,7 +248,10 @@ def cmd_probe(args: argparse.Namespace, out: _Out) -> int:
             )
         return _platform_bytes(minilm, scheme, group_size)
 
-    report = probe_file(args.file, expected_platform=expected, expected_model=args.expected_model)
+    if _URL.match(args.file):
+        report = _probe_url(args, expected)
+    else:
+        report = probe_file(args.file, expected_platform=expected, expected_model=args.expected_model)
     if compared:
         report = dataclasses.replace(report, reasons=[*report.reasons, *compared])
     lines = [
@@ -265,6 +269,54 @@ def cmd_probe(args: argparse.Namespace, out: _Out) -> int:
     ]
     out.emit(report.to_dict(), "\n".join(lines))
     return report.exit_code
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
+    """``probe URL``: a manifest (``.../manifests/<model>/<class>.json``: its signature checked, then its
+    blob probed) or a blob (``.../blobs/sha256/<hex>.pcache``, or any object), by range reads.
+
+    Raises:
+        RemoteError: the store failed (exit 1 with the reason).
+    """
+    from .fleet.fetch import load_trusted_keys
+    from .fleet.manifest import MAX_ENVELOPE_BYTES, read_envelope
+    from .fleet.probe import downgrade_unverified, probe_bytes
+    from .fleet.stores import open_store
+
+    url = args.file.rstrip("/")
+    root, key = url.rsplit("/", 1)
+    for marker in ("/manifests/", "/blobs/"):
+        if marker in url:
+            root, rest = url.rsplit(marker, 1)
+            key = marker.strip("/") + "/" + rest
+            break
+    deadline = time.monotonic() + args.timeout
+    unverified = None
+    model, size = None, None
+    with open_store(root, timeout=args.timeout) as store:
+        if key.endswith(".json"):
+            data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+            keys = load_trusted_keys(args.trusted_key)
+            try:
+                manifest, _signer = read_envelope(data, trusted_keys=keys, allow_unsigned=False, url=url)
+            except RemoteError as exc:
+                if exc.reason != "remote_untrusted":
+                    raise
+                manifest, _signer = read_envelope(data, trusted_keys=keys, allow_unsigned=True, url=url)
+                unverified = str(exc)
+            key, model, size = manifest.blob_key, manifest.model, manifest.size
+        else:
+            size = store.head(key, deadline=deadline).size
+
+        def read(start: int, end: int) -> bytes:
+            return store.get_range(key, start, end, deadline=deadline)
+
+        report = probe_bytes(read, expected_platform=expected, model=model, expected_model=args.expected_model,
+                             size=size, source=url)  # fmt: skip
+    return downgrade_unverified(report, unverified) if unverified is not None else report
 
 
 # --------------------------------------------------------------------------- gc
@@ -1010,7 +1062,10 @@ def _add_fleet(sub: Any) -> None:
         "not a packcache file, or another model), unverified (6); 1 when FILE cannot be read. This machine's "
         "platform is that of the file's own scheme, read from its packers, unless --scheme is given.",
     )
-    probe.add_argument("file", metavar="FILE")
+    probe.add_argument("file", metavar="FILE_OR_URL", help="a cache file, or a manifest's or a blob's URL in a store")
+    probe.add_argument("--trusted-key", action="append", default=[], metavar="PUB.pem",
+                       help="a trusted ed25519 public key, for a manifest URL (repeatable)")  # fmt: skip
+    probe.add_argument("--timeout", type=_seconds, default=30.0, help="seconds for a URL's reads (default 30)")
     probe.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default=None,
         help="compare with this scheme's platform (default: the scheme of the file's packers)",
