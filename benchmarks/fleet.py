@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -81,7 +80,9 @@ else:
     else:
         from packcache import hf as mod
         path = mod.default_cache_path(spec["path"], spec["scheme"], cache_dir=spec["cache_dir"])
-    remote = {"remote": spec["remote"], "remote_timeout": 600, "trusted_keys": [spec["key"]]} if spec.get("remote") else {}
+    remote = {}
+    if spec.get("remote"):
+        remote = {"remote": spec["remote"], "remote_timeout": 600, "trusted_keys": [spec["key"]]}
     cache = packcache.WeightCache(path, platform=mod.platform(spec["scheme"]), **remote)
     if loader == "minilm":
         model = mod.load(spec["scheme"], cache=cache, model_path=spec["path"])
@@ -161,9 +162,9 @@ def raw_get(store: str, key: str, target: Path, env: dict[str, str]) -> float:
 
 
 def run(directory: Path, quick: bool, rounds: int) -> dict[str, Any]:
-    from harness.s3server import moto_server
     from inference import cpu_report
 
+    from harness.s3server import moto_server
     from packcache.fleet.manifest import generate_key, public_path_for
     from packcache.models import minilm
 
@@ -194,7 +195,7 @@ def run(directory: Path, quick: bool, rounds: int) -> dict[str, Any]:
             started = time.perf_counter()
             built = cli(*build_args, env=machine_a)
             case["build_seconds"] = time.perf_counter() - started
-            for name, url in stores.items():
+            for url in stores.values():
                 report = cli("publish", built["cache_file"], url, "--sign", str(key), "--model", case["path"],
                              env={**machine_a, **s3_env})  # fmt: skip
                 case["blob"] = {"key": report["blob_key"], "size": report["size"]}
@@ -222,8 +223,7 @@ def run(directory: Path, quick: bool, rounds: int) -> dict[str, Any]:
                         assert got["stored"] > 0 and got["remote_hits"] == 0, got
                     samples[kind].append(got)
                 for name, url in stores.items():
-                    raw[name].append(raw_get(url, case["blob"]["key"], directory / "raw.bin", {**os.environ,
-                                                                                                 **s3_env}))
+                    raw[name].append(raw_get(url, case["blob"]["key"], directory / "raw.bin", {**os.environ, **s3_env}))
                 print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {samples[k][-1]['seconds']:.2f} s"
                                                               for k in [*kinds, "warm"]), flush=True)  # fmt: skip
             size = case["blob"]["size"]
@@ -241,8 +241,10 @@ def print_results(results: dict[str, Any]) -> None:
     cpu = results["cpu"]
     print(f"\nCPU capability {cpu.get('cpu_capability')}, native bf16 {cpu.get('native_bf16')}; "
           f"{results['rounds']} rounds, medians")  # fmt: skip
-    print("| model | blob | from dir store | from S3 (moto) | repack locally | baseline | warm | dir / repack | "
-          "S3 / repack | dir / baseline |")
+    print(
+        "| model | blob | from dir store | from S3 (moto) | repack locally | baseline | warm | dir / repack | "
+        "S3 / repack | dir / baseline |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for case in results["cases"]:
         s = case["seconds"]

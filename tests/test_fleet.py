@@ -398,7 +398,7 @@ def test_eight_processes_fetching_at_once_download_once(tmp_path: Path, keys: di
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-        )  # fmt: skip
+        )
         for _ in range(8)
     ]
     results = []

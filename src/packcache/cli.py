@@ -268,7 +268,8 @@ def cmd_probe(args: argparse.Namespace, out: _Out) -> int:
         *(f"reason        {sanitize(r)}" for r in report.reasons),
     ]
     out.emit(report.to_dict(), "\n".join(lines))
-    return report.exit_code
+    code: int = report.exit_code
+    return code
 
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")

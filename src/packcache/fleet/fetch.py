@@ -9,8 +9,9 @@
 2. read the blob's header by a range read: the platform must be this machine's;
 3. check the free space of the cache directory;
 4. stream the blob into a temp file beside the local file while hashing it (no more bytes than
-   the manifest's size are taken); check size and sha256, ``fsync``, verify every pack's checksum, and only then rename it over the local path
-   (a mapped file is never truncated or rewritten: processes mapping the old one keep it).
+   the manifest's size are taken); check size and sha256, ``fsync``, verify every pack's checksum,
+   and only then rename it over the local path (a mapped file is never truncated or rewritten:
+   processes mapping the old one keep it).
 
 Every problem raises :class:`~packcache.errors.RemoteError` with one of
 :data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. All calls to
