@@ -577,3 +577,36 @@ def test_publish_and_read_through_against_a_real_s3_server(
         stats = load(tmp_path / "c" / "model-x.pcache", arrays, remote=url, remote_timeout=3,
                      trusted_keys=[keys["ci.pub"]])  # fmt: skip
         _assert_miss(stats, "remote_error", arrays)
+
+
+def test_a_disk_that_fills_during_the_download_is_remote_no_space_and_leaves_nothing_behind(
+    tmp_path: Path, keys: dict[str, Path]
+) -> None:
+    """Free space is checked before the download, but the disk can still fill while it runs: a file
+    size limit (RLIMIT_FSIZE, EFBIG, in a child process) cuts the write half way through the blob."""
+    store, _, report = _published(tmp_path, keys, private_key=str(keys["ci"]))
+    local = tmp_path / "b" / "model-x.pcache"
+    code = (
+        "import json, resource, signal, sys\n"
+        "import numpy as np\n"
+        "import packcache\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death, as a full disk gives ENOSPC\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({report.size // 2}, {report.size // 2}))\n"
+        f"cache = packcache.WeightCache({str(local)!r}, platform={PLATFORM!r}, remote={store!r}, "
+        f"trusted_keys=[{str(keys['ci.pub'])!r}])\n"
+        "rng = np.random.default_rng(0)\n"
+        "with cache.session() as s:\n"
+        "    for i in range(4):\n"
+        "        a = rng.standard_normal((64, 64)).astype(np.float32)\n"
+        "        got = s.get_or_pack(f'layer{i}', lambda a=a: a, {'packer': 'test.f32', 'version': 1})\n"
+        "        assert np.array_equal(got, a)\n"
+        "st = cache.stats()\n"
+        "print(json.dumps({'misses': {k: v for k, v in st.remote_misses_by_reason.items() if v}, "
+        "'errno': st.remote_errno, 'hits': st.remote_hits}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"misses": {"remote_no_space": 1}, "errno": errno.EFBIG, "hits": 0}, result
+    assert [p.name for p in local.parent.iterdir() if ".tmp-" in p.name] == []
