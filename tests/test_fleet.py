@@ -369,6 +369,22 @@ def test_the_options_channel_and_the_exporters_carry_the_remote_figures(tmp_path
         text = generate_latest(registry).decode()
         assert 'packcache_remote_misses{reason="remote_absent"} 1.0' in text, text
         assert all(f'reason="{r}"' in text for r in REMOTE_REASONS)
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+        from packcache.telemetry import otel
+
+        reader = InMemoryMetricReader()
+        provider = MeterProvider(metric_readers=[reader])
+        otel.register(provider)
+        data = reader.get_metrics_data()
+        assert data is not None
+        points = {m.name: list(m.data.data_points) for rm in data.resource_metrics for sm in rm.scope_metrics
+                  for m in sm.metrics}  # fmt: skip
+        misses = {p.attributes["reason"]: p.value for p in points["packcache.remote_misses"]}
+        assert misses == packcache.aggregate_stats().remote_misses_by_reason and misses["remote_absent"] >= 1
+        assert points["packcache.remote_hits"][0].value == packcache.aggregate_stats().remote_hits
+        provider.shutdown()
 
 
 # --------------------------------------------------------------------------- processes
