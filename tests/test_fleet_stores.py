@@ -327,7 +327,7 @@ def test_a_silent_server_is_a_timeout_after_the_stall_bound_well_before_a_far_de
         server.close()
 
 
-def test_a_file_above_the_single_put_limit_goes_up_in_parts_and_stays_create_only(
+def test_a_file_above_the_single_put_limit_goes_up_in_parts_and_a_later_put_leaves_it(
     moto_env: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(_objectstore, "_SINGLE_PUT_MAX", 1 << 20)  # what 1 GiB is in production, small enough here
