@@ -86,11 +86,9 @@ class WorkerMetrics:
 
     def __init__(self, engine: str, scheme: str, kernel_path: str, cache_file: str, load_seconds: float) -> None:
         self.pid = str(os.getpid())
-        info = _gauge(
-            "packcache_worker_info", "What the worker serves", ("engine", "scheme", "kernel_path", "cache_file")
-        )
-        info.labels(engine, scheme, kernel_path, cache_file).set(1)
-        _gauge("packcache_load_seconds", "Seconds the worker's model load took").set(load_seconds)
+        # Written after the cache's first figures (publish): a scrape that sees a worker's info then
+        # always sees its state too (the tests, and dashboards, take info as "loaded").
+        self._info: tuple[str, str, str, str, float] | None = (engine, scheme, kernel_path, cache_file, load_seconds)
         self.requests = Counter(
             "packcache_http_requests", "HTTP requests by route and status code", ("route", "code", "pid"), registry=None
         )
@@ -122,9 +120,22 @@ class WorkerMetrics:
             )
         return self._cache
 
+    def _announce(self) -> None:
+        if self._info is None:
+            return
+        engine, scheme, kernel_path, cache_file, load_seconds = self._info
+        info = _gauge(
+            "packcache_worker_info", "What the worker serves", ("engine", "scheme", "kernel_path", "cache_file")
+        )
+        info.labels(engine, scheme, kernel_path, cache_file).set(1)
+        _gauge("packcache_load_seconds", "Seconds the worker's model load took").set(load_seconds)
+        self._info = None
+
     def publish(self, stats: CacheStats | None) -> None:
-        """Write the cache's figures (a no-op when nothing changed since the last call, or for ``None``)."""
+        """Write the cache's figures (a no-op when nothing changed since the last call, or for ``None``);
+        the first call also writes ``packcache_worker_info`` and ``packcache_load_seconds``, after them."""
         if stats is None:
+            self._announce()
             return
         key = (
             stats.state, stats.heap_reason, tuple(sorted(stats.heap_bytes_by_reason.items())), stats.mapped_bytes,
@@ -155,6 +166,7 @@ class WorkerMetrics:
         for name in REMOTE_REASONS:
             remote_misses.labels(name).set(stats.remote_misses_by_reason.get(name, 0))
         self._published = key
+        self._announce()
 
     def observe(self, route: str, code: int, seconds: float) -> None:
         """Count one request and its latency."""
