@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from harness.checkpoints import tiny_bert
 from harness.cli_child import run_cli_cases
 from packcache import hf
 from packcache.models import minilm
-from test_model_files import tiny_bert
 from test_serve import TEXTS, assert_embeddings, call, embed, loaded_workers, server
 
 
@@ -77,7 +77,7 @@ KINDS: dict[str, tuple[Callable[[Path], None], str, int, str]] = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_bert(tmp_path_factory.mktemp("model") / "tiny")
+    return tiny_bert(tmp_path_factory.mktemp("model") / "tiny", hidden=32)
 
 
 def planted(base: Path, name: str, path_of: Callable[[Path], Path]) -> Path:

@@ -30,6 +30,7 @@ import pytest
 
 import packcache
 from harness import read_only_bind, require_root, tmpfs
+from harness.checkpoints import tiny_bert
 from packcache.fleet import fetch as fleet_fetch
 from packcache.fleet.manifest import generate_key, public_path_for
 from packcache.fleet.platform import platform_class
@@ -488,24 +489,6 @@ def test_publish_refuses_a_file_with_superseded_bytes_or_sources_it_cannot_find(
 # --------------------------------------------------------------------------- two machines, the command line
 
 
-def tiny_checkpoint(directory: Path) -> Path:
-    """A tiny random BERT the MiniLM loader loads, with all-MiniLM-L6-v2's tokenizer."""
-    import torch
-    import transformers
-
-    from packcache.models import minilm
-
-    config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=512,
-    )  # fmt: skip
-    torch.manual_seed(7)
-    transformers.BertModel(config).save_pretrained(directory)
-    for name in ("tokenizer.json", "sentence_bert_config.json"):
-        shutil.copy(minilm.default_model_path() / name, directory / name)
-    return directory
-
-
 def machine(root: Path, **more: str) -> dict[str, str]:
     """The environment of one "machine": its own cache home, digest records and home directory."""
     root.mkdir(parents=True, exist_ok=True)
@@ -519,7 +502,7 @@ def test_built_once_published_and_fetched_on_another_machine_with_zero_packs_com
     """Machine A builds and publishes; machine B (another directory, a copy of the checkpoint at another
     path with other mtimes, other variables) builds, runs and fetches with --remote: nothing is packed."""
     a, b = tmp_path / "a", tmp_path / "b"
-    checkpoint = tiny_checkpoint(a / "ckpt")
+    checkpoint = tiny_bert(a / "ckpt", seed=7)
     env_a = machine(a)
     built = _cli("build", str(checkpoint), "--loader", "minilm", "--scheme", "int8", "--cache-dir", str(a / "cache"),
                  "--json", env=env_a)  # fmt: skip

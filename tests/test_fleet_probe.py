@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import packcache
 from harness import fuzz
+from harness.checkpoints import tiny_bert
 from packcache import format as fmt
 from packcache.cli import main
 from packcache.errors import FormatError
@@ -37,25 +37,12 @@ HERE_CAPABILITY = torch.backends.cpu.get_cpu_capability()
 OTHER_CAPABILITY = "avx2" if HERE_CAPABILITY != "AVX2" else "default"
 
 
-def tiny_bert(directory: Path) -> Path:
-    """A one-layer random BERT the MiniLM loader loads, with all-MiniLM-L6-v2's tokenizer."""
-    config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=512,
-    )  # fmt: skip
-    torch.manual_seed(7)
-    transformers.BertModel(config).save_pretrained(directory)
-    for name in ("tokenizer.json", "sentence_bert_config.json"):
-        shutil.copy(minilm.default_model_path() / name, directory / name)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny checkpoint; its int4 file built here (``minilm.load``) and one built by ``packcache build --loader
     minilm`` in a child process under another CPU capability."""
     base = tmp_path_factory.mktemp("probe")
-    checkpoint = tiny_bert(base / "tiny")
+    checkpoint = tiny_bert(base / "tiny", seed=7, layers=1)
     here = minilm.default_cache_path("int4", model_path=checkpoint, cache_dir=base / "here")
     model = minilm.load("int4", cache=here, model_path=checkpoint)
     assert model.cache.stats().state == "stored"

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import transformers
 
 import packcache
 from harness import require_root, run_child, without_build_compaction
+from harness.checkpoints import tiny_bert
 from packcache import hf, identity
 from packcache.cli import main
 from packcache.models import minilm
@@ -72,21 +72,6 @@ def launch(checkpoint: Path, cache: Path, scheme: str = "int8", racy: float | No
     ``identity.RACY_SECONDS``."""
     extra = [] if racy is None else [str(racy)]
     return run_child(LAUNCH, str(checkpoint), str(cache), scheme, json.dumps(TEXTS), *extra, timeout=120)
-
-
-def tiny_bert(directory: Path, seed: int) -> Path:
-    """A tiny random BERT (save_pretrained, safetensors) the MiniLM loader and packcache.hf both load, with
-    all-MiniLM-L6-v2's tokenizer (its vocabulary sets the embedding table's size)."""
-    config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=512,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    transformers.BertModel(config).save_pretrained(directory)
-    shipped = minilm.default_model_path()
-    for name in ("tokenizer.json", "sentence_bert_config.json"):
-        shutil.copy(shipped / name, directory / name)
-    return directory
 
 
 def wait_settled(*paths: Path) -> None:

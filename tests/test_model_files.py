@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,11 +26,11 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import packcache
+from harness.checkpoints import tiny_bert
 from harness.cli_child import run_cli_cases
 from packcache import FormatError, UntrustedFileError
 from packcache.models import bert, minilm
@@ -41,24 +40,9 @@ SRC = Path(packcache.__file__).resolve().parents[1]
 CHILD_TIMEOUT = 120.0
 
 
-def tiny_bert(directory: Path) -> Path:
-    """A tiny random BERT checkpoint (``save_pretrained``, safetensors) with all-MiniLM-L6-v2's tokenizer and
-    ``sentence_bert_config.json``: what ``--model`` takes, loaded in a fraction of a second."""
-    config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=512,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(directory)
-    shipped = minilm.default_model_path()
-    for name in ("tokenizer.json", "sentence_bert_config.json"):
-        shutil.copy(shipped / name, directory / name)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_bert(tmp_path_factory.mktemp("model") / "tiny")
+    return tiny_bert(tmp_path_factory.mktemp("model") / "tiny", hidden=32)
 
 
 def variant(base: Path, target: Path, edit: Callable[[Path], None]) -> Path:

@@ -38,6 +38,7 @@ import pytest
 
 import packcache
 from harness import read_only_bind, require_root, tmpfs
+from harness.checkpoints import tiny_bert
 from packcache.memory import MappingUsage, file_mapping_usage, smaps_rollup
 
 SRC = Path(packcache.__file__).resolve().parents[1]
@@ -846,25 +847,6 @@ def test_the_sentence_transformers_engine_never_reaches_a_hub_whatever_hf_hub_of
     assert json.loads(out.strip().splitlines()[-1]) != "loaded", out
 
 
-def _tiny_bert(directory: Path, seed: int) -> Path:
-    """A tiny random BERT (safetensors) the MiniLM loader serves, with all-MiniLM-L6-v2's tokenizer."""
-    code = (
-        "import shutil, sys, torch, transformers\n"
-        "from packcache.models import minilm\n"
-        "config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,\n"
-        "    num_attention_heads=2, intermediate_size=128, max_position_embeddings=512)\n"
-        "torch.manual_seed(int(sys.argv[2]))\n"
-        "transformers.BertModel(config).save_pretrained(sys.argv[1])\n"
-        "for name in ('tokenizer.json', 'sentence_bert_config.json'):\n"
-        "    shutil.copy(minilm.default_model_path() / name, sys.argv[1])\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-c", code, str(directory), str(seed)], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    return directory
-
-
 def _publish(tmp: Path, checkpoint: Path, store: Path, key: Path) -> dict[str, Any]:
     """Machine A's CI job: build the checkpoint's cache, publish it signed; the publish report."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore",
@@ -899,7 +881,7 @@ def test_a_fresh_machine_serves_from_the_store_and_a_rolling_restart_picks_up_th
     generate_key(key)
     store = tmp_path / "store"
     store.mkdir()
-    v1 = _publish(a, _tiny_bert(a / "v1", seed=1), store, key)
+    v1 = _publish(a, tiny_bert(a / "v1", seed=1), store, key)
     model = b / "models" / "current"
     shutil.copytree(a / "v1", model)
     later = time.time() + 3600
@@ -920,7 +902,7 @@ def test_a_fresh_machine_serves_from_the_store_and_a_rolling_restart_picks_up_th
         e1 = embed_from_every_worker(srv, set(first.workers), TEXTS)
 
         # The next version: published by A; B's operator copies it over the model directory, then SIGHUP.
-        v2 = _publish(a, _tiny_bert(a / "v2", seed=2), store, key)
+        v2 = _publish(a, tiny_bert(a / "v2", seed=2), store, key)
         assert v2["model"] != v1["model"]
         failures: list[str] = []
         stop = threading.Event()
