@@ -192,6 +192,8 @@ def run(directory: Path, quick: bool, rounds: int) -> dict[str, Any]:
         for case in cases:
             build_args = ["build", case["path"], "--loader", case["loader"], "--scheme", case["scheme"],
                           "--cache-dir", str(directory / "a" / "cache")]  # fmt: skip
+            if case["loader"] == "hf":
+                build_args += ["--auto-class", "AutoModelForCausalLM"]  # what machine B loads: the same names
             started = time.perf_counter()
             built = cli(*build_args, env=machine_a)
             case["build_seconds"] = time.perf_counter() - started
