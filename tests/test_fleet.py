@@ -609,3 +609,14 @@ def test_a_disk_that_fills_during_the_download_is_remote_no_space_and_leaves_not
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"misses": {"remote_no_space": 1}, "errno": errno.EFBIG, "hits": 0}, result
     assert [p.name for p in local.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_fetched_file_gets_the_modes_the_cache_would_have_made_it_with(tmp_path: Path, keys: dict[str, Path]) -> None:
+    """A cache shared by several users (``file_mode=0o644``, ``dir_mode=0o755``) gets a fetched file
+    they can read, as one it built itself."""
+    store, arrays, _ = _published(tmp_path, keys, private_key=str(keys["ci"]))
+    local = tmp_path / "b" / "shared" / "model-x.pcache"
+    stats = load(local, arrays, remote=store, trusted_keys=[keys["ci.pub"]], file_mode=0o644, dir_mode=0o755)
+    assert stats.remote_hits == 1 and stats.stored == 0
+    assert (local.stat().st_mode & 0o777, local.parent.stat().st_mode & 0o777) == (0o644, 0o755)
+    assert Path(f"{local}.lock").stat().st_mode & 0o777 == 0o644

@@ -767,9 +767,12 @@ class Session:
         try:
             from .fleet.fetch import fetch, load_trusted_keys
 
+            store = self._store
+            assert store is not None
             report = fetch(
                 cache.remote, cache.path, platform=cache.platform, trusted_keys=load_trusted_keys(cache.trusted_keys),
                 allow_unsigned=cache.allow_unsigned, timeout=cache.remote_timeout, lock_timeout=cache.lock_timeout,
+                file_mode=store.file_mode, dir_mode=store.dir_mode,  # as the cache would have made the file
             )  # fmt: skip
         except RemoteError as exc:
             reason, err, message = exc.reason, exc.errno or 0, str(exc)

@@ -136,7 +136,7 @@ def fetch(
     directory = os.path.dirname(name)
     try:
         os.makedirs(directory, mode=dir_mode, exist_ok=True)
-        lock_fd = acquire_build_lock(os.path.realpath(name), lock_timeout, file_mode & 0o644)
+        lock_fd = acquire_build_lock(os.path.realpath(name), lock_timeout, file_mode)  # as FileStore opens it
     except LockTimeoutError as exc:
         raise RemoteError("remote_timeout", f"another process held the build lock: {exc}", url=name) from None
     except UntrustedFileError as exc:
