@@ -90,8 +90,12 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.2)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-            metrics = response.read().decode()
+        for _ in range(300):  # until both workers have loaded (each reports its state once its model is in)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+                metrics = response.read().decode()
+            if sum(line.startswith("packcache_state{") and line.endswith(" 1.0") for line in metrics.splitlines()) == 2:
+                break
+            time.sleep(0.2)
         figures = [line for line in metrics.splitlines()
                    if line.startswith(("packcache_remote_hits", "packcache_packs{", "packcache_state{"))
                    and not line.endswith(" 0.0")]  # fmt: skip
