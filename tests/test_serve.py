@@ -736,15 +736,22 @@ def test_bad_requests_get_a_json_4xx_the_worker_survives_and_sigterm_stops_grace
         conn.connect()
         client_port = conn.sock.getsockname()[1]
         result: list[Any] = []
+        sent = threading.Event()
 
         def send() -> None:
             conn.request("POST", "/embed", json.dumps({"texts": slow}), {"Content-Type": "application/json"})
+            sent.set()
             response = conn.getresponse()
             result.append((response.status, len(json.loads(response.read())["embeddings"])))
 
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
         wait_for("the worker to take the slow request", lambda: connection_owner(port, client_port, [pid]))
+        # Accepted is not enough: a connection that has sent nothing yet is idle, and SIGTERM closes idle
+        # connections at once. Wait until the whole request is sent and the worker has had time to read it
+        # (it reads ~95 KB at once; the batch itself takes over a second, checked just below).
+        assert sent.wait(30)
+        time.sleep(0.3)
         os.kill(srv.pid, signal.SIGTERM)
         assert sender.is_alive() and not result, "the slow request must still be in flight at SIGTERM"
         sender.join(60)

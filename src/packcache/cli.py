@@ -823,7 +823,10 @@ def cmd_fetch(args: argparse.Namespace, out: _Out) -> int:
         raise _UsageError("give the checkpoint (--model DIR, whose cache file is named by its content) or --cache FILE")
     scheme = _scheme(args)
     try:
-        module: Any = importlib.import_module("packcache.hf" if args.loader == "hf" else "packcache.models.minilm")
+        if args.loader == "hf":
+            module: Any = importlib.import_module("packcache.hf")
+        else:
+            module = importlib.import_module("packcache.models.minilm")
         platform = module.platform(scheme, args.group_size)
         if args.cache is not None:
             path = args.cache
