@@ -57,6 +57,7 @@ __all__ = [
     "fsync_dir",
     "lock_path_for",
     "open_checked",
+    "open_for_reading",
     "parse_temp_name",
     "pread_exact",
     "pid_alive",
@@ -220,6 +221,30 @@ def open_checked(
         os.close(fd)
         raise
     return fd, st
+
+
+def open_for_reading(name: str) -> tuple[int, os.stat_result, str | None]:
+    """``(fd, fstat, verdict)`` for a read-only look at a cache file (``inspect``, ``verify``, ``probe``);
+    the verdict says why WeightCache would refuse the file (``None``: it would use it).
+
+    Reading another user's file is safe when nothing is mapped and nothing blocks, so
+    only what cannot be read at all raises: a FIFO, socket, device or directory.
+
+    Raises:
+        UntrustedFileError: not a regular file (directly or behind a symlink).
+        OSError: it cannot be opened.
+    """
+    try:
+        fd, st = open_checked(name, trust=False, noatime=True)
+        verdict = trust_problem(st)
+    except UntrustedFileError as exc:
+        if not os.path.islink(name):
+            raise
+        # A symlink in an unsafe directory: the cache refuses the path; what it names today
+        # can still be looked at (no-follow, non-blocking, regular files only).
+        fd, st = open_checked(os.path.realpath(name), trust=False, noatime=True)
+        verdict = exc.reason
+    return fd, st, verdict
 
 
 def lock_path_for(path: str) -> str:

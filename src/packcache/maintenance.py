@@ -39,6 +39,7 @@ from ._paths import (
     acquire_build_lock,
     lock_path_for,
     open_checked,
+    open_for_reading,
     parse_temp_name,
     pid_alive,
     still_linked,
@@ -62,32 +63,6 @@ __all__ = [
 ]
 
 _UNTRUSTED = "WeightCache refuses this file (heap reason 'untrusted')"
-
-
-# --------------------------------------------------------------------------- reading without trusting
-
-
-def _open_read_only(name: str) -> tuple[int, os.stat_result, str | None]:
-    """``(fd, fstat, verdict)`` for a read-only look; the verdict says why WeightCache would refuse the file.
-
-    Reading another user's file is safe when nothing is mapped and nothing blocks, so
-    only what cannot be read at all raises: a FIFO, socket, device or directory.
-
-    Raises:
-        UntrustedFileError: not a regular file (directly or behind a symlink).
-        OSError: it cannot be opened.
-    """
-    try:
-        fd, st = open_checked(name, trust=False, noatime=True)
-        verdict = trust_problem(st)
-    except UntrustedFileError as exc:
-        if not os.path.islink(name):
-            raise
-        # A symlink in an unsafe directory: the cache refuses the path; what it names today
-        # can still be looked at (no-follow, non-blocking, regular files only).
-        fd, st = open_checked(os.path.realpath(name), trust=False, noatime=True)
-        verdict = exc.reason
-    return fd, st, verdict
 
 
 # --------------------------------------------------------------------------- verify
@@ -151,7 +126,7 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
     """
     name = os.fspath(path)
     try:
-        fd, _, verdict = _open_read_only(name)
+        fd, _, verdict = open_for_reading(name)
     except UntrustedFileError as exc:
         return VerifyReport(name, 0, 0, 0, (VerifyProblem(None, 0, f"untrusted: {exc.reason}"),), exc.reason)
     try:
@@ -389,7 +364,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectReport:
     (1, 'f8/1', True)
     """
     name = os.fspath(path)
-    fd, st, verdict = _open_read_only(name)
+    fd, st, verdict = open_for_reading(name)
     try:
         header, slot, entries = read_committed(fd, path=name)
         size = os.fstat(fd).st_size

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import format as fmt
-from .._paths import open_checked, trust_problem
+from .._paths import open_for_reading
 from ..errors import FormatError, UntrustedFileError
 from .platform import Difference, differences, platform_class
 
@@ -304,15 +304,7 @@ def probe_file(
     base = os.path.basename(name)
     model = base[: -len(".pcache")] if base.endswith(".pcache") else base
     try:
-        try:
-            fd, st = open_checked(name, trust=False, noatime=True)
-            untrusted = trust_problem(st)
-        except UntrustedFileError as exc:
-            if not os.path.islink(name):
-                raise
-            # A symlink in an unsafe directory: the cache refuses the path, what it names can still be looked at.
-            fd, st = open_checked(os.path.realpath(name), trust=False, noatime=True)
-            untrusted = exc.reason
+        fd, st, untrusted = open_for_reading(name)
     except UntrustedFileError as exc:  # a FIFO, socket, device or directory: refused without blocking
         return ProbeReport(Verdict.NOT_APPLICABLE, [f"not a packcache file: {exc.reason}"], model=model, source=name)
     try:
