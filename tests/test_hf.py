@@ -585,8 +585,8 @@ WARM_CHILD = textwrap.dedent(
     else:
         from packcache import identity
         hashed = []
-        real_hash = identity._hash
-        identity._hash = lambda fd, path, st: hashed.append(path) or real_hash(fd, path, st)
+        real_hash = identity.hash_file
+        identity.hash_file = lambda fd, path, st: hashed.append(path) or real_hash(fd, path, st)
         model = hf.from_pretrained(checkpoint, "int8", cache_path, auto_class=mode)
         stats = model.packcache.stats()
         print(json.dumps({"state": stats.state, "heap": stats.heap_bytes, "hits": stats.hits,

@@ -42,13 +42,13 @@ from packcache.models import minilm
 
 checkpoint, cache, scheme = sys.argv[1], sys.argv[2], sys.argv[3]
 hashed = []
-real_hash = identity._hash
+real_hash = identity.hash_file
 
 def counting(fd, path, st):
     hashed.append(os.path.basename(path))
     return real_hash(fd, path, st)
 
-identity._hash = counting
+identity.hash_file = counting
 texts = json.loads(sys.argv[4])
 if len(sys.argv) > 5:  # a test stretches the racy window so that "young" cannot depend on how fast this child starts
     identity.RACY_SECONDS = float(sys.argv[5])
@@ -379,17 +379,17 @@ def test_a_hub_blob_is_named_by_its_file_name_and_a_git_blob_name_is_hashed(
     snapshot = repo / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / content)
-    real_hash = identity._hash
+    real_hash = identity.hash_file
 
     def no_hashing(fd: int, path: str, st: os.stat_result) -> str:
         raise AssertionError(f"hashed {path}")
 
-    monkeypatch.setattr(identity, "_hash", no_hashing)
+    monkeypatch.setattr(identity, "hash_file", no_hashing)
     found = SafetensorsFile(snapshot / "model.safetensors").digest
     assert (found.how, found.sha256, found.size) == ("hub-blob", content, len(data))
     sha1_named = repo / "blobs" / ("1" * 40)  # a git blob's sha1: not a content digest
     sha1_named.write_bytes(data)
-    monkeypatch.setattr(identity, "_hash", real_hash)
+    monkeypatch.setattr(identity, "hash_file", real_hash)
     assert identity.digest_path(sha1_named).how == "hashed"
 
 

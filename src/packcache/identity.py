@@ -75,6 +75,7 @@ __all__ = [
     "digest_dir",
     "digest_path",
     "file_digest",
+    "hash_file",
     "model_cache_name",
     "recorded_location",
     "stat_key",
@@ -192,7 +193,7 @@ def file_digest(fd: int, path: str, st: os.stat_result | None = None) -> FileDig
             return FileDigest(found, st.st_size, "digest-cache")
     if st.st_size >= 64 << 20:
         logger.info("packcache: hashing %s (%.0f MiB) to name its packs by content", path, st.st_size / (1 << 20))
-    digest = _hash(fd, path, st)
+    digest = hash_file(fd, path, st)
     # Still the same file after the read (a write meanwhile moved its ctime): the digest is of this stat.
     if trusted and stat_key(os.fstat(fd)) == key:
         _remember(key, digest)
@@ -268,8 +269,11 @@ def _reliable(fd: int) -> bool:
     return False
 
 
-def _hash(fd: int, path: str, st: os.stat_result) -> str:
-    """Stream the file through sha256 (``pread``, 1 MiB at a time; hashlib drops the GIL for each).
+def hash_file(fd: int, path: str, st: os.stat_result) -> str:
+    """The sha256 (hex) of the file open as ``fd``, read now: no memo, record or hub name consulted
+    (:func:`file_digest` uses it when those fail; ``packcache publish`` and ``fetch`` when only the
+    bytes themselves may be believed). Streamed with ``pread``, 1 MiB at a time (hashlib drops the
+    GIL for each).
 
     Raises:
         FormatError: the file's size is not what ``st`` says (it is changing).

@@ -43,6 +43,7 @@ from .._paths import (
     user_cache_home,
 )
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
+from ..identity import hash_file
 from ..maintenance import verify
 from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_generation, load_public_keys, manifest_key, read_envelope
 from .platform import platform_class
@@ -187,18 +188,8 @@ def _local_is(name: str, manifest: Manifest) -> bool:
     except (OSError, UntrustedFileError):
         return False
     try:
-        if st.st_size != manifest.size:
-            return False
-        digest = hashlib.sha256()
-        offset = 0
-        while offset < st.st_size:
-            chunk = os.pread(fd, min(8 << 20, st.st_size - offset), offset)
-            if not chunk:
-                return False
-            digest.update(chunk)
-            offset += len(chunk)
-        return digest.hexdigest() == manifest.blob_sha256
-    except OSError:
+        return st.st_size == manifest.size and hash_file(fd, name, st) == manifest.blob_sha256
+    except (OSError, FormatError):  # unreadable, or changing under us: not the published bytes
         return False
     finally:
         os.close(fd)

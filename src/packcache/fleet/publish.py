@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -37,7 +36,7 @@ from .. import format as fmt
 from .._generations import read_committed
 from .._paths import acquire_build_lock, open_checked, still_linked
 from ..errors import FormatError, RemoteError
-from ..identity import recorded_location
+from ..identity import hash_file, recorded_location
 from ..maintenance import verify
 from .manifest import MAX_ENVELOPE_BYTES, Manifest, encode_unsigned, manifest_key, sign
 from .platform import platform_class
@@ -46,7 +45,6 @@ from .stores import open_store
 __all__ = ["DEFAULT_EXPIRES", "PublishReport", "model_of", "publish", "source_identities"]
 
 _IDENTITY = re.compile(r"sha256:([0-9a-f]{64}):([0-9]{1,20})")
-_CHUNK = 8 << 20
 DEFAULT_EXPIRES = 30 * 86400  # a month: a fleet that stops publishing stops trusting old manifests
 
 
@@ -161,7 +159,7 @@ def publish(
                     path=name,
                 )
             checked = _check_sources(source_identities(e.key for e in entries.values()), sources)
-            sha256 = _hash_fd(fd, size)
+            sha256 = hash_file(fd, name, os.fstat(fd))
             if (os.fstat(fd).st_size, os.fstat(fd).st_mtime_ns) != (size, st.st_mtime_ns):
                 raise FormatError("the file changed while it was hashed: publish it again", path=name)
             model = model_of(name)
@@ -257,8 +255,10 @@ def _check_sources(wanted: set[tuple[str, int]], given: Sequence[str]) -> int:
             except OSError:
                 continue
             try:
-                if st.st_size == size and _hash_fd(fd, size) == sha256:
+                if st.st_size == size and hash_file(fd, candidate, st) == sha256:
                     break
+            except FormatError:
+                continue  # it changed while it was read: not what the packs name
             finally:
                 os.close(fd)
         else:
@@ -308,15 +308,3 @@ def _candidates(sha256: str, size: int, given: dict[int, list[str]]) -> Iterator
                 blob = os.path.join(repo.path, "blobs", sha256)
                 if os.path.isfile(blob):
                     yield blob
-
-
-def _hash_fd(fd: int, size: int) -> str:
-    digest = hashlib.sha256()
-    offset = 0
-    while offset < size:
-        chunk = os.pread(fd, min(_CHUNK, size - offset), offset)
-        if not chunk:
-            raise FormatError(f"the file ended at {offset} of {size} bytes while it was hashed")
-        digest.update(chunk)
-        offset += len(chunk)
-    return digest.hexdigest()
