@@ -39,11 +39,13 @@ from __future__ import annotations
 import contextlib
 import errno as errno_mod
 import fcntl
+import json
 import os
 import secrets
 import stat
 import time
 from collections.abc import Callable
+from typing import Any
 
 from .errors import FormatError, LockTimeoutError, UntrustedFileError
 
@@ -62,6 +64,7 @@ __all__ = [
     "pread_exact",
     "pid_alive",
     "read_bounded",
+    "read_record",
     "remove_orphans",
     "still_linked",
     "temp_prefix",
@@ -69,6 +72,7 @@ __all__ = [
     "unlink_quietly",
     "user_cache_home",
     "wait_for_flock",
+    "write_record",
 ]
 
 #: Seconds a writer waits for another process's build lock by default (``packed_cache_lock_timeout``,
@@ -504,3 +508,63 @@ def unlink_quietly(path: str) -> None:
     """``unlink``, ignoring any error (the file may be gone already)."""
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+# --------------------------------------------------------------------------- small records of this user's
+
+
+def read_record(name: str, *, dir_fd: int | None = None, max_bytes: int) -> tuple[Any, str | None]:
+    """A small JSON record this user keeps (a digest record, where a digest was hashed, an accepted
+    fleet generation): opened without following a symlink or blocking, and trusted only if it is a
+    regular file of this user or root that nobody else can write, of at most ``max_bytes``.
+
+    Returns:
+        ``(value, None)``; ``(None, None)`` when it is missing or cannot be read; ``(None, why)`` when
+        it is there but refused (a record is a hint: the caller goes on without it).
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError:
+        return None, None  # missing, a symlink (ELOOP), unreadable
+    try:
+        st = os.fstat(fd)
+        problem = trust_problem(st)
+        if problem is None and st.st_size > max_bytes:
+            problem = f"{st.st_size} bytes, over {max_bytes}"
+        if problem is not None:
+            return None, problem
+        raw = os.pread(fd, max_bytes, 0)
+    except OSError:
+        return None, None
+    finally:
+        os.close(fd)
+    try:
+        # A few KiB at most: the stdlib parser's own limits suffice (deep nesting is a RecursionError, not a
+        # crash), and it costs a warm launch microseconds where the bounded parser's set-up costs a hundred.
+        return json.loads(raw), None
+    except (ValueError, RecursionError) as exc:
+        return None, type(exc).__name__
+
+
+def write_record(name: str, data: bytes, *, dir_fd: int | None = None, prefix: str = ".tmp-") -> None:
+    """Write a record for :func:`read_record`: a temp file beside ``name`` (``<prefix><pid>-<16 hex>``,
+    ``O_EXCL | O_NOFOLLOW``, mode 0600 whatever the umask), then renamed over it.
+
+    Raises:
+        OSError: it cannot be written (the temp file is removed).
+    """
+    directory, _ = os.path.split(name)
+    temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            os.fchmod(fd, 0o600)  # the umask must not leave it group-readable, nor widen it
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
+        raise

@@ -56,7 +56,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import stat
 import sys
 import threading
@@ -65,7 +64,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ._paths import open_checked, parse_temp_name, pid_alive, trust_problem, user_cache_home
+from ._paths import (
+    open_checked,
+    parse_temp_name,
+    pid_alive,
+    read_record,
+    trust_problem,
+    user_cache_home,
+    write_record,
+)
 from .errors import FormatError
 
 __all__ = [
@@ -328,31 +335,9 @@ class _Records:
         return None if self.fd is None else self._read(_record_name(key), key)
 
     def _read(self, name: str, key: StatKey) -> str | None:
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-        try:
-            fd = os.open(name, flags, dir_fd=self.fd)
-        except OSError:
-            return None  # missing, a symlink (ELOOP), unreadable
-        try:
-            st = os.fstat(fd)
-            problem = trust_problem(st)  # a regular file of this user or root, writable by its owner only
-            if problem is None and st.st_size > _RECORD_MAX_BYTES:
-                problem = f"{st.st_size} bytes, over {_RECORD_MAX_BYTES}"
-            if problem is not None:
-                logger.debug("packcache: digest record %s/%s ignored: %s", self.path, name, problem)
-                return None
-            raw = os.pread(fd, _RECORD_MAX_BYTES, 0)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        try:
-            # At most 4 KiB: the stdlib parser's own limits suffice (deep nesting is a RecursionError, not a crash),
-            # and it costs a warm launch microseconds where the bounded parser's set-up costs a hundred.
-            record = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            logger.debug("packcache: digest record %s/%s ignored: %s", self.path, name, type(exc).__name__)
-            return None
+        record, problem = read_record(name, dir_fd=self.fd, max_bytes=_RECORD_MAX_BYTES)
+        if problem is not None:
+            logger.debug("packcache: digest record %s/%s ignored: %s", self.path, name, problem)
         expected = {"format": _RECORD_FORMAT, "dev": key[0], "ino": key[1], "size": key[2], "mtime_ns": key[3],
                     "ctime_ns": key[4]}  # fmt: skip
         if not isinstance(record, dict) or set(record) != {*expected, "sha256"}:
@@ -375,21 +360,7 @@ class _Records:
         assert self.fd is not None
         record = {"format": _RECORD_FORMAT, "dev": key[0], "ino": key[1], "size": key[2], "mtime_ns": key[3],
                   "ctime_ns": key[4], "sha256": digest}  # fmt: skip
-        data = json.dumps(record, sort_keys=True).encode()
-        temp = f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(temp, flags, 0o600, dir_fd=self.fd)
-        try:
-            try:
-                os.fchmod(fd, 0o600)  # the umask must not leave it group-readable, nor widen it
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.rename(temp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=self.fd)
-            raise
+        write_record(name, json.dumps(record, sort_keys=True).encode(), dir_fd=self.fd, prefix=_TEMP_PREFIX)
         self._prune()
 
     def store_location(self, digest: str, path: str) -> None:
@@ -406,19 +377,7 @@ class _Records:
             try:
                 if trust_problem(os.fstat(where), directory=True) is not None:
                     return
-                temp = f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                             dir_fd=where)  # fmt: skip
-                try:
-                    os.fchmod(fd, 0o600)
-                    os.write(fd, record)
-                finally:
-                    os.close(fd)
-                try:
-                    os.rename(temp, digest, src_dir_fd=where, dst_dir_fd=where)
-                except OSError:
-                    os.unlink(temp, dir_fd=where)
-                    raise
+                write_record(digest, record, dir_fd=where, prefix=_TEMP_PREFIX)
                 self._prune_where(where)
             finally:
                 os.close(where)
@@ -433,20 +392,9 @@ class _Records:
         except OSError:
             return None
         try:
-            fd = os.open(digest, flags, dir_fd=where)
-        except OSError:
-            return None
+            record, _ = read_record(digest, dir_fd=where, max_bytes=_RECORD_MAX_BYTES)
         finally:
             os.close(where)
-        try:
-            st = os.fstat(fd)
-            if trust_problem(st) is not None or st.st_size > _RECORD_MAX_BYTES:
-                return None
-            record = json.loads(os.pread(fd, _RECORD_MAX_BYTES, 0))
-        except (OSError, ValueError, RecursionError):
-            return None
-        finally:
-            os.close(fd)
         if not isinstance(record, dict) or record.get("format") != _LOCATION_FORMAT:
             return None
         path = record.get("path")

@@ -25,7 +25,6 @@ import errno
 import hashlib
 import json
 import os
-import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -38,9 +37,11 @@ from .._paths import (
     fsync_dir,
     lock_path_for,
     open_checked,
+    read_record,
     trust_problem,
     unlink_quietly,
     user_cache_home,
+    write_record,
 )
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from ..identity import hash_file
@@ -286,19 +287,7 @@ def _state_path(url: str, model: str, cls: str) -> str:
 def accepted_generation(path: str) -> tuple[int, str] | None:
     """The generation and blob sha256 recorded in the state file at ``path``, or None (none, or one this
     user cannot trust: then the rollback check has nothing to compare with)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if trust_problem(st) is not None or st.st_size > _STATE_MAX_BYTES:
-            return None
-        record = json.loads(os.pread(fd, _STATE_MAX_BYTES, 0))
-    except (OSError, ValueError, RecursionError):
-        return None
-    finally:
-        os.close(fd)
+    record, _ = read_record(path, max_bytes=_STATE_MAX_BYTES)
     if not isinstance(record, dict):
         return None
     generation, sha256 = record.get("generation"), record.get("sha256")
@@ -318,14 +307,4 @@ def _accept(path: str, manifest: Manifest) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         if trust_problem(os.stat(directory), directory=True) is not None:
             return
-        temp = os.path.join(directory, f".tmp-{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        try:
-            os.rename(temp, path)
-        except OSError:
-            unlink_quietly(temp)
-            raise
+        write_record(path, data)
