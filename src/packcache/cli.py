@@ -900,9 +900,7 @@ def _add_publish_fetch(sub: Any) -> None:
     )  # fmt: skip
     fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default="auto", help="weight scheme (default auto)")
     fetch.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
-    fetch.add_argument("--trusted-key", action="append", default=[], metavar="PUB.pem",
-                       help="a trusted ed25519 public key (repeatable)")  # fmt: skip
-    fetch.add_argument("--allow-unsigned", action="store_true", help="accept manifests nobody signed")
+    _add_trust_options(fetch)
     fetch.add_argument("--timeout", type=_seconds, default=600.0, help="seconds for the whole fetch (default 600)")
     fetch.add_argument("--json", action="store_true", help="print one JSON object")
     fetch.set_defaults(func=cmd_fetch)
@@ -1067,8 +1065,7 @@ def _add_fleet(sub: Any) -> None:
         "platform is that of the file's own scheme, read from its packers, unless --scheme is given.",
     )
     probe.add_argument("file", metavar="FILE_OR_URL", help="a cache file, or a manifest's or a blob's URL in a store")
-    probe.add_argument("--trusted-key", action="append", default=[], metavar="PUB.pem",
-                       help="a trusted ed25519 public key, for a manifest URL (repeatable)")  # fmt: skip
+    _add_trust_options(probe, unsigned=False)  # an unsigned manifest is probed all the same: 'unverified'
     probe.add_argument("--timeout", type=_seconds, default=30.0, help="seconds for a URL's reads (default 30)")
     probe.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default=None,
@@ -1133,14 +1130,20 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
         "--remote-timeout", type=_seconds, default=10.0, metavar="S",
         help="seconds for everything one fetch asks the store, download included (default 10)",
     )  # fmt: skip
+    _add_trust_options(parser)
+
+
+def _add_trust_options(parser: argparse.ArgumentParser, *, unsigned: bool = True) -> None:
+    """``--trusted-key`` (repeatable) and, unless ``unsigned`` is false, ``--allow-unsigned``: whose manifests count."""
     parser.add_argument(
         "--trusted-key", action="append", default=[], metavar="PUB.pem",
         help="an ed25519 public key (the .pub.pem 'packcache keygen' writes) whose signature on a manifest is "
         "trusted (repeatable: key rotation)",
     )  # fmt: skip
-    parser.add_argument(
-        "--allow-unsigned", action="store_true", help="accept manifests nobody signed (a store you trust as it is)"
-    )
+    if unsigned:
+        parser.add_argument(
+            "--allow-unsigned", action="store_true", help="accept manifests nobody signed (a store you trust as it is)"
+        )
 
 
 def _cache_arg(args: argparse.Namespace, path: str | None, platform: Any) -> Any:
