@@ -425,6 +425,28 @@ def test_the_application_runs_in_the_workers_main_thread_and_sigterm_still_stops
         assert not _alive(pid) and time.monotonic() - began < 2.0, log.read_text()[-2000:]
 
 
+def test_a_connection_accepted_before_sigterm_still_gets_the_answer_to_its_first_request(tmp_path: Path) -> None:
+    """During a rolling restart an old worker gets SIGTERM while clients it has just accepted are still
+    sending their first request: those are no idle connections. They were closed at once (a reset under
+    the traffic of the two-machine test); now only kept-alive connections waiting for a next request are."""
+    with plain_server(tmp_path, timeout=30) as (port, _):
+        pid = int(re.search(rb"X-Pid: (\d+)", plain_get(port, "/?1")).group(1))  # type: ignore[union-attr]
+        fresh = RawClient(port)  # accepted by the idle worker, nothing sent yet
+        kept = RawClient(port, b"GET /?2 HTTP/1.1\r\nHost: t\r\n\r\n")  # answered, then kept alive
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert fresh.send(b"GET /?4 HTTP/1.1\r\nHost: t\r\n\r\n")
+        answer, _ = fresh.answer(10)
+        kept_answer, _ = kept.answer(10)
+        fresh.close()
+        kept.close()
+        assert status_of(answer) == 200 and answer.endswith(b"\r\n\r\nxxxx"), answer
+        assert b"\r\nConnection: close\r\n" in answer, answer
+        # The kept-alive one got its answer before the signal, then was closed as idle.
+        assert status_of(kept_answer) == 200 and kept_answer.endswith(b"xx"), kept_answer
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, exited but not yet reaped by the master, counts as gone)."""
     try:

@@ -134,6 +134,7 @@ class _Conn:
     # the response being written
     out: memoryview | None = None
     closed: bool = False
+    served: int = 0  # responses written on this connection
 
 
 @dataclass
@@ -312,10 +313,12 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         self.accepting = wanted
 
     def _stop_accepting_idle(self) -> None:
-        """SIGTERM: no new connection; close those waiting for a request; the rest finish."""
+        """SIGTERM: no new connection; close kept-alive connections waiting for their next request; the rest
+        finish. A connection accepted before the signal whose first request has not come yet is no idle one:
+        its client sent (or is sending) a request, which gets its answer (or the header deadline)."""
         self._set_accepting(False)
         for conn in list(self.conns.values()):
-            if conn.state == _HEAD and not conn.buf:
+            if conn.state == _HEAD and not conn.buf and conn.served:
                 self._close(conn)
             else:
                 conn.keep_alive = False
@@ -714,6 +717,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
             self._close(conn)
             return
         conn.out = None
+        conn.served += 1
         if conn.state == _LINGER:
             self._linger(conn)
         elif conn.keep_alive and self.alive:
