@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The decode benchmark's own environment (benchmarks/decode.py): packcache with its hf extra, plus
+# llama-cpp-python built from its PyPI sdist (no prebuilt wheel: llama.cpp compiled for this CPU,
+# GGML_NATIVE) and the llama.cpp tree that sdist vendors, whose convert_hf_to_gguf.py makes the GGUF
+# files from the same checkpoint. About 15-25 minutes on 2 cores, so never in CI; idempotent.
+# Usage: bash benchmarks/setup_decode.sh            (environment in .bench/decode, or $PACKCACHE_DECODE_ENV)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENV=${PACKCACHE_DECODE_ENV:-.bench/decode}
+LLAMA_CPP_PYTHON=0.3.36
+PYTHON=${PYTHON:-python3}
+mkdir -p "$ENV"
+if [ ! -x "$ENV/venv/bin/python" ]; then
+    "$PYTHON" -m venv "$ENV/venv"
+fi
+py="$ENV/venv/bin/python"
+stamp="$ENV/venv/.installed-$LLAMA_CPP_PYTHON"
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
+    echo "$ENV ready"; exit 0
+fi
+"$py" -m pip install --quiet --upgrade pip
+# torch==2.13.0 is the CPU build on local disk; the constraint keeps every other resolution on it.
+"$py" -m pip install --quiet -c <(echo torch==2.13.0) -e '.[hf]' sentencepiece==0.2.3
+if [ ! -d "$ENV/src/llama_cpp_python-$LLAMA_CPP_PYTHON" ]; then
+    "$py" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$ENV/sdist"
+    mkdir -p "$ENV/src"
+    tar -xzf "$ENV/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$ENV/src"
+fi
+# Built for this CPU (GGML_NATIVE is the default for a native build: AVX2, AVX512, AMX where present).
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" \
+    "$py" -m pip install --verbose -c <(echo torch==2.13.0) "$ENV/src/llama_cpp_python-$LLAMA_CPP_PYTHON" >"$ENV/build.log" 2>&1 \
+    || { tail -40 "$ENV/build.log"; exit 1; }
+touch "$stamp"
+echo "$ENV ready (build log: $ENV/build.log)"
