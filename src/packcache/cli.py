@@ -716,6 +716,7 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
         "converted": len(report.converted),
         "ineligible": report.ineligible,
         "tied": report.tied,
+        "packed_ties": report.packed_ties,
     }
     ineligible = "; ".join(f"{name}: {why}" for name, why in report.ineligible.items())
     lines = [

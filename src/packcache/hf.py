@@ -12,8 +12,9 @@ The model is built on the ``meta`` device the way ``transformers`` builds it bef
 loading (its own init contexts; non-persistent buffers such as rotary frequencies or
 position ids recomputed by the model's own ``_init_weights``), so no weight is
 materialised. The checkpoint is read for its config and safetensors headers only;
-tensor bytes are read only to pack a miss, which a warm launch never has. Tied
-parameters (a head tied to the input embeddings) stay one tensor, stored once.
+tensor bytes are read only to pack a miss, which a warm launch never has. A head tied
+to the input embeddings is packed from the tie's one source tensor; the embeddings keep it as
+float32, stored once.
 
 Saving such a model (``save_pretrained``, ``SentenceTransformer.save``, ``state_dict``) writes a
 complete float32 checkpoint that plain transformers and sentence-transformers load: each packed

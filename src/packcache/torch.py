@@ -137,7 +137,8 @@ class PackedLinear(nn.Module):
 
     Its ``state_dict`` is the layer it replaced: ``weight`` (:meth:`float_weight`, float32,
     ``[out, in]``, or ``[in, out]`` when ``transposed``) and ``bias``, never the packed operands,
-    which are non-persistent buffers in a kernel's layout no float model reads.
+    which are non-persistent buffers in a kernel's layout no float model reads; a layer tied to a
+    float32 parameter (:attr:`tied_weight`) writes that tensor, as the tied layer it replaced did.
     ``load_state_dict`` into it raises ``RuntimeError``: its operands are read-only.
     """
 
@@ -148,7 +149,7 @@ class PackedLinear(nn.Module):
         # Plain attributes, set without nn.Module.__setattr__'s checks: this runs per layer on every warm load.
         self.__dict__.update(
             packer=packer, in_features=in_features, out_features=out_features, kernel_path=kernel_path,
-            transposed=transposed, _dtype=activation_dtype(kernel_path), _prepared=None,
+            transposed=transposed, _dtype=activation_dtype(kernel_path), _prepared=None, tied_weight=None,
             training=False,  # inference only: its operands are read-only views of a file mapping
         )  # fmt: skip
         self.packer: TorchPacker
@@ -159,6 +160,9 @@ class PackedLinear(nn.Module):
         self.transposed: bool
         self._dtype: torch.dtype
         self._prepared: dict[str, torch.Tensor | None] | None
+        #: The float32 tensor this layer's weight is tied to (:func:`convert` sets it for a tied output head):
+        #: what ``state_dict`` writes as its weight, so a saved model keeps the tie; ``None``: :meth:`float_weight`.
+        self.tied_weight: torch.Tensor | None
 
     @classmethod
     def from_parts(
@@ -237,7 +241,7 @@ class PackedLinear(nn.Module):
         # What the replaced layer saved, so a checkpoint of a packed model is a float model's (issue 20, item 4):
         # the packed operands are non-persistent buffers, and saving only them dropped every linear weight.
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        weight = self.float_weight()
+        weight = self.tied_weight if self.tied_weight is not None else self.float_weight()
         destination[prefix + "weight"] = weight.t().contiguous() if self.transposed else weight
         bias = self._buffers["bias"]
         if bias is not None:
@@ -484,6 +488,9 @@ class ConversionReport:
             they stay ``nn.Linear`` (their weights come from the cache as float32).
         parameters: names of the other parameters now served from the cache as float32.
         tied: name served → the other names of the same (tied) parameter, which share its tensor.
+        packed_ties: packed layer → the names of the float32 parameter its weight is tied to (an output
+            head tied to the input embeddings): both come from the one source tensor, the layer packed, the
+            others served as float32; its ``state_dict`` writes that float32 tensor, so the tie stays.
         packed_bytes: bytes of every array served from the cache for this module.
         stats: the cache's statistics when the conversion ended.
         kernel_path: the kernel path of the packed layers (:mod:`packcache.kernels`).
@@ -493,6 +500,7 @@ class ConversionReport:
     ineligible: dict[str, str] = field(default_factory=dict)
     parameters: list[str] = field(default_factory=list)
     tied: dict[str, list[str]] = field(default_factory=dict)
+    packed_ties: dict[str, list[str]] = field(default_factory=dict)
     packed_bytes: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
     kernel_path: str = "fp32"
@@ -540,9 +548,13 @@ def convert(
 
     A parameter shared by several modules (tied weights, e.g. a language-model head tied to
     the input embeddings) is fetched once, under the first of its names the source holds,
-    and the one float32 tensor is given to every owner: a linear layer whose weight is tied
-    stays a float32 layer (listed in ``report.ineligible``) so the tie holds. The other names
-    are listed in ``report.tied``.
+    and the one float32 tensor is given to every owner; the other names are listed in
+    ``report.tied``. A linear layer among the owners (an output head tied to the input embeddings)
+    is packed by ``packer`` from that same source tensor, while the other owners keep it as float32
+    (an embedding lookup reads a row per token; the head reads all of it per token): listed in
+    ``report.packed_ties``, and its ``state_dict`` writes the float32 tensor, so a saved model is
+    still tied. With the float32 scheme the head stays a float32 layer over the one tensor (listed in
+    ``report.ineligible``): packing it would store the same bytes twice.
 
     Returns:
         A :class:`ConversionReport`; ``report.stats`` is the cache's state afterwards and
@@ -612,14 +624,19 @@ def _convert(
 
     modules = dict(module.named_modules())
     plan = _plan(module, packer, transposed)
+    tied_layers: dict[str, PackedLinear] = {}  # name of a served float parameter -> the packed layer tied to it
     report.ineligible.update(plan.ineligible)
     for layer in plan.linears:
         dotted = f"{layer.name}." if layer.name else ""
-        parts = fetch([f"{dotted}weight"], layer.shape, packer, layer=layer.name, flip=layer.transposed)
+        names = [f"{dotted}weight", *layer.tied]  # a tied checkpoint saves the tensor under one of them
+        parts = fetch(names, layer.shape, packer, layer=layer.name, flip=layer.transposed)
         bias = fetch([f"{dotted}bias"], (layer.shape[0],), other)["weight"] if layer.has_bias else None
         new = PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed)
         _replace(modules, layer.name, new)
         report.converted.append(layer.name)
+        if layer.tied:
+            report.packed_ties[layer.name] = list(layer.tied)
+            tied_layers[layer.tied[0]] = new
     owners: dict[str, list[str]] = {}
     for names in plan.parameters:
         param = module.get_parameter(names[0])
@@ -629,6 +646,8 @@ def _convert(
             owner, _, attr = alias.rpartition(".")
             modules[owner]._parameters[attr] = served
             owners.setdefault(owner, []).append(attr)
+            if alias in tied_layers:  # what the packed twin saves: the tie's one tensor
+                tied_layers[alias].__dict__["tied_weight"] = served
         report.parameters.append(names[0])
         if len(names) > 1:
             report.tied[names[0]] = names[1:]
@@ -645,6 +664,7 @@ class _Layer:
     shape: tuple[int, int]  # (out, in), as packed
     transposed: bool  # the module stores its weight [in, out]
     has_bias: bool
+    tied: tuple[str, ...] = ()  # the other names of its weight (parameters of other modules: the tie)
 
 
 @dataclass
@@ -667,14 +687,20 @@ def _plan(module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], 
         dotted = f"{name}." if name else ""
         rows, columns = int(weight.shape[0]), int(weight.shape[1])
         shape = (columns, rows) if flip else (rows, columns)
-        tied = [n for n in aliases.get(id(weight), []) if n != f"{dotted}weight"]
-        reason = f"weight tied to {', '.join(tied)}: one float32 tensor" if tied else packer.eligible(shape)
+        tied = tuple(n for n in aliases.get(id(weight), []) if n != f"{dotted}weight")
+        if tied and isinstance(packer, LinearFloat32):
+            # Packed as float32 it would be a second copy of the very tensor its twin is served as: keep one.
+            plan.ineligible[name] = f"weight tied to {', '.join(tied)}: one float32 tensor"
+            continue
+        reason = packer.eligible(shape)
         if reason is not None:
             plan.ineligible[name] = reason
             continue
-        plan.linears.append(_Layer(name, shape, flip, sub.bias is not None))
+        # A tied layer (an output head tied to the input embeddings) is packed like any other, from the one source
+        # tensor of the tie; the other owners (the embedding lookup) keep that tensor as float32.
+        plan.linears.append(_Layer(name, shape, flip, sub.bias is not None, tied))
         owned.update({f"{dotted}weight", f"{dotted}bias"})
-    plan.parameters = [names for names in aliases.values() if names[0] not in owned]
+    plan.parameters = [left for names in aliases.values() if (left := [n for n in names if n not in owned])]
     return plan
 
 
