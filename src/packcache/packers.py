@@ -825,6 +825,7 @@ def _group_sum(values: np.ndarray[Any, Any], scratch: np.ndarray[Any, Any]) -> n
 
 def _pairwise(values: np.ndarray[Any, Any], scratch: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     n = values.shape[0]
+    total: np.ndarray[Any, Any]
     if n < 8:
         total = np.zeros(values.shape[1], values.dtype)
         for i in range(n):
@@ -850,7 +851,8 @@ def _pairwise(values: np.ndarray[Any, Any], scratch: np.ndarray[Any, Any]) -> np
     half = n // 2
     half -= half % 8
     first = _pairwise(values[:half], scratch)
-    return np.add(first, _pairwise(values[half:], scratch), out=first)
+    np.add(first, _pairwise(values[half:], scratch), out=first)
+    return first
 
 
 def dequantize_int4(
@@ -865,7 +867,12 @@ def dequantize_int4(
 
 
 def quantize_int4_activation_aware(
-    w: np.ndarray[Any, Any], group_size: int, second_moment: np.ndarray[Any, Any], *, zero_code: int = 0
+    w: np.ndarray[Any, Any],
+    group_size: int,
+    second_moment: np.ndarray[Any, Any],
+    *,
+    zero_code: int = 0,
+    scale_dtype: str = "float32",
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Int4 of ``w [out, in]`` with a per-input-feature scale chosen from input statistics (AWQ-style).
 
@@ -879,12 +886,15 @@ def quantize_int4_activation_aware(
 
     Returns ``(codes, scales, zeros, input_scales)``: the layer computes
     ``(x * input_scales) @ dequant(codes, scales, zeros)^T``; ``input_scales = 1 / c`` (float32 ``[in]``).
+    ``scale_dtype`` is passed to :func:`quantize_int4_groups`: each ``alpha`` is judged with the scales
+    and zeros it would store.
 
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or ±Inf, or a group's range overflows float32 (as
             :func:`quantize_int4_groups` with ``alpha = 0``; an ``alpha`` whose column scales push a
             group beyond float32 is only left out of the search), or ``second_moment`` holds NaN or
             ±Inf (the float model computes them on the calibration texts).
+        ValueError: as :func:`quantize_int4_groups` (a group size or ``scale_dtype`` it refuses).
     """
     h = np.asarray(second_moment, dtype=np.float64)
     bad = non_finite_index(h)
@@ -906,7 +916,11 @@ def quantize_int4_activation_aware(
         column = 1.0 / inv.astype(np.float64)  # the scale the float32 input scale really undoes
         try:
             result = quantize_int4_groups(
-                w64 * column, group_size, zero_code=zero_code, importance=energy / (column * column)
+                w64 * column,
+                group_size,
+                zero_code=zero_code,
+                importance=energy / (column * column),
+                scale_dtype=scale_dtype,
             )
         except NonFiniteWeightError:
             if alpha == 0.0:  # the weight itself: refused
