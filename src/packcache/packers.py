@@ -746,13 +746,16 @@ class _Int4Search:
         sum_dx = _group_sum(x if d is None else np.multiply(d, x, out=product), scratch)
         best_err = np.full(size, np.inf, np.float32)
         best_s, best_m = safe_span / np.float32(15.0), lo.copy()
+        integral = 225 * g < 1 << 24  # a group's sum of codes squared is an exact float32 integer
 
         def consider() -> None:
             nonlocal best_err, best_s, best_m
             if d is None or weighted is None:
-                # Integers up to 225 * g: exact in any order, so numpy's fastest reduction.
-                sum_q = np.add.reduce(codes, axis=0)
-                sum_qq = np.add.reduce(np.multiply(codes, codes, out=product), axis=0)
+                if integral:  # sums of integers below 2**24: exact in any order, so numpy's fastest ones
+                    sum_q, sum_qq = np.add.reduce(codes, axis=0), np.einsum("ij,ij->j", codes, codes)
+                else:
+                    sum_q = _group_sum(codes, scratch)
+                    sum_qq = _group_sum(np.multiply(codes, codes, out=product), scratch)
                 sum_qx = _group_sum(np.multiply(codes, x, out=product), scratch)
             else:
                 dq = np.multiply(d, codes, out=weighted)
