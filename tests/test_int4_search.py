@@ -415,3 +415,21 @@ def test_the_activation_aware_search_stores_bfloat16_scales_when_asked() -> None
 def test_an_unknown_scale_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="scale_dtype must be one of"):
         quantize_int4_groups(np.ones((2, 32), np.float32), 32, scale_dtype="float16")
+
+
+def test_a_non_finite_chunk_stops_the_search_of_the_chunks_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    searched: list[int] = []
+    run = packers._Int4Search._run
+
+    def counting(self: Any, start: int) -> bool:
+        searched.append(start)
+        return bool(run(self, start))
+
+    monkeypatch.setattr(packers._Int4Search, "_run", counting)
+    monkeypatch.setattr(packers, "_INT4_CHUNK", 256)  # one row of 256 per chunk
+    monkeypatch.setattr(packers, "_usable_cpus", lambda: 1)
+    w = np.random.default_rng(40).standard_normal((16, 256), dtype=np.float32)
+    w[2, 5] = np.nan
+    with pytest.raises(NonFiniteWeightError, match="row 2, column 5"):
+        quantize_int4_groups(w, 32)
+    assert searched == [0, 1, 2]

@@ -701,6 +701,7 @@ class _Int4Search:
         self.codes = np.empty((out_features, in_features), np.uint8)
         self.scales = np.empty((out_features, self.groups), np.float32)
         self.zeros = np.empty((out_features, self.groups), np.float32)
+        self.refused = False
         self.d: np.ndarray[Any, Any] | None = None
         # With unit importance d * v is v exactly, so those products are skipped; sum(d) is g exactly.
         self.sum_d: Any = np.float32(group_size)
@@ -714,11 +715,16 @@ class _Int4Search:
             self.sum_d = np.tile(d.sum(axis=1), rows)
 
     def run(self, start: int) -> bool:
-        """Search rows ``start`` to ``start + rows``; ``False`` if they hold NaN or ±Inf (nothing written)."""
+        """Search rows ``start`` to ``start + rows``; ``False`` if they hold NaN or ±Inf (nothing written),
+        or if an earlier chunk did (the weight is refused: the rest is not searched)."""
+        if self.refused:
+            return False
         # Thread-local: numpy's error state is not inherited by the pool's threads. A range beyond
         # float32 is refused by the caller; a range of subnormals (a step of 0) ends as finite codes.
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            return self._run(start)
+            searched = self._run(start)
+        self.refused = self.refused or not searched
+        return searched
 
     def _run(self, start: int) -> bool:
         g, zero_code = self.g, self.zero_code
