@@ -389,7 +389,7 @@ def test_bfloat16_scales_cost_little_weighted_error() -> None:
         return float(np.sum(np.square(dequantize_int4(*result, zero_code=8) - w64) * importance))
 
     single, brain = weighted_error("float32"), weighted_error("bfloat16")
-    assert single <= brain < 1.03 * single, (single, brain)
+    assert single <= brain < 1.01 * single, (single, brain)  # +0.07 % here
 
 
 def test_a_zero_that_rounds_to_inf_in_bfloat16_is_refused_like_an_overflow() -> None:
