@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -71,6 +73,7 @@ __all__ = [
     "quantize_int4_activation_aware",
     "quantize_int4_groups",
     "quantize_int8_rows",
+    "round_bfloat16",
     "to_float32",
 ]
 
@@ -551,6 +554,39 @@ INT4_RANGE_STEPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 AWQ_EXPONENTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
+def round_bfloat16(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``a`` (made float32 first) rounded to the nearest bfloat16 value, ties to even, as a float32 array.
+
+    What ``torch.Tensor.to(torch.bfloat16)`` computes, without torch: the low 16 bits of each float32
+    are rounded away. NaN stays NaN (quiet, same sign); ±Inf stays; a finite value beyond bfloat16's
+    largest finite value (~3.39e38) becomes ±Inf, which a caller that needs finite values must refuse.
+
+    >>> round_bfloat16(np.array([1.0, 1.00390625, 1.01171875, -3.4e38, np.nan], np.float32)).tolist()
+    [1.0, 1.0, 1.015625, -inf, nan]
+    """
+    bits = np.array(a, dtype=np.float32, order="C", copy=True).view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit, then truncating, rounds half to even; a carry into the
+    # exponent is the right answer (up to the next binade, or Inf). NaN's payload could carry too: kept apart.
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    result: np.ndarray[Any, Any] = np.where(nan, (bits & np.uint32(0x80000000)) | np.uint32(0x7FC00000), rounded)
+    return result.astype(np.uint32).view(np.float32)
+
+
+#: Scale and zero dtypes :func:`quantize_int4_groups` rounds to: what the kernel that reads them holds.
+_SCALE_DTYPES = ("float32", "bfloat16")
+
+#: Elements of ``w`` one task of :func:`quantize_int4_groups` searches at a time: its three float32
+#: working arrays (1.5 MiB) stay in one core's L2 cache (~2 MiB) through the 13 candidate passes,
+#: instead of each pass streaming the whole weight through memory (measured: ``benchmarks/pack.py``).
+_INT4_CHUNK = 1 << 17
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def quantize_int4_groups(
     w: np.ndarray[Any, Any],
     group_size: int,
@@ -558,6 +594,7 @@ def quantize_int4_groups(
     zero_code: int = 0,
     importance: np.ndarray[Any, Any] | None = None,
     refine: int = 2,
+    scale_dtype: str = "float32",
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Asymmetric 4-bit quantization of ``w [out, in]`` in groups of ``group_size`` along ``in``.
 
@@ -574,16 +611,21 @@ def quantize_int4_groups(
 
     Deterministic, and never worse than plain round-to-nearest (the ``r = 1.0`` candidate).
     A non-finite ``w`` is refused, and so is a group whose range overflows float32 (its scale
-    or offset would be Inf).
+    or offset would be Inf). The rows are searched in chunks that stay in a core's cache, on one
+    thread per usable CPU; the result does not depend on the chunks or the threads.
 
     Returns ``(codes uint8 [out, in], scales float32 [in/g, out], zeros float32
     [in/g, out])`` with ``x ~ (q - zero_code) * scale + zero``: ``zero_code=8`` is
     the convention of torch's int4 CPU kernel. The final codes are rounded against
-    the float32 scale and zero actually stored.
+    the scale and zero actually stored: with ``scale_dtype="bfloat16"`` those are the search's
+    float32 values rounded to bfloat16 (:func:`round_bfloat16`), still returned as float32 arrays,
+    for a kernel that reads bfloat16 scales and zeros.
 
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or ±Inf (or float64 beyond float32's range), or a
-            group's range overflows float32 (``index`` is then ``(row, group)``).
+            group's range overflows float32 (or, rounded, bfloat16) (``index`` is then ``(row, group)``).
+        ValueError: ``in`` is not a multiple of ``group_size``, or ``scale_dtype`` is neither ``"float32"``
+            nor ``"bfloat16"``.
 
     >>> codes, scales, zeros = quantize_int4_groups(np.linspace(-1, 1, 32, dtype=np.float32)[None], 32)
     >>> codes.shape, scales.shape, int(codes.min()), int(codes.max())
@@ -592,94 +634,234 @@ def quantize_int4_groups(
     out_features, in_features = w.shape
     if in_features % group_size:
         raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
-    shape = (out_features, in_features // group_size, group_size)
-    # float32 search (half the memory traffic of float64); sums over one group of <= 128 stay exact enough.
-    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes Inf: refused below
-        x = np.asarray(w, dtype=np.float32).reshape(shape)
-    if importance is None:
-        d = np.ones((1, shape[1], group_size), np.float32)
+    if scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, got {scale_dtype!r}")
+    groups = in_features // group_size
+    rows = max(1, min(out_features, _INT4_CHUNK // max(in_features, 1)))
+    search = _Int4Search(w, group_size, rows, zero_code, importance, refine, scale_dtype == "bfloat16")
+    starts = range(0, out_features, rows)
+    workers = min(_usable_cpus(), len(starts))
+    if workers > 1:
+        # numpy releases the GIL inside its loops: the chunks run in parallel on the threads.
+        with ThreadPoolExecutor(workers, thread_name_prefix="packcache-int4") as pool:
+            finite = all(pool.map(search.run, starts))
     else:
-        raw = np.asarray(importance, dtype=np.float64)
-        raw = np.where(raw > 0, raw, 0.0)
-        peak = raw.max() if raw.size and raw.max() > 0 else 1.0
-        # Normalised to a peak of 1; a feature never seen still counts a little.
-        d = (raw / peak + 1e-6).astype(np.float32).reshape(1, shape[1], group_size)
-    lo, hi = x.min(axis=2, keepdims=True), x.max(axis=2, keepdims=True)
-    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):  # NaN and Inf reach min/max: no extra pass
+        finite = all([search.run(start) for start in starts])
+    if not finite:  # NaN and Inf reach a chunk's min/max: no extra pass
+        with np.errstate(over="ignore"):  # float64 beyond float32's range becomes Inf: what is refused
+            x = np.asarray(w, dtype=np.float32)
         raise non_finite_source(x.reshape(out_features, in_features), original=np.asarray(w))
-    # A range beyond float32 is refused below; a range of subnormals (a step of 0) ends as finite codes.
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        codes, scales, zeros = _int4_search(x, lo, hi, d, zero_code, refine)
+    scales, zeros = search.scales, search.zeros
     if not (np.isfinite(scales).all() and np.isfinite(zeros).all()):
-        row, group = (int(i) for i in np.argwhere(~(np.isfinite(scales) & np.isfinite(zeros))[:, :, 0])[0])
+        row, group = (int(i) for i in np.argwhere(~(np.isfinite(scales) & np.isfinite(zeros)))[0])
         first = group * group_size
+        with np.errstate(over="ignore"):
+            values = np.asarray(w[row, first : first + group_size], dtype=np.float32)
         raise NonFiniteWeightError(
             f"holds values at row {row}, group {group} (columns {first}-{first + group_size - 1}) whose range "
-            f"({float(lo[row, group, 0]):.6g} to {float(hi[row, group, 0]):.6g}) overflows float32: "
+            f"({float(values.min()):.6g} to {float(values.max()):.6g}) overflows {scale_dtype}: "
             "int4 cannot hold them",
             index=(row, group),
         )
-    return (
-        codes.reshape(out_features, in_features),
-        np.ascontiguousarray(scales[:, :, 0].T),
-        np.ascontiguousarray(zeros[:, :, 0].T),
-    )
+    assert scales.shape == (out_features, groups)
+    return search.codes, np.ascontiguousarray(scales.T), np.ascontiguousarray(zeros.T)
 
 
-def _int4_search(
-    x: np.ndarray[Any, Any],
-    lo: np.ndarray[Any, Any],
-    hi: np.ndarray[Any, Any],
-    d: np.ndarray[Any, Any],
-    zero_code: int,
-    refine: int,
-) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """The search of :func:`quantize_int4_groups` over ``x [out, groups, g]``: codes ``[out, groups, g]``,
-    scales and zeros ``[out, groups, 1]``."""
-    span = hi - lo
-    flat = span <= 0
-    safe_span = np.where(flat, 1.0, span)
-    centre = (hi + lo) / 2
-    sum_d = np.broadcast_to(d.sum(axis=2, keepdims=True), lo.shape)
-    dx = d * x
-    sum_dx = dx.sum(axis=2, keepdims=True)
-    best_err = np.full(lo.shape, np.inf, np.float32)
-    best_s, best_m = safe_span / np.float32(15.0), lo.copy()
+class _Int4Search:
+    """The search of :func:`quantize_int4_groups`, one chunk of rows per :meth:`run`.
 
-    def consider(codes: np.ndarray[Any, Any]) -> None:
-        nonlocal best_err, best_s, best_m
-        dq = d * codes
-        sum_q, sum_qq, sum_qx = (
-            dq.sum(axis=2, keepdims=True),
-            (dq * codes).sum(axis=2, keepdims=True),
-            (dq * x).sum(axis=2, keepdims=True),
+    A chunk is held transposed, ``X [g, chunk rows * groups]``: row ``j`` is the ``j``-th value of
+    every group, so each per-group quantity is a contiguous vector and each operation one long
+    vectorised loop. Every sum over a group that is not exact is taken in the order numpy's
+    ``sum(axis=-1)`` takes it (:func:`_group_sum`), and every element's arithmetic is the same
+    float32 operation, so the result is bit-identical to the plain whole-array formulas
+    (``tests/test_int4_search.py`` keeps them and compares).
+    """
+
+    def __init__(
+        self,
+        w: np.ndarray[Any, Any],
+        group_size: int,
+        rows: int,
+        zero_code: int,
+        importance: np.ndarray[Any, Any] | None,
+        refine: int,
+        bfloat16: bool,
+    ) -> None:
+        out_features, in_features = w.shape
+        self.w, self.g, self.rows, self.zero_code, self.refine, self.bfloat16 = (
+            w,
+            group_size,
+            rows,
+            zero_code,
+            refine,
+            bfloat16,
         )
-        det = sum_d * sum_qq - sum_q * sum_q
-        ok = det > np.float32(1e-20)
-        safe = np.where(ok, det, 1.0)
-        s = np.where(ok, (sum_d * sum_qx - sum_q * sum_dx) / safe, best_s)
-        m = np.where(ok, (sum_qq * sum_dx - sum_q * sum_qx) / safe, best_m)
-        diff = codes * s + m - x
-        err = (d * diff * diff).sum(axis=2, keepdims=True)
-        better = (err < best_err) & (s > 0)
-        best_err = np.where(better, err, best_err)
-        best_s, best_m = np.where(better, s, best_s), np.where(better, m, best_m)
+        self.groups = in_features // group_size
+        self.codes = np.empty((out_features, in_features), np.uint8)
+        self.scales = np.empty((out_features, self.groups), np.float32)
+        self.zeros = np.empty((out_features, self.groups), np.float32)
+        self.refused = False
+        self.d: np.ndarray[Any, Any] | None = None
+        # With unit importance d * v is v exactly, so those products are skipped; sum(d) is g exactly.
+        self.sum_d: Any = np.float32(group_size)
+        if importance is not None:
+            raw = np.asarray(importance, dtype=np.float64)
+            raw = np.where(raw > 0, raw, 0.0)
+            peak = raw.max() if raw.size and raw.max() > 0 else 1.0
+            # Normalised to a peak of 1; a feature never seen still counts a little.
+            d = (raw / peak + 1e-6).astype(np.float32).reshape(self.groups, group_size)
+            self.d = np.ascontiguousarray(np.tile(d.T, (1, rows)))  # [g, rows * groups], like X
+            self.sum_d = np.tile(d.sum(axis=1), rows)
 
-    for ratio in INT4_RANGE_STEPS:
-        step = safe_span * np.float32(ratio / 15.0)
-        consider(np.clip(np.rint((x - (centre - safe_span * np.float32(ratio / 2))) / step), 0, 15))
-    for _ in range(refine):
-        consider(np.clip(np.rint((x - best_m) / best_s), 0, 15))
-    scales = np.where(flat, 0.0, best_s).astype(np.float32)
-    zeros = np.where(flat, lo, best_m.astype(np.float64) + zero_code * best_s.astype(np.float64)).astype(np.float32)
-    x = x.astype(np.float64)
-    # Final codes against the float32 scale and zero the kernel will actually use.
-    s64 = scales.astype(np.float64)
-    m64 = zeros.astype(np.float64) - zero_code * s64
-    codes = np.clip(np.rint((x - m64) / np.where(flat, 1.0, s64)), 0, 15)
-    # A group whose scale overflowed has NaN codes here: it is refused by the caller, never cast.
-    codes = np.where(flat | ~np.isfinite(codes), zero_code, codes).astype(np.uint8)
-    return codes, scales, zeros
+    def run(self, start: int) -> bool:
+        """Search rows ``start`` to ``start + rows``; ``False`` if they hold NaN or ±Inf (nothing written),
+        or if an earlier chunk did (the weight is refused: the rest is not searched)."""
+        if self.refused:
+            return False
+        # Thread-local: numpy's error state is not inherited by the pool's threads. A range beyond
+        # float32 is refused by the caller; a range of subnormals (a step of 0) ends as finite codes.
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            searched = self._run(start)
+        self.refused = self.refused or not searched
+        return searched
+
+    def _run(self, start: int) -> bool:
+        g, zero_code = self.g, self.zero_code
+        chunk = np.asarray(self.w[start : start + self.rows], dtype=np.float32)
+        rows = chunk.shape[0]
+        size = rows * self.groups
+        by_group = chunk.reshape(size, g)
+        x = np.ascontiguousarray(by_group.T)  # [g, size]
+        lo, hi = x.min(axis=0), x.max(axis=0)
+        if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+            return False
+        # min/max of a group holding both -0.0 and +0.0 may give either; the stored zero of an all-zero
+        # group is its min: take such groups' min/max exactly as numpy takes them over a row.
+        zeroish = np.flatnonzero((lo == 0) | (hi == 0))
+        if zeroish.size:
+            lo[zeroish], hi[zeroish] = by_group[zeroish].min(axis=1), by_group[zeroish].max(axis=1)
+        d = None if self.d is None else self.d[:, :size]
+        sum_d = self.sum_d if d is None else self.sum_d[:size]
+        span = hi - lo
+        flat = span <= 0
+        safe_span = np.where(flat, 1.0, span)
+        centre = (hi + lo) / 2
+        codes, product, weighted = np.empty_like(x), np.empty_like(x), None if d is None else np.empty_like(x)
+        scratch = np.empty((14, size), np.float32)
+        sum_dx = _group_sum(x if d is None else np.multiply(d, x, out=product), scratch)
+        best_err = np.full(size, np.inf, np.float32)
+        best_s, best_m = safe_span / np.float32(15.0), lo.copy()
+        integral = 225 * g < 1 << 24  # a group's sum of codes squared is an exact float32 integer
+
+        def consider() -> None:
+            nonlocal best_err, best_s, best_m
+            if d is None or weighted is None:
+                if integral:  # sums of integers below 2**24: exact in any order, so numpy's fastest ones
+                    sum_q, sum_qq = np.add.reduce(codes, axis=0), np.einsum("ij,ij->j", codes, codes)
+                else:
+                    sum_q = _group_sum(codes, scratch)
+                    sum_qq = _group_sum(np.multiply(codes, codes, out=product), scratch)
+                sum_qx = _group_sum(np.multiply(codes, x, out=product), scratch)
+            else:
+                dq = np.multiply(d, codes, out=weighted)
+                sum_q = _group_sum(dq, scratch)
+                sum_qq = _group_sum(np.multiply(dq, codes, out=product), scratch)
+                sum_qx = _group_sum(np.multiply(dq, x, out=product), scratch)
+            det = sum_d * sum_qq - sum_q * sum_q
+            ok = det > np.float32(1e-20)
+            safe = np.where(ok, det, 1.0)
+            s = np.where(ok, (sum_d * sum_qx - sum_q * sum_dx) / safe, best_s)
+            m = np.where(ok, (sum_qq * sum_dx - sum_q * sum_qx) / safe, best_m)
+            diff = np.multiply(codes, s, out=product)
+            np.add(diff, m, out=diff)
+            np.subtract(diff, x, out=diff)
+            if d is None or weighted is None:
+                err = _group_sum(np.multiply(diff, diff, out=diff), scratch)
+            else:
+                err = _group_sum(np.multiply(np.multiply(d, diff, out=weighted), diff, out=weighted), scratch)
+            better = (err < best_err) & (s > 0)
+            best_err = np.where(better, err, best_err)
+            best_s, best_m = np.where(better, s, best_s), np.where(better, m, best_m)
+
+        def round_codes(offset: np.ndarray[Any, Any], step: np.ndarray[Any, Any]) -> None:
+            np.subtract(x, offset, out=codes)
+            np.divide(codes, step, out=codes)
+            np.rint(codes, out=codes)
+            np.clip(codes, 0, 15, out=codes)
+
+        for ratio in INT4_RANGE_STEPS:
+            round_codes(centre - safe_span * np.float32(ratio / 2), safe_span * np.float32(ratio / 15.0))
+            consider()
+        for _ in range(self.refine):
+            round_codes(best_m, best_s)
+            consider()
+        scales = np.where(flat, 0.0, best_s).astype(np.float32)
+        zeros = np.where(flat, lo, best_m.astype(np.float64) + zero_code * best_s.astype(np.float64)).astype(np.float32)
+        if self.bfloat16:
+            scales, zeros = round_bfloat16(scales), round_bfloat16(zeros)
+        # Final codes against the scale and zero the kernel will actually use, in float64: they decide the bytes.
+        s64 = scales.astype(np.float64)
+        m64 = zeros.astype(np.float64) - zero_code * s64
+        exact = x.astype(np.float64)
+        np.subtract(exact, m64, out=exact)
+        np.divide(exact, np.where(flat, 1.0, s64), out=exact)
+        np.clip(np.rint(exact, out=exact), 0, 15, out=exact)
+        # Only a flat group, or one whose scale is 0 (subnormal values) or not finite, can have a code that is
+        # not finite here (a scale that overflowed gives NaN: the caller refuses it, it is never cast).
+        special = np.flatnonzero(flat | (s64 == 0) | ~np.isfinite(s64) | ~np.isfinite(m64))
+        if special.size:
+            held = exact[:, special]
+            exact[:, special] = np.where(flat[special] | ~np.isfinite(held), zero_code, held)
+        final = exact.astype(np.uint8)
+        self.codes[start : start + rows].reshape(size, g)[...] = final.T
+        self.scales[start : start + rows] = scales.reshape(rows, self.groups)
+        self.zeros[start : start + rows] = zeros.reshape(rows, self.groups)
+        return True
+
+
+def _group_sum(values: np.ndarray[Any, Any], scratch: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Sum ``values [n, size]`` over axis 0 in exactly the order numpy sums a contiguous row of ``n`` float32.
+
+    numpy's float ``add.reduce`` (``pairwise_sum`` in ``loops_utils.h.src``): fewer than 8 values one by
+    one; up to 128 in 8 interleaved partial sums combined as ((0+1)+(2+3))+((4+5)+(6+7)), then the rest
+    one by one; more split in two halves (the first a multiple of 8). The reduction starts from +0.0.
+    ``scratch`` holds at least ``[14, size]`` floats.
+    """
+    result: np.ndarray[Any, Any] = np.add(_pairwise(values, scratch), np.float32(0.0))
+    return result
+
+
+def _pairwise(values: np.ndarray[Any, Any], scratch: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    n = values.shape[0]
+    total: np.ndarray[Any, Any]
+    if n < 8:
+        total = np.zeros(values.shape[1], values.dtype)
+        for i in range(n):
+            np.add(total, values[i], out=total)
+        return total
+    if n <= 128:
+        partial = scratch[:8]
+        if n >= 16:
+            np.add(values[0:8], values[8:16], out=partial)
+        else:
+            np.copyto(partial, values[0:8])
+        i = 16 if n >= 16 else 8
+        while i < n - n % 8:
+            np.add(partial, values[i : i + 8], out=partial)
+            i += 8
+        quads, pairs = scratch[8:12], scratch[12:14]
+        np.add(partial[0::2], partial[1::2], out=quads)
+        np.add(quads[0::2], quads[1::2], out=pairs)
+        total = pairs[0] + pairs[1]
+        for j in range(i, n):
+            np.add(total, values[j], out=total)
+        return total
+    half = n // 2
+    half -= half % 8
+    first = _pairwise(values[:half], scratch)
+    np.add(first, _pairwise(values[half:], scratch), out=first)
+    return first
 
 
 def dequantize_int4(
@@ -694,7 +876,12 @@ def dequantize_int4(
 
 
 def quantize_int4_activation_aware(
-    w: np.ndarray[Any, Any], group_size: int, second_moment: np.ndarray[Any, Any], *, zero_code: int = 0
+    w: np.ndarray[Any, Any],
+    group_size: int,
+    second_moment: np.ndarray[Any, Any],
+    *,
+    zero_code: int = 0,
+    scale_dtype: str = "float32",
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Int4 of ``w [out, in]`` with a per-input-feature scale chosen from input statistics (AWQ-style).
 
@@ -708,12 +895,15 @@ def quantize_int4_activation_aware(
 
     Returns ``(codes, scales, zeros, input_scales)``: the layer computes
     ``(x * input_scales) @ dequant(codes, scales, zeros)^T``; ``input_scales = 1 / c`` (float32 ``[in]``).
+    ``scale_dtype`` is passed to :func:`quantize_int4_groups`: each ``alpha`` is judged with the scales
+    and zeros it would store.
 
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or ±Inf, or a group's range overflows float32 (as
             :func:`quantize_int4_groups` with ``alpha = 0``; an ``alpha`` whose column scales push a
             group beyond float32 is only left out of the search), or ``second_moment`` holds NaN or
             ±Inf (the float model computes them on the calibration texts).
+        ValueError: as :func:`quantize_int4_groups` (a group size or ``scale_dtype`` it refuses).
     """
     h = np.asarray(second_moment, dtype=np.float64)
     bad = non_finite_index(h)
@@ -735,7 +925,11 @@ def quantize_int4_activation_aware(
         column = 1.0 / inv.astype(np.float64)  # the scale the float32 input scale really undoes
         try:
             result = quantize_int4_groups(
-                w64 * column, group_size, zero_code=zero_code, importance=energy / (column * column)
+                w64 * column,
+                group_size,
+                zero_code=zero_code,
+                importance=energy / (column * column),
+                scale_dtype=scale_dtype,
             )
         except NonFiniteWeightError:
             if alpha == 0.0:  # the weight itself: refused
