@@ -41,6 +41,9 @@ def test_run_twice_stores_then_maps(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert second["scheme"] == minilm.default_scheme() and second["scheme_chosen"] == "auto"
     assert second["kernel_path"] == cpu_kernels().default_path and second["cpu"] == cpu_kernels().flags()
     assert second["kernels"] and "_weight_int8pack_mm" in second["kernels"]
+    # Per kind of linear layer (issue 22): BERT's query, key, value and the three dense layers.
+    assert set(second["kernels_by_layer"]) == {"query", "key", "value", "dense"}
+    assert all("_weight_int8pack_mm" in ops for ops in second["kernels_by_layer"].values())
     speed = second["embed"]
     assert speed["texts"] == 3 and speed["runs"] >= 3 and speed["first_ms"] > 0 and speed["median_ms"] > 0
     assert speed["texts_per_second"] == pytest.approx(3 / (speed["median_ms"] / 1000))

@@ -164,6 +164,7 @@ def test_a_tied_head_is_packed_from_the_one_source_tensor_and_the_embedding_stay
     assert "lm_head" not in report.ineligible
     embedding_name = "model.embed_tokens.weight" if arch == "qwen2" else "transformer.wte.weight"
     assert report.packed_ties == {"lm_head": [embedding_name]}
+    assert "_weight_int8pack_mm" in report.kernels["lm_head"]  # reported per layer kind, the head among them
     assert model.lm_head.tied_weight is embeddings and embeddings.dtype == torch.float32
     assert torch.equal(model.state_dict()["lm_head.weight"], embeddings)
     model.packcache.close()

@@ -227,13 +227,69 @@ def test_int4_codes_are_read_back_from_torchs_layout(shape: tuple[int, int]) -> 
 
 
 def test_derived_operands_wait_for_the_first_forward() -> None:
-    layer = _layer(Int4WeightOnly(32), "bf16")
+    packer = Int4WeightOnly(32)
+    weight = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32) * np.float32(0.05)
+    x = np.random.default_rng(1).standard_normal((512, 128)) * np.geomspace(0.05, 20, 128)
+    parts = packer.checked_pack(weight, "F32", x.T @ x / 512)  # calibrated: input scales that are not all ones
+    assert not np.all(parts["input_scales"] == 1)
+    layer = PackedLinear.from_parts(packer, parts, None, kernel_path="bf16")
     assert layer._prepared is None  # a load maps only; nothing is converted until the layer runs
     _run(layer, 2)
     prepared = layer._prepared
     assert prepared is not None and prepared["input_scales"] is not None
     assert prepared["input_scales"].dtype == torch.bfloat16
     assert prepared["weight"] is layer.get_buffer("weight")  # the packed bytes themselves, not a copy
+    assert prepared["scales_and_zeros"] is layer.get_buffer("scales_and_zeros")  # stored as the kernel takes them
+
+
+class _Produced(TorchDispatchMode):
+    """Every aten op that runs, with the dtype and shape of each tensor it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        for out in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(out, torch.Tensor):
+                self.outputs.append((func.overloadpacket.__name__, out.dtype, tuple(out.shape)))
+        return result
+
+
+def _produced(layer: PackedLinear, rows: int) -> _Produced:
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
+    layer(x)  # the first forward derives the operands, once: not what a call does afterwards
+    with torch.inference_mode(), _Produced() as seen:
+        layer(x)
+    return seen
+
+
+@pytest.mark.parametrize("path", ["bf16", "fp32"])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_the_bf16_scheme_never_widens_its_weight_per_call(path: str, rows: int) -> None:
+    """Issue 22: on the fp32 path the bf16 weight was converted to float32 at every call, 78 % of a decode on a
+    CPU without native bf16. No call makes a tensor of the weight's size any more, on either path."""
+    layer = _layer(LinearBFloat16(), path)
+    seen = _produced(layer, rows)
+    weight_sized = [out for out in seen.outputs if out[2] in ((64, 128), (128, 64))]
+    assert not weight_sized, weight_sized
+    assert any(op in GEMMS for op, _, _ in seen.outputs)
+    assert layer.kernel(rows).endswith("linear(bfloat16)")
+
+
+@pytest.mark.parametrize("path", ["bf16", "fp32"])
+def test_an_int4_decode_call_converts_neither_its_scales_nor_its_input(path: str) -> None:
+    """Issue 22: the float32 scales were converted to bf16 at every call (11 % of a 1 B model's decode) and the
+    activations multiplied by all-ones input scales. Version 2 stores bf16 scales, the kernel's dtype."""
+    layer = _layer(Int4WeightOnly(32), path)
+    assert layer.get_buffer("scales_and_zeros").dtype == torch.bfloat16
+    seen = _produced(layer, 1)
+    scales_sized = [out for out in seen.outputs if out[2] == (128 // 32, 64, 2)]
+    assert not scales_sized, scales_sized
+    assert not [out for out in seen.outputs if out[0] == "mul"], seen.outputs
+    if cpu_kernels().fused_weight_only:
+        assert [op for op, _, _ in seen.outputs if op.startswith("_weight_int4pack")] == ["_weight_int4pack_mm_for_cpu"]
 
 
 class _MisreadInt8(Int8WeightOnly):

@@ -108,7 +108,9 @@ def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(pa
     rows = torch.randn(256, 64, generator=torch.Generator().manual_seed(2))  # past every fused kernel's rows
     with torch.no_grad():
         packed, plain = model(rows), reloaded(rows)
-    assert float((packed - plain).abs().max()) <= 1e-5 * float(packed.abs().max())
+    # The bf16 scheme rounds the activations to bfloat16 on every path (its weight is never widened): ~2^-8.
+    tolerance = 2**-7 if isinstance(packer, LinearBFloat16) else 1e-5
+    assert float((packed - plain).abs().max()) <= tolerance * float(packed.abs().max())
     # The weights were not merely copied back: a lossy scheme saves its quantised weight, not the source's.
     source = _toy()
     if isinstance(packer, (Int8WeightOnly, Int4WeightOnly)):

@@ -552,6 +552,7 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         "scheme_chosen": "auto" if args.scheme == "auto" else "given",
         "kernel_path": model.kernel_path,
         "kernels": model.kernels,
+        "kernels_by_layer": model.report.kernels,
         "cpu": cpu,
         "embed": speed,
         "embeddings_shape": list(embeddings.shape),
@@ -561,7 +562,8 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     lines = [
         f"model         all-MiniLM-L6-v2{' (' + args.model + ')' if args.model else ''}, scheme {scheme}{how_scheme}",
         *loaded.lines[:3],
-        f"kernels       path {model.kernel_path} ({why_path}; cpu capability {cpu['cpu_capability']}): {model.kernels}",
+        f"kernels       path {model.kernel_path} ({why_path}; cpu capability {cpu['cpu_capability']})",
+        *_kernel_lines(model.report.kernels),
         f"embedding     {speed['texts']} texts: {speed['median_ms']:.1f} ms ({speed['texts_per_second']:.0f} texts/s), "
         f"first call {speed['first_ms']:.1f} ms",
         *loaded.lines[3:],
@@ -573,6 +575,12 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     model.close()
     model.cache.close()  # the loader closes only a cache it opened; with --remote this one is ours
     return EXIT_OK
+
+
+def _kernel_lines(kernels: dict[str, str]) -> list[str]:
+    """One line per kind of linear layer: the ops it runs (``ConversionReport.kernels``)."""
+    width = max((len(kind) for kind in kernels), default=0)
+    return [f"  {sanitize(kind):<{width}}  {ops}" for kind, ops in kernels.items()]
 
 
 @dataclasses.dataclass
@@ -717,6 +725,8 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
         "ineligible": report.ineligible,
         "tied": report.tied,
         "packed_ties": report.packed_ties,
+        "kernel_path": report.kernel_path,
+        "kernels_by_layer": report.kernels,
     }
     ineligible = "; ".join(f"{name}: {why}" for name, why in report.ineligible.items())
     lines = [
@@ -724,6 +734,8 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
         *loaded.lines[:3],
         f"layers        {len(report.converted)} packed, {len(report.ineligible)} not"
         + (f" ({sanitize(ineligible)})" if ineligible else ""),
+        f"kernels       path {report.kernel_path} on this machine (a runtime choice: the cache serves every path)",
+        *_kernel_lines(report.kernels),
         *loaded.lines[3:],
         *_remote_line(stats, args.remote),
         *loaded.warning_lines,

@@ -222,8 +222,9 @@ class PackedLinear(nn.Module):
     def float_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight this layer multiplies by: its operands
         dequantised exactly as its dequantising path does (the fused weight-only kernels, which run
-        for few rows, and the ``bf16`` path also round the activations to bfloat16). With the fp32
-        scheme the weight tensor itself (a read-only view); otherwise a new tensor.
+        for few rows, the ``bf16`` path and the bf16 scheme on every path also round the activations
+        to bfloat16). With the fp32 scheme the weight tensor itself (a read-only view); otherwise a
+        new tensor.
 
         A packer other than the four of :mod:`packcache.packers_torch` is probed: its forward,
         without bias, on the unit vectors.
@@ -285,7 +286,7 @@ def _float_weight(layer: PackedLinear) -> torch.Tensor:
         return operand("weight").float().mul_(operand("scales")[:, None])
     if kind is Int4WeightOnly and isinstance(packer, Int4WeightOnly) and (layout := int4_layout()) is not None:
         # Int4WeightOnly.linear's per-call dequantisation: (code - 8) * scale + zero, input scales on the rows of W.T.
-        scales_and_zeros = operand("scales_and_zeros")
+        scales_and_zeros = operand("scales_and_zeros").float()  # bf16 since version 2
         groups, out_features, _ = scales_and_zeros.shape
         codes = layout.codes_t(operand("weight"), out_features, groups * packer.group_size)
         scale = scales_and_zeros[..., 0]
@@ -494,6 +495,9 @@ class ConversionReport:
         packed_bytes: bytes of every array served from the cache for this module.
         stats: the cache's statistics when the conversion ended.
         kernel_path: the kernel path of the packed layers (:mod:`packcache.kernels`).
+        kernels: per kind of linear layer (the last part of its name: ``q_proj``, ``lm_head``, ``dense``),
+            the torch ops it runs on that path, with their row ranges (:meth:`TorchPacker.kernels`), or why it
+            is a float32 layer; one entry per kind (layers of a kind are packed alike).
     """
 
     converted: list[str] = field(default_factory=list)
@@ -504,6 +508,7 @@ class ConversionReport:
     packed_bytes: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
     kernel_path: str = "fp32"
+    kernels: dict[str, str] = field(default_factory=dict)
 
 
 def convert(
@@ -634,9 +639,12 @@ def _convert(
         new = PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed)
         _replace(modules, layer.name, new)
         report.converted.append(layer.name)
+        report.kernels.setdefault(layer.name.rpartition(".")[2], packer.kernels(report.kernel_path))
         if layer.tied:
             report.packed_ties[layer.name] = list(layer.tied)
             tied_layers[layer.tied[0]] = new
+    for name in plan.ineligible:
+        report.kernels.setdefault(name.rpartition(".")[2], "linear(float32), not packed")
     owners: dict[str, list[str]] = {}
     for names in plan.parameters:
         param = module.get_parameter(names[0])
