@@ -429,6 +429,15 @@ def kernel_path(load_log: str) -> dict[str, Any]:
     return {"buffers_mib": buffers, "repacked": dict(sorted(repacked.items())), "amx_repacked": amx}
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    # (every CPU's busy seconds, this process's): their difference over an interval is what others ran.
+    with open("/proc/stat") as stat:
+        fields = [int(n) for n in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
+
+
 def _memory_kib() -> dict[str, int]:
     fields = {"Rss": "rss_kib", "Pss": "pss_kib", "Pss_Anon": "pss_anon_kib", "Pss_File": "pss_file_kib"}
     memory = {"peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
@@ -474,12 +483,14 @@ def run(
         ``import_s`` (``import llama_cpp``), ``load_s`` (``Llama(...)``), ``prefill_s``, ``first_token_s``
         (load + prefill), ``decode_s`` (tokens 2..n), ``tok_s`` ((new_tokens - 1) / decode_s), ``token_ms``
         (``median``, ``min``, ``max`` and ``each`` decode step, in order), ``tok_s_median_step`` (1000 / median
-        step ms: robust to the stalls another process's load causes), ``tokens`` (the generated ids), ``logits_path``,
-        memory after decoding (``peak_rss_kib`` from getrusage; ``rss_kib``, ``pss_kib``, ``pss_anon_kib``,
-        ``pss_file_kib`` from ``/proc/self/smaps_rollup``), ``n_vocab``, ``file_types`` (tensor type counts),
-        ``weight_bytes_per_token`` (every tensor once; an untied embedding counts one row),
-        ``kernel_path`` (llama.cpp's weight buffers in MiB and its repacked layouts, from its load log),
-        ``llama_cpp_python``, ``system_info`` (``llama_print_system_info``: the SIMD paths compiled in).
+        step ms: robust to the stalls another process's load causes), ``others_cpu_share`` (CPU time other
+        processes took during decoding, as a share of all CPUs: above ~0.05 the run was contended), ``tokens``
+        (the generated ids), ``logits_path``, memory after decoding (``peak_rss_kib`` from getrusage;
+        ``rss_kib``, ``pss_kib``, ``pss_anon_kib``, ``pss_file_kib`` from ``/proc/self/smaps_rollup``),
+        ``n_vocab``, ``file_types`` (tensor type counts), ``weight_bytes_per_token`` (every tensor once; an
+        untied embedding counts one row), ``kernel_path`` (llama.cpp's weight buffers in MiB and its repacked
+        layouts, from its load log), ``llama_cpp_python``, ``system_info`` (``llama_print_system_info``: the
+        SIMD paths compiled in).
 
     Raises:
         FileNotFoundError: no such GGUF.
@@ -576,6 +587,7 @@ def _measure(
     if logits_path is not None:
         np.save(logits_path, logits.astype(np.float32, copy=True))
     token_s = []
+    busy_start, own_start = _cpu_seconds()
     decode_start = time.perf_counter()
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
@@ -583,6 +595,7 @@ def _measure(
         generated.append(int(last_logits().argmax()))
         token_s.append(time.perf_counter() - start)
     decode_s = time.perf_counter() - decode_start
+    busy_end, own_end = _cpu_seconds()
     memory = _memory_kib()
     llm.close()
     token_ms = [round(1000 * s, 3) for s in token_s]
@@ -594,6 +607,7 @@ def _measure(
         "decode_s": decode_s,
         "tok_s": (new_tokens - 1) / decode_s,
         "tok_s_median_step": 1000 / ordered[len(ordered) // 2],
+        "others_cpu_share": max(0.0, (busy_end - busy_start) - (own_end - own_start)) / (decode_s * os.cpu_count()),
         "token_ms": {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1], "each": token_ms},
         "tokens": generated,
         **memory,
