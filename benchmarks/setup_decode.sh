@@ -15,8 +15,18 @@ if [ ! -x "$ENV/venv/bin/python" ]; then
 fi
 py="$ENV/venv/bin/python"
 stamp="$ENV/venv/.installed-$LLAMA_CPP_PYTHON"
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
-    echo "$ENV ready"; exit 0
+# AMX off unless asked for: llama.cpp's AMX kernels crash when built by GCC (ggml_tile_config_init keeps the tile
+# config on the stack and GCC 12 drops its stores, so ldtilecfg faults: llama.cpp issue #20824, PR #26954).
+# PACKCACHE_DECODE_AMX=on keeps them (a compiler known to be safe, or a llama.cpp with that fix).
+AMX=${PACKCACHE_DECODE_AMX:-off}
+case "$AMX" in
+    on) ARCH_FLAGS="" ;;
+    off) ARCH_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ;;
+    *) echo "PACKCACHE_DECODE_AMX must be on or off, not $AMX" >&2; exit 2 ;;
+esac
+build="llama-cpp-python $LLAMA_CPP_PYTHON GGML_NATIVE=ON amx=$AMX"
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$(cat "$stamp")" = "$build" ]; then
+    echo "$ENV ready ($build)"; exit 0
 fi
 "$py" -m pip install --quiet --upgrade pip
 # torch==2.13.0 is the CPU build on local disk; the constraint keeps every other resolution on it.
@@ -26,9 +36,13 @@ if [ ! -d "$ENV/src/llama_cpp_python-$LLAMA_CPP_PYTHON" ]; then
     mkdir -p "$ENV/src"
     tar -xzf "$ENV/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$ENV/src"
 fi
-# Built for this CPU (GGML_NATIVE is the default for a native build: AVX2, AVX512, AMX where present).
-CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" \
-    "$py" -m pip install --verbose -c <(echo torch==2.13.0) "$ENV/src/llama_cpp_python-$LLAMA_CPP_PYTHON" >"$ENV/build.log" 2>&1 \
-    || { tail -40 "$ENV/build.log"; exit 1; }
-touch "$stamp"
-echo "$ENV ready (build log: $ENV/build.log)"
+# Built for this CPU (GGML_NATIVE: -march=native, so AVX2, AVX512 where present; explicit -mno-* flags win over
+# -march in either order). A rebuild (other flags) replaces the installed copy: pip would keep the same version.
+rm -f "$stamp"
+"$py" -m pip uninstall --quiet --yes llama_cpp_python 2>/dev/null || true
+CFLAGS="$ARCH_FLAGS" CXXFLAGS="$ARCH_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" \
+    "$py" -m pip install --verbose --no-cache-dir -c <(echo torch==2.13.0) "$ENV/src/llama_cpp_python-$LLAMA_CPP_PYTHON" \
+    >"$ENV/build.log" 2>&1 || { tail -40 "$ENV/build.log"; exit 1; }
+echo "$build" >"$stamp"
+echo "$ENV ready ($build; build log: $ENV/build.log)"
