@@ -433,3 +433,35 @@ def test_a_non_finite_chunk_stops_the_search_of_the_chunks_after_it(monkeypatch:
     with pytest.raises(NonFiniteWeightError, match="row 2, column 5"):
         quantize_int4_groups(w, 32)
     assert searched == [0, 1, 2]
+
+
+def _weighted_error(w: np.ndarray, d: np.ndarray, quantised: tuple[np.ndarray, ...], zero_code: int) -> float:
+    weight = dequantize_int4(*quantised, zero_code=zero_code)
+    return float(np.sum(d[None, :] * (weight - w.astype(np.float64)) ** 2))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_closed_form_error_quantises_as_well_as_the_elementwise_one(weighted: bool) -> None:
+    """``error="closed"`` (int4 version 2) judges candidates from the fit's sums in float64 instead of a float32
+    pass over every value, on a coarser grid of ranges (half the passes): its weighted error is within 2 % of the
+    fine search's (+1.1 % measured on 512x2048 normal and t(3) weights) and well below round-to-nearest's."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((96, 256)).astype(np.float32) * np.float32(0.02)
+    w[::7, ::13] *= 8  # outliers: the clipping search matters
+    importance = rng.random(256) if weighted else None
+    d = np.ones(256) if importance is None else importance / importance.max() + 1e-6
+    errors = {}
+    for error in ("elementwise", "closed"):
+        result = quantize_int4_groups(w, 32, zero_code=8, importance=importance, error=error)
+        errors[error] = _weighted_error(w, d, result, 8)
+    plain = quantize_int4_groups(w, 32, zero_code=8, importance=importance, refine=0)  # includes r = 1.0
+    groups = w.reshape(96, 8, 32)
+    lo, hi = groups.min(axis=2, keepdims=True), groups.max(axis=2, keepdims=True)
+    step = (hi - lo) / 15
+    nearest = (np.clip(np.rint((groups - lo) / step), 0, 15) * step + lo).reshape(96, 256)
+    round_to_nearest = float(np.sum(d[None, :] * (nearest - w.astype(np.float64)) ** 2))
+    assert errors["closed"] <= errors["elementwise"] * 1.02, errors
+    assert errors["closed"] < 0.9 * round_to_nearest, (errors, round_to_nearest)
+    assert _weighted_error(w, d, plain, 8) < round_to_nearest
+    with pytest.raises(ValueError, match="error must be"):
+        quantize_int4_groups(w, 32, error="exact")

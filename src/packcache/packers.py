@@ -549,6 +549,9 @@ def quantize_int8_rows(w: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], n
 #: Candidate code ranges tried per group by :func:`quantize_int4_groups`, as a
 #: fraction of the group's min-max span: 1.0 is plain min/max round-to-nearest.
 INT4_RANGE_STEPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+#: The coarser candidates of ``error="closed"`` (int4 version 2): half the passes; the refinements that
+#: follow re-fit the scale and offset freely, so the final fit does not depend on a fine grid.
+INT4_RANGE_STEPS_CLOSED = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 
 #: Exponents tried by :func:`quantize_int4_activation_aware` for the per-input-channel scale.
 AWQ_EXPONENTS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -595,6 +598,7 @@ def quantize_int4_groups(
     importance: np.ndarray[Any, Any] | None = None,
     refine: int = 2,
     scale_dtype: str = "float32",
+    error: str = "elementwise",
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Asymmetric 4-bit quantization of ``w [out, in]`` in groups of ``group_size`` along ``in``.
 
@@ -621,11 +625,17 @@ def quantize_int4_groups(
     float32 values rounded to bfloat16 (:func:`round_bfloat16`), still returned as float32 arrays,
     for a kernel that reads bfloat16 scales and zeros.
 
+    ``error`` is how candidates are made and judged: ``"elementwise"`` sums ``d (q s + m - x)^2`` over
+    the group in float32, for each range of :data:`INT4_RANGE_STEPS`; ``"closed"`` takes it in float64
+    from the sums the fit already has (``s^2 S_qq + 2 s m S_q - 2 s S_qx + m^2 S_d - 2 m S_dx + S_dxx``),
+    for the ranges of :data:`INT4_RANGE_STEPS_CLOSED`: about half the passes over the weight, for a
+    weighted error within a fraction of a percent (``tests/test_int4_search.py``). Their bytes differ.
+
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or ±Inf (or float64 beyond float32's range), or a
             group's range overflows float32 (or, rounded, bfloat16) (``index`` is then ``(row, group)``).
-        ValueError: ``in`` is not a multiple of ``group_size``, or ``scale_dtype`` is neither ``"float32"``
-            nor ``"bfloat16"``.
+        ValueError: ``in`` is not a multiple of ``group_size``, ``scale_dtype`` is neither ``"float32"``
+            nor ``"bfloat16"``, or ``error`` neither ``"elementwise"`` nor ``"closed"``.
 
     >>> codes, scales, zeros = quantize_int4_groups(np.linspace(-1, 1, 32, dtype=np.float32)[None], 32)
     >>> codes.shape, scales.shape, int(codes.min()), int(codes.max())
@@ -636,9 +646,13 @@ def quantize_int4_groups(
         raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
     if scale_dtype not in _SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, got {scale_dtype!r}")
+    if error not in ("elementwise", "closed"):
+        raise ValueError(f"error must be 'elementwise' or 'closed', got {error!r}")
     groups = in_features // group_size
     rows = max(1, min(out_features, _INT4_CHUNK // max(in_features, 1)))
-    search = _Int4Search(w, group_size, rows, zero_code, importance, refine, scale_dtype == "bfloat16")
+    search = _Int4Search(
+        w, group_size, rows, zero_code, importance, refine, scale_dtype == "bfloat16", closed=error == "closed"
+    )
     starts = range(0, out_features, rows)
     workers = min(_usable_cpus(), len(starts))
     if workers > 1:
@@ -687,8 +701,11 @@ class _Int4Search:
         importance: np.ndarray[Any, Any] | None,
         refine: int,
         bfloat16: bool,
+        *,
+        closed: bool = False,
     ) -> None:
         out_features, in_features = w.shape
+        self.closed = closed
         self.w, self.g, self.rows, self.zero_code, self.refine, self.bfloat16 = (
             w,
             group_size,
@@ -750,8 +767,13 @@ class _Int4Search:
         codes, product, weighted = np.empty_like(x), np.empty_like(x), None if d is None else np.empty_like(x)
         scratch = np.empty((14, size), np.float32)
         sum_dx = _group_sum(x if d is None else np.multiply(d, x, out=product), scratch)
-        best_err = np.full(size, np.inf, np.float32)
+        best_err = np.full(size, np.inf, np.float64 if self.closed else np.float32)
         best_s, best_m = safe_span / np.float32(15.0), lo.copy()
+        sum_dxx: np.ndarray[Any, Any] | None = None
+        if self.closed:  # the one sum the closed-form error needs besides the fit's: S_dxx, once per chunk
+            squares = np.multiply(x, x, out=codes)
+            sum_dxx = _group_sum(squares if d is None else np.multiply(d, squares, out=product), scratch)
+            sum_dxx = sum_dxx.astype(np.float64)
         integral = 225 * g < 1 << 24  # a group's sum of codes squared is an exact float32 integer
 
         def consider() -> None:
@@ -773,6 +795,13 @@ class _Int4Search:
             safe = np.where(ok, det, 1.0)
             s = np.where(ok, (sum_d * sum_qx - sum_q * sum_dx) / safe, best_s)
             m = np.where(ok, (sum_qq * sum_dx - sum_q * sum_qx) / safe, best_m)
+            if sum_dxx is not None:
+                s64, m64 = s.astype(np.float64), m.astype(np.float64)
+                err = s64 * (s64 * sum_qq + 2 * m64 * sum_q - 2 * sum_qx) + m64 * (m64 * sum_d - 2 * sum_dx) + sum_dxx
+                better = (err < best_err) & (s > 0)
+                best_err = np.where(better, err, best_err)
+                best_s, best_m = np.where(better, s, best_s), np.where(better, m, best_m)
+                return
             diff = np.multiply(codes, s, out=product)
             np.add(diff, m, out=diff)
             np.subtract(diff, x, out=diff)
@@ -790,7 +819,7 @@ class _Int4Search:
             np.rint(codes, out=codes)
             np.clip(codes, 0, 15, out=codes)
 
-        for ratio in INT4_RANGE_STEPS:
+        for ratio in INT4_RANGE_STEPS_CLOSED if self.closed else INT4_RANGE_STEPS:
             round_codes(centre - safe_span * np.float32(ratio / 2), safe_span * np.float32(ratio / 15.0))
             consider()
         for _ in range(self.refine):
@@ -882,6 +911,7 @@ def quantize_int4_activation_aware(
     *,
     zero_code: int = 0,
     scale_dtype: str = "float32",
+    error: str = "elementwise",
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Int4 of ``w [out, in]`` with a per-input-feature scale chosen from input statistics (AWQ-style).
 
@@ -895,8 +925,8 @@ def quantize_int4_activation_aware(
 
     Returns ``(codes, scales, zeros, input_scales)``: the layer computes
     ``(x * input_scales) @ dequant(codes, scales, zeros)^T``; ``input_scales = 1 / c`` (float32 ``[in]``).
-    ``scale_dtype`` is passed to :func:`quantize_int4_groups`: each ``alpha`` is judged with the scales
-    and zeros it would store.
+    ``scale_dtype`` and ``error`` are passed to :func:`quantize_int4_groups`: each ``alpha`` is judged
+    with the scales and zeros it would store.
 
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or ±Inf, or a group's range overflows float32 (as
@@ -930,6 +960,7 @@ def quantize_int4_activation_aware(
                 zero_code=zero_code,
                 importance=energy / (column * column),
                 scale_dtype=scale_dtype,
+                error=error,
             )
         except NonFiniteWeightError:
             if alpha == 0.0:  # the weight itself: refused

@@ -457,10 +457,16 @@ class Int8WeightOnly(TorchPacker):
         # directly is several times slower); the per-channel scale then goes on whichever is
         # smaller, the output [rows, out] or the weight [out, in].
         scales = _tensor(operands, "scales")
-        if rows < in_features:
+        fold = rows >= in_features
+        if weight.shape[0] * in_features * x.element_size() > DEQUANT_BLOCK_BYTES:
+            y = _blocked_linear(x, weight, scales if fold else None)
+        elif fold:
+            return F.linear(x, weight.to(x.dtype).mul_(scales[:, None]), bias)
+        else:
             y = F.linear(x, weight.to(x.dtype))
-            return y.mul_(scales) if bias is None else torch.addcmul(bias, y, scales)
-        return F.linear(x, weight.to(x.dtype).mul_(scales[:, None]), bias)
+        if fold:
+            return y if bias is None else y.add_(bias)
+        return y.mul_(scales) if bias is None else torch.addcmul(bias, y, scales)
 
     def kernel(self, path: str, rows: int) -> str:
         if self._fused(path, rows, 16):
@@ -470,6 +476,27 @@ class Int8WeightOnly(TorchPacker):
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
         return torch.bfloat16 if self._fused(path, rows, 16) else activation_dtype(path)
+
+
+#: The most bytes of a weight converted to the activations' dtype at once: a larger weight is converted and
+#: multiplied block by block of output channels. A whole 8192x2048 weight converted per call (32 MiB of bf16) made a
+#: 32-row prefill of a 1 B model 3.7x slower than 8 MiB blocks (``docs/TORCH.md``, "Kernel paths").
+DEQUANT_BLOCK_BYTES = 8 << 20
+
+
+def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, fold: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T`` for an int8 ``weight`` converted to ``x``'s dtype :data:`DEQUANT_BLOCK_BYTES` at a time, each
+    block times ``fold[:, None]`` (per-channel scales) when given; returns ``[rows, out]`` contiguous."""
+    out_features, in_features = weight.shape
+    block = max(16, DEQUANT_BLOCK_BYTES // (in_features * x.element_size()))
+    out_t = torch.empty(out_features, x.shape[0], dtype=x.dtype)
+    x_t = x.t()
+    for start in range(0, out_features, block):
+        converted = weight[start : start + block].to(x.dtype)
+        if fold is not None:
+            converted.mul_(fold[start : start + block, None])
+        torch.mm(converted, x_t, out=out_t[start : start + block])
+    return out_t.t().contiguous()
 
 
 class Int4WeightOnly(TorchPacker):
@@ -516,7 +543,8 @@ class Int4WeightOnly(TorchPacker):
 
     @property
     def params(self) -> dict[str, Any]:
-        method = "awq-lsq-clip/1" if self.activation_aware else "lsq-clip/1"
+        # /2: candidates judged by the closed-form error (version 2, with the bf16 scales).
+        method = "awq-lsq-clip/2" if self.activation_aware else "lsq-clip/2"
         return {"group_size": self.group_size, "inner_k_tiles": 1, "method": method}
 
     def eligible(self, shape: tuple[int, ...]) -> str | None:
@@ -537,8 +565,12 @@ class Int4WeightOnly(TorchPacker):
             raise ValueError(f"{self.id}: {reason}")
         weight = finite_float32(source, dtype)
         if stats is not None and self.activation_aware:
-            return quantize_int4_activation_aware(weight, self.group_size, stats, zero_code=8, scale_dtype="bfloat16")
-        codes, scales, zeros = quantize_int4_groups(weight, self.group_size, zero_code=8, scale_dtype="bfloat16")
+            return quantize_int4_activation_aware(
+                weight, self.group_size, stats, zero_code=8, scale_dtype="bfloat16", error="closed"
+            )
+        codes, scales, zeros = quantize_int4_groups(
+            weight, self.group_size, zero_code=8, scale_dtype="bfloat16", error="closed"
+        )
         return codes, scales, zeros, np.ones(weight.shape[1], np.float32)
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
