@@ -13,6 +13,10 @@ Method (printed first when run):
   weight, per-channel bf16 scales), ``_weight_int4pack_mm_for_cpu`` (torch's int4 layout, group
   32, bf16 scales and zeros), and ``_int_mm`` (int8 activations quantised per call x int8 weight:
   the W8A8 alternative). Threads: ``--threads`` (2).
+* A prefill's int8 layers (32 rows; the 16 layers, not the head, which a prefill runs on its last
+  row only): each weight converted to bf16 whole per call and multiplied (packcache before issue
+  22), against ``packers_torch._blocked_linear`` (``DEQUANT_BLOCK_BYTES`` at a time, what
+  ``Int8WeightOnly`` does now). GiB/s there counts the int8 bytes.
 * ``--isa avx2`` runs the same in a child with ``ATEN_CPU_CAPABILITY=avx2`` and
   ``ONEDNN_MAX_CPU_ISA=AVX2``: torch's and oneDNN's AVX2 code on this CPU, a stand-in for a CPU
   without AVX512 (same memory system, so only the compute-bound kernels move).
@@ -43,7 +47,9 @@ import core  # noqa: E402  (benchmarks/core.py)
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV = 2048, 8192, 16, 128256, 512
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN),
           (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [(VOCAB, HIDDEN)]  # fmt: skip
-KERNELS = ("linear f32", "linear bf16", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_int_mm (W8A8)")
+KERNELS = ("linear f32", "linear bf16", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_int_mm (W8A8)",
+           "int8 prefill 32 rows, whole", "int8 prefill 32 rows, blocks")  # fmt: skip
+PREFILL_ROWS = 32
 
 
 def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
@@ -53,16 +59,18 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     layers: list[tuple[torch.Tensor, ...]] = []
     nbytes = 0
-    for n, k in SHAPES:
+    prefill = kernel.startswith("int8 prefill")
+    for n, k in SHAPES[:-1] if prefill else SHAPES:
         if kernel == "linear f32":
             layers.append((torch.randn(n, k, generator=generator), torch.randn(1, k)))
             nbytes += n * k * 4
         elif kernel == "linear bf16":
             layers.append((torch.randn(n, k, generator=generator).bfloat16(), torch.randn(1, k).bfloat16()))
             nbytes += n * k * 2
-        elif kernel in ("_weight_int8pack_mm", "_int_mm (W8A8)"):
+        elif kernel in ("_weight_int8pack_mm", "_int_mm (W8A8)") or prefill:
             weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
-            layers.append((weight, torch.rand(n).bfloat16(), torch.randn(1, k).bfloat16(), torch.rand(n)))
+            rows = PREFILL_ROWS if prefill else 1
+            layers.append((weight, torch.rand(n).bfloat16(), torch.randn(rows, k).bfloat16(), torch.rand(n)))
             nbytes += n * k + n * 2
         else:
             codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
@@ -80,6 +88,17 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
 
         def call(layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
             return torch._weight_int8pack_mm(layer[2], layer[0], layer[1])
+
+    elif kernel == "int8 prefill 32 rows, whole":
+
+        def call(layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return torch.nn.functional.linear(layer[2], layer[0].to(torch.bfloat16)).mul_(layer[1])
+
+    elif kernel == "int8 prefill 32 rows, blocks":
+        from packcache.packers_torch import _blocked_linear
+
+        def call(layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return _blocked_linear(layer[2], layer[0], None).mul_(layer[1])
 
     elif kernel == "_int_mm (W8A8)":
 
@@ -119,8 +138,9 @@ def run_isa(isa: str, threads: int) -> list[dict[str, Any]]:
                               capture_output=True, text=True, env=env, timeout=1800, check=True)  # fmt: skip
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         result["isa"] = isa
+        bound = "" if kernel.startswith("int8 prefill") else f"-> {result['tok_s_bound']:6.1f} tok/s bound  "
         print(f"  {isa:<6} {kernel:<30} {result['ms_per_pass']:8.1f} ms  {result['gib_per_pass']:5.2f} GiB  "
-              f"{result['gib_s']:6.1f} GiB/s  -> {result['tok_s_bound']:6.1f} tok/s bound  "
+              f"{result['gib_s']:6.1f} GiB/s  {bound}"
               f"(torch {result['cpu_capability']}, load avg {result['load_average']:.2f})", flush=True)  # fmt: skip
         results.append(result)
     return results

@@ -526,7 +526,7 @@ def test_serve_with_an_explicit_kernel_path_boots_its_workers_whatever_the_envir
 @pytest.mark.parametrize("path", ["bf16", "fp32"])
 def test_a_large_int8_weight_is_converted_block_by_block_with_the_same_answer(path: str) -> None:
     """Issue 22: a prefill converted each whole int8 weight to the activations' dtype per call (32 MiB of bf16 for
-    an 8192x2048 layer), 3.7x slower than converting blocks of output channels that are used at once. A weight
+    an 8192x2048 layer), 1.7x slower than converting blocks of output channels that are used at once. A weight
     above ``DEQUANT_BLOCK_BYTES`` is never converted whole, and the product is the whole conversion's."""
     from packcache.packers_torch import DEQUANT_BLOCK_BYTES
 

@@ -480,7 +480,7 @@ class Int8WeightOnly(TorchPacker):
 
 #: The most bytes of a weight converted to the activations' dtype at once: a larger weight is converted and
 #: multiplied block by block of output channels. A whole 8192x2048 weight converted per call (32 MiB of bf16) made a
-#: 32-row prefill of a 1 B model 3.7x slower than 8 MiB blocks (``docs/TORCH.md``, "Kernel paths").
+#: 32-row prefill of a 1 B model's layers 1.7x slower than 8 MiB blocks (``docs/TORCH.md``, "Kernel paths").
 DEQUANT_BLOCK_BYTES = 8 << 20
 
 
