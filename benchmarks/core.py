@@ -59,6 +59,29 @@ def cpu_model() -> str:
     return model
 
 
+def drop_pages(paths: list[str]) -> None:
+    """Drop ``paths`` from the page cache: ``fsync`` (nothing dirty may stay), then ``POSIX_FADV_DONTNEED``
+    (other files keep their pages; pages another process maps stay)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(every CPU's busy seconds, this process's): their difference over an interval is what others ran."""
+    import resource
+
+    with open("/proc/stat") as stat:
+        fields = [int(n) for n in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
+
+
 def compared(
     workload: str, ours: tuple[str, list[float]], baseline: tuple[str, list[float]], ratio: str
 ) -> dict[str, Any]:

@@ -115,25 +115,6 @@ def make_model(directory: Path, shape: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- one launch (a child process)
 
 
-def _drop_from_page_cache(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _cpu_seconds() -> tuple[float, float]:
-    """(every CPU's busy seconds, this process's): their difference over an interval is what others ran."""
-    with open("/proc/stat") as stat:
-        fields = [int(n) for n in stat.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
-
-
 def _pss_kib() -> int:
     with open("/proc/self/smaps_rollup") as f:
         return sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
@@ -174,7 +155,7 @@ def child_torch(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(THREADS)
     if spec.get("drop"):
-        _drop_from_page_cache(spec["drop"])
+        core.drop_pages(spec["drop"])
     result: dict[str, Any] = {}
     import transformers  # imports (and the model class's module) are not part of the timed load
 
@@ -210,7 +191,7 @@ def child_torch(spec: dict[str, Any]) -> dict[str, Any]:
         token = int(logits.argmax())
         tokens = [token]
         steps: list[float] = []
-        busy_start, own_start = _cpu_seconds()
+        busy_start, own_start = core.cpu_seconds()
         started = time.perf_counter()
         for _ in range(NEW_TOKENS - 1):
             step = time.perf_counter()
@@ -220,7 +201,7 @@ def child_torch(spec: dict[str, Any]) -> dict[str, Any]:
             tokens.append(token)
             steps.append(time.perf_counter() - step)
         decode_s = time.perf_counter() - started
-        busy_end, own_end = _cpu_seconds()
+        busy_end, own_end = core.cpu_seconds()
     np.save(spec["logits"], logits.numpy())
     # Two threads on two shared cores stall at every barrier when anything else runs: the CPU share other
     # processes took while decoding says whether a launch was contended (above ~0.05), and the median step's
@@ -270,7 +251,7 @@ def child_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
     import decode_llamacpp
 
     if spec.get("drop"):
-        _drop_from_page_cache(spec["drop"])
+        core.drop_pages(spec["drop"])
     result: dict[str, Any] = decode_llamacpp.run(spec["gguf"], PROMPT, NEW_TOKENS, threads=THREADS,
                                                  logits_path=spec["logits"])  # fmt: skip
     return result

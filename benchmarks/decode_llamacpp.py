@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import core
+
 LLAMA_CPP_PYTHON = "0.3.36"
 PROMPT = list(range(1000, 1032))
 NEW_TOKENS = 64
@@ -380,13 +383,7 @@ def drop_from_page_cache(path: str | os.PathLike[str]) -> None:
     Raises:
         OSError: the file cannot be opened.
     """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        # Dirty pages are not dropped: write them back first (the GGUF may have just been written).
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    core.drop_pages([os.fspath(path)])  # dirty pages are not dropped: written back first (a GGUF just made)
 
 
 def read_into_page_cache(path: str | os.PathLike[str], chunk: int = 1 << 24) -> None:
@@ -427,15 +424,6 @@ def kernel_path(load_log: str) -> dict[str, Any]:
     repacked = collections.Counter(re.findall(r"repack tensor \S+ with (\w+)", load_log))
     amx = len(re.findall(r"amx repack tensor", load_log))
     return {"buffers_mib": buffers, "repacked": dict(sorted(repacked.items())), "amx_repacked": amx}
-
-
-def _cpu_seconds() -> tuple[float, float]:
-    # (every CPU's busy seconds, this process's): their difference over an interval is what others ran.
-    with open("/proc/stat") as stat:
-        fields = [int(n) for n in stat.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
 
 
 def _memory_kib() -> dict[str, int]:
@@ -587,7 +575,7 @@ def _measure(
     if logits_path is not None:
         np.save(logits_path, logits.astype(np.float32, copy=True))
     token_s = []
-    busy_start, own_start = _cpu_seconds()
+    busy_start, own_start = core.cpu_seconds()
     decode_start = time.perf_counter()
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
@@ -595,7 +583,7 @@ def _measure(
         generated.append(int(last_logits().argmax()))
         token_s.append(time.perf_counter() - start)
     decode_s = time.perf_counter() - decode_start
-    busy_end, own_end = _cpu_seconds()
+    busy_end, own_end = core.cpu_seconds()
     memory = _memory_kib()
     llm.close()
     token_ms = [round(1000 * s, 3) for s in token_s]

@@ -255,17 +255,6 @@ def read_pages(paths: list[str]) -> None:
                 os.close(fd)
 
 
-def drop_pages(paths: list[str]) -> None:
-    """Drop ``paths`` from the page cache: ``fsync`` (nothing dirty may stay), then ``POSIX_FADV_DONTNEED``."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def resident_bytes(paths: list[str]) -> int | None:
     """Bytes of ``paths`` in the page cache (``fincore``), or None when it cannot be asked."""
     if shutil.which("fincore") is None:
@@ -327,7 +316,7 @@ def bench_sha256(paths: list[str], repeat: int = 3) -> dict[str, Any]:
     warm = [sha256_seconds(paths) for _ in range(repeat)]
     cold = []
     for _ in range(repeat):
-        drop_pages(paths)
+        core.drop_pages(paths)
         os.sync()
         time.sleep(REST_S)
         cold.append(sha256_seconds(paths))
@@ -442,7 +431,7 @@ def bench_scenarios(model: dict[str, Any], directory: str, rounds: int) -> dict[
             digests = warm_digests if scenario == "warm" else tempfile.mkdtemp(prefix="digests-", dir=base)
             resident = None
             if pages == "cold":
-                drop_pages(model["shards"])
+                core.drop_pages(model["shards"])
                 resident = resident_bytes(model["shards"])
             else:
                 read_pages(model["shards"])

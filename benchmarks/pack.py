@@ -23,13 +23,12 @@ Usage: python benchmarks/pack.py [--quick] [--repeat N] [--before SRC] [--json F
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from typing import Any
 
@@ -39,6 +38,9 @@ import torch
 import packcache.packers_torch as packers_torch
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import core
+
 #: (layer, shape, how many the model holds): Llama-3.2-1B, 16 decoder layers and a 128256-token head.
 LLAMA_1B = (
     ("q_proj, o_proj", (2048, 2048), 32),
@@ -47,16 +49,6 @@ LLAMA_1B = (
     ("down_proj", (2048, 8192), 16),
     ("lm_head", (128256, 2048), 1),
 )
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``lscpu``), else what ``platform`` knows."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    return model
 
 
 def before_quantizer(src: str) -> Any:
@@ -122,7 +114,7 @@ def main() -> None:
     print(__doc__.split("Usage:")[0].strip())
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     machine = {
-        "cpu": cpu_model(),
+        "cpu": core.cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "usable_cpus": cpus,
         "python": platform.python_version(),
