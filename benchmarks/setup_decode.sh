@@ -2,7 +2,7 @@
 # The decode benchmark's own environment (benchmarks/decode.py): packcache with its hf extra, plus
 # llama-cpp-python built from its PyPI sdist (no prebuilt wheel: llama.cpp compiled for this CPU,
 # GGML_NATIVE) and the llama.cpp tree that sdist vendors, whose convert_hf_to_gguf.py makes the GGUF
-# files from the same checkpoint. About 15-25 minutes on 2 cores, so never in CI; idempotent.
+# files from the same checkpoint. 7-10 minutes on 2 cores here (the issue guessed 15-25), so never in CI; idempotent.
 # Usage: bash benchmarks/setup_decode.sh            (environment in .bench/decode, or $PACKCACHE_DECODE_ENV)
 set -euo pipefail
 cd "$(dirname "$0")/.."
