@@ -202,7 +202,7 @@ def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     """The default chunking, and chunks of a few rows (with a shorter last one) on a pool of two threads."""
     if request.param != "one chunk":
         monkeypatch.setattr(packers, "_INT4_CHUNK", 700)
-        monkeypatch.setattr(packers, "_usable_cpus", lambda: 2)
+        monkeypatch.setattr(packers, "usable_cpus", lambda: 2)
     return str(request.param)
 
 
@@ -427,7 +427,7 @@ def test_a_non_finite_chunk_stops_the_search_of_the_chunks_after_it(monkeypatch:
 
     monkeypatch.setattr(packers._Int4Search, "_run", counting)
     monkeypatch.setattr(packers, "_INT4_CHUNK", 256)  # one row of 256 per chunk
-    monkeypatch.setattr(packers, "_usable_cpus", lambda: 1)
+    monkeypatch.setattr(packers, "usable_cpus", lambda: 1)
     w = np.random.default_rng(40).standard_normal((16, 256), dtype=np.float32)
     w[2, 5] = np.nan
     with pytest.raises(NonFiniteWeightError, match="row 2, column 5"):

@@ -75,6 +75,7 @@ __all__ = [
     "quantize_int8_rows",
     "round_bfloat16",
     "to_float32",
+    "usable_cpus",
 ]
 
 #: Bump when the meaning of a platform mapping built by :func:`platform_for` changes.
@@ -585,8 +586,8 @@ _SCALE_DTYPES = ("float32", "bfloat16")
 _INT4_CHUNK = 1 << 17
 
 
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the OS has one, not the machine's count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -654,7 +655,7 @@ def quantize_int4_groups(
         w, group_size, rows, zero_code, importance, refine, scale_dtype == "bfloat16", closed=error == "closed"
     )
     starts = range(0, out_features, rows)
-    workers = min(_usable_cpus(), len(starts))
+    workers = min(usable_cpus(), len(starts))
     if workers > 1:
         # numpy releases the GIL inside its loops: the chunks run in parallel on the threads.
         with ThreadPoolExecutor(workers, thread_name_prefix="packcache-int4") as pool:

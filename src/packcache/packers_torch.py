@@ -623,6 +623,20 @@ class Int4WeightOnly(TorchPacker):
             scaled = (x if input_scales is None else x * input_scales).to(fused_dtype)
             y = torch._weight_int4pack_mm_for_cpu(scaled, weight, self.group_size, scales_and_zeros).to(dtype)
             return y if bias is None else y.add_(bias)
+        weight_t = self.dequantized_t(weight, scales_and_zeros, input_scales, dtype)
+        return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
+
+    def dequantized_t(
+        self,
+        weight: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        input_scales: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The transposed weight ``[in, out]`` a pack computes, in ``dtype``: ``(code - 8) * scale + zero`` per group,
+        the codes read out of torch's layout (:func:`packcache.kernels.int4_layout`, which must read it), and the
+        input scales (``None``: all ones) on its rows. The per-call dequantisation of :meth:`linear`, and what
+        :meth:`packcache.torch.PackedLinear.float_weight` saves."""
         layout = int4_layout()
         assert layout is not None
         groups, out_features, _ = scales_and_zeros.shape
@@ -634,7 +648,7 @@ class Int4WeightOnly(TorchPacker):
         weight_t = weight_t.view(-1, out_features)
         if input_scales is not None:  # on the weight's rows, not on the (usually larger) activations
             weight_t.mul_(input_scales[:, None])
-        return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
+        return weight_t
 
     def kernel(self, path: str, rows: int) -> str:
         dtype = "bfloat16" if path == "bf16" else "float32"

@@ -284,16 +284,11 @@ def _float_weight(layer: PackedLinear) -> torch.Tensor:
         return operand("weight").float()
     if kind is Int8WeightOnly:
         return operand("weight").float().mul_(operand("scales")[:, None])
-    if kind is Int4WeightOnly and isinstance(packer, Int4WeightOnly) and (layout := int4_layout()) is not None:
-        # Int4WeightOnly.linear's per-call dequantisation: (code - 8) * scale + zero, input scales on the rows of W.T.
-        scales_and_zeros = operand("scales_and_zeros").float()  # bf16 since version 2
-        groups, out_features, _ = scales_and_zeros.shape
-        codes = layout.codes_t(operand("weight"), out_features, groups * packer.group_size)
-        scale = scales_and_zeros[..., 0]
-        offset = scales_and_zeros[..., 1] - 8 * scale
-        grouped = codes.view(groups, packer.group_size, out_features)
-        weight_t = torch.addcmul(offset[:, None, :], grouped, scale[:, None, :]).view(-1, out_features)
-        return weight_t.mul_(operand("input_scales")[:, None]).t().contiguous()
+    if kind is Int4WeightOnly and isinstance(packer, Int4WeightOnly) and int4_layout() is not None:
+        weight_t = packer.dequantized_t(
+            operand("weight"), operand("scales_and_zeros"), operand("input_scales"), torch.float32
+        )  # Int4WeightOnly.linear's per-call dequantisation
+        return weight_t.t().contiguous()
     return _probed_weight(layer)  # a packer packcache does not know, or an int4 layout it cannot read
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..packers import usable_cpus
 from ..stats import CacheStats
 
 __all__ = ["ENGINES", "Engine", "EngineSpec", "load_engine", "preimport", "usable_cpus", "worker_threads"]
@@ -120,11 +121,6 @@ class _SentenceTransformers(Engine):
         with torch.inference_mode():
             out = self.model.encode(list(texts), batch_size=32, convert_to_numpy=True, show_progress_bar=False)
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def worker_threads(workers: int, cpus: int | None = None) -> int:
