@@ -122,7 +122,6 @@ def _pss_kib() -> int:
 
 def _weight_bytes_per_token(model: Any) -> int:
     """Bytes of the operands every decode step reads: each linear layer's (packed or not), output head included."""
-    import torch
     from torch import nn
 
     from packcache.torch import PackedLinear
@@ -133,7 +132,6 @@ def _weight_bytes_per_token(model: Any) -> int:
             total += sum(t.numel() * t.element_size() for t in module._buffers.values() if t is not None)
         elif isinstance(module, nn.Linear):
             total += sum(t.numel() * t.element_size() for t in module.parameters())
-    del torch
     return total
 
 
