@@ -168,8 +168,8 @@ def test_the_public_face_is_unchanged() -> None:
     assert sorted(packcache.__all__) == sorted([
         "CacheState", "CacheStats", "CompactReport", "FormatError", "GcFile", "GcReport", "HeapReason",
         "InspectEntry", "InspectReport", "LockTimeoutError", "NonFiniteWeightError", "OPTION_KEYS", "OptionError",
-        "OptionTypeError",
-        "OptionValueError", "PackCacheError", "PackResultError", "ReadOnlyOptionError", "Session", "SessionError",
+        "OptionTypeError", "OptionValueError", "PackCacheError", "PackKey", "PackResultError", "ReadOnlyOptionError",
+        "Session", "SessionError",
         "UntrustedFileError", "VerifyProblem", "VerifyReport", "WeightCache", "__version__", "aggregate_stats",
         "compact", "gc", "get_option", "inspect", "set_option", "verify",
     ])  # fmt: skip

@@ -1098,3 +1098,161 @@ def test_format_md_names_a_test_for_every_rule() -> None:
     assert named <= here, f"FORMAT.md names tests that do not exist: {sorted(named - here)}"
     rejecting = {name for name in here if name.startswith("test_reject_")}
     assert rejecting <= named, f"rejection tests missing from FORMAT.md: {sorted(rejecting - named)}"
+
+
+# --------------------------------------------------------------------------- the index checked at once
+
+AT_ONCE_COUNT = 24  # above fmt._AT_ONCE_FROM: decode_index takes the array path first
+
+
+def many_entries(count: int = AT_ONCE_COUNT) -> list[fmt.Entry]:
+    """``count`` entries of every kind ``mixed_entries`` has (0-d, empty, unicode, every dtype width), laid
+    out without gaps below INDEX_AT."""
+    kinds = [(e.dtype, e.shape) for e in mixed_entries()] + [("u2", (3, 1, 2, 1)), ("i4", (1,) * 9)]
+    entries, offset = [], 4096
+    for number in range(count):
+        dtype, shape = kinds[number % len(kinds)]
+        name = f"layers.{number}.{'ü' if number % 3 else 'w'}"
+        key = fmt.canonical_key({"packer": "p", "version": number % 4, "shape": list(shape)})
+        nbytes = math.prod(shape) * int(dtype[1:])
+        entries.append(fmt.Entry(name, key, fmt.key_digest(name, key), dtype, shape, offset, nbytes, number))
+        offset = fmt.align_up(offset + nbytes, 64)
+    assert offset <= INDEX_AT
+    return entries
+
+
+def at_once_and_one_by_one(index: bytes) -> tuple[dict[str, fmt.Entry] | None, dict[str, fmt.Entry] | FormatError]:
+    """What both index decoders make of ``index`` (head checks passed): the array path's entries or None,
+    and the loop's entries or its error."""
+    count = struct.unpack_from("<I", index, 8)[0]
+    data = bytes(index)
+    fast = fmt._entries_at_once(data, count, HEADER, INDEX_AT)
+    try:
+        slow: dict[str, fmt.Entry] | FormatError = fmt._entries_one_by_one(
+            data, count, HEADER, INDEX_AT, lambda message, at: FormatError(message, offset=INDEX_AT + at)
+        )
+    except FormatError as exc:
+        slow = exc
+    return fast, slow
+
+
+def test_a_valid_index_is_decoded_at_once_with_the_entries_the_loop_decodes() -> None:
+    entries = many_entries()
+    fast, slow = at_once_and_one_by_one(fmt.encode_index(entries))
+    assert fast is not None, "a valid index must not need the loop (the warm path's cost)"
+    assert fast == slow == {e.name: e for e in entries}
+    assert list(fast) == [e.name for e in entries]
+    assert all(type(v) is int for e in fast.values() for v in (e.offset, e.nbytes, e.crc32, *e.shape))
+
+
+def _field_at(index: bytes, number: int) -> int:
+    """Offset of entry ``number``'s fixed part in ``index``."""
+    pos = 16
+    for _ in range(number):
+        name_size, ndim, key_size = struct.unpack_from("<HB5xI", index, pos + 52)
+        pos += fmt.align_up(64 + 8 * ndim + name_size + key_size, 8)
+    return pos
+
+
+#: One mutation per rule the entries must keep: (what it breaks, how, given the index and the entry's offset).
+BREAKS: list[tuple[str, Callable[[bytearray, int], None]]] = [
+    ("reserved byte", lambda b, at: b.__setitem__(at + 55, 1)),
+    ("name size 0", lambda b, at: struct.pack_into("<H", b, at + 52, 0)),
+    ("ndim 33", lambda b, at: struct.pack_into("<B", b, at + 54, 33)),
+    ("key size past the cap", lambda b, at: struct.pack_into("<I", b, at + 60, fmt.MAX_KEY_BYTES + 1)),
+    ("unknown dtype", lambda b, at: b.__setitem__(slice(at + 56, at + 60), b"f3\0\0")),
+    ("big-endian dtype", lambda b, at: b.__setitem__(slice(at + 56, at + 60), b">f4\0")),
+    ("offset unaligned", lambda b, at: struct.pack_into("<Q", b, at + 32, 4096 + 8)),
+    ("offset in the header", lambda b, at: struct.pack_into("<Q", b, at + 32, 0)),
+    ("offset past the index", lambda b, at: struct.pack_into("<Q", b, at + 32, INDEX_AT + 64)),
+    ("offset near 2**64", lambda b, at: struct.pack_into("<Q", b, at + 32, (1 << 64) - 64)),
+    ("nbytes near 2**64", lambda b, at: struct.pack_into("<Q", b, at + 40, (1 << 64) - 1)),
+    ("nbytes off by one", lambda b, at: struct.pack_into("<Q", b, at + 40, 1 + struct.unpack_from("<Q", b, at + 40)[0])),  # noqa: E501
+]
+
+
+@pytest.mark.parametrize(("what", "mutate"), BREAKS, ids=[b[0] for b in BREAKS])
+@pytest.mark.parametrize("number", [0, 7, AT_ONCE_COUNT - 1])
+def test_an_entry_breaking_a_rule_is_left_to_the_loop_which_names_it(
+    what: str, mutate: Callable[[bytearray, int], None], number: int
+) -> None:
+    index = bytearray(fmt.encode_index(many_entries()))
+    mutate(index, _field_at(bytes(index), number))
+    fast, slow = at_once_and_one_by_one(bytes(index))
+    assert fast is None, what
+    assert isinstance(slow, FormatError), what
+    assert re.search(rf"entr(y|ies) .*{number}|{many_entries()[number].name}", str(slow)) or "past the end" in str(slow)
+
+
+def test_dimensions_whose_product_wraps_a_u64_are_rejected_by_both() -> None:
+    entries = many_entries()
+    assert entries[7].shape == (3, 1, 2, 1) and entries[7].dtype == "u2"
+    index = bytearray(fmt.encode_index(entries))
+    at = _field_at(bytes(index), 7)
+    # 2**32 * 2**32 elements of 2 bytes: 0 bytes once a u64 product wraps, which nbytes 0 would match.
+    for n, d in enumerate((1 << 32, 1 << 32, 1, 1)):
+        struct.pack_into("<Q", index, at + 64 + 8 * n, d)
+    struct.pack_into("<Q", index, at + 40, 0)
+    fast, slow = at_once_and_one_by_one(bytes(index))
+    assert fast is None
+    assert isinstance(slow, FormatError) and "size 0 != shape" in str(slow)
+
+
+def test_duplicate_names_overlaps_bad_utf8_and_dirty_padding_are_left_to_the_loop() -> None:
+    entries = many_entries()
+    cases = {
+        "duplicate": [*entries[:-1], entries[-1]._replace(name=entries[0].name)],
+        "overlap": [*entries[:-1], entries[-1]._replace(offset=entries[-2].offset)] if entries[-2].nbytes else None,
+    }
+    for what, changed in cases.items():
+        if changed is None:
+            continue
+        fast, slow = at_once_and_one_by_one(fmt.encode_index(changed))
+        assert fast is None and isinstance(slow, FormatError), what
+    index = bytearray(fmt.encode_index(entries))
+    at = _field_at(bytes(index), 3)
+    name_size, ndim, key_size = struct.unpack_from("<HB5xI", index, at + 52)
+    bad = bytearray(index)
+    bad[at + 64 + 8 * ndim] = 0xFF  # no UTF-8 sequence starts with 0xff
+    fast, slow = at_once_and_one_by_one(bytes(bad))
+    assert fast is None and isinstance(slow, FormatError)
+    end = at + 64 + 8 * ndim + name_size + key_size
+    if end % 8:
+        dirty = bytearray(index)
+        dirty[end] = 1
+        fast, slow = at_once_and_one_by_one(bytes(dirty))
+        assert fast is None and isinstance(slow, FormatError)
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(16, 4000), st.integers(0, 255)), min_size=1, max_size=6))
+def test_both_index_decoders_agree_on_fuzzed_bytes(flips: list[tuple[int, int]]) -> None:
+    index = bytearray(fmt.encode_index(many_entries()))
+    for at, value in flips:
+        index[at % len(index)] = value
+    fast, slow = at_once_and_one_by_one(bytes(index))
+    if fast is not None:  # accepted at once: the loop accepts it too, with the same entries
+        assert fast == slow
+
+
+def test_compacted_size_is_the_size_of_the_layout_compaction_writes() -> None:
+    def laid_out(entries: list[fmt.Entry], header: fmt.Header, index_bytes: int | None) -> int:
+        at = header.data_start  # compaction's own order: by offset, each pack aligned
+        ordered = sorted(entries, key=lambda e: e.offset)
+        for entry in ordered:
+            at = fmt.align_up(at, header.alignment) + entry.nbytes
+        return fmt.align_up(at, header.alignment) + (fmt.index_size(ordered) if index_bytes is None else index_bytes)
+
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        alignment = 1 << int(rng.integers(6, 21))
+        header = fmt.Header(alignment, fmt.data_start_for(alignment), b"{}")
+        sizes = rng.choice([0, 1, 63, 64, 65, 4097, int(rng.integers(0, 1 << 22))], size=int(rng.integers(0, 12)))
+        entries = [
+            fmt.Entry(f"n{i}", b"{}", bytes(32), "u1", (int(n),), int(rng.integers(0, 1 << 30)), int(n), 0)
+            for i, n in enumerate(sizes)
+        ]
+        for index_bytes in (None, 16, 1000):
+            expected = laid_out(entries, header, index_bytes)
+            assert fmt.compacted_size(entries, header, index_bytes) == expected
+            assert fmt.compacted_size(iter(entries), header, index_bytes) == expected

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from . import _moved
-from .cache import Session, WeightCache, aggregate_stats
+from .cache import PackKey, Session, WeightCache, aggregate_stats
 from .errors import (
     FormatError,
     LockTimeoutError,
@@ -63,6 +63,7 @@ __all__ = [
     "OptionTypeError",
     "OptionValueError",
     "PackCacheError",
+    "PackKey",
     "PackResultError",
     "ReadOnlyOptionError",
     "Session",

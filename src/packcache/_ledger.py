@@ -40,18 +40,18 @@ logger = logging.getLogger("packcache")
 class Held:
     """One pack the cache holds: the array it handed out and where its bytes live."""
 
-    __slots__ = ("array", "digest", "nbytes", "origin", "reason", "session")
+    __slots__ = ("array", "key", "nbytes", "origin", "reason", "session")
 
     def __init__(
         self,
         array: np.ndarray[Any, Any],
-        digest: bytes,
+        key: bytes,  # the canonical key it was asked with: with the name, what it is
         reason: HeapReason | None,  # None: mapped (hit or stored)
         session: int,  # serial of the session that served it
         origin: tuple[int, int, int] | None = None,  # mapped: (st_dev, st_ino, offset) of its bytes
     ) -> None:
         self.array = array
-        self.digest = digest
+        self.key = key
         self.nbytes = int(array.nbytes)
         self.reason = reason
         self.session = session
@@ -111,6 +111,22 @@ class Ledger:
                 self.heap[held.reason.value] += held.nbytes
                 self.totals["heap"] += held.nbytes
                 self.totals["heap_packs"] += 1
+        finally:
+            self.seq += 1
+
+    def hold_hits(self, hits: list[tuple[str, Held]], *, map_seconds: float) -> None:
+        """Hold packs served now from the file, none held before under its name: :meth:`hold` with
+        ``outcome="hits"`` for each, as one change."""
+        self.seq += 1
+        try:
+            held, nbytes = self.held, 0
+            for name, pack in hits:
+                held[name] = pack
+                nbytes += pack.nbytes
+            self.totals["hits"] += len(hits)
+            self.map_seconds += map_seconds
+            self.mapped += nbytes
+            self.totals["mapped"] += nbytes
         finally:
             self.seq += 1
 

@@ -380,15 +380,15 @@ class FileStore:
             return
         self.header, self.slot, self.entries = header, slot, entries
 
-    def serve(self, name: str, digest: bytes, *, verify: bool = False) -> tuple[np.ndarray[Any, Any], Origin] | None:
-        """The committed (or stored this session) pack for ``(name, digest)``: a read-only view of
+    def serve(self, name: str, key: bytes, *, verify: bool = False) -> tuple[np.ndarray[Any, Any], Origin] | None:
+        """The committed (or stored this session) pack for ``(name, key)``: a read-only view of
         its bytes and where they live; None for a miss (with ``verify``, also for a pack whose bytes
         fail their checksum: it is remembered as corrupt and packed again).
 
         Raises:
             Fault: ``map_failed`` when the entry exists but its bytes cannot be mapped.
         """
-        entry = self.lookup(name, digest)
+        entry = self.lookup(name, key)
         if entry is None:
             return None
         if verify and not self.checksum_ok(entry):
@@ -402,18 +402,63 @@ class FileStore:
         assert origin is not None  # a looked-up entry lives in the open file or in the writer's
         return view, origin
 
-    def holds(self, name: str, digest: bytes, origin: Origin | None) -> bool:
-        """Whether the bytes at ``origin`` are still what ``(name, digest)`` resolves to: the file was
-        not replaced, truncated, rebuilt or corrupted since they were served (None: not mapped)."""
-        return origin is not None and self.origin_of(self.lookup(name, digest)) == origin
+    def serve_many(self, wanted: list[tuple[str, bytes]]) -> list[tuple[np.ndarray[Any, Any], Origin] | None] | None:
+        """:meth:`serve` for many committed packs in one pass: for each ``(name, key)``, a read-only view and
+        its origin, or None where this pass does not decide (a miss, an empty or corrupt pack, a window that
+        cannot be mapped: :meth:`serve` then does, one by one). None for all of them while this session
+        writes, or the file is not in use (a problem, a rebuild).
 
-    def lookup(self, name: str, digest: bytes) -> fmt.Entry | None:
-        """The committed (or added this session) entry for ``name`` if its key matches."""
+        The same checks as :meth:`serve` without ``verify``: the name and key bytes of an entry of the
+        validated index, its bytes inside the mapped file.
+        """
+        header, fmap, identity = self.header, self.map, self.identity
+        if (
+            self._writer is not None or self.problem is not None or self.rebuild_reason is not None
+            or header is None or fmap is None or identity is None
+        ):  # fmt: skip
+            return None
+        entries, corrupt, size, dtypes, frombuffer = self.entries, self.corrupt, self.file_size, _DTYPES, np.frombuffer
+        dev, ino = identity
+        window: Window | None = None
+        out: list[tuple[np.ndarray[Any, Any], Origin] | None] = []
+        for name, key in wanted:
+            entry = entries.get(name)
+            # Entry fields by position (name, key, digest, dtype, shape, offset, nbytes, crc32): one pass per pack.
+            if entry is None or entry[1] != key or not entry[6] or (corrupt and name in corrupt):
+                out.append(None)
+                continue
+            offset, nbytes, shape = entry[5], entry[6], entry[4]
+            end = offset + nbytes
+            if end > size:
+                out.append(None)
+                continue
+            if window is None or not (window.start <= offset and end <= window.end):
+                try:
+                    window = fmap.committed(offset, nbytes, size, header.data_start)
+                except OSError:
+                    out.append(None)
+                    continue
+            dtype = dtypes[entry[3]]
+            flat = frombuffer(window.buffer, dtype, nbytes // dtype.itemsize, offset - window.start)
+            out.append((flat if len(shape) == 1 else flat.reshape(shape), (dev, ino, offset)))
+        return out
+
+    def holds(self, name: str, key: bytes, origin: Origin | None) -> bool:
+        """Whether the bytes at ``origin`` are still what ``(name, key)`` resolves to: the file was
+        not replaced, truncated, rebuilt or corrupted since they were served (None: not mapped)."""
+        return origin is not None and self.origin_of(self.lookup(name, key)) == origin
+
+    def lookup(self, name: str, key: bytes) -> fmt.Entry | None:
+        """The committed (or added this session) entry for ``name`` if its key matches.
+
+        The key bytes themselves are compared, not their digest: the same answer for every file a writer
+        made (W6), one ``bytes`` comparison instead of a sha256 per request, and a file whose digest field
+        disagrees with its key (which opening does not check) is judged by what the key says."""
         writer = self._writer
         entry = writer.added.get(name) if writer is not None else None
         if entry is None and (writer is None or writer.temp_path is None) and name not in self.corrupt:
             entry = self.entries.get(name)
-        if entry is None or entry.digest != digest:
+        if entry is None or entry.key != key:
             return None
         return entry
 

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -44,7 +44,7 @@ from .errors import PackResultError, RemoteError, SessionError
 from .options import get_instance_option, set_instance_option
 from .stats import FAILURE_REASONS, REMOTE_REASONS, CacheStats, HeapReason
 
-__all__ = ["Session", "WeightCache", "aggregate_stats", "live_caches"]
+__all__ = ["PackKey", "Request", "Session", "WeightCache", "aggregate_stats", "live_caches"]
 
 logger = logging.getLogger("packcache")
 
@@ -59,6 +59,78 @@ class _Route:
     def __init__(self, reason: HeapReason, fault: Fault | None) -> None:
         self.reason = reason
         self.fault = fault
+
+
+class PackKey:
+    """A pack key encoded once: its canonical JSON (docs/FORMAT.md), to pass to
+    :meth:`Session.get_or_pack` and :meth:`Session.get_many` any number of times.
+
+    A mapping given as ``key`` is encoded on every request (about a microsecond); a loader
+    that asks for many packs under one key, or asks again, encodes it once here.
+
+    Raises:
+        TypeError: the mapping is not JSON-serialisable. ValueError: it encodes to more than
+        :data:`packcache.format.MAX_KEY_BYTES` bytes.
+
+    >>> PackKey({"packer": "int8", "version": 1}).canonical
+    b'{"packer":"int8","version":1}'
+    >>> PackKey({"b": 1, "a": 2}) == PackKey({"a": 2, "b": 1})
+    True
+    """
+
+    __slots__ = ("canonical",)
+
+    def __init__(self, key: Mapping[str, Any] | None = None) -> None:
+        self.canonical: bytes = _encoded(key)
+
+    @classmethod
+    def from_canonical(cls, canonical: bytes) -> PackKey:
+        """A key from bytes its caller made canonical JSON itself (an adapter that assembles keys from
+        pieces encoded once); nothing is checked but the type and the size cap, so the bytes must be
+        exactly what :func:`packcache.format.canonical_key` gives for the mapping they stand for."""
+        if type(canonical) is not bytes:
+            raise TypeError(f"canonical key must be bytes, got {type(canonical).__name__}")
+        if len(canonical) > fmt.MAX_KEY_BYTES:
+            raise ValueError(f"key is {len(canonical)} bytes of JSON, at most {fmt.MAX_KEY_BYTES} allowed")
+        made = cls.__new__(cls)
+        made.canonical = canonical
+        return made
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PackKey) and other.canonical == self.canonical
+
+    def __hash__(self) -> int:
+        return hash(self.canonical)
+
+    def __repr__(self) -> str:
+        text = self.canonical.decode("ascii")
+        return f"PackKey({text if len(text) <= 80 else text[:77] + '...'})"
+
+
+def _encoded(key: Mapping[str, Any] | PackKey | None) -> bytes:
+    """The canonical key bytes of a request's ``key``.
+
+    Raises:
+        TypeError, ValueError: as :class:`PackKey`.
+    """
+    if type(key) is PackKey:
+        return key.canonical
+    canonical = fmt.canonical_key(key)  # type: ignore[arg-type]  # a Mapping or None here
+    if len(canonical) > fmt.MAX_KEY_BYTES:
+        raise ValueError(f"key is {len(canonical)} bytes of JSON, at most {fmt.MAX_KEY_BYTES} allowed")
+    return canonical
+
+
+def _checked_name(name: object) -> None:
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str or None, got {name!r}")
+        if len(name) * 4 > fmt.MAX_NAME_BYTES and len(name.encode("utf-8")) > fmt.MAX_NAME_BYTES:
+            raise ValueError(f"name is longer than {fmt.MAX_NAME_BYTES} UTF-8 bytes: {name[:40]!r}...")
+
+
+#: One request of :meth:`Session.get_many`: ``(name, pack, key)`` as :meth:`Session.get_or_pack` takes them.
+Request = tuple["str | None", PackFn, "Mapping[str, Any] | PackKey | None"]
 
 
 _NEEDS_LOCK = object()  # a miss that can be stored once the build lock is held
@@ -566,7 +638,7 @@ class Session:
             held = ledger.held.get(name)
             if held is None or held.reason is not None or held.session != self._serial:
                 continue
-            if store.holds(name, held.digest, held.origin):
+            if store.holds(name, held.key, held.origin):
                 continue  # committed after all (the rename happened; only the directory sync failed)
             ledger.reclassify(name, fault.reason, self._serial)
         ledger.set(commit_fault=fault)
@@ -586,7 +658,9 @@ class Session:
         if store.problem is not None:
             ledger.report(store.problem.reason, store.problem)
 
-    def get_or_pack(self, name: str | None, pack: PackFn, key: Mapping[str, Any] | None = None) -> np.ndarray[Any, Any]:
+    def get_or_pack(
+        self, name: str | None, pack: PackFn, key: Mapping[str, Any] | PackKey | None = None
+    ) -> np.ndarray[Any, Any]:
         """Return the packed array for ``name``: mapped from the file, or packed now.
 
         Args:
@@ -596,8 +670,9 @@ class Session:
                 It may reuse its buffers: the cache copies what it serves from heap
                 unless the returned array is exclusively its own.
             key: JSON-serialisable mapping of everything else that identifies the
-                pack (packer id/version/params, source shape/dtype/identity). A
-                stored entry with another key is stale and is replaced.
+                pack (packer id/version/params, source shape/dtype/identity), or a
+                :class:`PackKey` made of one. A stored entry with another key is stale
+                and is replaced.
 
         Returns:
             A read-only array with the dtype, shape and bytes ``pack()`` returns.
@@ -608,52 +683,105 @@ class Session:
             TypeError/ValueError: invalid ``name`` or ``key``.
             Whatever ``pack()`` raises. Cache problems are never raised.
         """
-        if name is not None:
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"name must be a non-empty str or None, got {name!r}")
-            if len(name) * 4 > fmt.MAX_NAME_BYTES and len(name.encode("utf-8")) > fmt.MAX_NAME_BYTES:
-                raise ValueError(f"name is longer than {fmt.MAX_NAME_BYTES} UTF-8 bytes: {name[:40]!r}...")
-        key_bytes = fmt.canonical_key(key)
-        if len(key_bytes) > fmt.MAX_KEY_BYTES:
-            raise ValueError(f"key is {len(key_bytes)} bytes of JSON, at most {fmt.MAX_KEY_BYTES} allowed")
+        _checked_name(name)
+        key_bytes = _encoded(key)
         cached = self._cache.enabled and self._store is not None
-        digest = fmt.key_digest(name, key_bytes) if name is not None else b""
         me = threading.get_ident()
         with self._mutex:
             if not self._active or self._closing:
                 raise SessionError("get_or_pack() called outside an active session (use 'with cache.session() as s')")
             if cached and name is not None:
-                found = self._serve_existing(name, digest)
+                found = self._serve_existing(name, key_bytes)
                 if isinstance(found, np.ndarray):
                     return found  # a hit, served without leaving the mutex: nothing to wait for at exit
             self._calls[me] = self._calls.get(me, 0) + 1
         try:
             if not cached:
-                return self._heap_only(name, digest, pack, True)
+                return self._heap_only(name, key_bytes, pack, True)
             if name is None:
                 return self._heap_only(None, b"", pack, False)
-            return self._route(name, pack, key_bytes, digest)
+            return self._route(name, pack, key_bytes)
         finally:
             with self._mutex:
                 self._calls[me] -= 1
 
-    def _heap_only(self, name: str | None, digest: bytes, pack: PackFn, disabled: bool) -> np.ndarray[Any, Any]:
+    def get_many(self, requests: Iterable[Request]) -> list[np.ndarray[Any, Any]]:
+        """:meth:`get_or_pack` for many packs at once (a layer, a model): the arrays, in order.
+
+        The committed packs among them are served in one pass, under one acquisition of the session's
+        mutex, with one update of the statistics; each of the others (a miss, a pack held since an earlier
+        session, a pack that needs a check) then goes through :meth:`get_or_pack`, with the same routing,
+        counting and errors. Every name and key is checked before anything is served.
+
+        Args:
+            requests: ``(name, pack, key)`` triples, as :meth:`get_or_pack` takes them.
+
+        Raises:
+            as :meth:`get_or_pack`.
+
+        >>> import numpy as np, tempfile, os
+        >>> cache = WeightCache(os.path.join(tempfile.mkdtemp(), "m.pcache"))
+        >>> key = PackKey({"packer": "ones", "version": 1})
+        >>> with cache.session() as s:
+        ...     a, b = s.get_many([("a", lambda: np.ones(2), key), ("b", lambda: np.zeros(3), key)])
+        >>> with cache.session() as s:
+        ...     a, b = s.get_many([("a", lambda: np.ones(2), key), ("b", lambda: np.zeros(3), key)])
+        >>> cache.stats().hits, b.shape
+        (2, (3,))
+        >>> cache.close()
+        """
+        asked = requests if isinstance(requests, list) else list(requests)
+        keys: list[bytes] = []
+        add_key, max_chars = keys.append, fmt.MAX_NAME_BYTES // 4
+        for name, _, key in asked:
+            if type(name) is not str or not 0 < len(name) <= max_chars:  # most names: no encoding to measure
+                _checked_name(name)
+            add_key(key.canonical if type(key) is PackKey else _encoded(key))
+        served: list[np.ndarray[Any, Any] | None] = [None] * len(asked)
+        left = len(asked)
+        store, ledger = self._store, self._ledger
+        with self._mutex:
+            if not self._active or self._closing:
+                raise SessionError("get_many() called outside an active session (use 'with cache.session() as s')")
+            if self._cache.enabled and store is not None and not self._cache.verify:
+                held = ledger.held
+                names = [request[0] for request in asked]
+                # A name asked twice is served once here; the other requests of it go through get_or_pack.
+                unique = len(set(names)) == len(names)
+                numbers = [i for i, name in enumerate(names) if name is not None and name not in held] if unique else []
+                started = time.perf_counter()
+                found = store.serve_many([(names[i], keys[i]) for i in numbers]) if numbers else None  # type: ignore[misc]
+                if found is not None:
+                    serial, hits = self._serial, []
+                    for i, hit in zip(numbers, found, strict=True):
+                        if hit is not None:
+                            served[i] = hit[0]
+                            hits.append((names[i], Held(hit[0], keys[i], None, serial, hit[1])))
+                    ledger.hold_hits(hits, map_seconds=time.perf_counter() - started)  # type: ignore[arg-type]
+                    left -= len(hits)
+        if left:
+            for i, request in enumerate(asked):
+                if served[i] is None:
+                    served[i] = self.get_or_pack(request[0], request[1], PackKey.from_canonical(keys[i]))
+        return served  # type: ignore[return-value]  # every slot is filled above
+
+    def _heap_only(self, name: str | None, key: bytes, pack: PackFn, disabled: bool) -> np.ndarray[Any, Any]:
         if name is not None:
             with self._mutex:
                 held = self._ledger.held.get(name)
-                if held is not None and held.digest == digest:
+                if held is not None and held.key == key:
                     return held.array  # the same pack again: served and counted once
         array, owned = self._packed(pack)
         route = _Route(HeapReason.DISABLED if disabled else HeapReason.UNNAMED, None)
         with self._mutex:
-            return self._serve_heap(name, digest, array, owned, route)
+            return self._serve_heap(name, key, array, owned, route)
 
-    def _route(self, name: str, pack: PackFn, key: bytes, digest: bytes) -> np.ndarray[Any, Any]:
+    def _route(self, name: str, pack: PackFn, key: bytes) -> np.ndarray[Any, Any]:
         while True:
             mine: threading.Event | None = None
             try:
                 with self._mutex:
-                    found = self._serve_existing(name, digest)
+                    found = self._serve_existing(name, key)
                     if isinstance(found, np.ndarray):
                         return found
                     waiting = self._inflight.get(name)
@@ -664,7 +792,7 @@ class Session:
                         route = found if found is not None else self._miss_route()
                         if route is not _NEEDS_LOCK:
                             if isinstance(route, _Route):
-                                reused = self._reuse_heap(name, digest, route)
+                                reused = self._reuse_heap(name, key, route)
                                 if reused is not None:
                                     return reused
                             mine = self._inflight[name] = threading.Event()
@@ -677,8 +805,8 @@ class Session:
                 array, owned = self._packed(pack)
                 with self._mutex:
                     if isinstance(route, _Route):
-                        return self._serve_heap(name, digest, array, owned, route)
-                    return self._store_pack(name, key, digest, array, owned)
+                        return self._serve_heap(name, key, array, owned, route)
+                    return self._store_pack(name, key, array, owned)
             finally:
                 if mine is not None:
                     mine.set()  # first: a waiter must never wait on an event nobody will set
@@ -686,18 +814,18 @@ class Session:
                         if self._inflight.get(name) is mine:
                             del self._inflight[name]
 
-    def _serve_existing(self, name: str, digest: bytes) -> np.ndarray[Any, Any] | _Route | None:
-        """A held or committed pack for ``(name, digest)``; a route to heap if it cannot be mapped; None: a miss."""
+    def _serve_existing(self, name: str, key: bytes) -> np.ndarray[Any, Any] | _Route | None:
+        """A held or committed pack for ``(name, key)``; a route to heap if it cannot be mapped; None: a miss."""
         store, ledger = self._store, self._ledger
         assert store is not None
         held = ledger.held.get(name)
-        if held is not None and held.digest == digest and not self._retry(held) and self._still_backed(name, held):
+        if held is not None and held.key == key and not self._retry(held) and self._still_backed(name, held):
             return held.array  # the same pack again: served and counted once
         if store.problem is not None:
             return None
         started = time.perf_counter()
         try:
-            served = store.serve(name, digest, verify=self._cache.verify)
+            served = store.serve(name, key, verify=self._cache.verify)
         except Fault as fault:
             ledger.add(map_seconds=time.perf_counter() - started)
             return _Route(HeapReason.MAP_FAILED, fault)
@@ -707,7 +835,7 @@ class Session:
         array, origin = served
         ledger.hold(
             name,
-            Held(array, digest, None, self._serial, origin),
+            Held(array, key, None, self._serial, origin),
             outcome="hits",
             map_seconds=time.perf_counter() - started,
         )
@@ -795,35 +923,33 @@ class Session:
             name = errno.errorcode.get(err, "no errno") if err else "no errno"
             logger.warning("packcache: %s [%s]: %s; packing locally", reason, name, message)
 
-    def _reuse_heap(self, name: str, digest: bytes, route: _Route) -> np.ndarray[Any, Any] | None:
+    def _reuse_heap(self, name: str, key: bytes, route: _Route) -> np.ndarray[Any, Any] | None:
         """Still failing since an earlier session: serve the heap copy already held, not a second one."""
         ledger = self._ledger
         held = ledger.held.get(name)
-        if held is None or held.digest != digest or held.reason is None:
+        if held is None or held.key != key or held.reason is None:
             return None
         ledger.report(route.reason, route.fault)
         ledger.reclassify(name, route.reason, self._serial)
         return held.array
 
-    def _store_pack(
-        self, name: str, key: bytes, digest: bytes, array: np.ndarray[Any, Any], owned: bool
-    ) -> np.ndarray[Any, Any]:
+    def _store_pack(self, name: str, key: bytes, array: np.ndarray[Any, Any], owned: bool) -> np.ndarray[Any, Any]:
         store, ledger = self._store, self._ledger
         assert store is not None
         if not self._active:
             raise SessionError("the session ended while this pack was being made")
         try:
-            view, origin = store.store(name, key, digest, array)
+            view, origin = store.store(name, key, fmt.key_digest(name, key), array)
         except Fault as fault:
             # map_failed here means written (and committed at exit) but served from heap.
-            return self._serve_heap(name, digest, array, owned, _Route(fault.reason, fault))
+            return self._serve_heap(name, key, array, owned, _Route(fault.reason, fault))
         except Exception as exc:  # a cache problem must never fail a model load
             logger.debug("packcache: unexpected error storing %r in %s", name, store.path, exc_info=True)
             failure = Fault(HeapReason.WRITE_FAILED, 0, f"cannot store {name!r} in {store.path}: {exc!r}")
-            return self._serve_heap(name, digest, array, owned, _Route(failure.reason, failure))
+            return self._serve_heap(name, key, array, owned, _Route(failure.reason, failure))
         finally:
             ledger.set(written=store.bytes_written)
-        ledger.hold(name, Held(view, digest, None, self._serial, origin), outcome="stored")
+        ledger.hold(name, Held(view, key, None, self._serial, origin), outcome="stored")
         return view
 
     def _still_backed(self, name: str, held: Held) -> bool:
@@ -834,7 +960,7 @@ class Session:
         SIGBUS on touch, so the request is routed afresh instead.
         """
         store = self._store
-        return held.origin is None or store is None or store.holds(name, held.digest, held.origin)
+        return held.origin is None or store is None or store.holds(name, held.key, held.origin)
 
     def _retry(self, held: Held) -> bool:
         """A pack sent to heap by a failure in an earlier session is routed again: the
@@ -858,7 +984,7 @@ class Session:
                 self._ledger.add(pack_seconds=elapsed)
 
     def _serve_heap(
-        self, name: str | None, digest: bytes, array: np.ndarray[Any, Any], owned: bool, route: _Route
+        self, name: str | None, key: bytes, array: np.ndarray[Any, Any], owned: bool, route: _Route
     ) -> np.ndarray[Any, Any]:
         """Serve ``array`` from heap (a copy unless the cache owns it), counted under ``route.reason``."""
         ledger = self._ledger
@@ -870,5 +996,5 @@ class Session:
                 if ledger.first("copy"):
                     logger.warning("packcache: no memory to copy a heap pack of %s; served as pack() returned it", name)
         view = _read_only_view(array)
-        ledger.hold(name, Held(view, digest, route.reason, self._serial))
+        ledger.hold(name, Held(view, key, route.reason, self._serial))
         return view

@@ -15,15 +15,18 @@ arithmetic, so a hostile value cannot wrap around.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
 import math
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from .errors import FormatError
 
@@ -426,6 +429,11 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
 
     ``buf`` must be exactly the ``slot.index_size`` bytes at ``slot.index_offset``.
 
+    The entries are checked all at once, as numpy arrays (:func:`_entries_at_once`); an index that
+    fails any rule there is decoded again entry by entry (:func:`_entries_one_by_one`), which names
+    the first rule that fails. Both apply the same rules; ``tests/test_format.py`` compares them on
+    fuzzed indexes.
+
     Raises:
         FormatError: naming the first rule of docs/FORMAT.md "Index" that fails.
     """
@@ -450,12 +458,135 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
         raise fail(f"index holds {count} entries, slot says {slot.entry_count}", 8)
     if count > MAX_ENTRIES:
         raise fail(f"index holds {count} entries, more than {MAX_ENTRIES}", 8)
-
-    entries: dict[str, Entry] = {}
     data = bytes(buf)  # slices of bytes are cheap to decode; a memoryview would copy per field
+    if count >= _AT_ONCE_FROM:
+        entries = _entries_at_once(data, count, header, slot.index_offset)
+        if entries is not None:
+            return entries
+    return _entries_one_by_one(data, count, header, slot.index_offset, fail)
+
+
+#: From this many entries an index is checked as arrays: below it, numpy's per-call cost outweighs the loop's.
+_AT_ONCE_FROM = 16
+_FIXED = np.dtype(
+    [("digest", "V32"), ("offset", "<u8"), ("nbytes", "<u8"), ("crc", "<u4"), ("name_size", "<u2"),
+     ("ndim", "u1"), ("reserved", "u1"), ("dtype", "<u4"), ("key_size", "<u4")]
+)  # fmt: skip
+assert _FIXED.itemsize == ENTRY_FIXED.size
+_SIZES_AT_52 = struct.Struct("<HB5xI")  # name size, ndim, (reserved, dtype), key size: what an entry's length needs
+_DTYPE_WORDS = np.array(sorted(int.from_bytes(raw, "little") for raw in _DTYPE_FIELDS), dtype=np.uint32)
+_DTYPE_OF_WORD = np.array([_DTYPE_FIELDS[int(w).to_bytes(4, "little")] for w in _DTYPE_WORDS], dtype=object)
+_ITEMSIZE_OF_WORD = np.array([_ITEMSIZE[str(code)] for code in _DTYPE_OF_WORD], dtype=np.float64)
+_EXACT = float(1 << 53)  # below it, a float64 product of integers is exact when every partial product is
+
+
+def _entries_at_once(data: bytes, count: int, header: Header, index_offset: int) -> dict[str, Entry] | None:
+    """The entries of an index whose every rule holds, checked as arrays; None if any rule fails (or might:
+    then :func:`_entries_one_by_one` decides, and names it).
+
+    Only an entry's length is read in a Python loop (it says where the next entry starts). Every check
+    is a comparison of arrays that cannot wrap: a sum is formed only where its terms are known to be small,
+    and sizes are multiplied in float64 only below 2**53, where the result is exact. What the entries
+    hold is converted to Python ints (``tolist``) before anyone computes with it.
+    """
+    end = len(data)
+    if end % 8:
+        return None
+    positions = [0] * count
+    sizes = _SIZES_AT_52.unpack_from
+    pos, last = INDEX_HEAD.size, end - ENTRY_FIXED.size
+    for number in range(count):
+        if pos > last:
+            return None
+        name_size, ndim, key_size = sizes(data, pos + 52)
+        positions[number] = pos
+        pos += (ENTRY_FIXED.size + 7 + 8 * ndim + name_size + key_size) & ~7
+    if pos != end:
+        return None
+    at = np.array(positions, dtype=np.intp)
+    raw = np.frombuffer(data, np.uint8)
+    fixed = raw[at[:, None] + np.arange(ENTRY_FIXED.size)].view(_FIXED)[:, 0]
+    offset, nbytes, ndim = fixed["offset"], fixed["nbytes"], fixed["ndim"]
+    name_size, key_size = fixed["name_size"].astype(np.intp), fixed["key_size"].astype(np.intp)
+    word = np.searchsorted(_DTYPE_WORDS, fixed["dtype"]).clip(0, len(_DTYPE_WORDS) - 1)
+    inside = offset <= index_offset
+    room = np.where(inside, np.uint64(index_offset) - np.where(inside, offset, 0), 0)
+    if not (
+        (fixed["reserved"] == 0).all()
+        and ((name_size >= 1) & (name_size <= MAX_NAME_BYTES)).all()
+        and (ndim <= MAX_NDIM).all()
+        and (key_size <= MAX_KEY_BYTES).all()
+        and (_DTYPE_WORDS[word] == fixed["dtype"]).all()
+        and not (offset & np.uint64(header.alignment - 1)).any()
+        and (offset >= header.data_start).all()
+        and inside.all()
+        and (nbytes <= room).all()
+    ):
+        return None
+    # Shapes: dimension words are 8-aligned (entries are, and the head is 16 bytes).
+    ndims = ndim.tolist()
+    deepest = max(ndims)
+    elements = np.ones(count, np.float64)
+    if deepest:
+        words = np.frombuffer(data, "<u8")
+        columns = np.arange(deepest)
+        present = columns < ndim[:, None]
+        dims = np.where(present, words[(at[:, None] + ENTRY_FIXED.size) // 8 + np.where(present, columns, 0)], 1)
+        if (dims > np.uint64(MAX_DIM)).any():
+            return None
+        with np.errstate(over="ignore", invalid="ignore"):
+            elements = dims.astype(np.float64).prod(axis=1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = elements * _ITEMSIZE_OF_WORD[word]
+    exact = (expected < _EXACT) & (nbytes < np.uint64(1 << 53))
+    if not (exact & (expected == nbytes.astype(np.float64))).all():
+        return None
+    # Names, keys and padding.
+    name_at = at + ENTRY_FIXED.size + 8 * ndim.astype(np.intp)
+    key_at = name_at + name_size
+    stop = key_at + key_size
+    padding = (np.append(at[1:], end) - stop)[:, None]
+    spill = np.arange(7)
+    pad = raw[np.minimum(stop[:, None] + spill, end - 1)]
+    if (np.where(spill < padding, pad, 0) != 0).any():
+        return None
+    name_starts, key_starts, key_stops = name_at.tolist(), key_at.tolist(), stop.tolist()
+    try:
+        names = [data[a:b].decode("utf-8") for a, b in zip(name_starts, key_starts, strict=True)]
+    except UnicodeDecodeError:
+        return None
+    # Overlaps: the spans of non-empty packs, in offset order, must not cross.
+    full = np.flatnonzero(nbytes)
+    if full.size > 1:
+        order = full[np.argsort(offset[full], kind="stable")]
+        if (offset[order[1:]] < offset[order[:-1]] + nbytes[order[:-1]]).any():
+            return None
+    offsets, sizes_, crcs = offset.tolist(), nbytes.tolist(), fixed["crc"].tolist()
+    dims_of = _DIMS
+    shapes = [dims_of[n].unpack_from(data, p + ENTRY_FIXED.size) for p, n in zip(positions, ndims, strict=True)]
+    for number in np.flatnonzero(nbytes == 0).tolist():  # R46, rare: the rule an empty pack's shape must keep
+        if not shape_fits(shapes[number], _ITEMSIZE[str(_DTYPE_OF_WORD[word[number]])]):
+            return None
+    keys = [data[a:b] for a, b in zip(key_starts, key_stops, strict=True)]
+    codes = _DTYPE_OF_WORD[word].tolist()
+    made = map(
+        functools.partial(tuple.__new__, Entry),
+        zip(names, keys, fixed["digest"].tolist(), codes, shapes, offsets, sizes_, crcs, strict=True),
+    )
+    entries: dict[str, Entry] = dict(zip(names, made, strict=True))
+    if len(entries) != count:
+        return None  # a duplicate name
+    return entries
+
+
+def _entries_one_by_one(
+    data: bytes, count: int, header: Header, index_offset: int, fail: Callable[[str, int], FormatError]
+) -> dict[str, Entry]:
+    """The entries of an index, decoded and checked one after the other; raises at the first rule that fails."""
+    entries: dict[str, Entry] = {}
     pos = INDEX_HEAD.size
     end = len(data)
-    alignment, data_start, index_offset = header.alignment, header.data_start, slot.index_offset
+    alignment, data_start = header.alignment, header.data_start
     # Hoisted: this loop runs once per pack on every warm open.
     fixed_size, unpack_fixed, dims, itemsizes, codes = (
         ENTRY_FIXED.size,
@@ -570,9 +701,18 @@ def compacted_size(entries: Iterable[Entry], header: Header, index_bytes: int | 
     The difference to a file's size is what compaction would reclaim. ``index_bytes``: the
     encoded size of an index listing exactly ``entries``, when the caller knows it already
     (a committed slot's ``index_size``).
+
+    Compaction starts every pack at an aligned offset from the aligned ``data_start``, so each pack
+    takes its size rounded up to the alignment whatever the order: a sum, no sort (this runs on
+    every session's open).
+
+    >>> header = Header(alignment=64, data_start=4096, platform=b"{}")
+    >>> e = Entry("w", b"{}", bytes(32), "u1", (100,), 8192, 100, 0)
+    >>> compacted_size([e, e._replace(name="v", offset=4096)], header, 16)
+    4368
     """
-    ordered = sorted(entries, key=lambda e: e.offset)
-    at = header.data_start
-    for entry in ordered:
-        at = align_up(at, header.alignment) + entry.nbytes
-    return align_up(at, header.alignment) + (index_size(ordered) if index_bytes is None else index_bytes)
+    if not isinstance(entries, Collection):
+        entries = list(entries)  # read twice below
+    mask = header.alignment - 1
+    data = sum((entry.nbytes + mask) & ~mask for entry in entries)
+    return header.data_start + data + (index_size(entries) if index_bytes is None else index_bytes)

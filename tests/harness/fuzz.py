@@ -448,7 +448,7 @@ def check(
             continue
         entry = (expected or {}).get(name)
         key = fmt.canonical_key(PACKS.get(name, (None, SMALL))[0])
-        hit = not rebuilt and entry is not None and entry.digest == fmt.key_digest(name, key)
+        hit = not rebuilt and entry is not None and entry.key == key  # a reader matches name and key bytes
         if hit and entry is not None and array.tobytes() != data[entry.offset : entry.offset + entry.nbytes]:
             counts.views_outside += 1
             counts.failures.append(f"view of {name!r} does not hold the file's bytes at {entry.offset}")
