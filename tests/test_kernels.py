@@ -31,7 +31,7 @@ from packcache.kernels import KERNEL_PATH_ENV, activation_dtype, cpu_kernels, in
 from packcache.packers import Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
 from packcache.safetensors import SafetensorsFile
-from packcache.torch import PackedLinear, convert
+from packcache.torch import PackedLinear, check_kernels, convert
 
 WEIGHT_ONLY_KERNELS = {"_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu"}
 GEMMS = {"linear", "mm", "addmm", "matmul"}
@@ -86,6 +86,7 @@ def _layer(packer: TorchPacker, kernel_path: str | None = None) -> PackedLinear:
 
 def _run(layer: PackedLinear, rows: int) -> _Dispatched:
     x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
+    check_kernels(layer)  # the first forward's self-check runs its own (float32 reference) ops: not watched here
     with torch.inference_mode(), _Dispatched() as seen:
         layer(x)
     return seen
@@ -307,26 +308,34 @@ class _MisreadInt8(Int8WeightOnly):
 def test_a_kernel_that_misreads_the_layout_fails_loudly_on_the_path_that_runs(
     wrong_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The self-check runs on the path a layer runs, before the layer exists, whichever way the path
-    was chosen (argument, environment, the rule); a path no layer runs is not checked (its first kernel
-    calls cost time), and the fingerprint, the same on every path, checks none."""
+    """The self-check runs on the path a layer runs, at its first forward (or ``check_kernels``), before any
+    output exists, whichever way the path was chosen (argument, environment, the rule); a path no layer
+    runs is not checked (its first kernel calls cost time), a load checks none (it only maps), and the
+    fingerprint, the same on every path, checks none."""
     monkeypatch.delenv(KERNEL_PATH_ENV, raising=False)
     packer = type(
         f"Misread{wrong_path}", (_MisreadInt8,), {"wrong_path": wrong_path, "id": f"test.misread-{wrong_path}"}
     )()
     parts = packer.pack(np.ones((8, 64), np.float32), "F32")
     other = next(p for p in packer.paths if p != wrong_path)
+    x = torch.ones(2, 64)
     packer.fingerprint()  # no path: nothing to say
-    PackedLinear.from_parts(packer, parts, None, kernel_path=other)  # the right path loads
-    with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}.*bump the packer's version"):
-        PackedLinear.from_parts(packer, parts, None, kernel_path=wrong_path)
+    assert PackedLinear.from_parts(packer, parts, None, kernel_path=other)(x).shape == (2, 8)  # the right path runs
+    wrong = PackedLinear.from_parts(packer, parts, None, kernel_path=wrong_path)  # loading runs no kernel
+    for _ in range(2):  # the first forward refuses, and so does every later one: no output is ever returned
+        with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}.*bump the packer's"):
+            wrong(x)
     monkeypatch.setenv(KERNEL_PATH_ENV, wrong_path)
+    model = nn.Sequential(nn.Linear(64, 8))
+    convert(model, packcache.WeightCache(None), packer, model_id="toy")
     with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
-        convert(nn.Sequential(nn.Linear(64, 8)), packcache.WeightCache(None), packer, model_id="toy")
+        check_kernels(model)  # what a service calls to fail its start rather than its first request
+    with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
+        model(x)
     if cpu_kernels().default_path == wrong_path:
         monkeypatch.delenv(KERNEL_PATH_ENV)
         with pytest.raises(packcache.PackResultError, match=f"self-check.*path {wrong_path}"):
-            PackedLinear.from_parts(packer, parts, None)
+            PackedLinear.from_parts(packer, parts, None)(x)
 
 
 def test_the_self_check_reuses_the_fingerprints_pack() -> None:
@@ -344,7 +353,7 @@ def test_the_self_check_reuses_the_fingerprints_pack() -> None:
     packer = Counting()
     packer.fingerprint()
     assert len(calls) == 2
-    PackedLinear.from_parts(packer, packer.fingerprint_pack(), None, kernel_path="fp32")  # another path's check
+    check_kernels(nn.Sequential(PackedLinear.from_parts(packer, packer.fingerprint_pack(), None, kernel_path="fp32")))
     assert len(calls) == 2
 
 
@@ -419,6 +428,7 @@ def test_an_explicit_kernel_path_runs_no_self_check_of_the_environments_path(tmp
             platform = platform_for([packer, Float32()])
             model = torch.nn.Sequential(torch.nn.Linear(64, 32))
             convert(model, packcache.WeightCache(None), packer, model_id="toy", kernel_path=chosen)
+            model(torch.zeros(1, 64))  # the first forward runs the self-check of the path it runs
         print(sorted({{key[-1] for key in packers_torch._CHECKED}}))
     """
     done = _fresh(code, tmp_path, _other_path())

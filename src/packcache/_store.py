@@ -402,9 +402,12 @@ class FileStore:
         assert origin is not None  # a looked-up entry lives in the open file or in the writer's
         return view, origin
 
-    def serve_many(self, wanted: list[tuple[str, bytes]]) -> list[tuple[np.ndarray[Any, Any], Origin] | None] | None:
-        """:meth:`serve` for many committed packs in one pass: for each ``(name, key)``, a read-only view and
-        its origin, or None where this pass does not decide (a miss, an empty or corrupt pack, a window that
+    def serve_many(
+        self, wanted: list[tuple[str, bytes]]
+    ) -> list[tuple[np.ndarray[Any, Any], Origin, bytes] | None] | None:
+        """:meth:`serve` for many committed packs in one pass: for each ``(name, key)``, a read-only view, its
+        origin and the index's own copy of the key bytes (what a holder keeps: the request's copy can go), or
+        None where this pass does not decide (a miss, an empty or corrupt pack, a window that
         cannot be mapped: :meth:`serve` then does, one by one). None for all of them while this session
         writes, or the file is not in use (a problem, a rebuild).
 
@@ -420,7 +423,7 @@ class FileStore:
         entries, corrupt, size, dtypes, frombuffer = self.entries, self.corrupt, self.file_size, _DTYPES, np.frombuffer
         dev, ino = identity
         window: Window | None = None
-        out: list[tuple[np.ndarray[Any, Any], Origin] | None] = []
+        out: list[tuple[np.ndarray[Any, Any], Origin, bytes] | None] = []
         for name, key in wanted:
             entry = entries.get(name)
             # Entry fields by position (name, key, digest, dtype, shape, offset, nbytes, crc32): one pass per pack.
@@ -440,7 +443,7 @@ class FileStore:
                     continue
             dtype = dtypes[entry[3]]
             flat = frombuffer(window.buffer, dtype, nbytes // dtype.itemsize, offset - window.start)
-            out.append((flat if len(shape) == 1 else flat.reshape(shape), (dev, ino, offset)))
+            out.append((flat if len(shape) == 1 else flat.reshape(shape), (dev, ino, offset), entry[1]))
         return out
 
     def holds(self, name: str, key: bytes, origin: Origin | None) -> bool:

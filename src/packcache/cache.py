@@ -756,7 +756,7 @@ class Session:
                     for i, hit in zip(numbers, found, strict=True):
                         if hit is not None:
                             served[i] = hit[0]
-                            hits.append((names[i], Held(hit[0], keys[i], None, serial, hit[1])))
+                            hits.append((names[i], Held(hit[0], hit[2], None, serial, hit[1])))
                     ledger.hold_hits(hits, map_seconds=time.perf_counter() - started)  # type: ignore[arg-type]
                     left -= len(hits)
         if left:

@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from ._paths import DEFAULT_LOCK_TIMEOUT, default_cache_dir
@@ -552,7 +552,7 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
         "scheme_chosen": "auto" if args.scheme == "auto" else "given",
         "kernel_path": model.kernel_path,
         "kernels": model.kernels,
-        "kernels_by_layer": model.report.kernels,
+        "kernels_by_layer": dict(model.report.kernels),
         "cpu": cpu,
         "embed": speed,
         "embeddings_shape": list(embeddings.shape),
@@ -577,7 +577,7 @@ def cmd_run(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK
 
 
-def _kernel_lines(kernels: dict[str, str]) -> list[str]:
+def _kernel_lines(kernels: Mapping[str, str]) -> list[str]:
     """One line per kind of linear layer: the ops it runs (``ConversionReport.kernels``)."""
     width = max((len(kind) for kind in kernels), default=0)
     return [f"  {sanitize(kind):<{width}}  {ops}" for kind, ops in kernels.items()]
@@ -726,7 +726,7 @@ def cmd_build(args: argparse.Namespace, out: _Out) -> int:
         "tied": report.tied,
         "packed_ties": report.packed_ties,
         "kernel_path": report.kernel_path,
-        "kernels_by_layer": report.kernels,
+        "kernels_by_layer": dict(report.kernels),
     }
     ineligible = "; ".join(f"{name}: {why}" for name, why in report.ineligible.items())
     lines = [

@@ -51,6 +51,7 @@ __all__ = [
     "Slot",
     "align_up",
     "canonical_key",
+    "canonical_value",
     "check_new_file",
     "choose_slot",
     "compacted_size",
@@ -194,6 +195,24 @@ def canonical_key(key: Mapping[str, Any] | None) -> bytes:
     except RecursionError:
         raise TypeError("key is not JSON-serialisable: it is circular or nested too deeply") from None
     return text.encode("ascii")
+
+
+def canonical_value(value: Any) -> bytes:
+    """Canonical JSON of any JSON value (a mapping's member, say), as :func:`canonical_key` writes it inside
+    a key: for callers that assemble a key's bytes from members encoded once.
+
+    Raises:
+        TypeError: the value is not JSON-serialisable (or NaN/Inf, circular).
+
+    >>> canonical_value("naïve"), canonical_value([1, 2.0])
+    (b'"na\\u00efve"', b'[1,2.0]')
+    """
+    try:
+        return _CANONICAL(value).encode("ascii")
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"value is not JSON-serialisable: {exc}") from exc
+    except RecursionError:
+        raise TypeError("value is not JSON-serialisable: it is circular or nested too deeply") from None
 
 
 def _canonical_encoder() -> Callable[[Any], str]:

@@ -51,6 +51,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from .errors import NonFiniteWeightError, PackResultError
+from .format import canonical_key, canonical_value
 
 __all__ = [
     "AWQ_EXPONENTS",
@@ -305,6 +306,37 @@ class Packer:
         if self.uses_stats:
             key["calibration"] = calibration
         return key
+
+    def part_keys(self, meta: SourceMeta, calibration: str | None = None) -> dict[str, bytes]:
+        """Every part's pack key as canonical JSON: ``canonical_key(self.key(meta, part, calibration))``, assembled
+        from members encoded once per packer (id, version, params) and once per tensor (``meta``), since
+        keys are most of what a warm load computes per pack. A subclass that overrides :meth:`key` gets
+        its own keys encoded.
+
+        >>> from packcache.safetensors import TensorMeta
+        >>> keys = Float32().part_keys(TensorMeta("w", (2, 3), "F32", "sha256:0:24"))
+        >>> keys["weight"] == canonical_key(Float32().key(TensorMeta("w", (2, 3), "F32", "sha256:0:24"), "weight"))
+        True
+        """
+        if type(self).key is not Packer.key:
+            return {part: canonical_key(self.key(meta, part, calibration)) for part in self.parts}
+        # Canonical JSON sorts members: calibration, packer, params, part, source, version.
+        params = self.params
+        cached = self.__dict__.get("_key_pieces")
+        if cached is None or cached[0] != (self.id, self.version, params, self.parts):  # a packer changed since
+            cached = self.__dict__["_key_pieces"] = (
+                (self.id, self.version, params, self.parts),
+                b'"packer":' + canonical_value(self.id) + b',"params":' + canonical_value(params) + b',"part":',
+                b',"version":' + canonical_value(self.version) + b"}",
+                {part: canonical_value(part) for part in self.parts},
+            )
+        _, packer, version, parts = cached
+        head = b"{" + packer
+        if self.uses_stats:
+            head = b'{"calibration":' + canonical_value(calibration) + b"," + packer
+        source = {"name": meta.name, "shape": list(meta.shape), "dtype": meta.dtype, "identity": meta.identity}
+        tail = b',"source":' + canonical_value(source) + version
+        return {part: head + encoded + tail for part, encoded in parts.items()}
 
     def platform_tags(self) -> dict[str, Any]:
         """Facts besides the fingerprint that make this packer's bytes valid (framework version, CPU)."""

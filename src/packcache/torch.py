@@ -40,7 +40,7 @@ import functools
 import hashlib
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,9 +49,9 @@ import torch
 from torch import nn
 
 from . import format as fmt
-from .cache import Session, WeightCache
+from .cache import PackKey, Request, Session, WeightCache
 from .kernels import activation_dtype, int4_layout
-from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta, packed_nbytes, to_float32
+from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta, to_float32
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
 from .safetensors import TensorMeta
 from .stats import CacheStats
@@ -63,12 +63,14 @@ __all__ = [
     "PackedLinear",
     "TensorSource",
     "as_tensor",
+    "check_kernels",
     "convert",
     "count_packs",
     "load_parts",
     "materialize",
     "open_cache",
     "parameter_groups",
+    "part_requests",
     "record_linear_inputs",
     "scheme_packer",
 ]
@@ -181,16 +183,17 @@ class PackedLinear(nn.Module):
         ``transposed``: the layer replaces one that stores its weight ``[in, out]``; only what
         ``state_dict`` writes depends on it.
 
+        The packer's kernel self-check on that path runs at the layer's first forward (or
+        :func:`check_kernels`), not here: a warm load only maps.
+
         Raises:
             TypeError: ``packer`` is not a torch packer (it has no forward).
             ValueError: a path the packer does not have.
-            PackResultError: the packer's kernel fails its self-check on that path (once per process).
         """
         if not isinstance(packer, TorchPacker):
             raise TypeError(f"PackedLinear has no kernel for packer {packer!r}: use a packcache.packers_torch packer")
         out_features, in_features = packer.dims(parts)
         path = packer.kernel_path(kernel_path)
-        packer.check_path(path)  # once per process and path; a set lookup afterwards
         layer = cls(packer, in_features, out_features, path, transposed)
         dtypes = packer.part_dtypes()
         # Straight into the buffer table (what register_buffer does after its name checks, which
@@ -205,12 +208,21 @@ class PackedLinear(nn.Module):
     def _operands(self) -> dict[str, torch.Tensor | None]:
         prepared = self._prepared
         if prepared is None:
-            # Derived once, at the first forward rather than at load: a warm load stays a mapping only.
+            # Derived once, at the first forward rather than at load: a warm load stays a mapping only. The kernel
+            # self-check comes first (once per process and path, a set lookup afterwards): no output of a kernel
+            # that misreads the layout is ever returned, and a load that never runs a layer pays nothing for it.
+            self.packer.check_path(self.kernel_path)
             operands = {name: self._buffers[name] for name in (*self.packer.parts, "bias")}
             prepared = self._prepared = self.packer.prepare(operands, self.kernel_path)
         return prepared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` over the packed operands, in ``x``'s dtype.
+
+        Raises:
+            PackResultError: (at the first forward on a path, once per process) the packer's kernel fails
+                its self-check there: it no longer reads the layout as the packer wrote it.
+        """
         flat = x.reshape(-1, self.in_features).to(self._dtype).contiguous()
         y = self.packer.linear(self._operands(), flat, self.kernel_path)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -271,6 +283,26 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, packer={self.packer!r}, "
             f"kernel_path={self.kernel_path!r}, kernels={self.packer.kernels(self.kernel_path)!r}"
         )
+
+
+def check_kernels(module: nn.Module) -> int:
+    """Run now the kernel self-check every :class:`PackedLinear` of ``module`` would run at its first forward
+    (once per process per packer and path): a service that wants a kernel misreading the layout to fail its
+    start, not its first request. Returns the number of packed layers (each check is a set lookup after the first).
+
+    Raises:
+        PackResultError: a packer's kernel fails its self-check on the path its layers run.
+
+    >>> from packcache.packers_torch import Int8WeightOnly
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    >>> _ = convert(model, WeightCache(None), Int8WeightOnly(), model_id="doctest")
+    >>> check_kernels(model)
+    1
+    """
+    layers = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    for layer in layers:
+        layer.packer.check_path(layer.kernel_path)
+    return len(layers)
 
 
 def _float_weight(layer: PackedLinear) -> torch.Tensor:
@@ -346,8 +378,7 @@ class _ReadOnlyTensors:
 _READ_ONLY_HOOK = -1
 
 
-def load_parts(
-    session: Session,
+def part_requests(
     name: str,
     packer: Packer,
     meta: SourceMeta,
@@ -355,13 +386,14 @@ def load_parts(
     *,
     stats: Callable[[], np.ndarray[Any, Any]] | None = None,
     calibration: str | None = None,
-) -> Parts:
-    """Every part of ``packer``'s pack of source ``name``, each through ``session.get_or_pack``.
+) -> list[Request]:
+    """The requests (for :meth:`Session.get_many <packcache.Session.get_many>`) of every part of ``packer``'s
+    pack of source ``name``, in :attr:`~packcache.packers.Packer.parts` order.
 
-    The source is read (``read()``), its statistics computed (``stats()``, for packers
-    that use them) and packed at most once, and only if some part misses; on a warm
-    launch none of it happens. Entry names are ``"<name>:<packer id>:<part>"``;
-    ``calibration`` identifies the data behind ``stats`` in the key.
+    The source is read (``read()``), its statistics computed (``stats()``, for packers that use them) and
+    packed at most once, and only if some part misses; on a warm launch none of it happens. Entry names
+    are ``"<name>:<packer id>:<part>"``; ``calibration`` identifies the data behind ``stats`` in the key,
+    whose bytes are assembled once per tensor (:meth:`~packcache.packers.Packer.part_keys`).
     """
     packed: Parts | None = None
     use_stats = packer.uses_stats and stats is not None
@@ -376,13 +408,25 @@ def load_parts(
 
         return pack
 
-    key_calibration = calibration if use_stats else None
-    return {
-        part: session.get_or_pack(
-            f"{name}:{packer.id}:{part}", pack_part(part), packer.key(meta, part, key_calibration)
-        )
-        for part in packer.parts
-    }
+    keys = packer.part_keys(meta, calibration if use_stats else None)
+    return [
+        (f"{name}:{packer.id}:{part}", pack_part(part), PackKey.from_canonical(keys[part])) for part in packer.parts
+    ]
+
+
+def load_parts(
+    session: Session,
+    name: str,
+    packer: Packer,
+    meta: SourceMeta,
+    read: Callable[[], np.ndarray[Any, Any]],
+    *,
+    stats: Callable[[], np.ndarray[Any, Any]] | None = None,
+    calibration: str | None = None,
+) -> Parts:
+    """Every part of ``packer``'s pack of source ``name``, through ``session`` in one batch (:func:`part_requests`)."""
+    requests = part_requests(name, packer, meta, read, stats=stats, calibration=calibration)
+    return dict(zip(packer.parts, session.get_many(requests), strict=True))
 
 
 class Calibration:
@@ -503,7 +547,39 @@ class ConversionReport:
     packed_bytes: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
     kernel_path: str = "fp32"
-    kernels: dict[str, str] = field(default_factory=dict)
+    kernels: Mapping[str, str] = field(default_factory=dict)
+
+
+class _KernelNames(Mapping[str, str]):
+    """:attr:`ConversionReport.kernels`, worded when first read: naming an int4 layer's ops probes torch's int4
+    layout (a kernel call, milliseconds), which a load that never reads the report must not pay."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[str, tuple[TorchPacker, str] | str] = {}
+        self._names: dict[str, str] | None = None
+
+    def add(self, kind: str, what: tuple[TorchPacker, str] | str) -> None:
+        self._kinds.setdefault(kind, what)
+        self._names = None
+
+    def _worded(self) -> dict[str, str]:
+        if self._names is None:
+            self._names = {
+                kind: what if isinstance(what, str) else what[0].kernels(what[1]) for kind, what in self._kinds.items()
+            }
+        return self._names
+
+    def __getitem__(self, kind: str) -> str:
+        return self._worded()[kind]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._kinds)
+
+    def __len__(self) -> int:
+        return len(self._kinds)
+
+    def __repr__(self) -> str:
+        return repr(self._worded())
 
 
 def convert(
@@ -597,9 +673,17 @@ def _convert(
     report: ConversionReport,
     transposed: tuple[type[nn.Module], ...],
 ) -> None:
-    def fetch(
+    queue: list[Request] = []  # requests not served yet
+    served: list[np.ndarray[Any, Any]] = []  # what every request before them was served
+
+    def flush() -> None:
+        served.extend(session.get_many(queue))
+        queue.clear()
+
+    def wanted(
         names: list[str], expected: tuple[int, ...], with_packer: Packer, layer: str | None = None, flip: bool = False
-    ) -> Parts:
+    ) -> slice:
+        """Queue the requests of one source tensor's pack; where its parts will be in the batch's answer."""
         name, meta = _first_meta(source, [prefix + n for n in names])
         if flip:
             if len(meta.shape) != 2:
@@ -615,42 +699,61 @@ def _convert(
             array = source.read(name)
             return np.ascontiguousarray(array.T) if flip else array
 
-        parts = load_parts(
-            session, name, with_packer, meta, read,
-            stats=stats, calibration=calibration.identity if calibration is not None else None,
+        start = len(served) + len(queue)
+        queue.extend(
+            part_requests(
+                name, with_packer, meta, read,
+                stats=stats, calibration=calibration.identity if calibration is not None else None,
+            )
         )  # fmt: skip
-        report.packed_bytes += packed_nbytes(parts)
-        return parts
+        if len(queue) >= _BATCH:
+            flush()
+        return slice(start, start + len(with_packer.parts))
 
     modules = dict(module.named_modules())
     plan = _plan(module, packer, transposed)
-    tied_layers: dict[str, PackedLinear] = {}  # name of a served float parameter -> the packed layer tied to it
     report.ineligible.update(plan.ineligible)
+    # Requests in batches of a few layers (shapes checked, nothing read): a warm load maps each batch in one pass,
+    # and the requests' own objects (keys, callables) never all exist at once: they would leave heap behind.
+    layers = []
     for layer in plan.linears:
         dotted = f"{layer.name}." if layer.name else ""
         names = [f"{dotted}weight", *layer.tied]  # a tied checkpoint saves the tensor under one of them
-        parts = fetch(names, layer.shape, packer, layer=layer.name, flip=layer.transposed)
-        bias = fetch([f"{dotted}bias"], (layer.shape[0],), other)["weight"] if layer.has_bias else None
+        layers.append((
+            layer,
+            wanted(names, layer.shape, packer, layer=layer.name, flip=layer.transposed),
+            wanted([f"{dotted}bias"], (layer.shape[0],), other) if layer.has_bias else None,
+        ))  # fmt: skip
+    parameters = [
+        (names, wanted(names, tuple(module.get_parameter(names[0]).shape), other)) for names in plan.parameters
+    ]
+    flush()
+    report.packed_bytes += sum(int(a.nbytes) for a in served)
+
+    tied_layers: dict[str, PackedLinear] = {}  # name of a served float parameter -> the packed layer tied to it
+    kernels = _KernelNames()
+    report.kernels = kernels
+    for layer, at, bias_at in layers:
+        parts = dict(zip(packer.parts, served[at], strict=True))
+        bias = served[bias_at][0] if bias_at is not None else None
         new = PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed)
         _replace(modules, layer.name, new)
         report.converted.append(layer.name)
-        report.kernels.setdefault(layer.name.rpartition(".")[2], packer.kernels(report.kernel_path))
+        kernels.add(layer.name.rpartition(".")[2], (packer, report.kernel_path))
         if layer.tied:
             report.packed_ties[layer.name] = list(layer.tied)
             tied_layers[layer.tied[0]] = new
     for name in plan.ineligible:
-        report.kernels.setdefault(name.rpartition(".")[2], "linear(float32), not packed")
+        kernels.add(name.rpartition(".")[2], "linear(float32), not packed")
     owners: dict[str, list[str]] = {}
-    for names in plan.parameters:
-        param = module.get_parameter(names[0])
-        array = fetch(names, tuple(param.shape), other)["weight"]
-        served = nn.Parameter(as_tensor(array), requires_grad=False)
+    for names, at in parameters:
+        served_param = nn.Parameter(as_tensor(served[at][0]), requires_grad=False)
         for alias in names:
             owner, _, attr = alias.rpartition(".")
-            modules[owner]._parameters[attr] = served
+            modules[owner]._parameters[attr] = served_param
             owners.setdefault(owner, []).append(attr)
             if alias in tied_layers:  # what the packed twin saves: the tie's one tensor
-                tied_layers[alias].__dict__["tied_weight"] = served
+                tied_layers[alias].__dict__["tied_weight"] = served_param
         report.parameters.append(names[0])
         if len(names) > 1:
             report.tied[names[0]] = names[1:]
@@ -659,6 +762,10 @@ def _convert(
         # module): this runs for every module with a parameter on every warm load. One key: converting again
         # replaces it.
         modules[owner]._load_state_dict_pre_hooks[_READ_ONLY_HOOK] = _ReadOnlyTensors(tuple(attrs))
+
+
+#: Requests :func:`convert` sends to :meth:`Session.get_many <packcache.Session.get_many>` at once: a few layers' parts.
+_BATCH = 32
 
 
 @dataclass(frozen=True)

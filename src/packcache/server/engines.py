@@ -178,6 +178,11 @@ def load_engine(spec: EngineSpec) -> Engine:
                 remote_timeout=spec.remote_timeout, trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
             )  # fmt: skip
         model = minilm.load(spec.scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path)
+        # The kernel self-check a layer runs at its first forward, run now: a torch whose kernel misreads the
+        # layout fails the worker's boot (the master sees it), not its first request.
+        from ..torch import check_kernels
+
+        check_kernels(model.encoder)
         engine: Engine = _Packcache(model, path)
         if spec.prefault:
             _prefault(model.encoder)
