@@ -683,14 +683,25 @@ class Session:
             TypeError/ValueError: invalid ``name`` or ``key``.
             Whatever ``pack()`` raises. Cache problems are never raised.
         """
-        _checked_name(name)
-        key_bytes = _encoded(key)
-        cached = self._cache.enabled and self._store is not None
+        if type(name) is not str or not 0 < len(name) <= fmt.MAX_NAME_BYTES // 4:  # most names: nothing to encode
+            _checked_name(name)
+        key_bytes = key.canonical if type(key) is PackKey else _encoded(key)
+        store = self._store
+        cached = self._cache.enabled and store is not None
         me = threading.get_ident()
         with self._mutex:
             if not self._active or self._closing:
                 raise SessionError("get_or_pack() called outside an active session (use 'with cache.session() as s')")
             if cached and name is not None:
+                if name not in self._ledger.held and not self._cache.verify:
+                    # A first hit: the one-pass path of get_many (None when it does not decide: see below).
+                    started = time.perf_counter()
+                    hit = store.serve_many([(name, key_bytes)])  # type: ignore[union-attr]  # cached: a store
+                    if hit is not None and hit[0] is not None:
+                        array, origin, kept = hit[0]
+                        held = Held(array, kept, None, self._serial, origin)
+                        self._ledger.hold_hits([(name, held)], map_seconds=time.perf_counter() - started)
+                        return array
                 found = self._serve_existing(name, key_bytes)
                 if isinstance(found, np.ndarray):
                     return found  # a hit, served without leaving the mutex: nothing to wait for at exit
