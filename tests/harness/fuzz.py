@@ -58,6 +58,9 @@ def base_packs() -> list[tuple[int, str, dict[str, Any] | None, np.ndarray[Any, 
         (1, "scalar", None, np.array(2.5, np.float64)),
         (1, "ü/层.weight", {"packer": "x"}, np.arange(105, dtype=np.int16).reshape(3, 5, 7)),
         (2, "w4", None, np.array([1 + 2j, 3 - 4j], np.complex128)),
+        # Enough entries that every generation's index is checked as arrays (format._AT_ONCE_FROM), as a real
+        # model's is: mutations then reach that decoder, and its verdicts must be the loop's.
+        *((1, f"layers.{i}.w", {"i": i}, np.full((i % 3 + 1, 2), i, np.int8)) for i in range(14)),
     ]
 
 
