@@ -470,6 +470,17 @@ def test_the_closed_form_error_quantises_as_well_as_the_elementwise_one(weighted
 # ------------------------------------------------------------------------------- every alpha in one search
 
 
+def reference_dequantize_int4(
+    codes: np.ndarray[Any, Any], scales: np.ndarray[Any, Any], zeros: np.ndarray[Any, Any], zero_code: int = 0
+) -> np.ndarray[Any, Any]:
+    """``dequantize_int4`` as it was at 8613857, verbatim."""
+    group = codes.shape[1] // scales.shape[0]
+    s = np.repeat(scales.T.astype(np.float64), group, axis=1)
+    z = np.repeat(zeros.T.astype(np.float64), group, axis=1)
+    result: np.ndarray[Any, Any] = (codes.astype(np.float64) - zero_code) * s + z
+    return result
+
+
 def reference_quantize_int4_activation_aware(
     w: np.ndarray[Any, Any],
     group_size: int,
@@ -513,7 +524,7 @@ def reference_quantize_int4_activation_aware(
             if alpha == 0.0:  # the weight itself: refused
                 raise
             continue  # only this alpha's column scales push a group beyond float32
-        delta = dequant = dequantize_int4(*result, zero_code=zero_code)
+        delta = dequant = reference_dequantize_int4(*result, zero_code=zero_code)
         delta = dequant / column - w64
         with np.errstate(over="ignore", invalid="ignore"):  # a huge error is Inf: it loses, never raises
             err = float(np.sum((delta @ h) * delta))
@@ -522,6 +533,22 @@ def reference_quantize_int4_activation_aware(
     assert best is not None
     codes, scales, zeros = best[1]
     return codes, scales, zeros, best[2]
+
+
+@pytest.mark.parametrize("group_size", [1, 32, 64, 128])
+@pytest.mark.parametrize("zero_code", [0, 8])
+def test_dequantize_int4_gives_the_repeating_version_s_values(group_size: int, zero_code: int) -> None:
+    rng = np.random.default_rng(group_size)
+    codes = rng.integers(0, 16, size=(48, 256), dtype=np.uint8)
+    scales = (rng.standard_t(2, size=(256 // group_size, 48)) * 1e-3).astype(np.float32)
+    zeros = (rng.standard_t(2, size=scales.shape)).astype(np.float32)
+    scales[0, :4] = [0.0, -0.0, 1e-45, 3e38]  # flat, subnormal, huge
+    zeros[0, :4] = [-0.0, 1e-40, -3e38, 3.4e38]
+    got, expected = (
+        dequantize_int4(codes, scales, zeros, zero_code),
+        reference_dequantize_int4(codes, scales, zeros, zero_code),
+    )
+    assert got.dtype == expected.dtype and got.shape == expected.shape and got.tobytes() == expected.tobytes()
 
 
 def _assert_same_as_reference(w: Any, group_size: int, h: Any, **kwargs: Any) -> tuple[str, Any]:
