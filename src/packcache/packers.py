@@ -992,6 +992,11 @@ def quantize_int4_activation_aware(
     error ``sum_rows D E[x x^T] D^T`` wins (``alpha = 0`` is the plain search, so it is never worse
     on the calibration statistics). Features that matter get finer steps.
 
+    The alphas are searched together, one pass of the search over the weight's rows scaled every
+    way (chunk by chunk, so the float64 product ``w * c`` is never whole), with the bytes one
+    :func:`quantize_int4_groups` per alpha gives (``tests/test_int4_search.py`` keeps that loop and
+    compares): a small weight costs a fifth of the numpy calls, which are most of its cost.
+
     Returns ``(codes, scales, zeros, input_scales)``: the layer computes
     ``(x * input_scales) @ dequant(codes, scales, zeros)^T``; ``input_scales = 1 / c`` (float32 ``[in]``).
     ``scale_dtype`` and ``error`` are passed to :func:`quantize_int4_groups`: each ``alpha`` is judged
