@@ -697,6 +697,25 @@ def test_a_non_finite_weight_is_refused_with_the_per_alpha_loop_s_error_and_inde
     assert outcome[0] == "raised" and outcome[1][2] == at
 
 
+def test_a_non_finite_weight_stops_the_search_of_every_alpha_at_its_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    searched: list[int] = []
+    run = packers._Int4Search._run
+
+    def counting(self: Any, start: int) -> bool:
+        searched.append(start)
+        return bool(run(self, start))
+
+    monkeypatch.setattr(packers._Int4Search, "_run", counting)
+    monkeypatch.setattr(packers, "_INT4_CHUNK", 5 * 256)  # one row of every alpha per chunk
+    monkeypatch.setattr(packers, "usable_cpus", lambda: 1)
+    w = np.random.default_rng(58).standard_normal((16, 256)).astype(np.float32)
+    w[2, 5] = np.nan
+    with pytest.raises(NonFiniteWeightError, match="row 2, column 5"):
+        quantize_int4_activation_aware(w, 32, _statistics("spread", 256, 59))
+    # Rows 0-2 of every alpha, then alpha 0's own search (five rows a chunk) for the plain search's message.
+    assert searched == [0, 1, 2, 0]
+
+
 def test_a_weight_whose_own_group_range_overflows_is_refused_with_the_per_alpha_loop_s_error(chunking: str) -> None:
     w = np.random.default_rng(55).standard_normal((40, 128)).astype(np.float32)
     w[29, 70], w[29, 80] = np.float32(3e38), np.float32(-3e38)  # group 2 of row 29, at alpha 0
