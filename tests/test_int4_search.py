@@ -465,3 +465,302 @@ def test_the_closed_form_error_quantises_as_well_as_the_elementwise_one(weighted
     assert _weighted_error(w, d, plain, 8) < round_to_nearest
     with pytest.raises(ValueError, match="error must be"):
         quantize_int4_groups(w, 32, error="exact")
+
+
+# ------------------------------------------------------------------------------- every alpha in one search
+
+
+def reference_dequantize_int4(
+    codes: np.ndarray[Any, Any], scales: np.ndarray[Any, Any], zeros: np.ndarray[Any, Any], zero_code: int = 0
+) -> np.ndarray[Any, Any]:
+    """``dequantize_int4`` as it was at 8613857, verbatim."""
+    group = codes.shape[1] // scales.shape[0]
+    s = np.repeat(scales.T.astype(np.float64), group, axis=1)
+    z = np.repeat(zeros.T.astype(np.float64), group, axis=1)
+    result: np.ndarray[Any, Any] = (codes.astype(np.float64) - zero_code) * s + z
+    return result
+
+
+def reference_quantize_int4_activation_aware(
+    w: np.ndarray[Any, Any],
+    group_size: int,
+    second_moment: np.ndarray[Any, Any],
+    *,
+    zero_code: int = 0,
+    scale_dtype: str = "float32",
+    error: str = "elementwise",
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``quantize_int4_activation_aware`` as it was at 8613857, verbatim: one ``quantize_int4_groups`` per alpha.
+    Every int4 pack made with statistics and the int4 packer's fingerprint hold what it returns."""
+    h = np.asarray(second_moment, dtype=np.float64)
+    bad = packers.non_finite_index(h)
+    if bad is not None:
+        raise NonFiniteWeightError(
+            "has non-finite calibration statistics: E[x x^T] of the layer's input holds "
+            f"{packers._shown(float(h[bad]))} at {packers._where(bad)}, "
+            "so the float model computes NaN or Inf on the calibration texts",
+            index=bad,
+        )
+    energy = np.clip(np.diag(h), 0.0, None)
+    rms = np.sqrt(energy)
+    positive = rms > 0
+    base = np.where(positive, rms, 1.0)
+    base = base / np.exp(np.log(base[positive]).mean()) if positive.any() else base
+    w64 = np.asarray(w, dtype=np.float64)
+    best: tuple[float, tuple[Any, Any, Any], np.ndarray[Any, Any]] | None = None
+    for alpha in AWQ_EXPONENTS:
+        inv = (1.0 / base**alpha).astype(np.float32)
+        column = 1.0 / inv.astype(np.float64)  # the scale the float32 input scale really undoes
+        try:
+            result = quantize_int4_groups(
+                w64 * column,
+                group_size,
+                zero_code=zero_code,
+                importance=energy / (column * column),
+                scale_dtype=scale_dtype,
+                error=error,
+            )
+        except NonFiniteWeightError:
+            if alpha == 0.0:  # the weight itself: refused
+                raise
+            continue  # only this alpha's column scales push a group beyond float32
+        delta = dequant = reference_dequantize_int4(*result, zero_code=zero_code)
+        delta = dequant / column - w64
+        with np.errstate(over="ignore", invalid="ignore"):  # a huge error is Inf: it loses, never raises
+            err = float(np.sum((delta @ h) * delta))
+        if best is None or err < best[0]:
+            best = (err, result, inv)
+    assert best is not None
+    codes, scales, zeros = best[1]
+    return codes, scales, zeros, best[2]
+
+
+@pytest.mark.parametrize("group_size", [1, 32, 64, 128])
+@pytest.mark.parametrize("zero_code", [0, 8])
+def test_dequantize_int4_gives_the_repeating_version_s_values(group_size: int, zero_code: int) -> None:
+    rng = np.random.default_rng(group_size)
+    codes = rng.integers(0, 16, size=(48, 256), dtype=np.uint8)
+    scales = (rng.standard_t(2, size=(256 // group_size, 48)) * 1e-3).astype(np.float32)
+    zeros = (rng.standard_t(2, size=scales.shape)).astype(np.float32)
+    scales[0, :4] = [0.0, -0.0, 1e-45, 3e38]  # flat, subnormal, huge
+    zeros[0, :4] = [-0.0, 1e-40, -3e38, 3.4e38]
+    got, expected = (
+        dequantize_int4(codes, scales, zeros, zero_code),
+        reference_dequantize_int4(codes, scales, zeros, zero_code),
+    )
+    assert got.dtype == expected.dtype and got.shape == expected.shape and got.tobytes() == expected.tobytes()
+
+
+def _assert_same_as_reference(w: Any, group_size: int, h: Any, **kwargs: Any) -> tuple[str, Any]:
+    """The activation-aware search and its per-alpha reference did the same: the same four arrays, byte for
+    byte (the same alpha), or the same error, message and index. Returns what the reference did."""
+    reference = _outcome(reference_quantize_int4_activation_aware, w, group_size, h, **kwargs)
+    stacked = _outcome(quantize_int4_activation_aware, w, group_size, h, **kwargs)
+    assert stacked[0] == reference[0], (stacked, reference)
+    if reference[0] == "raised":
+        assert stacked[1] == reference[1]
+        return reference
+    names = ("codes", "scales", "zeros", "input_scales")
+    for got, expected, name in zip(stacked[1], reference[1], names, strict=True):
+        assert got[:2] == expected[:2], name
+        if got[2] != expected[2]:
+            a, b = np.frombuffer(got[2], np.uint8), np.frombuffer(expected[2], np.uint8)
+            raise AssertionError(f"{name} differ at byte {int(np.argmax(a != b))} of {a.size}")
+    return reference
+
+
+def _columns(h: np.ndarray[Any, Any], alpha: float) -> np.ndarray[Any, Any]:
+    """The column scale alpha applies, as the search computes it (to build weights that overflow at one alpha)."""
+    rms = np.sqrt(np.clip(np.diag(h), 0.0, None))
+    positive = rms > 0
+    base = np.where(positive, rms, 1.0)
+    base = base / np.exp(np.log(base[positive]).mean())
+    return 1.0 / (1.0 / base**alpha).astype(np.float32).astype(np.float64)
+
+
+def _statistics(kind: str, in_features: int, seed: int) -> np.ndarray[Any, Any]:
+    """``E[x x^T]`` of one kind: features of spread scales, some never seen, all alike, none seen."""
+    rng = np.random.default_rng(seed)
+    if kind == "all alike":  # every alpha scales nothing: equal errors, alpha 0 wins the tie
+        return np.eye(in_features) * 2.0
+    if kind == "none seen":  # energy 0 everywhere: the importance is 1e-6 for every feature
+        return np.zeros((in_features, in_features))
+    x = rng.standard_normal((in_features + 64, in_features))
+    x *= np.geomspace(0.05, 20.0, in_features)[rng.permutation(in_features)][None, :]
+    if kind == "some never seen":
+        x[:, ::5] = 0.0
+    elif kind != "spread":
+        raise AssertionError(kind)
+    h: np.ndarray[Any, Any] = x.T @ x / len(x)
+    return h
+
+
+AWARE_CASES = [
+    # weight kind, shape, group size, statistics kind, seed
+    ("normal", (32, 256), 32, "spread", 0),
+    ("heavy tails", (48, 256), 32, "spread", 1),
+    ("normal", (20, 384), 64, "spread", 2),
+    ("heavy tails", (16, 384), 128, "some never seen", 3),
+    ("normal", (1, 128), 32, "spread", 4),
+    ("normal", (130, 64), 32, "spread", 5),
+    ("flat groups", (30, 128), 32, "spread", 6),
+    ("flat groups", (11, 256), 64, "some never seen", 7),
+    ("zero extremes", (12, 128), 32, "spread", 8),
+    ("subnormals", (16, 128), 32, "spread", 9),
+    ("huge", (16, 128), 32, "spread", 10),
+    ("huge", (7, 256), 128, "some never seen", 11),
+    ("heavy tails", (24, 128), 64, "all alike", 12),
+    ("normal", (16, 128), 32, "none seen", 13),
+]
+
+
+@pytest.mark.parametrize(("kind", "shape", "group_size", "statistics", "seed"), AWARE_CASES)
+@pytest.mark.parametrize("error", ["elementwise", "closed"])
+def test_the_search_of_every_alpha_at_once_gives_the_per_alpha_loop_s_bytes(
+    chunking: str, kind: str, shape: tuple[int, int], group_size: int, statistics: str, seed: int, error: str
+) -> None:
+    w = _weights(kind, shape, group_size, seed)
+    h = _statistics(statistics, shape[1], seed + 100)
+    for scale_dtype in ("float32", "bfloat16"):
+        for zero_code in (0, 8):
+            outcome = _assert_same_as_reference(
+                w, group_size, h, zero_code=zero_code, scale_dtype=scale_dtype, error=error
+            )
+            assert outcome[0] == "returned" or (kind == "huge" and scale_dtype == "bfloat16"), outcome
+
+
+def test_the_fingerprint_input_picks_the_per_alpha_loop_s_alpha() -> None:
+    """The int4 packer's own call on the fingerprint's input and statistics: its fingerprint depends on it."""
+    x, h = packers.fingerprint_input(), packers.fingerprint_stats()
+    outcome = _assert_same_as_reference(x, 32, h, zero_code=8, scale_dtype="bfloat16", error="closed")
+    assert outcome[0] == "returned" and not np.all(np.frombuffer(outcome[1][3][2], np.float32) == 1.0)
+
+
+def _far_above(in_features: int, energy: float, features: int = 2) -> np.ndarray[Any, Any]:
+    """Statistics where the first ``features`` features are seen far more than the others: large column scales."""
+    h = np.diag(np.linspace(0.5, 2.0, in_features))
+    h[np.arange(features), np.arange(features)] = energy
+    return h
+
+
+@pytest.mark.parametrize("error", ["elementwise", "closed"])
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+def test_an_alpha_whose_column_scales_overflow_float32_is_skipped_as_the_per_alpha_loop_skips_it(
+    chunking: str, error: str, scale_dtype: str
+) -> None:
+    h = _far_above(128, 1e70)
+    w = np.random.default_rng(50).standard_normal((24, 128)).astype(np.float32)
+    top = _columns(h, 1.0)[0]
+    w[5, 0] = np.float32(4e38 / top)  # beyond float32 at alpha 1 only: that chunk holds +Inf there
+    assert float(w[5, 0]) * top > 3.5e38 and float(w[5, 0]) * _columns(h, 0.75)[0] < 1e35
+    outcome = _assert_same_as_reference(w, 32, h, zero_code=8, scale_dtype=scale_dtype, error=error)
+    assert outcome[0] == "returned"
+    with pytest.raises(NonFiniteWeightError, match="row 5, column 0"):  # what the loop skipped alpha 1 for
+        quantize_int4_groups(w.astype(np.float64) * _columns(h, 1.0), 32, scale_dtype=scale_dtype, error=error)
+
+
+@pytest.mark.parametrize("error", ["elementwise", "closed"])
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+def test_an_alpha_whose_scaled_group_range_overflows_is_skipped_as_the_per_alpha_loop_skips_it(
+    chunking: str, error: str, scale_dtype: str
+) -> None:
+    h = _far_above(128, 1e70)
+    w = np.random.default_rng(51).standard_normal((24, 128)).astype(np.float32)
+    top = _columns(h, 1.0)[0]
+    w[17, 0], w[17, 1] = np.float32(2.5e38 / top), np.float32(-2.5e38 / top)  # finite, but a range of 5e38
+    outcome = _assert_same_as_reference(w, 32, h, zero_code=8, scale_dtype=scale_dtype, error=error)
+    assert outcome[0] == "returned"
+    with pytest.raises(NonFiniteWeightError, match="row 17, group 0"):  # what the loop skipped alpha 1 for
+        quantize_int4_groups(w.astype(np.float64) * _columns(h, 1.0), 32, scale_dtype=scale_dtype, error=error)
+
+
+def test_an_alpha_whose_zero_overflows_bfloat16_only_is_skipped_as_the_per_alpha_loop_skips_it(chunking: str) -> None:
+    h = _far_above(64, 1e60, features=32)
+    w = np.random.default_rng(52).standard_normal((16, 64)).astype(np.float32)
+    top = _columns(h, 1.0)[:32]
+    w[9, :32] = (np.linspace(3.397e38, 3.4e38, 32) / top).astype(np.float32)  # group 0 of row 9 at alpha 1: its zero
+    for scale_dtype in ("float32", "bfloat16"):  # is a float32 value, beyond bfloat16's largest
+        assert _assert_same_as_reference(w, 32, h, scale_dtype=scale_dtype, error="closed")[0] == "returned"
+    with pytest.raises(NonFiniteWeightError, match="overflows bfloat16"):
+        quantize_int4_groups(w.astype(np.float64) * _columns(h, 1.0), 32, scale_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("at", [(0, 0), (40, 100), (63, 255)])
+def test_a_non_finite_weight_is_refused_with_the_per_alpha_loop_s_error_and_index(
+    chunking: str, value: float, at: tuple[int, int]
+) -> None:
+    w = np.random.default_rng(53).standard_normal((64, 256)).astype(np.float32)
+    w[at] = value
+    h = _statistics("spread", 256, 54)
+    outcome = _assert_same_as_reference(w, 32, h, zero_code=8, scale_dtype="bfloat16", error="closed")
+    assert outcome[0] == "raised" and outcome[1][2] == at
+
+
+def test_a_non_finite_weight_stops_the_search_of_every_alpha_at_its_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    searched: list[int] = []
+    run = packers._Int4Search._run
+
+    def counting(self: Any, start: int) -> bool:
+        searched.append(start)
+        return bool(run(self, start))
+
+    monkeypatch.setattr(packers._Int4Search, "_run", counting)
+    monkeypatch.setattr(packers, "_INT4_CHUNK", 5 * 256)  # one row of every alpha per chunk
+    monkeypatch.setattr(packers, "usable_cpus", lambda: 1)
+    w = np.random.default_rng(58).standard_normal((16, 256)).astype(np.float32)
+    w[2, 5] = np.nan
+    with pytest.raises(NonFiniteWeightError, match="row 2, column 5"):
+        quantize_int4_activation_aware(w, 32, _statistics("spread", 256, 59))
+    # Rows 0-2 of every alpha, then alpha 0's own search (five rows a chunk) for the plain search's message.
+    assert searched == [0, 1, 2, 0]
+
+
+def test_a_weight_whose_own_group_range_overflows_is_refused_with_the_per_alpha_loop_s_error(chunking: str) -> None:
+    w = np.random.default_rng(55).standard_normal((40, 128)).astype(np.float32)
+    w[29, 70], w[29, 80] = np.float32(3e38), np.float32(-3e38)  # group 2 of row 29, at alpha 0
+    for scale_dtype in ("float32", "bfloat16"):
+        outcome = _assert_same_as_reference(w, 32, _statistics("spread", 128, 56), scale_dtype=scale_dtype)
+        assert outcome[0] == "raised" and outcome[1][2] == (29, 2)
+
+
+def test_refusals_of_arguments_and_statistics_are_the_per_alpha_loop_s() -> None:
+    w = np.random.default_rng(57).standard_normal((16, 96)).astype(np.float32)
+    h = _statistics("spread", 96, 58)
+    assert _assert_same_as_reference(w, 64, h)[0] == "raised"  # 96 is not a multiple of 64
+    assert _assert_same_as_reference(w, 32, h, scale_dtype="float16")[0] == "raised"
+    assert _assert_same_as_reference(w, 32, h, error="exact")[0] == "raised"
+    h[3, 5] = np.nan
+    assert _assert_same_as_reference(w, 32, h)[1][2] == (3, 5)
+
+
+@pytest.mark.parametrize("with_importance", [False, True])
+@pytest.mark.parametrize("error", ["elementwise", "closed"])
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_one_search_of_several_column_scalings_gives_each_its_own_search_s_bytes(
+    chunking: str, with_importance: bool, error: str, scale_dtype: str, group_size: int
+) -> None:
+    """The search behind the activation-aware one, with and without importance: variant ``v`` of one search of
+    ``w`` times ``columns`` is ``quantize_int4_groups(w * columns[v])``, byte for byte."""
+    rng = np.random.default_rng(group_size)
+    w = _weights("flat groups", (36, 256), group_size, group_size + 1).astype(np.float64)
+    columns = np.stack([np.ones(256), rng.random(256) * 4 + 0.1, np.geomspace(1e-3, 1e3, 256)])
+    importance = rng.random((3, 256)) ** 3 if with_importance else None
+    rows = max(1, packers._INT4_CHUNK // (3 * 256))
+    search = packers._Int4Search(
+        w, group_size, rows, 8, importance, 2, scale_dtype == "bfloat16", closed=error == "closed", columns=columns
+    )
+    assert search.search_all() and not search.invalid.any()
+    for variant in range(3):
+        codes, scales, zeros = quantize_int4_groups(
+            w * columns[variant],
+            group_size,
+            zero_code=8,
+            importance=None if importance is None else importance[variant],
+            scale_dtype=scale_dtype,
+            error=error,
+        )
+        assert search.codes[:, variant].tobytes() == codes.tobytes()
+        assert search.scales[:, variant].T.tobytes() == scales.tobytes()
+        assert search.zeros[:, variant].T.tobytes() == zeros.tobytes()

@@ -675,26 +675,13 @@ def quantize_int4_groups(
     ((1, 32), (1, 1), 0, 15)
     """
     out_features, in_features = w.shape
-    if in_features % group_size:
-        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
-    if scale_dtype not in _SCALE_DTYPES:
-        raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, got {scale_dtype!r}")
-    if error not in ("elementwise", "closed"):
-        raise ValueError(f"error must be 'elementwise' or 'closed', got {error!r}")
+    _check_int4_arguments(in_features, group_size, scale_dtype, error)
     groups = in_features // group_size
     rows = max(1, min(out_features, _INT4_CHUNK // max(in_features, 1)))
     search = _Int4Search(
         w, group_size, rows, zero_code, importance, refine, scale_dtype == "bfloat16", closed=error == "closed"
     )
-    starts = range(0, out_features, rows)
-    workers = min(usable_cpus(), len(starts))
-    if workers > 1:
-        # numpy releases the GIL inside its loops: the chunks run in parallel on the threads.
-        with ThreadPoolExecutor(workers, thread_name_prefix="packcache-int4") as pool:
-            finite = all(pool.map(search.run, starts))
-    else:
-        finite = all([search.run(start) for start in starts])
-    if not finite:  # NaN and Inf reach a chunk's min/max: no extra pass
+    if not search.search_all():  # NaN and Inf reach a chunk's min/max: no extra pass
         with np.errstate(over="ignore"):  # float64 beyond float32's range becomes Inf: what is refused
             x = np.asarray(w, dtype=np.float32)
         raise non_finite_source(x.reshape(out_features, in_features), original=np.asarray(w))
@@ -714,6 +701,16 @@ def quantize_int4_groups(
     return search.codes, np.ascontiguousarray(scales.T), np.ascontiguousarray(zeros.T)
 
 
+def _check_int4_arguments(in_features: int, group_size: int, scale_dtype: str, error: str) -> None:
+    """Refuse what :func:`quantize_int4_groups` cannot search (one check, shared with the activation-aware search)."""
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
+    if scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, got {scale_dtype!r}")
+    if error not in ("elementwise", "closed"):
+        raise ValueError(f"error must be 'elementwise' or 'closed', got {error!r}")
+
+
 class _Int4Search:
     """The search of :func:`quantize_int4_groups`, one chunk of rows per :meth:`run`.
 
@@ -723,6 +720,17 @@ class _Int4Search:
     ``sum(axis=-1)`` takes it (:func:`_group_sum`), and every element's arithmetic is the same
     float32 operation, so the result is bit-identical to the plain whole-array formulas
     (``tests/test_int4_search.py`` keeps them and compares).
+
+    ``columns`` (float64 ``[variants, in]``) searches every row of ``w`` times each variant's column
+    scales at once, each variant with its own ``importance`` row (``[variants, in]``): the candidate
+    weights of :func:`quantize_int4_activation_aware`, one per ``alpha``. A chunk then holds its rows
+    for every variant, ``X [g, chunk rows * variants * groups]``; nothing in the search mixes two
+    groups, so each variant's bytes are what a search of ``w * columns[v]`` alone gives, in one pass
+    of numpy calls instead of one per variant (the calls, not the arithmetic, are the cost of a small
+    weight such as the fingerprint's). ``codes``, ``scales`` and ``zeros`` are then ``[out, variants,
+    ...]``. A chunk whose variants all hold NaN or ±Inf refuses the search (a non-finite weight); one
+    that only some variants overflow lands in :attr:`invalid` (those variants' results mean nothing)
+    and the search goes on.
     """
 
     def __init__(
@@ -736,6 +744,7 @@ class _Int4Search:
         bfloat16: bool,
         *,
         closed: bool = False,
+        columns: np.ndarray[Any, Any] | None = None,
     ) -> None:
         out_features, in_features = w.shape
         self.closed = closed
@@ -747,26 +756,49 @@ class _Int4Search:
             refine,
             bfloat16,
         )
+        self.columns = columns
+        self.variants = 1 if columns is None else int(columns.shape[0])
         self.groups = in_features // group_size
-        self.codes = np.empty((out_features, in_features), np.uint8)
-        self.scales = np.empty((out_features, self.groups), np.float32)
-        self.zeros = np.empty((out_features, self.groups), np.float32)
+        per_row = () if columns is None else (self.variants,)
+        self.codes = np.empty((out_features, *per_row, in_features), np.uint8)
+        self.scales = np.empty((out_features, *per_row, self.groups), np.float32)
+        self.zeros = np.empty((out_features, *per_row, self.groups), np.float32)
         self.refused = False
+        #: Per chunk that held NaN or ±Inf in some variant, which variants did ([variants] bools); appended
+        #: from the pool's threads (list.append is atomic).
+        self.non_finite: list[np.ndarray[Any, Any]] = []
         self.d: np.ndarray[Any, Any] | None = None
         # With unit importance d * v is v exactly, so those products are skipped; sum(d) is g exactly.
         self.sum_d: Any = np.float32(group_size)
         if importance is not None:
-            raw = np.asarray(importance, dtype=np.float64)
-            raw = np.where(raw > 0, raw, 0.0)
-            peak = raw.max() if raw.size and raw.max() > 0 else 1.0
-            # Normalised to a peak of 1; a feature never seen still counts a little.
-            d = (raw / peak + 1e-6).astype(np.float32).reshape(self.groups, group_size)
-            self.d = np.ascontiguousarray(np.tile(d.T, (1, rows)))  # [g, rows * groups], like X
-            self.sum_d = np.tile(d.sum(axis=1), rows)
+            weights = [
+                _group_weights(row, self.groups, group_size)
+                for row in np.reshape(importance, (self.variants, in_features))
+            ]
+            d = np.concatenate(weights)  # [variants * groups, g]: one row's groups, variant by variant
+            self.d = np.ascontiguousarray(np.tile(d.T, (1, rows)))  # [g, rows * variants * groups], like X
+            self.sum_d = np.tile(np.concatenate([v.sum(axis=1) for v in weights]), rows)
+
+    @property
+    def invalid(self) -> np.ndarray[Any, Any]:
+        """Per variant, whether a chunk held NaN or ±Inf in it (its codes, scales and zeros mean nothing)."""
+        held: np.ndarray[Any, Any] = np.logical_or.reduce([np.zeros(self.variants, bool), *self.non_finite])
+        return held
+
+    def search_all(self) -> bool:
+        """Search every chunk, on one thread per usable CPU; ``False`` if the search was refused (:meth:`run`)."""
+        out_features = self.w.shape[0]
+        starts = range(0, out_features, self.rows)
+        workers = min(usable_cpus(), len(starts))
+        if workers > 1:
+            # numpy releases the GIL inside its loops: the chunks run in parallel on the threads.
+            with ThreadPoolExecutor(workers, thread_name_prefix="packcache-int4") as pool:
+                return all(pool.map(self.run, starts))
+        return all([self.run(start) for start in starts])
 
     def run(self, start: int) -> bool:
-        """Search rows ``start`` to ``start + rows``; ``False`` if they hold NaN or ±Inf (nothing written),
-        or if an earlier chunk did (the weight is refused: the rest is not searched)."""
+        """Search rows ``start`` to ``start + rows``; ``False`` if they hold NaN or ±Inf in every variant
+        (nothing written), or if an earlier chunk did (the weight is refused: the rest is not searched)."""
         if self.refused:
             return False
         # Thread-local: numpy's error state is not inherited by the pool's threads. A range beyond
@@ -776,16 +808,32 @@ class _Int4Search:
         self.refused = self.refused or not searched
         return searched
 
+    def _chunk(self, start: int) -> np.ndarray[Any, Any]:
+        """Rows ``start`` to ``start + rows`` as float32 ``[rows, in]`` (with ``columns``: ``[rows, variants, in]``)."""
+        rows = self.w[start : start + self.rows]
+        if self.columns is None:
+            return np.asarray(rows, dtype=np.float32)
+        # The product in float64, then rounded to float32: what a search of ``w * columns[v]`` reads.
+        scaled: np.ndarray[Any, Any] = (np.asarray(rows, dtype=np.float64)[:, None, :] * self.columns).astype(
+            np.float32
+        )
+        return scaled
+
     def _run(self, start: int) -> bool:
         g, zero_code = self.g, self.zero_code
-        chunk = np.asarray(self.w[start : start + self.rows], dtype=np.float32)
+        chunk = self._chunk(start)
         rows = chunk.shape[0]
-        size = rows * self.groups
+        size = rows * self.variants * self.groups
         by_group = chunk.reshape(size, g)
         x = np.ascontiguousarray(by_group.T)  # [g, size]
         lo, hi = x.min(axis=0), x.max(axis=0)
-        if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
-            return False
+        finite = np.isfinite(lo) & np.isfinite(hi)
+        if not finite.all():
+            held = ~finite.reshape(rows, self.variants, self.groups).all(axis=(0, 2))
+            self.non_finite.append(held)
+            if held.all():
+                return False
+            # Some variants' groups only: no group's search reads another's, so the other variants' stay exact.
         # min/max of a group holding both -0.0 and +0.0 may give either; the stored zero of an all-zero
         # group is its min: take such groups' min/max exactly as numpy takes them over a row.
         zeroish = np.flatnonzero((lo == 0) | (hi == 0))
@@ -877,9 +925,19 @@ class _Int4Search:
             exact[:, special] = np.where(flat[special] | ~np.isfinite(held), zero_code, held)
         final = exact.astype(np.uint8)
         self.codes[start : start + rows].reshape(size, g)[...] = final.T
-        self.scales[start : start + rows] = scales.reshape(rows, self.groups)
-        self.zeros[start : start + rows] = zeros.reshape(rows, self.groups)
+        self.scales[start : start + rows] = scales.reshape(rows, *self.scales.shape[1:])
+        self.zeros[start : start + rows] = zeros.reshape(rows, *self.zeros.shape[1:])
         return True
+
+
+def _group_weights(importance: np.ndarray[Any, Any], groups: int, group_size: int) -> np.ndarray[Any, Any]:
+    """The float32 weights ``d [groups, g]`` the search gives each value of a row from one ``importance [in]``."""
+    raw = np.asarray(importance, dtype=np.float64)
+    raw = np.where(raw > 0, raw, 0.0)
+    peak = raw.max() if raw.size and raw.max() > 0 else 1.0
+    # Normalised to a peak of 1; a feature never seen still counts a little.
+    d: np.ndarray[Any, Any] = (raw / peak + 1e-6).astype(np.float32).reshape(groups, group_size)
+    return d
 
 
 def _group_sum(values: np.ndarray[Any, Any], scratch: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -929,12 +987,22 @@ def _pairwise(values: np.ndarray[Any, Any], scratch: np.ndarray[Any, Any]) -> np
 def dequantize_int4(
     codes: np.ndarray[Any, Any], scales: np.ndarray[Any, Any], zeros: np.ndarray[Any, Any], zero_code: int = 0
 ) -> np.ndarray[Any, Any]:
-    """The float64 ``[out, in]`` weight that :func:`quantize_int4_groups`'s output stands for."""
-    group = codes.shape[1] // scales.shape[0]
-    s = np.repeat(scales.T.astype(np.float64), group, axis=1)
-    z = np.repeat(zeros.T.astype(np.float64), group, axis=1)
-    result: np.ndarray[Any, Any] = (codes.astype(np.float64) - zero_code) * s + z
-    return result
+    """The float64 ``[out, in]`` weight that :func:`quantize_int4_groups`'s output stands for:
+    ``(code - zero_code) * scale + zero``, each operation in float64.
+
+    One float64 array, computed in place, with each group's scale and zero broadcast over its codes
+    (two fewer passes and ``[out, in]`` float64 temporaries than repeating them; the same values).
+
+    >>> dequantize_int4(np.array([[0, 15]], np.uint8), np.array([[0.5]], np.float32), np.array([[-1.0]], np.float32))
+    array([[-1. ,  6.5]])
+    """
+    out_features, in_features = codes.shape
+    groups = scales.shape[0]
+    weight: np.ndarray[Any, Any] = codes.reshape(out_features, groups, in_features // groups).astype(np.float64)
+    weight -= zero_code
+    weight *= scales.T.astype(np.float64)[:, :, None]
+    weight += zeros.T.astype(np.float64)[:, :, None]
+    return weight.reshape(out_features, in_features)
 
 
 def quantize_int4_activation_aware(
@@ -955,6 +1023,11 @@ def quantize_int4_activation_aware(
     and scaled back; the ``alpha`` whose weight error ``D`` gives the least expected output
     error ``sum_rows D E[x x^T] D^T`` wins (``alpha = 0`` is the plain search, so it is never worse
     on the calibration statistics). Features that matter get finer steps.
+
+    The alphas are searched together, one pass of the search over the weight's rows scaled every
+    way (chunk by chunk, so the float64 product ``w * c`` is never whole), with the bytes one
+    :func:`quantize_int4_groups` per alpha gives (``tests/test_int4_search.py`` keeps that loop and
+    compares): a small weight costs a fifth of the numpy calls, which are most of its cost.
 
     Returns ``(codes, scales, zeros, input_scales)``: the layer computes
     ``(x * input_scales) @ dequant(codes, scales, zeros)^T``; ``input_scales = 1 / c`` (float32 ``[in]``).
@@ -982,32 +1055,61 @@ def quantize_int4_activation_aware(
     base = np.where(positive, rms, 1.0)
     base = base / np.exp(np.log(base[positive]).mean()) if positive.any() else base
     w64 = np.asarray(w, dtype=np.float64)
-    best: tuple[float, tuple[Any, Any, Any], np.ndarray[Any, Any]] | None = None
-    for alpha in AWQ_EXPONENTS:
-        inv = (1.0 / base**alpha).astype(np.float32)
-        column = 1.0 / inv.astype(np.float64)  # the scale the float32 input scale really undoes
-        try:
-            result = quantize_int4_groups(
-                w64 * column,
-                group_size,
-                zero_code=zero_code,
-                importance=energy / (column * column),
-                scale_dtype=scale_dtype,
-                error=error,
-            )
-        except NonFiniteWeightError:
-            if alpha == 0.0:  # the weight itself: refused
-                raise
-            continue  # only this alpha's column scales push a group beyond float32
-        delta = dequant = dequantize_int4(*result, zero_code=zero_code)
-        delta = dequant / column - w64
+    out_features, in_features = w64.shape
+    _check_int4_arguments(in_features, group_size, scale_dtype, error)
+    # One float32 input scale per alpha, and the column scale it really undoes, each as the per-alpha loop had them.
+    inverses = [(1.0 / base**alpha).astype(np.float32) for alpha in AWQ_EXPONENTS]
+    columns = np.stack([1.0 / inv.astype(np.float64) for inv in inverses])
+    importance = energy / (columns * columns)
+    # Every alpha in one search (its own columns and importance per variant), in chunks of rows sized
+    # for all of them together: the same bytes per alpha as one search each, in a fifth of the calls.
+    rows = max(1, min(out_features, _INT4_CHUNK // max(len(AWQ_EXPONENTS) * in_features, 1)))
+    search = _Int4Search(
+        w64,
+        group_size,
+        rows,
+        zero_code,
+        importance,
+        2,
+        scale_dtype == "bfloat16",
+        closed=error == "closed",
+        columns=columns,
+    )
+    search.search_all()  # refused (every alpha holds NaN or ±Inf) or not, alpha 0 decides below
+    invalid = search.invalid
+    best: tuple[float, int] | None = None
+    for variant, alpha in enumerate(AWQ_EXPONENTS):
+        codes, scales, zeros = search.codes[:, variant], search.scales[:, variant].T, search.zeros[:, variant].T
+        if invalid[variant] or not (np.isfinite(scales).all() and np.isfinite(zeros).all()):
+            if alpha == 0.0:  # the weight itself: refused, with the plain search's own message
+                quantize_int4_groups(
+                    w64 * columns[variant],
+                    group_size,
+                    zero_code=zero_code,
+                    importance=importance[variant],
+                    scale_dtype=scale_dtype,
+                    error=error,
+                )
+                raise AssertionError("the search refused alpha 0, but the plain search of the weight did not")
+            continue  # only this alpha's column scales push a group beyond float32 (or bfloat16)
+        # The weight error D and sum(D H * D), the per-alpha loop's operations, in place: the same values.
+        delta = dequantize_int4(codes, scales, zeros, zero_code=zero_code)
+        delta /= columns[variant]
+        delta -= w64
         with np.errstate(over="ignore", invalid="ignore"):  # a huge error is Inf: it loses, never raises
-            err = float(np.sum((delta @ h) * delta))
+            product = delta @ h
+            product *= delta
+            err = float(np.sum(product))
         if best is None or err < best[0]:
-            best = (err, result, inv)
+            best = (err, variant)
     assert best is not None
-    codes, scales, zeros = best[1]
-    return codes, scales, zeros, best[2]
+    chosen = best[1]
+    return (
+        np.ascontiguousarray(search.codes[:, chosen]),
+        np.ascontiguousarray(search.scales[:, chosen].T),
+        np.ascontiguousarray(search.zeros[:, chosen].T),
+        inverses[chosen],
+    )
 
 
 def packed_nbytes(parts: Mapping[str, np.ndarray[Any, Any]]) -> int:
