@@ -358,3 +358,25 @@ def test_the_command_line_refuses_a_checkpoint_with_a_nan_weight_in_one_line(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "encoder.layer.0.attention.self.query.weight' holds NaN at row 5, column 3" in lines[0], lines
+
+
+def test_a_packer_that_is_not_deterministic_is_refused_before_its_first_pack_is_stored(tmp_path: Path) -> None:
+    """The fingerprint packs once (a warm launch pays for no more); the determinism check runs before the
+    first real pack of a process, so such a packer never stores a byte."""
+
+    class AddressDependent(LinearFloat32):
+        id = "test.address-dependent"
+
+        def pack(self, source: Any, dtype: str, stats: Any = None) -> dict[str, np.ndarray[Any, Any]]:
+            weight = np.array(source, dtype=np.float32)
+            weight.flat[0] = float(source.ctypes.data % 4093)  # like a packer that embeds a pointer
+            return {"weight": weight}
+
+    packer = AddressDependent()
+    packer.fingerprint()
+    path = tmp_path / "m.pcache"
+    with packcache.WeightCache(path, platform=platform_for([packer, Float32()])) as cache:
+        with pytest.raises(packcache.PackResultError, match="not deterministic"):
+            convert(nn.Sequential(nn.Linear(8, 4)), cache, packer, model_id="toy")
+        assert cache.stats().stored == 0
+    assert not path.exists()

@@ -345,9 +345,10 @@ class Packer:
     def fingerprint(self) -> str:
         """sha256 (hex) of packing :func:`fingerprint_input`; computed once per process per packer identity.
 
-        Raises:
-            PackResultError: packing the same input twice gave different bytes (the
-                packer is not deterministic, or its output depends on addresses).
+        One pack. That the packer is deterministic is checked by :meth:`check_deterministic`, which the
+        loaders call before a packer's first real pack in the process, where its output would be stored:
+        a warm launch packs nothing and does not pay for it. A packer that is not deterministic has a
+        fingerprint that differs between processes, so its files are rebuilt, and the check then refuses it.
         """
         identity = self._identity()
         digest = _FINGERPRINTS.get(identity)
@@ -355,6 +356,20 @@ class Packer:
             digest, _FINGERPRINT_PACKS[identity] = _fingerprint(self)
             _FINGERPRINTS[identity] = digest
         return digest
+
+    def check_deterministic(self) -> None:
+        """Pack :func:`fingerprint_input` again from a copy at another address and compare with the fingerprint's
+        pack; once per process per packer identity (a set lookup afterwards). Output that depends on where the
+        input or the packer's buffers live (pointers, address-dependent reorders) is not self-contained, and
+        must never be cached.
+
+        Raises:
+            PackResultError: the bytes differ (the packer is not deterministic).
+        """
+        identity = self._identity()
+        if identity not in _DETERMINISTIC:
+            _check_deterministic(self)
+            _DETERMINISTIC.add(identity)
 
     def fingerprint_pack(self) -> Parts:
         """The parts of this packer's pack of :func:`fingerprint_input` (with :func:`fingerprint_stats`
@@ -464,16 +479,32 @@ _FINGERPRINTS: dict[tuple[str, str, int, str], str] = {}
 _FINGERPRINT_PACKS: dict[tuple[str, str, int, str], Parts] = {}
 
 
+#: Packer identities whose determinism check passed in this process (:meth:`Packer.check_deterministic`).
+_DETERMINISTIC: set[tuple[str, str, int, str]] = set()
+
+
 def _fingerprint(packer: Packer) -> tuple[str, Parts]:
     source = fingerprint_input()
     stats = fingerprint_stats() if packer.uses_stats else None
     first = packer.checked_pack(source, "F32", stats)
-    # Pack again from a copy at another address: output that depends on where the
-    # input or the packer's buffers live (pointers, address-dependent reorders) differs.
+    digest = hashlib.sha256()
+    for part in packer.parts:
+        a = first[part]
+        digest.update(f"{part}|{a.dtype.str}|{list(a.shape)}|".encode())
+        digest.update(a.tobytes())
+    for array in first.values():
+        array.setflags(write=False)
+    return digest.hexdigest(), first
+
+
+def _check_deterministic(packer: Packer) -> None:
+    """:meth:`Packer.check_deterministic`, once per identity."""
+    first = packer.fingerprint_pack()
+    source = fingerprint_input()
+    stats = fingerprint_stats() if packer.uses_stats else None
     moved = np.empty(source.size + 64, dtype=np.float32)[64:].reshape(source.shape)
     moved[...] = source
-    second = packer.checked_pack(moved, "F32", None if stats is None else stats.copy())
-    digest = hashlib.sha256()
+    second = packer.checked_pack(moved, "F32", stats)
     for part in packer.parts:
         a, b = first[part], second[part]
         if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
@@ -481,11 +512,6 @@ def _fingerprint(packer: Packer) -> tuple[str, Parts]:
                 f"packer {packer.id} is not deterministic: packing the same input twice gave different "
                 f"{part!r} bytes, so its output is not self-contained and cannot be cached"
             )
-        digest.update(f"{part}|{a.dtype.str}|{list(a.shape)}|".encode())
-        digest.update(a.tobytes())
-    for array in first.values():
-        array.setflags(write=False)
-    return digest.hexdigest(), first
 
 
 def platform_for(packers: Iterable[Packer]) -> dict[str, Any]:

@@ -402,6 +402,7 @@ def part_requests(
         def pack() -> np.ndarray[Any, Any]:
             nonlocal packed
             if packed is None:
+                packer.check_deterministic()  # before its first pack that may be stored (once per process)
                 layer_stats = stats() if use_stats and stats is not None else None
                 packed = packer.checked_pack(read(), meta.dtype, layer_stats, name=name)
             return packed[part]
