@@ -731,15 +731,16 @@ class Session:
             as :meth:`get_or_pack`.
 
         >>> import numpy as np, tempfile, os
-        >>> cache = WeightCache(os.path.join(tempfile.mkdtemp(), "m.pcache"))
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.pcache")
         >>> key = PackKey({"packer": "ones", "version": 1})
-        >>> with cache.session() as s:
-        ...     a, b = s.get_many([("a", lambda: np.ones(2), key), ("b", lambda: np.zeros(3), key)])
-        >>> with cache.session() as s:
-        ...     a, b = s.get_many([("a", lambda: np.ones(2), key), ("b", lambda: np.zeros(3), key)])
-        >>> cache.stats().hits, b.shape
-        (2, (3,))
-        >>> cache.close()
+        >>> requests = [("a", lambda: np.ones(2), key), ("b", lambda: np.zeros(3), key)]
+        >>> for launch in ("cold", "warm"):
+        ...     with WeightCache(path) as cache:
+        ...         with cache.session() as s:
+        ...             a, b = s.get_many(requests)
+        ...         print(launch, cache.stats().stored, cache.stats().hits, b.shape)
+        cold 2 0 (3,)
+        warm 0 2 (3,)
         """
         asked = requests if isinstance(requests, list) else list(requests)
         keys: list[bytes] = []

@@ -204,8 +204,8 @@ def canonical_value(value: Any) -> bytes:
     Raises:
         TypeError: the value is not JSON-serialisable (or NaN/Inf, circular).
 
-    >>> canonical_value("naïve"), canonical_value([1, 2.0])
-    (b'"na\\u00efve"', b'[1,2.0]')
+    >>> canonical_value({"b": 1, "a": "x"}), canonical_value([1, 2.0])
+    (b'{"a":"x","b":1}', b'[1,2.0]')
     """
     try:
         return _CANONICAL(value).encode("ascii")
