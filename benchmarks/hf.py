@@ -20,12 +20,14 @@ Method (printed first when run):
   launch (reported, state 'stored'); every warm launch must report state 'mapped' and
   heap_bytes 0 or the run stops. The checkpoint stays in the page cache between launches: the
   baseline's best case. Baseline and packcache launches interleave (the order rotates each
-  round); medians of the repeats. Ratio = packcache / transformers; goal <= 0.2 for
-  ``from_pretrained``. The first call after the load (a forward of 1 x 16 token ids, or
-  ``encode`` of one sentence: page faults on the weights land there) is timed too, no goal.
+  round); medians of the repeats. Ratio = packcache / transformers; goal <= 0.15 for
+  ``from_pretrained`` and <= 0.3 for ``sentence_transformer`` (issue 23). The first call after
+  the load (a forward of 1 x 16 token ids, or ``encode`` of one sentence: page faults on the
+  weights land there) is timed too, no goal.
   Inside packcache's timed load, two steps are timed as well by wrapping their functions (the
-  packers' once-per-process kernel self-check, ``packers_torch._self_check``, and the model
-  skeleton on ``meta``, ``hf._skeleton``): where the time goes, from the same launches.
+  packers' once-per-process kernel self-check, ``packers_torch._self_check``, which runs at the
+  first forward since issue 23, so 0 in the load, and the model skeleton on ``meta``,
+  ``hf._skeleton``): where the time goes, from the same launches.
 * Anonymous growth, in the same launches: ``smaps_rollup()["Anonymous"]`` after the load
   minus before it (``gc.collect()`` and ``release_free_heap()`` before each reading), as a
   share of the packed bytes (``mapped_bytes + heap_bytes`` of the cache's stats) for packcache
@@ -67,7 +69,8 @@ sys.path.insert(0, HERE)
 import core  # noqa: E402  (benchmarks/core.py: quartiles)
 
 THREADS = 2
-LOAD_GOAL = 0.2  # warm hf.from_pretrained / AutoModel*.from_pretrained
+LOAD_GOAL = 0.15  # warm hf.from_pretrained / AutoModel*.from_pretrained (issue 23; issue 11 asked 0.2)
+ST_GOAL = 0.3  # warm hf.sentence_transformer / SentenceTransformer(path) (issue 23)
 ANON_GOAL_PCT = 1.0  # warm-load Anonymous growth, % of packed bytes
 SCHEMES = ("int8", "bf16")
 CAUSAL = "AutoModelForCausalLM"
@@ -206,6 +209,7 @@ def child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     model = load()
     load_s = time.perf_counter() - started
+    phases = dict(phases)  # the load's own: the wrappers stay on through the first call, which is not in it
     gc.collect()
     release_free_heap()
     anon = smaps_rollup()["Anonymous"] - before
@@ -581,8 +585,10 @@ def print_results(results: list[dict[str, Any]]) -> None:
     loads = [r for r in results if r["workload"].startswith("hf: load")]
     if loads:
         print("\nhf: load, one fresh process per launch; median (IQR) of the launches; ratio = packcache / baseline")
-        print("| model | method | load | ratio | goal <= 0.2 | of which self-check, skeleton | cold load | first call "
-              "| load + first call (ratio) | Anonymous growth (median, max) |")  # fmt: skip
+        print(
+            f"| model | method | load | ratio | goal (<= {LOAD_GOAL}, ST <= {ST_GOAL}) | of which self-check, "
+            "skeleton | cold load | first call | load + first call (ratio) | Anonymous growth (median, max) |"
+        )
         print("|" + "---|" * 10)
         for r in loads:
             for row in r["rows"]:
@@ -599,7 +605,7 @@ def print_results(results: list[dict[str, Any]]) -> None:
                     from_pretrained = r["kind"] == "from_pretrained"
                     cells = [
                         row["method"], ms(row["load"]), f"{row['load_ratio']:.3f}",
-                        verdict(row["load_ratio"] <= LOAD_GOAL) if from_pretrained else "(none stated)",
+                        verdict(row["load_ratio"] <= (LOAD_GOAL if from_pretrained else ST_GOAL)),
                         ", ".join(f"{v * 1e3:.1f} ms" for v in row["phases_median_s"].values()),
                         f"{row['cold_load_s'] * 1e3:.0f} ms", ms(row["first_call"]),
                         f"{ms(row['load_plus_first'])} ({row['load_plus_first_ratio']:.3f})", f"{growth} = {share}",
@@ -632,9 +638,9 @@ def targets(results: list[dict[str, Any]]) -> list[tuple[str, float, bool]]:
                 continue
             what = f"hf {r['model']} {row['method']}" + (" (SentenceTransformer)" if r["kind"] != "from_pretrained"
                                                          else "")  # fmt: skip
-            if r["kind"] == "from_pretrained":
-                value = row["load_ratio"]
-                checks.append((f"{what}: warm load / transformers <= {LOAD_GOAL}", value, value <= LOAD_GOAL))
+            goal, baseline = (LOAD_GOAL, "transformers") if r["kind"] == "from_pretrained" else (ST_GOAL, "ST")
+            value = row["load_ratio"]
+            checks.append((f"{what}: warm load / {baseline} <= {goal}", value, value <= goal))
             value = row["anon_pct_of_packed_max"]
             checks.append((f"{what}: warm Anonymous growth < {ANON_GOAL_PCT} % of packed (max)", value,
                            value < ANON_GOAL_PCT))  # fmt: skip
