@@ -420,7 +420,7 @@ class FileStore:
             or header is None or fmap is None or identity is None
         ):  # fmt: skip
             return None
-        entries, corrupt, size, dtypes, frombuffer = self.entries, self.corrupt, self.file_size, _DTYPES, np.frombuffer
+        entries, corrupt, size, dtypes = self.entries, self.corrupt, self.file_size, _DTYPES
         dev, ino = identity
         window: Window | None = None
         out: list[tuple[np.ndarray[Any, Any], Origin, bytes] | None] = []
@@ -435,15 +435,13 @@ class FileStore:
             if end > size:
                 out.append(None)
                 continue
-            if window is None or not (window.start <= offset and end <= window.end):
+            if window is None or not window.covers(offset, end):
                 try:
                     window = fmap.committed(offset, nbytes, size, header.data_start)
                 except OSError:
                     out.append(None)
                     continue
-            dtype = dtypes[entry[3]]
-            flat = frombuffer(window.buffer, dtype, nbytes // dtype.itemsize, offset - window.start)
-            out.append((flat if len(shape) == 1 else flat.reshape(shape), (dev, ino, offset), entry[1]))
+            out.append((window.array(offset, nbytes, dtypes[entry[3]], shape), (dev, ino, offset), entry[1]))
         return out
 
     def holds(self, name: str, key: bytes, origin: Origin | None) -> bool:

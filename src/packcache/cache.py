@@ -121,12 +121,23 @@ def _encoded(key: Mapping[str, Any] | PackKey | None) -> bytes:
     return canonical
 
 
-def _checked_name(name: object) -> None:
-    if name is not None:
+_SHORT_NAME = fmt.MAX_NAME_BYTES // 4  # characters: a str this long or shorter fits the cap, whatever it holds
+
+
+def _request_key(name: object, key: Mapping[str, Any] | PackKey | None) -> bytes:
+    """Check a request's name and return its canonical key bytes (what :meth:`Session.get_or_pack` and
+    :meth:`Session.get_many` check of every request, before anything is served).
+
+    Raises:
+        TypeError: ``name`` is not a non-empty str or None; ``key`` as :class:`PackKey`.
+        ValueError: ``name`` longer than the cap in UTF-8; ``key`` as :class:`PackKey`.
+    """
+    if name is not None and (type(name) is not str or not 0 < len(name) <= _SHORT_NAME):
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str or None, got {name!r}")
-        if len(name) * 4 > fmt.MAX_NAME_BYTES and len(name.encode("utf-8")) > fmt.MAX_NAME_BYTES:
+        if len(name.encode("utf-8")) > fmt.MAX_NAME_BYTES:
             raise ValueError(f"name is longer than {fmt.MAX_NAME_BYTES} UTF-8 bytes: {name[:40]!r}...")
+    return key.canonical if type(key) is PackKey else _encoded(key)
 
 
 #: One request of :meth:`Session.get_many`: ``(name, pack, key)`` as :meth:`Session.get_or_pack` takes them.
@@ -683,25 +694,17 @@ class Session:
             TypeError/ValueError: invalid ``name`` or ``key``.
             Whatever ``pack()`` raises. Cache problems are never raised.
         """
-        if type(name) is not str or not 0 < len(name) <= fmt.MAX_NAME_BYTES // 4:  # most names: nothing to encode
-            _checked_name(name)
-        key_bytes = key.canonical if type(key) is PackKey else _encoded(key)
-        store = self._store
-        cached = self._cache.enabled and store is not None
+        key_bytes = _request_key(name, key)
+        cached = self._cache.enabled and self._store is not None
         me = threading.get_ident()
         with self._mutex:
             if not self._active or self._closing:
                 raise SessionError("get_or_pack() called outside an active session (use 'with cache.session() as s')")
             if cached and name is not None:
                 if name not in self._ledger.held and not self._cache.verify:
-                    # A first hit: the one-pass path of get_many (None when it does not decide: see below).
-                    started = time.perf_counter()
-                    hit = store.serve_many([(name, key_bytes)])  # type: ignore[union-attr]  # cached: a store
-                    if hit is not None and hit[0] is not None:
-                        array, origin, kept = hit[0]
-                        held = Held(array, kept, None, self._serial, origin)
-                        self._ledger.hold_hits([(name, held)], map_seconds=time.perf_counter() - started)
-                        return array
+                    first = self._serve_committed([name], [key_bytes])  # get_many's one-pass path
+                    if first is not None and first[0] is not None:
+                        return first[0]
                 found = self._serve_existing(name, key_bytes)
                 if isinstance(found, np.ndarray):
                     return found  # a hit, served without leaving the mutex: nothing to wait for at exit
@@ -743,39 +746,49 @@ class Session:
         warm 0 2 (3,)
         """
         asked = requests if isinstance(requests, list) else list(requests)
-        keys: list[bytes] = []
-        add_key, max_chars = keys.append, fmt.MAX_NAME_BYTES // 4
-        for name, _, key in asked:
-            if type(name) is not str or not 0 < len(name) <= max_chars:  # most names: no encoding to measure
-                _checked_name(name)
-            add_key(key.canonical if type(key) is PackKey else _encoded(key))
+        keys = [_request_key(name, key) for name, _, key in asked]
         served: list[np.ndarray[Any, Any] | None] = [None] * len(asked)
-        left = len(asked)
-        store, ledger = self._store, self._ledger
         with self._mutex:
             if not self._active or self._closing:
                 raise SessionError("get_many() called outside an active session (use 'with cache.session() as s')")
-            if self._cache.enabled and store is not None and not self._cache.verify:
-                held = ledger.held
+            if self._cache.enabled and self._store is not None and not self._cache.verify:
+                held = self._ledger.held
                 names = [request[0] for request in asked]
                 # A name asked twice is served once here; the other requests of it go through get_or_pack.
                 unique = len(set(names)) == len(names)
                 numbers = [i for i, name in enumerate(names) if name is not None and name not in held] if unique else []
-                started = time.perf_counter()
-                found = store.serve_many([(names[i], keys[i]) for i in numbers]) if numbers else None  # type: ignore[misc]
+                found = self._serve_committed([names[i] for i in numbers], [keys[i] for i in numbers])  # type: ignore[misc]  # numbers holds no None name
                 if found is not None:
-                    serial, hits = self._serial, []
-                    for i, hit in zip(numbers, found, strict=True):
-                        if hit is not None:
-                            served[i] = hit[0]
-                            hits.append((names[i], Held(hit[0], hit[2], None, serial, hit[1])))
-                    ledger.hold_hits(hits, map_seconds=time.perf_counter() - started)  # type: ignore[arg-type]
-                    left -= len(hits)
-        if left:
-            for i, request in enumerate(asked):
-                if served[i] is None:
-                    served[i] = self.get_or_pack(request[0], request[1], PackKey.from_canonical(keys[i]))
+                    for i, array in zip(numbers, found, strict=True):
+                        served[i] = array
+        for i, request in enumerate(asked):
+            if served[i] is None:
+                served[i] = self.get_or_pack(request[0], request[1], PackKey.from_canonical(keys[i]))
         return served  # type: ignore[return-value]  # every slot is filled above
+
+    def _serve_committed(self, names: list[str], keys: list[bytes]) -> list[np.ndarray[Any, Any] | None] | None:
+        """First hits, under the mutex: for each name (none held by this cache yet) and key, the committed pack
+        mapped by :meth:`FileStore.serve_many <packcache._store.FileStore.serve_many>` and held, counted in one
+        change of the ledger; None where that pass does not decide (the caller routes it), and None for all of
+        them when it does not apply (see ``serve_many``)."""
+        store = self._store
+        assert store is not None
+        if not names:
+            return None
+        started = time.perf_counter()
+        found = store.serve_many(list(zip(names, keys, strict=True)))
+        if found is None:
+            return None
+        serial, hits = self._serial, []
+        arrays: list[np.ndarray[Any, Any] | None] = []
+        for name, hit in zip(names, found, strict=True):
+            if hit is None:
+                arrays.append(None)
+                continue
+            arrays.append(hit[0])
+            hits.append((name, Held(hit[0], hit[2], None, serial, hit[1])))  # the index's key bytes: one copy kept
+        self._ledger.hold_hits(hits, map_seconds=time.perf_counter() - started)
+        return arrays
 
     def _heap_only(self, name: str | None, key: bytes, pack: PackFn, disabled: bool) -> np.ndarray[Any, Any]:
         if name is not None:
