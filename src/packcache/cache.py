@@ -22,6 +22,7 @@ and never see a half-made change.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import logging
 import math
@@ -36,15 +37,16 @@ from typing import Any
 
 import numpy as np
 
+from . import _registry
 from . import format as fmt
 from ._ledger import Held, Ledger
-from ._registry import DEFAULTS, aggregate_stats, live_caches, register, unregister
+from ._registry import DEFAULTS, aggregate_stats, register, unregister
 from ._store import Fault, FileStore
 from .errors import PackResultError, RemoteError, SessionError
 from .options import get_instance_option, set_instance_option
 from .stats import FAILURE_REASONS, REMOTE_REASONS, CacheStats, HeapReason
 
-__all__ = ["PackKey", "Request", "Session", "WeightCache", "aggregate_stats", "live_caches"]
+__all__ = ["PackKey", "Request", "Session", "SessionState", "WeightCache", "aggregate_stats", "live_caches"]
 
 logger = logging.getLogger("packcache")
 
@@ -145,6 +147,36 @@ Request = tuple["str | None", PackFn, "Mapping[str, Any] | PackKey | None"]
 
 
 _NEEDS_LOCK = object()  # a miss that can be stored once the build lock is held
+
+
+class SessionState(enum.Enum):
+    """Where a :class:`Session` is in its life; it only moves down this list.
+
+    ``UNOPENED`` (made by :meth:`WeightCache.session`, not entered yet) -> ``ACTIVE`` (entered: it owns the
+    cache and serves requests) -> ``CLOSING`` (its ``__exit__`` runs: it waits for other threads' requests,
+    commits, and takes no new request) -> ``CLOSED`` (ended: by its exit, by a failed entry, or by another
+    session finding it abandoned). ``CLOSED`` is final and may be reached from every state. Each other
+    move raises :class:`~packcache.errors.SessionError`, with one message per case: entering twice, or a
+    request in each state but ``ACTIVE`` (:data:`_NOT_SERVING`). Pinned by tests/test_cache_session_states.py.
+    """
+
+    UNOPENED = "unopened"
+    ACTIVE = "active"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+#: Why a request cannot be served in each state but ``ACTIVE`` (the message of its SessionError).
+_NOT_SERVING = {
+    SessionState.UNOPENED: "before the session was entered",
+    SessionState.CLOSING: "while the session is closing (its with block has been left)",
+    SessionState.CLOSED: "after the session ended",
+}
+
+
+def live_caches() -> list[WeightCache]:
+    """Every :class:`WeightCache` of this process that is alive and not closed; takes no cache's lock."""
+    return [cache for cache in _registry.live_caches() if isinstance(cache, WeightCache)]  # only caches register
 
 
 class _Seat:
@@ -471,15 +503,15 @@ class Session:
     Threads may share a session: their ``pack()`` calls run concurrently; routing,
     appends and bookkeeping are serialised; two threads asking for one name make
     one pack (the second waits for the first and is served the same array).
+
+    Its life is one :class:`SessionState` (``state``), never a set of flags.
     """
 
     def __init__(self, cache: WeightCache) -> None:
         self._cache = cache
         # What a session shares with its cache, and all it touches of it besides public attributes.
         self._seat, self._ledger, self._store = cache._seat, cache._ledger, cache._store
-        self._active = False
-        self._used = False
-        self._closing = False
+        self._state = SessionState.UNOPENED  # moves only through _claim, __exit__ and _end (see SessionState)
         self._serial = 0
         self._mutex = threading.Lock()
         # Requests running, per thread. The exit waits only for *other* threads': a count of the
@@ -495,6 +527,11 @@ class Session:
     def cache(self) -> WeightCache:
         """The :class:`WeightCache` this session loads from."""
         return self._cache
+
+    @property
+    def state(self) -> SessionState:
+        """Where this session is in its life (:class:`SessionState`)."""
+        return self._state
 
     def __enter__(self) -> Session:
         try:
@@ -516,20 +553,20 @@ class Session:
         me = threading.get_ident()
         while True:
             with seat.lock:
-                if self._used:
-                    raise SessionError("a session is entered once; start another with cache.session()")
+                if self._state is not SessionState.UNOPENED:
+                    was = self._state.value
+                    raise SessionError(f"a session is entered once (this one is {was}); start another: cache.session()")
                 current = seat.session
                 if current is None:
                     if seat.closed:
                         raise SessionError(f"the cache {self._cache.path!r} is closed")
-                    self._used = True
                     while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("contextlib"):
                         frame = frame.f_back  # entered through an ExitStack: the user's frame is further out
                     self._thread, self._frame = me, frame
                     seat.session, seat.owner = self, me
                     seat.serial += 1
                     self._serial = seat.serial
-                    self._active = True
+                    self._state = SessionState.ACTIVE
                     self._ledger.set(commit_fault=None)  # a new load: its own packs will say what is durable
                     self._refresh()
                     return
@@ -565,7 +602,8 @@ class Session:
             me = threading.get_ident()
             while True:  # wait for other threads' requests still running (polled, see _claim)
                 with self._mutex:
-                    self._closing = True
+                    if self._state is SessionState.ACTIVE:
+                        self._state = SessionState.CLOSING
                     busy = any(count for thread, count in self._calls.items() if thread != me)
                 if not busy:
                     break
@@ -586,7 +624,7 @@ class Session:
     def _end(self) -> None:
         """Release the build lock and the cache, if this session holds them (idempotent)."""
         seat, store = self._seat, self._store
-        self._active = False
+        self._state = SessionState.CLOSED
         with seat.lock:
             if seat.session is not self:
                 return
@@ -698,8 +736,8 @@ class Session:
         cached = self._cache.enabled and self._store is not None
         me = threading.get_ident()
         with self._mutex:
-            if not self._active or self._closing:
-                raise SessionError("get_or_pack() called outside an active session (use 'with cache.session() as s')")
+            if self._state is not SessionState.ACTIVE:
+                raise self._not_serving("get_or_pack()")
             if cached and name is not None:
                 if name not in self._ledger.held and not self._cache.verify:
                     first = self._serve_committed([name], [key_bytes])  # get_many's one-pass path
@@ -749,8 +787,8 @@ class Session:
         keys = [_request_key(name, key) for name, _, key in asked]
         served: list[np.ndarray[Any, Any] | None] = [None] * len(asked)
         with self._mutex:
-            if not self._active or self._closing:
-                raise SessionError("get_many() called outside an active session (use 'with cache.session() as s')")
+            if self._state is not SessionState.ACTIVE:
+                raise self._not_serving("get_many()")
             if self._cache.enabled and self._store is not None and not self._cache.verify:
                 held = self._ledger.held
                 names = [request[0] for request in asked]
@@ -765,6 +803,11 @@ class Session:
             if served[i] is None:
                 served[i] = self.get_or_pack(request[0], request[1], PackKey.from_canonical(keys[i]))
         return served  # type: ignore[return-value]  # every slot is filled above
+
+    def _not_serving(self, what: str) -> SessionError:
+        return SessionError(
+            f"{what} called outside an active session, {_NOT_SERVING[self._state]} (use 'with cache.session() as s')"
+        )
 
     def _serve_committed(self, names: list[str], keys: list[bytes]) -> list[np.ndarray[Any, Any] | None] | None:
         """First hits, under the mutex: for each name (none held by this cache yet) and key, the committed pack
@@ -961,7 +1004,7 @@ class Session:
     def _store_pack(self, name: str, key: bytes, array: np.ndarray[Any, Any], owned: bool) -> np.ndarray[Any, Any]:
         store, ledger = self._store, self._ledger
         assert store is not None
-        if not self._active:
+        if self._state is SessionState.CLOSED:  # CLOSING still stores: its exit waits for this request, then commits
             raise SessionError("the session ended while this pack was being made")
         try:
             view, origin = store.store(name, key, fmt.key_digest(name, key), array)
