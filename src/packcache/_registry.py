@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._paths import DEFAULT_LOCK_TIMEOUT
 from .stats import CacheStats, sum_stats
 
-if TYPE_CHECKING:
-    from .cache import WeightCache
+__all__ = ["DEFAULTS", "LiveCache", "aggregate_stats", "live_caches", "register", "unregister"]
 
-__all__ = ["DEFAULTS", "aggregate_stats", "live_caches", "register", "unregister"]
+
+class LiveCache(Protocol):
+    """What this module and :mod:`packcache.options` need of a cache: its path and its statistics.
+
+    :class:`packcache.WeightCache` is one. A protocol here, below :mod:`packcache.cache`, so that no
+    module of this layer names the cache class, not even for its type (tests/test_architecture.py
+    counts type-only imports as edges of the import graph).
+    """
+
+    @property
+    def path(self) -> str | None: ...
+
+    def stats(self) -> CacheStats: ...
+
 
 #: Process-wide defaults, changed through :func:`packcache.set_option`.
 DEFAULTS: dict[str, Any] = {
@@ -25,11 +37,11 @@ DEFAULTS: dict[str, Any] = {
 }  # fmt: skip
 
 _registry_lock = threading.Lock()
-_live: tuple[weakref.ref[WeightCache], ...] = ()
+_live: tuple[weakref.ref[LiveCache], ...] = ()
 
 
-def live_caches() -> list[WeightCache]:
-    """Every WeightCache that is alive and not closed, without taking any cache's lock."""
+def live_caches() -> list[LiveCache]:
+    """Every :class:`~packcache.WeightCache` that is alive and not closed, without taking any cache's lock."""
     return [c for c in (ref() for ref in _live) if c is not None]
 
 
@@ -45,13 +57,13 @@ def aggregate_stats() -> CacheStats:
     return sum_stats(c.stats() for c in live_caches())
 
 
-def register(cache: WeightCache) -> None:
+def register(cache: LiveCache) -> None:
     global _live
     with _registry_lock:
         _live = (*tuple(r for r in _live if r() is not None), weakref.ref(cache))
 
 
-def unregister(cache: WeightCache) -> None:
+def unregister(cache: LiveCache) -> None:
     global _live
     with _registry_lock:
         _live = tuple(r for r in _live if r() is not None and r() is not cache)

@@ -22,14 +22,11 @@ import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._registry import DEFAULTS, aggregate_stats
+from ._registry import DEFAULTS, LiveCache, aggregate_stats
 from .errors import OptionError, OptionTypeError, OptionValueError, ReadOnlyOptionError
 from .stats import CacheStats
-
-if TYPE_CHECKING:
-    from .cache import WeightCache
 
 __all__ = ["OPTION_KEYS", "get_instance_option", "get_option", "set_instance_option", "set_option"]
 
@@ -125,7 +122,7 @@ def _coerce(key: str, spec: _Key, value: object) -> Any:
     return float(value)
 
 
-def get_instance_option(cache: WeightCache, key: str) -> Any:
+def get_instance_option(cache: LiveCache, key: str) -> Any:
     """Read ``key`` for one cache. Statistics come from its lock-free snapshot."""
     spec = _lookup(key)
     if spec.read is not None:
@@ -134,7 +131,7 @@ def get_instance_option(cache: WeightCache, key: str) -> Any:
     return getattr(cache, spec.attribute)
 
 
-def set_instance_option(cache: WeightCache, key: str, value: object) -> None:
+def set_instance_option(cache: LiveCache, key: str, value: object) -> None:
     """Write a configuration key for one cache.
 
     Raises:
