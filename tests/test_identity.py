@@ -311,7 +311,9 @@ def test_keys_of_the_previous_release_are_repacked_once_then_mapped(
             return self.file.read(name)
 
     config = minilm.BertConfig.from_file(models["a"] / "config.json")
-    packer, other = minilm._packers("int8", 32)
+    from packcache.loader import resolve
+
+    packer, other = resolve("int8", 32).packers
     with torch.device("meta"):
         skeleton = minilm.BertEncoder(config)
     with without_build_compaction(), packcache.WeightCache(path, platform=minilm.platform("int8")) as cache:
