@@ -215,7 +215,8 @@ def test_a_cp_p_copy_by_another_user_at_another_path_is_a_full_hit(
 
 
 def _cli_cache_file(argv: list[str]) -> str:
-    from packcache.cli import _cache_file, build_parser
+    from packcache.cli import build_parser
+    from packcache.cli._model import cache_file as _cache_file
 
     path = _cache_file(build_parser().parse_args(argv), "int8")
     assert path is not None
