@@ -45,13 +45,11 @@ class UsageError(Exception):
 
 
 def chosen_scheme(args: argparse.Namespace) -> str:
-    """``--scheme``, with ``auto`` resolved for this CPU: int8 where torch has its vectorised
-    int8/int4 kernels, else fp32 (:func:`packcache.kernels.default_scheme`)."""
-    if args.scheme != "auto":
-        return str(args.scheme)
-    from ..kernels import default_scheme  # imports torch: only for a command that loads a model
+    """``--scheme``, with ``auto`` (the default) resolved for this CPU as every loader resolves it:
+    int8 where torch has its vectorised int8/int4 kernels, else fp32 (:func:`packcache.loader.resolve_scheme`)."""
+    from ..loader import resolve_scheme  # imports torch: only for a command that loads a model
 
-    return default_scheme()
+    return resolve_scheme(args.scheme)
 
 
 def positive(text: str) -> int:

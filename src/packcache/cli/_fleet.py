@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from .._defaults import GROUP_SIZE, GROUP_SIZES, SCHEME
 from ..errors import FormatError, RemoteError
 from ..packers import SCHEMES
 from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, mib, sanitize, seconds
@@ -87,8 +88,8 @@ def cmd_keygen(args: argparse.Namespace, out: Out) -> int:
 def _scheme_of(file_platform: bytes) -> tuple[str, int] | None:
     """The scheme (and int4 group size) whose packers are the ones a fingerprint lists, or None."""
     from ..fleet.platform import platform_fields
+    from ..loader import scheme_packer
     from ..packers import Float32
-    from ..torch import scheme_packer
 
     try:
         packers = platform_fields(file_platform).get("packers")
@@ -98,7 +99,7 @@ def _scheme_of(file_platform: bytes) -> tuple[str, int] | None:
         return None
     ids = sorted(str(p.get("id")) for p in packers)
     groups = [p.get("params", {}).get("group_size") for p in packers if isinstance(p.get("params"), dict)]
-    group_size = next((g for g in groups if isinstance(g, int) and not isinstance(g, bool)), 32)
+    group_size = next((g for g in groups if isinstance(g, int) and not isinstance(g, bool)), GROUP_SIZE)
     for scheme in SCHEMES:
         try:
             packer = scheme_packer(scheme, group_size)
@@ -123,7 +124,7 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
         found = _scheme_of(file_platform)
         if args.scheme is not None:
             scheme = chosen_scheme(args)
-            group_size = args.group_size or (found[1] if found and found[0] == scheme else 32)
+            group_size = args.group_size or (found[1] if found and found[0] == scheme else GROUP_SIZE)
             compared.append(f"compared with scheme {scheme}" + (f", group size {group_size}" * (scheme == "int4")))
         elif found is not None:
             scheme, group_size = found[0], args.group_size or found[1]
@@ -131,7 +132,7 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
                 f"the file's packers are scheme {scheme}'s" + (f" (group size {group_size})" * (scheme == "int4"))
             )
         else:
-            scheme, group_size = chosen_scheme(argparse.Namespace(scheme="auto")), args.group_size or 32
+            scheme, group_size = chosen_scheme(argparse.Namespace(scheme=SCHEME)), args.group_size or GROUP_SIZE
             compared.append(
                 f"the file's packers are those of no scheme of this packcache; compared with scheme {scheme}, "
                 "this machine's default"
@@ -320,8 +321,8 @@ def add_store_parsers(sub: Any) -> None:
         "--loader", choices=("minilm", "hf"), default="minilm",
         help="whose cache file: minilm (default; run/serve --model, build --loader minilm) or hf (build)",
     )  # fmt: skip
-    fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default="auto", help="weight scheme (default auto)")
-    fetch.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
+    fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default=SCHEME, help="weight scheme (default auto)")
+    fetch.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
     add_trust_options(fetch)
     fetch.add_argument("--timeout", type=seconds, default=600.0, help="seconds for the whole fetch (default 600)")
     fetch.add_argument("--json", action="store_true", help="print one JSON object")
@@ -338,10 +339,10 @@ def add_parsers(sub: Any) -> None:
         "map each other's cache files; no path, host, user, rank or environment variable enters it.",
     )
     plat.add_argument(
-        "--scheme", choices=("auto", *SCHEMES), default="auto",
+        "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
         help="weight scheme (default auto: as run/build choose it on this CPU)",
     )  # fmt: skip
-    plat.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
+    plat.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
     plat.add_argument("--json", action="store_true", help='print {"class": ..., "fields": {...}}')
     plat.set_defaults(func=cmd_platform)
 
@@ -372,7 +373,7 @@ def add_parsers(sub: Any) -> None:
         help="compare with this scheme's platform (default: the scheme of the file's packers)",
     )  # fmt: skip
     probe.add_argument(
-        "--group-size", type=int, default=None, choices=(32, 64, 128),
+        "--group-size", type=int, default=None, choices=GROUP_SIZES,
         help="int4 group size (default: the file's)",
     )  # fmt: skip
     probe.add_argument(

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from .._defaults import GROUP_SIZE, GROUP_SIZES, KERNEL_PATH, REMOTE_TIMEOUT, SCHEME
 from ..errors import FormatError
 from ..packers import SCHEMES
 from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, sanitize, seconds
@@ -281,11 +282,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> None
     """The options that choose the MiniLM model, its scheme and its cache file: ``run`` and ``serve``
     load it through one loader and one file name, so they take the same options."""
     parser.add_argument(
-        "--scheme", choices=("auto", *SCHEMES), default="auto",
+        "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
         help="weight scheme (default auto: int8 on CPUs with AVX2/AVX512, where it is fast; else fp32)",
     )  # fmt: skip
     parser.add_argument(
-        "--kernel-path", choices=_KERNEL_PATH_CHOICES, default=None,
+        "--kernel-path", choices=_KERNEL_PATH_CHOICES, default=KERNEL_PATH,
         help=f"kernel path (default: ${_KERNEL_PATH_ENV}, else auto: bf16 with native bfloat16, else fp32; the fp32 "
         "scheme runs fp32); given, it wins over the variable",
     )  # fmt: skip
@@ -304,8 +305,8 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
         "remote miss and the model is packed locally (docs/FLEET.md)",
     )  # fmt: skip
     parser.add_argument(
-        "--remote-timeout", type=seconds, default=10.0, metavar="S",
-        help="seconds for everything one fetch asks the store, download included (default 10)",
+        "--remote-timeout", type=seconds, default=REMOTE_TIMEOUT, metavar="S",
+        help=f"seconds for everything one fetch asks the store, download included (default {REMOTE_TIMEOUT:g})",
     )  # fmt: skip
     add_trust_options(parser)
 
@@ -347,7 +348,7 @@ def add_parsers(sub: Any) -> None:
         "int4 file)",
     )  # fmt: skip
     build.add_argument(
-        "--scheme", choices=("auto", *SCHEMES), default="auto",
+        "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
         help="weight scheme of the linear layers (default auto: int8 on CPUs with AVX2/AVX512, else fp32)",
     )  # fmt: skip
     build.add_argument(
@@ -357,7 +358,7 @@ def add_parsers(sub: Any) -> None:
     build.add_argument(
         "--auto-class", default="AutoModel", help="the transformers auto class, e.g. AutoModelForCausalLM (hf loader)"
     )
-    build.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4 group size")
+    build.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
     _add_remote_options(build)
     build.add_argument("--json", action="store_true", help="print one JSON object")
     build.set_defaults(func=cmd_build)

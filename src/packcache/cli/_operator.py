@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from .._paths import DEFAULT_LOCK_TIMEOUT
+from .._defaults import LOCK_TIMEOUT
 from ..maintenance import compact, gc, inspect, verify
 from ._common import EXIT_FAILED, EXIT_OK, Out, sanitize
 
@@ -115,9 +115,7 @@ def add_parsers(sub: Any) -> None:
 
     com = sub.add_parser("compact", help="rewrite without superseded bytes (temp file + rename; safe for mappers)")
     com.add_argument("file")
-    com.add_argument(
-        "--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait for the build lock"
-    )
+    com.add_argument("--lock-timeout", type=float, default=LOCK_TIMEOUT, help="seconds to wait for the build lock")
     com.add_argument("--json", action="store_true")
     com.set_defaults(func=cmd_compact)
 
