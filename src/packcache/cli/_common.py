@@ -12,6 +12,7 @@ __all__ = [
 ]  # fmt: skip
 
 
+#: Exit codes: success, a check failed (or the work could not be done), a usage error.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MIB = float(1 << 20)
 
@@ -29,6 +30,8 @@ def sanitize(text: str) -> str:
 
 
 class Out:
+    """Where a command's report goes: ``emit(data, text)`` prints the JSON object with ``--json``, else the text."""
+
     def __init__(self, stream: TextIO, as_json: bool) -> None:
         self.stream, self.as_json = stream, as_json
 
@@ -37,6 +40,7 @@ class Out:
 
 
 def mib(n: int) -> str:
+    """Bytes as the reports show them: ``12.3 MiB``."""
     return f"{n / MIB:.1f} MiB"
 
 
@@ -53,6 +57,7 @@ def chosen_scheme(args: argparse.Namespace) -> str:
 
 
 def positive(text: str) -> int:
+    """An argument type: a count of at least 1 (workers, threads, limits)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive count")
@@ -60,6 +65,7 @@ def positive(text: str) -> int:
 
 
 def seconds(text: str) -> float:
+    """An argument type: seconds over 0 and at most an hour (a deadline that can neither be missed nor hang)."""
     try:
         value = float(text)
     except ValueError:

@@ -21,6 +21,7 @@ from ._report import LoadReport, Progress, kernel_lines, remote_line
 __all__ = ["add_model_options", "add_parsers", "cache_file", "kernel_path_arg"]
 
 
+#: What ``run`` embeds without ``--text`` (the empty text included: it must embed too).
 DEFAULT_TEXTS = (
     "packcache maps packed weights instead of packing them on every launch.",
     "A fallback to heap is reported in bytes, per reason, with the errno.",
