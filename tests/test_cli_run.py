@@ -17,7 +17,8 @@ import pytest
 
 import packcache
 from harness import without_build_compaction
-from packcache.cli import _Progress, main
+from packcache.cli import main
+from packcache.cli._report import Progress as _Progress
 from packcache.kernels import cpu_kernels
 from packcache.models import minilm
 
@@ -145,7 +146,8 @@ def test_run_serve_and_build_name_one_cache_file_for_one_checkpoint(
     """A directory with a dot in its name, a trailing slash, a relative spelling, or a copy elsewhere:
     ``run --model``, ``serve --model`` and ``build`` open one file, named by the checkpoint's content (they
     once disagreed on a dotted name, and once named files by path, so a copy or a prebuilt cache missed)."""
-    from packcache.cli import _cache_file, build_parser
+    from packcache.cli import build_parser
+    from packcache.cli._model import cache_file as _cache_file
     from packcache.hf import default_cache_path
 
     directory = tmp_path / "minilm.v2"

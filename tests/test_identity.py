@@ -215,7 +215,8 @@ def test_a_cp_p_copy_by_another_user_at_another_path_is_a_full_hit(
 
 
 def _cli_cache_file(argv: list[str]) -> str:
-    from packcache.cli import _cache_file, build_parser
+    from packcache.cli import build_parser
+    from packcache.cli._model import cache_file as _cache_file
 
     path = _cache_file(build_parser().parse_args(argv), "int8")
     assert path is not None
@@ -311,7 +312,9 @@ def test_keys_of_the_previous_release_are_repacked_once_then_mapped(
             return self.file.read(name)
 
     config = minilm.BertConfig.from_file(models["a"] / "config.json")
-    packer, other = minilm._packers("int8", 32)
+    from packcache.loader import resolve
+
+    packer, other = resolve("int8", 32).packers
     with torch.device("meta"):
         skeleton = minilm.BertEncoder(config)
     with without_build_compaction(), packcache.WeightCache(path, platform=minilm.platform("int8")) as cache:

@@ -437,11 +437,11 @@ def test_an_explicit_kernel_path_runs_no_self_check_of_the_environments_path(tmp
 
 
 def test_the_command_line_names_the_variable_and_its_values_as_the_library_does() -> None:
-    from packcache import cli
+    from packcache.cli import _model
     from packcache.kernels import KERNEL_PATHS
 
-    assert cli._KERNEL_PATH_ENV == KERNEL_PATH_ENV
-    assert sorted(cli._KERNEL_PATH_CHOICES) == sorted(["auto", *KERNEL_PATHS])
+    assert _model._KERNEL_PATH_ENV == KERNEL_PATH_ENV
+    assert sorted(_model._KERNEL_PATH_CHOICES) == sorted(["auto", *KERNEL_PATHS])
 
 
 def _cli(tmp_path: Path, env_value: str | None, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

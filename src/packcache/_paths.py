@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._defaults import LOCK_TIMEOUT
 from .errors import FormatError, LockTimeoutError, UntrustedFileError
 
 __all__ = [
@@ -75,9 +76,9 @@ __all__ = [
     "write_record",
 ]
 
-#: Seconds a writer waits for another process's build lock by default (``packed_cache_lock_timeout``,
-#: ``compact``, ``packcache compact --lock-timeout``).
-DEFAULT_LOCK_TIMEOUT = 30.0
+#: Seconds a writer waits for another process's build lock by default: :data:`packcache._defaults.LOCK_TIMEOUT`
+#: under the name ``maintenance.compact`` imports it by (the process default is ``packed_cache_lock_timeout``).
+DEFAULT_LOCK_TIMEOUT = LOCK_TIMEOUT
 
 
 def default_cache_dir() -> str:

@@ -11,7 +11,7 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-from ._paths import DEFAULT_LOCK_TIMEOUT
+from . import _defaults
 from .stats import CacheStats, sum_stats
 
 __all__ = ["DEFAULTS", "LiveCache", "aggregate_stats", "live_caches", "register", "unregister"]
@@ -31,10 +31,10 @@ class LiveCache(Protocol):
     def stats(self) -> CacheStats: ...
 
 
-#: Process-wide defaults, changed through :func:`packcache.set_option`.
-DEFAULTS: dict[str, Any] = {
-    "enabled": True, "lock_timeout": DEFAULT_LOCK_TIMEOUT, "read_only": False, "verify": False,
-}  # fmt: skip
+#: Process-wide defaults of the four cache options, changed through :func:`packcache.set_option`: a mutable
+#: copy of :data:`packcache._defaults.OPTIONS`. A :class:`~packcache.WeightCache` argument left ``None`` takes
+#: the value here when the cache is made; an explicit one wins.
+DEFAULTS: dict[str, Any] = dict(_defaults.OPTIONS)
 
 _registry_lock = threading.Lock()
 _live: tuple[weakref.ref[LiveCache], ...] = ()

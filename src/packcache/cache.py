@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _registry
+from . import _defaults, _registry
 from . import format as fmt
 from ._ledger import Held, Ledger
 from ._registry import DEFAULTS, aggregate_stats, register, unregister
@@ -224,20 +224,21 @@ class WeightCache:
         path: the cache file, or ``None`` to turn caching off (every pack goes to
             heap with reason ``disabled``, and the state is ``off``).
         read_only: never write; missing entries go to heap with reason ``read_only``.
-            The process-wide option ``packed_cache_read_only`` forces it on too.
+            ``None`` takes the process default (``packed_cache_read_only``, off unless changed).
         lock_timeout: seconds to wait for another process's build lock before
             packing to heap with reason ``locked``; ``None`` takes the process
             default (``packed_cache_lock_timeout``, 30 s unless changed).
-        alignment: byte alignment of every pack in a new file (power of two, 64..1 MiB).
+        alignment: byte alignment of every pack in a new file (power of two, 64..1 MiB; default 64).
         platform: JSON-serialisable mapping identifying what makes packs valid on
             this machine (packer versions, framework version, CPU capability).
             A file made under another platform is rebuilt.
-        enabled: ``False`` turns caching off; ``None`` takes ``packed_cache_enabled``.
+        enabled: ``False`` turns caching off; ``None`` takes the process default
+            (``packed_cache_enabled``, on unless changed).
         file_mode: permission bits of new cache files (default ``0o600``); never group/world-writable.
         dir_mode: permission bits of directories created for them (default ``0o700``); same rule.
         verify: check each hit's checksum before serving it (reads every page of
             the pack, so off by default); a pack that fails is packed and stored again.
-            The process-wide option ``packed_cache_verify`` forces it on too.
+            ``None`` takes the process default (``packed_cache_verify``, off unless changed).
         remote: a store URL (``s3://bucket/prefix``, ``gs://...``, ``file:///dir`` or a plain
             directory; docs/FLEET.md). At a session's first miss, before packing, the cache fetches
             the file published there for its model (the file's name without ``.pcache``) and this
@@ -253,6 +254,13 @@ class WeightCache:
         ValueError/TypeError: for invalid arguments (an empty path, a writable mode, ...),
             never for a problem with the file.
 
+    The four cache options (``read_only``, ``lock_timeout``, ``enabled``, ``verify``) follow one rule:
+    ``None`` takes the process default (:func:`packcache.set_option`) as the cache is made, and an
+    explicit value always wins over it. (``read_only=False`` and ``verify=False`` were once OR-ed with
+    the process default, so ``WeightCache(path, verify=False)`` after ``set_option("packed_cache_verify",
+    True)`` verified; it no longer does.) The defaults themselves are written once, in
+    :mod:`packcache._defaults`.
+
     >>> import numpy as np, tempfile, os
     >>> d = tempfile.mkdtemp()
     >>> with WeightCache(os.path.join(d, "model.pcache")) as cache:
@@ -266,16 +274,16 @@ class WeightCache:
         self,
         path: str | os.PathLike[str] | None,
         *,
-        read_only: bool = False,
+        read_only: bool | None = None,
         lock_timeout: float | None = None,
-        alignment: int = 64,
+        alignment: int = _defaults.ALIGNMENT,
         platform: Mapping[str, Any] | None = None,
         enabled: bool | None = None,
-        file_mode: int = 0o600,
-        dir_mode: int = 0o700,
-        verify: bool = False,
+        file_mode: int = _defaults.FILE_MODE,
+        dir_mode: int = _defaults.DIR_MODE,
+        verify: bool | None = None,
         remote: str | os.PathLike[str] | None = None,
-        remote_timeout: float = 10.0,
+        remote_timeout: float = _defaults.REMOTE_TIMEOUT,
         trusted_keys: Sequence[bytes | str | os.PathLike[str]] = (),
         allow_unsigned: bool = False,
     ) -> None:
@@ -288,9 +296,10 @@ class WeightCache:
         _check_mode(dir_mode, "dir_mode")
         self.alignment = alignment
         self.platform = platform_bytes
+        # None: the process default, read now (packcache._registry.DEFAULTS); an explicit value wins.
         self.lock_timeout = _check_timeout(DEFAULTS["lock_timeout"] if lock_timeout is None else lock_timeout)
-        self.enabled = (DEFAULTS["enabled"] if enabled is None else bool(enabled)) and self.path is not None
-        self.verify = bool(verify) or bool(DEFAULTS["verify"])
+        self.enabled = bool(DEFAULTS["enabled"] if enabled is None else enabled) and self.path is not None
+        self.verify = bool(DEFAULTS["verify"] if verify is None else verify)
         self.remote = os.fspath(remote) if remote is not None else None
         if self.remote is not None and (not isinstance(self.remote, str) or not self.remote or "\0" in self.remote):
             raise ValueError(f"remote must be a store URL or directory, got {remote!r}")
@@ -311,7 +320,7 @@ class WeightCache:
         self._seat = _Seat()
         self._finalized = False
         self._store: FileStore | None = None
-        self._read_only = bool(read_only) or bool(DEFAULTS["read_only"])
+        self._read_only = bool(DEFAULTS["read_only"] if read_only is None else read_only)
         if self.path is not None:
             self._store = FileStore(
                 self.path, alignment=alignment, platform=platform_bytes, read_only=self._read_only,

@@ -52,14 +52,15 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import _boundedjson as boundedjson
+from ._defaults import GROUP_SIZE
 from ._paths import default_cache_dir
 from .cache import WeightCache
 from .errors import FormatError
 from .identity import model_cache_name
-from .packers import SCHEMES, Float32, Packer, platform_for
-from .packers_torch import TorchPacker
+from .loader import Recipe, open_cache, resolve
+from .packers import SCHEMES
 from .safetensors import SafetensorsFile, TensorMeta
-from .torch import ConversionReport, convert, count_packs, open_cache, parameter_groups, scheme_packer
+from .torch import ConversionReport, convert, count_packs, parameter_groups
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -111,14 +112,11 @@ def _clip(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
-    """The ``platform=`` mapping of a cache of ``scheme``: its packers' identities and fingerprints,
-    the torch version and the CPU capability. :func:`from_pretrained` opens cache paths with it."""
-    return platform_for(_packers(scheme, group_size))
-
-
-def _packers(scheme: str, group_size: int) -> tuple[TorchPacker, Packer]:
-    return scheme_packer(scheme, group_size), Float32()  # scheme_packer refuses an unknown scheme
+def platform(scheme: str | None = None, group_size: int = GROUP_SIZE) -> dict[str, Any]:
+    """The ``platform=`` mapping of a cache of ``scheme`` (``None``/``"auto"``: this machine's default):
+    its packers' identities and fingerprints, the torch version and the CPU capability.
+    :func:`from_pretrained` opens cache paths with it (:meth:`packcache.loader.Recipe.platform`)."""
+    return resolve(scheme, group_size).platform()
 
 
 class Checkpoint:
@@ -387,7 +385,7 @@ class _Loaded:
 
 def _load(
     directory: str | os.PathLike[str],
-    scheme: str,
+    scheme: str | None,
     cache: WeightCache | str | os.PathLike[str] | None,
     *,
     auto_class: str | type,
@@ -395,16 +393,17 @@ def _load(
     group_size: int,
     kernel_path: str | None,
 ) -> _Loaded:
-    linear_packer, other_packer = _packers(scheme, group_size)
+    recipe = resolve(scheme, group_size)
+    linear_packer, other_packer = recipe.packers
     path = linear_packer.kernel_path(kernel_path)
     checkpoint = Checkpoint(directory)
     if config is None:
         config = checkpoint.config()
     model_class = _model_class(auto_class, config)
     weight_cache, owns_cache = open_cache(
-        cache, platform_for([linear_packer, other_packer]),
-        suggested_name=lambda: _cache_name(checkpoint, str(config.model_type), scheme, group_size),
-        remedy=f"make it with WeightCache(path, platform=packcache.hf.platform({scheme!r}, {group_size}))",
+        cache, recipe.platform(),
+        suggested_name=lambda: _cache_name(checkpoint, str(config.model_type), recipe),
+        remedy=recipe.remedy("packcache.hf"),
     )  # fmt: skip
     try:
         model = _checked_skeleton(checkpoint, model_class, config)
@@ -444,13 +443,14 @@ def _load(
 
 def default_cache_path(
     path: str | os.PathLike[str],
-    scheme: str = "int8",
+    scheme: str | None = None,
     *,
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
     """The cache file of this checkpoint and scheme by default (``packcache build`` opens it):
     ``<model type>-<scheme>-<16 hex>.pcache`` in ``cache_dir``, else :func:`packcache._paths.default_cache_dir`.
+    ``scheme`` ``None``/``"auto"`` is this machine's default, and the name says which it resolved to.
 
     The hex digits name the shards' content digests and the packers
     (:func:`packcache.identity.model_cache_name`), never the directory: every copy of the
@@ -462,20 +462,20 @@ def default_cache_path(
     Raises:
         As :func:`from_pretrained` for an unknown scheme or a missing or malformed checkpoint.
     """
-    _packers(scheme, group_size)  # an unknown scheme fails here
+    recipe = resolve(scheme, group_size)  # an unknown scheme fails here
     checkpoint = Checkpoint(path)
     settings = _read_json(checkpoint.config_path, "config")
     model_type = settings.get("model_type") if isinstance(settings, dict) else None
     if not isinstance(model_type, str):
         raise FormatError(f"model_type {_short(model_type)} is not a string", path=str(checkpoint.config_path))
-    name = _cache_name(checkpoint, model_type, scheme, group_size)
+    name = _cache_name(checkpoint, model_type, recipe)
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
 
 
-def _cache_name(checkpoint: Checkpoint, model_type: str, scheme: str, group_size: int) -> str:
-    """The one naming rule of this loader's cache files: content, packers, no recipe (no calibration)."""
+def _cache_name(checkpoint: Checkpoint, model_type: str, recipe: Recipe) -> str:
+    """The one naming rule of this loader's cache files: content, packers, no calibration."""
     sources = [file.identity for file in checkpoint.files]
-    return model_cache_name(model_type, scheme, sources, _packers(scheme, group_size))
+    return model_cache_name(model_type, recipe.scheme, sources, recipe.packers)
 
 
 def _missing(groups: list[list[str]], source: _Renamed) -> list[str]:
@@ -485,11 +485,11 @@ def _missing(groups: list[list[str]], source: _Renamed) -> list[str]:
 
 def from_pretrained(
     path: str | os.PathLike[str],
-    scheme: str = "int8",
+    scheme: str | None = None,
     cache: WeightCache | str | os.PathLike[str] | None = None,
     *,
     auto_class: str | type = "AutoModel",
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
     kernel_path: str | None = None,
 ) -> Any:
     """Load a local ``transformers`` checkpoint with its linear layers packed by ``scheme``, weights from ``cache``.
@@ -498,7 +498,9 @@ def from_pretrained(
         path: a directory written by ``save_pretrained``: ``config.json`` and ``model.safetensors``
             or a sharded ``model.safetensors.index.json``. Nothing is fetched from a hub.
         scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``, the packer of the linear layers
-            (:func:`packcache.torch.scheme_packer`); every other parameter is float32.
+            (:func:`packcache.loader.scheme_packer`); every other parameter is float32. ``None`` or
+            ``"auto"`` (the default): the scheme fast on this CPU (:func:`packcache.loader.resolve_scheme`:
+            ``int8`` with torch's vectorised kernels, else ``fp32``), as ``packcache build`` chooses it.
         cache: a cache file path (created if missing), a :class:`~packcache.WeightCache` made with
             ``platform=packcache.hf.platform(scheme, group_size)``, or ``None`` (caching off: packed to heap).
         auto_class: the ``transformers`` auto class (name or class) that picks the model class,
@@ -541,7 +543,11 @@ def load_report(model: Any) -> ConversionReport:
 
 
 def pack_count(
-    path: str | os.PathLike[str], scheme: str = "int8", *, auto_class: str | type = "AutoModel", group_size: int = 32
+    path: str | os.PathLike[str],
+    scheme: str | None = None,
+    *,
+    auto_class: str | type = "AutoModel",
+    group_size: int = GROUP_SIZE,
 ) -> int:
     """How many cache entries :func:`from_pretrained` requests for this checkpoint: a progress total.
 
@@ -550,7 +556,7 @@ def pack_count(
     Raises:
         As :func:`from_pretrained` for a missing or malformed checkpoint, scheme or auto class.
     """
-    linear_packer, _ = _packers(scheme, group_size)
+    linear_packer = resolve(scheme, group_size).linear
     checkpoint = Checkpoint(path)
     config = checkpoint.config()  # a missing or malformed checkpoint fails here, naming the file
     model = _checked_skeleton(checkpoint, _model_class(auto_class, config), config)
@@ -569,10 +575,10 @@ _ST_TRANSFORMER_REFS = (
 
 def sentence_transformer(
     path: str | os.PathLike[str],
-    scheme: str = "int8",
+    scheme: str | None = None,
     cache: WeightCache | str | os.PathLike[str] | None = None,
     *,
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
     kernel_path: str | None = None,
     **kwargs: Any,
 ) -> SentenceTransformer:

@@ -2,7 +2,9 @@
 
 Read-only keys report statistics (per cache, or summed over every live cache
 through the module-level functions). Writable keys configure a cache, or set
-process-wide defaults for caches created afterwards. An unknown key raises
+process-wide defaults for caches created afterwards: a ``WeightCache`` argument
+left ``None`` takes the process default, an explicit one wins over it (the
+defaults themselves are written once, in :mod:`packcache._defaults`). An unknown key raises
 :class:`~packcache.errors.OptionError` naming the close matches; writing a
 read-only key or a value of the wrong type raises too. Nothing is ever accepted
 silently.
@@ -160,7 +162,8 @@ def get_option(key: str) -> Any:
 
 
 def set_option(key: str, value: object) -> None:
-    """Set a process-wide default, used by caches created afterwards.
+    """Set a process-wide default, used by caches created afterwards that leave the argument ``None``
+    (``WeightCache(path, verify=False)`` does not verify whatever the process default says).
 
     Raises:
         OptionError, ReadOnlyOptionError, OptionTypeError, OptionValueError.

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._defaults import GROUP_SIZE
 from .errors import NonFiniteWeightError, PackResultError
 from .kernels import KERNEL_PATHS, activation_dtype, cpu_kernels, int4_layout, requested_path
 from .packers import (
@@ -535,7 +536,7 @@ class Int4WeightOnly(TorchPacker):
     GROUP_SIZES = (32, 64, 128)
     fused_max_rows = FUSED_MAX_ROWS_INT4
 
-    def __init__(self, group_size: int = 32, activation_aware: bool = True) -> None:
+    def __init__(self, group_size: int = GROUP_SIZE, activation_aware: bool = True) -> None:
         if group_size not in self.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {self.GROUP_SIZES}, got {group_size!r}")
         self.group_size = group_size

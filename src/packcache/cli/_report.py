@@ -1,0 +1,185 @@
+"""What ``packcache run`` and ``build`` say about a load: progress while it packs, then the cache's
+figures against the kernel's (memory, superseded bytes, the store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno as errno_mod
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from ..cache import aggregate_stats
+from ..errors import PackCacheError
+from ..maintenance import InspectReport, inspect
+from ._common import mib, sanitize
+
+__all__ = ["LoadReport", "Progress", "kernel_lines", "remote_line"]
+
+
+class Progress:
+    """A progress line on stderr while packing takes longer than ~1 s (terminals only).
+
+    It reads the cache's lock-free statistics from its own thread, so it never
+    slows or blocks the load it reports on. ``total`` is the number of packs the
+    load requests (``minilm.pack_count``).
+    """
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.stream = total, stream
+        self.enabled = stream.isatty()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.drawn = False
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(0.1):
+            if time.monotonic() - started < 1.0:
+                continue
+            s = aggregate_stats()  # the load's cache is created inside the loader; the aggregate sees it
+            done = s.hits + s.stored + s.heap_packs
+            try:
+                columns = os.get_terminal_size(self.stream.fileno()).columns
+            except (OSError, ValueError):
+                columns = 80
+            width = max(10, min(40, columns - 50))
+            shown = min(done, self.total)
+            filled = int(width * shown / self.total) if self.total else width
+            bar = f"[{'#' * filled}{' ' * (width - filled)}] {shown}/{self.total}"
+            self.stream.write(f"\rpacking {bar}  {mib(s.written_bytes)} written")
+            self.stream.flush()
+            self.drawn = True
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What ``run`` and ``build`` report about a load: the cache's figures against the kernel's."""
+
+    data: dict[str, Any]
+    lines: list[str]
+    warning_lines: list[str]
+
+    @classmethod
+    def of(
+        cls, cache: Any, path: str | None, load_seconds: float, before: dict[str, int], after: dict[str, int]
+    ) -> LoadReport:
+        from ..memory import file_mapping_usage
+
+        stats = cache.stats()
+        mapping = file_mapping_usage(path) if path and os.path.exists(path) else None
+        anon_growth = after["Anonymous"] - before["Anonymous"]
+        memory = {
+            "anonymous_before": before["Anonymous"],
+            "anonymous_after_load": after["Anonymous"],
+            "anonymous_growth_load": anon_growth,
+            "rss_file_growth_load": (after["Rss"] - after["Anonymous"]) - (before["Rss"] - before["Anonymous"]),
+            "cache_mapping_size": mapping.size if mapping else 0,
+            "cache_mapping_rss": mapping.rss if mapping else 0,
+            "cache_mapping_pss": mapping.pss if mapping else 0,
+        }
+        warnings = _memory_warnings(stats.heap_bytes, stats.mapped_bytes, anon_growth, memory["cache_mapping_size"])
+        superseded = _superseded(path)
+        if superseded is not None and superseded.reclaimable_bytes >= superseded.live_bytes > 0:
+            warnings.append(
+                f"the cache file holds {mib(superseded.reclaimable_bytes)} of superseded packs, as much as its "
+                f"{mib(superseded.live_bytes)} of live ones or more: these names were packed again with other keys "
+                f"(another checkpoint or recipe on this file); "
+                f"'packcache compact {sanitize(path or '')}' reclaims them"
+            )
+        data = {
+            "stats": dataclasses.asdict(stats),
+            "cache_file": path,
+            "load_seconds": load_seconds,
+            "memory": memory,
+            "file_reclaimable_bytes": superseded.reclaimable_bytes if superseded is not None else None,
+            "warnings": warnings,
+        }
+        reasons = ", ".join(
+            f"{r} {mib(b)}" for r, b in sorted(stats.heap_bytes_by_reason.items(), key=lambda kv: -kv[1]) if b
+        )
+        errno_text = f" [{errno_mod.errorcode.get(stats.errno, stats.errno)}] {stats.error}" if stats.errno else ""
+        reclaimable = superseded.reclaimable_bytes if superseded else 0
+        lines = [
+            f"cache file    {sanitize(path) if path else '(caching off)'}",
+            f"state         {stats.state}   (hits {stats.hits}, stored {stats.stored}, heap packs {stats.heap_packs})",
+            f"load          {load_seconds * 1000:.1f} ms",
+            f"packed        mapped {mib(stats.mapped_bytes)}   heap {mib(stats.heap_bytes)}",
+            f"heap reasons  {reasons or 'none'}{sanitize(errno_text)}",
+            f"file          {mib(stats.file_bytes)}" + (f", {mib(reclaimable)} superseded" if reclaimable else ""),
+            f"memory        anonymous +{mib(anon_growth)} during the load (reported heap {mib(stats.heap_bytes)})",
+            f"              cache file mapped {mib(memory['cache_mapping_size'])} (reported mapped "
+            f"{mib(stats.mapped_bytes)}), resident now {mib(memory['cache_mapping_rss'])}",
+        ]
+        return cls(data, lines, [f"WARNING       {w}" for w in warnings])
+
+
+def _superseded(path: str | None) -> InspectReport | None:
+    """The cache file's :func:`~packcache.inspect` report (live and reclaimable bytes), or None.
+
+    Packs named alike with other keys (another checkpoint or another recipe on one explicitly
+    given file) supersede each other's bytes; a build compacts the file once they outweigh the
+    live ones, but a read-only launch cannot. ``run`` and ``build`` say so. Any problem reading
+    the file only drops the figure.
+    """
+    if path is None:
+        return None
+    try:
+        return inspect(path)
+    except (PackCacheError, OSError):
+        return None
+
+
+def _memory_warnings(heap: int, mapped: int, anon_growth: int, mapping_size: int) -> list[str]:
+    """Compare reported figures with the kernel's; more than 5 % apart is worth a warning.
+
+    * Anonymous memory that grew during the load and is not explained by heap
+      packs (or heap packs that did not grow it) — beyond 5 % of the packed bytes.
+    * Reported mapped bytes that the process does not actually map from the cache
+      file. (Resident pages are reported but not compared: a mapped page is read
+      in only when touched, so a table the inputs barely used is partly resident.)
+    """
+    warnings = []
+    packed = heap + mapped
+    if packed and abs(anon_growth - heap) > 0.05 * packed:
+        warnings.append(
+            f"anonymous memory grew {mib(anon_growth)} during the load, reported heap is {mib(heap)}: "
+            f"more than 5 % of the {mib(packed)} packed apart"
+        )
+    if mapped and mapping_size < 0.95 * mapped:
+        warnings.append(f"the process maps {mib(mapping_size)} of the cache file, reported mapped is {mib(mapped)}")
+    return warnings
+
+
+def kernel_lines(kernels: Mapping[str, str]) -> list[str]:
+    """One line per kind of linear layer: the ops it runs (``ConversionReport.kernels``)."""
+    width = max((len(kind) for kind in kernels), default=0)
+    return [f"  {sanitize(kind):<{width}}  {ops}" for kind, ops in kernels.items()]
+
+
+def remote_line(stats: Any, remote: str | None) -> list[str]:
+    """The text report's line about the store, when ``--remote`` was given."""
+    if remote is None:
+        return []
+    if stats.remote_hits:
+        return [f"remote        fetched from {sanitize(remote)} ({mib(stats.remote_bytes)} read)"]
+    misses = ", ".join(f"{r} {n}" for r, n in stats.remote_misses_by_reason.items() if n)
+    if misses:
+        return [f"remote        miss: {misses}: {sanitize(stats.remote_error)}; packed locally"]
+    return [f"remote        not asked: the local file held every pack ({sanitize(remote)})"]

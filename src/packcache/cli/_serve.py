@@ -1,0 +1,145 @@
+"""``packcache serve``: the command line of the embedding service (:mod:`packcache.server`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from ..errors import FormatError
+from ._common import EXIT_FAILED, EXIT_OK, Out, chosen_scheme, positive, sanitize, seconds
+from ._model import add_model_options, cache_file, kernel_path_arg
+
+__all__ = ["add_parser"]
+
+
+def _check_model(args: argparse.Namespace, scheme: str) -> None:
+    """Read and check every file of ``--model`` (or the bundled model) as a worker's load will, in the ``serve``
+    master before any worker is forked: a bad checkpoint is one line here, not a boot failure in each worker.
+    Builds the tokenizer and a ``meta`` skeleton, and throws both away; no weight is read.
+
+    Raises:
+        As :func:`packcache.models.minilm.load_tokenizer` and :func:`~packcache.models.minilm.pack_count`.
+    """
+    minilm: Any = importlib.import_module("packcache.models.minilm")
+    minilm.load_tokenizer(args.model)
+    minilm.pack_count(scheme, model_path=args.model)
+
+
+def cmd_serve(args: argparse.Namespace, out: Out) -> int:
+    kernel_path = kernel_path_arg(args)  # in the master, at startup: not once per worker that fails to boot
+    # Checked by name, without importing: prometheus_client must not be imported before serve() sets
+    # PROMETHEUS_MULTIPROC_DIR, and the model's modules load in serve() too.
+    needed = [("gunicorn", "serve"), ("prometheus_client", "serve"), ("torch", "models"), ("tokenizers", "models")]
+    if args.engine == "sentence-transformers":
+        needed.append(("sentence_transformers", "hf"))
+    for module, extra in needed:
+        if importlib.util.find_spec(module) is None:
+            print(f"packcache serve needs the {extra} extra ({module} is missing): "
+                  f"pip install 'packcache[{extra}]' (bash scripts/setup.sh installs it)", file=sys.stderr)  # fmt: skip
+            return EXIT_FAILED
+    from ..server import EngineSpec, Limits, ServeOptions, serve, worker_threads
+
+    scheme, path = "fp32", None
+    if args.engine == "packcache":
+        scheme = chosen_scheme(args)
+        try:
+            # Named here, in the master, by content: the workers open one file (and find the digest it took).
+            path = cache_file(args, scheme)
+            _check_model(args, scheme)
+        except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
+            print(f"packcache serve: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
+            return EXIT_FAILED
+    engine = EngineSpec(
+        engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path,
+        torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
+        cache_dir=os.path.dirname(path) if path is not None else None,
+        remote=args.remote if path is not None else None, remote_timeout=args.remote_timeout,
+        trusted_keys=tuple(args.trusted_key), allow_unsigned=args.allow_unsigned,
+    )  # fmt: skip
+    limits = Limits(
+        max_texts=args.max_texts, max_text_chars=args.max_text_chars, max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, send_timeout=args.send_timeout,
+    )  # fmt: skip
+    options = ServeOptions(
+        engine=engine, workers=args.workers, host=args.host, port=args.port, timeout=args.timeout,
+        limits=limits, metrics_dir=args.metrics_dir, log_level=args.log_level,
+    )  # fmt: skip
+    try:
+        code = serve(options)
+    except (ValueError, RuntimeError) as exc:
+        print(f"packcache serve: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    if code != EXIT_OK:
+        print("packcache serve: the server stopped with an error (a worker could not load the model, or the "
+              "address could not be bound; see the log above)", file=sys.stderr)  # fmt: skip
+    return code
+
+
+def add_parser(sub: Any) -> None:
+    """``serve``."""
+    serve = sub.add_parser(
+        "serve",
+        help="an embedding service of several gunicorn workers on one shared cache file, with Prometheus metrics",
+        description='POST /embed {"texts": [...]} -> {"embeddings": [[...], ...]}; GET /metrics (every worker\'s '
+        "cache state, heap bytes per reason, mapped bytes and errno, request counts and latency, by pid); "
+        "GET /healthz. "
+        "Each worker loads all-MiniLM-L6-v2 through the cache file after the fork: on an empty cache one builds and "
+        "the others map. A cache problem never stops a worker: it shows in /metrics. SIGTERM stops gracefully, "
+        "SIGHUP replaces the workers (rolling restart). Needs the serve extra. See docs/DEPLOY.md.",
+    )
+    from ..server.engines import usable_cpus
+
+    cpus = usable_cpus()
+    serve.add_argument("--workers", type=positive, default=cpus, help=f"worker processes (default: the CPUs, {cpus})")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
+    add_model_options(serve, no_cache="caching off: every worker packs to its own heap")
+    serve.add_argument(
+        "--engine", choices=("packcache", "sentence-transformers"), default="packcache",
+        help="packcache (default), or sentence-transformers' float32 model with no cache: the baseline of "
+        "benchmarks/serve.py (--scheme and the cache options do not apply to it)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--torch-threads", type=positive,
+        help="torch threads per worker (default: the CPUs divided among the workers, at least 1)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--prefault", action="store_true",
+        help="after loading, touch every page of the weights, so the first requests do not fault them in",
+    )  # fmt: skip
+    serve.add_argument(
+        "--timeout", type=float, default=60.0,
+        help="seconds a worker may spend on one request or on loading before it is replaced (default 60; keep it "
+        "above the cache's 30 s lock timeout)",
+    )  # fmt: skip
+    serve.add_argument("--max-texts", type=positive, default=256, help="texts per request (default 256)")
+    serve.add_argument("--max-text-chars", type=positive, default=10_000, help="characters per text (default 10000)")
+    serve.add_argument("--max-body-bytes", type=positive, default=4 << 20, help="request body bytes (default 4 MiB)")
+    serve.add_argument(
+        "--body-timeout", type=seconds, default=10.0,
+        help="seconds a client gets to send a request's whole body, from the end of its headers; then 408 "
+        "(default 10). A slow client holds a buffer, never a worker",
+    )  # fmt: skip
+    serve.add_argument(
+        "--header-timeout", type=seconds, default=10.0,
+        help="seconds a client gets to send the request line and headers, from connecting (or from its "
+        "previous response: the idle time of a kept-alive connection); then 408 (default 10)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--send-timeout", type=seconds, default=10.0,
+        help="seconds a client gets to take a whole response; then the connection is closed (default 10)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--metrics-dir",
+        help="prometheus_client's multiprocess directory (default: $PROMETHEUS_MULTIPROC_DIR, else a private "
+        "temporary one); its *.db files are removed at start; it must be yours and writable by no other user",
+    )
+    serve.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",
+        help="gunicorn's log level (default info)",
+    )  # fmt: skip
+    serve.set_defaults(func=cmd_serve)

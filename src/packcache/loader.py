@@ -1,0 +1,156 @@
+"""What every model loader does before it converts a model: scheme -> packers -> platform -> the cache.
+
+:mod:`packcache.hf`, :mod:`packcache.models.minilm`, the ``packcache`` command and ``packcache serve``
+each used to say this in their own words (and disagreed on the default scheme). They all take it from
+here now:
+
+1. :func:`resolve_scheme`: a scheme name, or ``None``/``"auto"`` (the default,
+   :data:`packcache._defaults.SCHEME`) for the one fast on this CPU (:func:`packcache.kernels.default_scheme`).
+   A cache file named after its scheme is named after this resolved scheme, never ``auto``.
+2. :func:`resolve`: the :class:`Recipe` of a scheme: the packer of its linear layers (:func:`scheme_packer`)
+   and of every other parameter (float32), the int4 group size, and the cache's ``platform=`` mapping.
+3. :func:`open_cache`: the :class:`~packcache.WeightCache` a load uses, from what the caller gave as ``cache=``.
+
+Imports torch (the packers' kernels); ``import packcache`` does not import this module.
+
+>>> recipe = resolve("int4", 64)
+>>> recipe.scheme, recipe.group_size, recipe.linear.params["group_size"], recipe.other.id
+('int4', 64, 64, 'np.f32')
+>>> resolve().scheme == resolve_scheme("auto") == resolve_scheme(None)
+True
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import _defaults
+from . import format as fmt
+from .cache import WeightCache
+from .kernels import default_scheme
+from .packers import SCHEMES, Float32, Packer, platform_for
+from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
+
+__all__ = ["Recipe", "open_cache", "resolve", "resolve_scheme", "scheme_packer"]
+
+
+def resolve_scheme(scheme: str | None = None) -> str:
+    """The scheme a load packs with: ``scheme`` itself (one of :data:`packcache.packers.SCHEMES`), or for
+    ``None`` and ``"auto"`` the one fast on this machine: ``int8`` where torch has its vectorised int8/int4
+    kernels, else ``fp32`` (:func:`packcache.kernels.default_scheme`).
+
+    >>> resolve_scheme("bf16"), resolve_scheme() in SCHEMES
+    ('bf16', True)
+
+    Raises:
+        ValueError: a name that is not a scheme nor ``auto``.
+    """
+    if scheme is None:
+        scheme = _defaults.SCHEME
+    if scheme == "auto":
+        return default_scheme()
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}, or auto")
+    return scheme
+
+
+def scheme_packer(scheme: str | None, group_size: int = _defaults.GROUP_SIZE) -> TorchPacker:
+    """The linear packer of a scheme (:func:`resolve_scheme`'s names): ``fp32``, ``bf16``, ``int8``
+    or ``int4`` (with ``group_size`` input features per scale; ignored by the others).
+
+    >>> scheme_packer("int4", 64).params["group_size"]
+    64
+    >>> tuple(_SCHEME_PACKERS) == SCHEMES
+    True
+
+    Raises:
+        ValueError: an unknown scheme, or an int4 group size that is not one of 32, 64, 128.
+    """
+    return _SCHEME_PACKERS[resolve_scheme(scheme)](group_size)
+
+
+#: Scheme name -> its packer, given the int4 group size.
+_SCHEME_PACKERS: Mapping[str, Callable[[int], TorchPacker]] = {
+    "fp32": lambda _: LinearFloat32(),
+    "bf16": lambda _: LinearBFloat16(),
+    "int8": lambda _: Int8WeightOnly(),
+    "int4": Int4WeightOnly,
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A resolved scheme and the packers a model loader packs with: :attr:`linear` for the linear
+    layers, :attr:`other` (float32) for every other parameter. Make it with :func:`resolve`."""
+
+    scheme: str
+    group_size: int
+    linear: TorchPacker
+    other: Packer
+
+    @property
+    def packers(self) -> tuple[TorchPacker, Packer]:
+        """``(linear, other)``: what a cache file of this recipe holds packs of (its name counts them)."""
+        return self.linear, self.other
+
+    def platform(self) -> dict[str, Any]:
+        """The ``platform=`` mapping of a cache of this recipe: its packers' identities and fingerprints,
+        the torch version and the CPU capability (:func:`packcache.packers.platform_for`)."""
+        return platform_for(self.packers)
+
+    def remedy(self, module: str) -> str:
+        """What to tell the caller who passed a ``WeightCache`` made for another platform: the
+        ``platform`` function of ``module`` (the loader's public module) that makes the right one."""
+        return f"make it with WeightCache(path, platform={module}.platform({self.scheme!r}, {self.group_size}))"
+
+
+def resolve(scheme: str | None = None, group_size: int = _defaults.GROUP_SIZE) -> Recipe:
+    """The :class:`Recipe` of ``scheme`` (``None``/``"auto"``: this machine's, :func:`resolve_scheme`).
+
+    Raises:
+        ValueError: an unknown scheme, or an int4 group size that is not one of 32, 64, 128.
+    """
+    name = resolve_scheme(scheme)
+    return Recipe(name, group_size, _SCHEME_PACKERS[name](group_size), Float32())
+
+
+def open_cache(
+    cache: WeightCache | str | os.PathLike[str] | None,
+    platform: Mapping[str, Any],
+    *,
+    remedy: str,
+    suggested_name: Callable[[], str],
+) -> tuple[WeightCache, bool]:
+    """The :class:`~packcache.WeightCache` a model loader uses, and whether the loader opened it (and closes it).
+
+    ``cache`` is a path to a cache *file* (opened with ``platform``), a ``WeightCache`` (which
+    must have been made with ``platform``: packs of other packers would be refused at every
+    launch), or ``None`` (caching off).
+
+    A directory at a path named like a cache file (``*.pcache``, as every default name is) is a cache
+    problem, not a mistake of argument: it is what a container runtime leaves when it bind-mounts a
+    host path that did not exist. The cache then counts it (``open_failed``, ``EISDIR``) and the
+    model loads from heap, like any file that cannot be opened. A directory under any other name
+    was meant as the place to put the file: that raises, naming the file to give.
+
+    Raises:
+        ValueError: the path is a directory not named ``*.pcache`` (the message suggests the file
+            ``suggested_name()`` names in it: the loader's default name), or the ``WeightCache``
+            was made with another platform mapping (the message says ``remedy``).
+    """
+    if cache is None:
+        return WeightCache(None), True
+    if isinstance(cache, WeightCache):
+        if cache.path is not None and cache.platform != fmt.canonical_key(platform):
+            raise ValueError(f"the WeightCache for {cache.path} was made with another platform mapping; {remedy}")
+        return cache, False
+    # ".pcache": how every default name ends (packcache.identity.model_cache_name).
+    if os.path.isdir(cache) and not os.fspath(cache).endswith(".pcache"):
+        raise ValueError(
+            f"cache {os.fspath(cache)!r} is a directory; give a file path such as "
+            f"{os.path.join(os.fspath(cache), suggested_name())!r}"
+        )
+    return WeightCache(cache, platform=platform), True
