@@ -20,6 +20,9 @@ Rules from the design that shape the code:
   or a lock file a cleaner deleted, must not let two writers append at once).
 * Mappings are few: packs are served from a :class:`~packcache._mapping.FileMap`
   whose windows are reused, so descriptors and mappings stay O(1) in the packs.
+
+Faults are made at one point, :func:`packcache._faults.translating`: an ``except`` block
+here does something else besides (clean up, fall back, decide a state), and says so.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from . import _faults as faults
 from . import format as fmt
+from ._faults import Fault
 from ._generations import pwrite_all, read_generation, rewrite_live, write_generation
 from ._mapping import FileMap, Window
 from ._paths import (
@@ -51,53 +56,29 @@ from ._paths import (
     unlink_quietly,
     wait_for_flock,
 )
-from .errors import FormatError, LockTimeoutError, UntrustedFileError
+from .errors import FormatError, UntrustedFileError
 from .stats import HeapReason
 
-__all__ = ["Fault", "FileStore"]
+__all__ = ["FileStore"]
 
 logger = logging.getLogger("packcache")
 
 Origin = tuple[int, int, int]  # (st_dev, st_ino, offset) of a pack's bytes: the file they live in now
 
 _DTYPES = {code: np.dtype(fmt.numpy_dtype_str(code)) for code in fmt.DTYPE_CODES}  # one object per code
-_NO_SPACE_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG})
-_READ_ONLY_ERRNOS = frozenset({errno_mod.EACCES, errno_mod.EROFS, errno_mod.EPERM, errno_mod.ETXTBSY})
 
 
-class Fault(Exception):
-    """A cache problem on its way to the session: the heap reason it causes, the errno and a
-    message. Made here, ended by :class:`packcache.Session` (counted, logged once, answered
-    with a heap pack); never raised out of the package (see :mod:`packcache.errors`)."""
-
-    def __init__(self, reason: HeapReason, err: int, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.errno = err
-        self.message = message
+def _lock_reason_with_file(err: int | None) -> HeapReason:
+    # No inode or no quota left for the lock file; else, beside a file we could open, a refusal means read-only.
+    return HeapReason.NO_SPACE if err in faults.NO_SPACE_ERRNOS else faults.open_failed_reason(err)
 
 
-def classify_write_errno(err: int | None) -> HeapReason:
-    """``no_space`` for ENOSPC/EDQUOT/EFBIG, ``write_failed`` for anything else."""
-    return HeapReason.NO_SPACE if err in _NO_SPACE_ERRNOS else HeapReason.WRITE_FAILED
+def _lock_reason_without_file(err: int | None) -> HeapReason:
+    return HeapReason.NO_SPACE if err in faults.NO_SPACE_ERRNOS else HeapReason.OPEN_FAILED
 
 
-def open_failed_reason(err: int | None) -> HeapReason:
-    """``read_only`` when the errno says "you may only read", else ``open_failed``."""
-    return HeapReason.READ_ONLY if err in _READ_ONLY_ERRNOS else HeapReason.OPEN_FAILED
-
-
-def _describe(exc: OSError, what: str, path: str) -> str:
-    name = errno_mod.errorcode.get(exc.errno or 0, "E?")
-    return f"{what} {path}: {name} ({exc.strerror or exc})"
-
-
-def _fault_from_os(exc: OSError, reason: HeapReason, what: str, path: str) -> Fault:
-    return Fault(reason, exc.errno or 0, _describe(exc, what, path))
-
-
-def _untrusted(exc: UntrustedFileError) -> Fault:
-    return Fault(HeapReason.UNTRUSTED, 0, str(exc))
+def _create_reason(err: int | None) -> HeapReason:
+    return HeapReason.NO_SPACE if err in faults.NO_SPACE_ERRNOS else HeapReason.OPEN_FAILED
 
 
 @dataclass
@@ -214,7 +195,7 @@ class FileStore:
         """
         try:
             return self._refresh()
-        except Exception as exc:  # a cache problem must never fail a model load
+        except Exception as exc:  # not the translator: any error at all blocks the store, never fails a load
             logger.debug("packcache: unexpected error opening %s", self.path, exc_info=True)
             self.problem = Fault(
                 HeapReason.OPEN_FAILED, getattr(exc, "errno", 0) or 0, f"cannot open {self.path}: {exc!r}"
@@ -230,19 +211,20 @@ class FileStore:
         if self._writer is not None:
             return False  # our own uncommitted writes are newer than the disk
         try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            changed = self.identity is not None or self.rebuild_reason is None
+            with faults.translating(HeapReason.OPEN_FAILED, "cannot stat", self.path):
+                try:
+                    st = os.stat(self.path)
+                except FileNotFoundError:  # not the translator: no file is a state, not a fault
+                    changed = self.identity is not None or self.rebuild_reason is None
+                    self._forget()
+                    self.rebuild_reason = "the cache file does not exist"
+                    if self.read_only:
+                        message = f"cache file {self.path} does not exist (read-only cache)"
+                        self.problem = Fault(HeapReason.OPEN_FAILED, errno_mod.ENOENT, message)
+                    return changed
+        except Fault as fault:  # the path cannot be used: every request goes to heap
             self._forget()
-            self.rebuild_reason = "the cache file does not exist"
-            if self.read_only:
-                self.problem = Fault(
-                    HeapReason.OPEN_FAILED, errno_mod.ENOENT, f"cache file {self.path} does not exist (read-only cache)"
-                )
-            return changed
-        except OSError as exc:
-            self._forget()
-            self.problem = _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot stat", self.path)
+            self.problem = fault
             return True
         if stat.S_ISDIR(st.st_mode):
             self._forget()
@@ -300,26 +282,26 @@ class FileStore:
         self._stale = False
         fd: int | None = None
         try:
-            if not self.read_only:
+            with faults.translating(HeapReason.OPEN_FAILED, "cannot open", self.path):
                 try:
-                    fd, st = open_checked(self.path, write=True)
-                    self.writable = True
-                except OSError as exc:
-                    if isinstance(exc, UntrustedFileError) or exc.errno not in _READ_ONLY_ERRNOS:
-                        raise
-                    self.read_only_fault = _fault_from_os(exc, HeapReason.READ_ONLY, "cannot write", self.path)
-            else:
-                self.read_only_fault = Fault(HeapReason.READ_ONLY, 0, f"cache {self.path} is opened read-only")
-            if fd is None:
-                fd, st = open_checked(self.path)
-        except UntrustedFileError as exc:
-            self.problem = _untrusted(exc)
-            return True
-        except FileNotFoundError:
-            self.rebuild_reason = "the cache file does not exist"  # removed since the stat
-            return True
-        except OSError as exc:
-            self.problem = _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot open", self.path)
+                    if not self.read_only:
+                        try:
+                            fd, st = open_checked(self.path, write=True)
+                            self.writable = True
+                        except OSError as exc:  # not the translator: a refusal to write opens the file read-only
+                            if isinstance(exc, UntrustedFileError) or exc.errno not in faults.READ_ONLY_ERRNOS:
+                                raise
+                            fault = faults.fault_from_os(exc, HeapReason.READ_ONLY, "cannot write", self.path)
+                            self.read_only_fault = fault
+                    else:
+                        self.read_only_fault = Fault(HeapReason.READ_ONLY, 0, f"cache {self.path} is opened read-only")
+                    if fd is None:
+                        fd, st = open_checked(self.path)
+                except FileNotFoundError:  # not the translator: removed since the stat, a state, not a fault
+                    self.rebuild_reason = "the cache file does not exist"
+                    return True
+        except Fault as fault:  # untrusted, or cannot be opened: every request goes to heap
+            self.problem = fault
             return True
         self.fd = fd
         self.identity = (st.st_dev, st.st_ino)
@@ -339,7 +321,7 @@ class FileStore:
         was_untrusted = self.problem is not None and self.problem.reason is HeapReason.UNTRUSTED
         try:
             head = os.pread(self.fd, fmt.HEADER_READ_SIZE, 0)
-        except OSError:
+        except OSError:  # not the translator: an unreadable header only means "read it all again"
             head = b""
         slots, _ = fmt.choose_slot(head) if len(head) >= fmt.HEADER_READ_SIZE else ([], True)
         newest = slots[0].generation if slots else None
@@ -372,11 +354,11 @@ class FileStore:
                 self.rebuild_reason = "its platform fingerprint differs from this process's"
                 return
             slot, entries = read_generation(self.fd, head, header, size, path=self.path)
-        except FormatError as exc:
+        except FormatError as exc:  # not the translator: an invalid file is rebuilt, never a fault
             self.rebuild_reason = f"it is invalid: {exc}"
             return
-        except OSError as exc:
-            self.rebuild_reason = f"it cannot be read: {_describe(exc, 'reading', self.path)}"
+        except OSError as exc:  # the same for a file that cannot be read
+            self.rebuild_reason = f"it cannot be read: {faults.describe(exc, 'reading', self.path)}"
             return
         self.header, self.slot, self.entries = header, slot, entries
 
@@ -438,7 +420,7 @@ class FileStore:
             if window is None or not window.covers(offset, end):
                 try:
                     window = fmap.committed(offset, nbytes, size, header.data_start)
-                except OSError:
+                except OSError:  # not the translator: this pass leaves it to serve(), which makes the fault
                     out.append(None)
                     continue
             out.append((window.array(offset, nbytes, dtypes[entry[3]], shape), (dev, ino, offset), entry[1]))
@@ -476,10 +458,8 @@ class FileStore:
             raise self.problem
         if self.map is None or self.header is None or entry.offset + entry.nbytes > self.file_size:
             raise Fault(HeapReason.MAP_FAILED, 0, f"{self.path}: entry {entry.name!r} lies outside the file")
-        try:
+        with faults.translating(HeapReason.MAP_FAILED, "cannot map", self.path):
             window = self.map.committed(entry.offset, entry.nbytes, self.file_size, self.header.data_start)
-        except OSError as exc:
-            raise _fault_from_os(exc, HeapReason.MAP_FAILED, "cannot map", self.path) from None
         return self._array(window, entry)
 
     def _array(self, window: Window, entry: fmt.Entry) -> np.ndarray[Any, Any]:
@@ -508,8 +488,8 @@ class FileStore:
             return True
         try:
             data = self.view(entry)
-        except Fault:
-            return True  # not mappable: the request goes to heap as map_failed anyway
+        except Fault:  # not the translator: an unmappable pack goes to heap as map_failed anyway, not corrupt
+            return True
         if fmt.crc32(data.reshape(-1).view(np.uint8)) == entry.crc32:
             return True
         self.corrupt.add(entry.name)
@@ -527,21 +507,10 @@ class FileStore:
             Fault: ``locked`` on timeout; ``untrusted`` for a FIFO, symlink or foreign lock
             file; ``read_only``/``no_space``/``open_failed`` if it cannot be opened.
         """
-        try:
+        reason = _lock_reason_with_file if self.fd is not None else _lock_reason_without_file
+        with faults.translating(reason, "cannot open lock file for", self.path):
             self._ensure_dir()
             acquire_build_lock(self.path, timeout, self.file_mode, track=self._track_lock)
-        except LockTimeoutError as exc:
-            raise Fault(HeapReason.LOCKED, errno_mod.EWOULDBLOCK, str(exc)) from None
-        except UntrustedFileError as exc:
-            raise _untrusted(exc) from None
-        except OSError as exc:
-            if exc.errno in _NO_SPACE_ERRNOS:  # no inode or no quota left for the lock file
-                reason = HeapReason.NO_SPACE
-            elif self.fd is not None:
-                reason = open_failed_reason(exc.errno)
-            else:
-                reason = HeapReason.OPEN_FAILED
-            raise _fault_from_os(exc, reason, "cannot open lock file for", self.path) from None
 
     def _track_lock(self, fd: int | None) -> None:
         # Recorded before the flock is taken: an interrupt cannot leave a held lock unrecorded.
@@ -559,7 +528,7 @@ class FileStore:
     def release_lock(self) -> None:
         """Release the build lock and the inode lock (closing the lock descriptor releases its flock)."""
         if self._inode_locked is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # not a translation: releasing must not fail the release
                 fcntl.flock(self._inode_locked, fcntl.LOCK_UN)
             self._inode_locked = None
         for held in (self._lock_fd, self._lock_taken):
@@ -625,20 +594,14 @@ class FileStore:
             )  # fmt: skip
         data_end = offset + entry.nbytes
         index_at = fmt.align_up(data_end, writer.header.alignment)
-        try:
+        with faults.translating(faults.write_reason, "cannot write to", self._target(writer)):
             os.posix_fallocate(writer.fd, offset, index_at - offset + index_size)
             self._pwrite(writer.fd, data, offset)
-        except OSError as exc:
-            raise _fault_from_os(
-                exc, classify_write_errno(exc.errno), "cannot write to", self._target(writer)
-            ) from None
         entry = entry._replace(crc32=fmt.crc32(data))
         writer.add(entry)
         writer.append_at = data_end
-        try:
+        with faults.translating(HeapReason.MAP_FAILED, "cannot map", self.path):
             view = self._array(writer.map.written(entry.offset, entry.nbytes), entry)
-        except OSError as exc:
-            raise _fault_from_os(exc, HeapReason.MAP_FAILED, "cannot map", self.path) from None
         return view, (*writer.identity, entry.offset)
 
     def _target(self, writer: _Writer) -> str:
@@ -649,10 +612,8 @@ class FileStore:
         other names (a hardlink), and a cleaner may have deleted the sidecar."""
         if self._inode_locked == fd:
             return
-        try:
+        with faults.translating(HeapReason.OPEN_FAILED, "cannot lock", self.path):
             taken = wait_for_flock(fd, self._lock_deadline)
-        except OSError as exc:
-            raise _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot lock", self.path) from None
         if not taken:
             raise Fault(
                 HeapReason.LOCKED, errno_mod.EWOULDBLOCK,
@@ -691,32 +652,26 @@ class FileStore:
         header = fmt.decode_header(header_bytes)
         # A rebuild replaces the file the path resolves to: a symlinked path keeps its symlink.
         target = os.path.realpath(self.path)
-        try:
+        with faults.translating(_create_reason, "cannot create a new cache file for", self.path):
             self._ensure_dir()
             fd, temp = create_temp(target, self.file_mode)
-        except OSError as exc:
-            reason = HeapReason.NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else HeapReason.OPEN_FAILED
-            raise _fault_from_os(exc, reason, "cannot create a new cache file for", self.path) from None
-        try:
-            dir_fd = os.open(os.path.dirname(target), os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
-        except BaseException as exc:
+        try:  # not the translator alone: a failure must close and remove the temp file too
+            with faults.translating(HeapReason.OPEN_FAILED, "cannot open the directory of", self.path):
+                dir_fd = os.open(os.path.dirname(target), os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+        except BaseException:
             os.close(fd)
             unlink_quietly(temp)
-            if not isinstance(exc, OSError):
-                raise
-            raise _fault_from_os(exc, HeapReason.OPEN_FAILED, "cannot open the directory of", self.path) from None
-        try:
-            os.posix_fallocate(fd, 0, header.data_start + fmt.index_size([]))
-            self._pwrite(fd, header_bytes, 0)
-            st = os.fstat(fd)
-        except BaseException as exc:
+            raise
+        try:  # the same, and the directory descriptor closed
+            with faults.translating(faults.write_reason, "cannot write to", f"{self.path} (new file {temp})"):
+                os.posix_fallocate(fd, 0, header.data_start + fmt.index_size([]))
+                self._pwrite(fd, header_bytes, 0)
+                st = os.fstat(fd)
+        except BaseException:
             os.close(fd)
             os.close(dir_fd)
             unlink_quietly(temp)
-            if not isinstance(exc, OSError):
-                raise
-            where = f"{self.path} (new file {temp})"
-            raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot write to", where) from None
+            raise
         self._writer = _Writer(
             fd=fd, temp_path=temp, target=target, header=header, base={}, added={}, append_at=header.data_start,
             generation=1, map=FileMap(fd), identity=(st.st_dev, st.st_ino), dir_fd=dir_fd,
@@ -758,30 +713,23 @@ class FileStore:
             return
         live = writer.live()
         index_at = fmt.align_up(writer.append_at, writer.header.alignment)
-        target = self._target(writer)
-        renamed = False
-        slot: fmt.Slot | None = None
+        try:  # not the translator alone: whatever stops the commit (an interrupt too) aborts it
+            with faults.translating(faults.write_reason, "cannot commit", self._target(writer)):
+                slot = write_generation(writer.fd, live, index_at, writer.generation, pwrite=self._pwrite)
+                if writer.temp_path is not None:
+                    os.rename(writer.temp_path, writer.target)
+        except BaseException:
+            self.abort()  # the previous generation stays, a temp file goes
+            raise
+        if writer.temp_path is None:
+            self._adopt(writer, slot, live)
+            return
         try:
-            slot = write_generation(writer.fd, live, index_at, writer.generation, pwrite=self._pwrite)
-            if writer.temp_path is not None:
-                os.rename(writer.temp_path, writer.target)
-                renamed = True
+            with faults.translating(HeapReason.WRITE_FAILED, "cannot sync the directory of", self.path):
                 assert writer.dir_fd is not None
                 os.fsync(writer.dir_fd)
-        except OSError as exc:
-            if slot is None or not renamed:
-                self.abort()
-                raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot commit", target) from None
-            # The new file is in place and its data synced; only the rename's durability is in doubt.
+        finally:  # the new file is in place and its data synced; only the rename's durability may be in doubt
             self._adopt(writer, slot, live)
-            raise _fault_from_os(exc, HeapReason.WRITE_FAILED, "cannot sync the directory of", self.path) from None
-        except BaseException:
-            if slot is None or not renamed:
-                self.abort()  # e.g. KeyboardInterrupt: the previous generation stays, the temp goes
-            else:
-                self._adopt(writer, slot, live)
-            raise
-        self._adopt(writer, slot, live)
 
     def _adopt(self, writer: _Writer, slot: fmt.Slot, live: list[fmt.Entry]) -> None:
         """Make a committed writer's file and entries the store's committed state."""
@@ -823,12 +771,11 @@ class FileStore:
             return 0  # renamed over by someone else meanwhile: not this file's to replace
         before = self.file_size
         try:
-            rewritten = rewrite_live(
-                fd, os.fstat(fd), real, path=self.path, atime_ns=time.time_ns(), pwrite=self._pwrite
-            )
-        except OSError as exc:
-            raise _fault_from_os(exc, classify_write_errno(exc.errno), "cannot compact", self.path) from None
-        except FormatError as exc:  # the file this session just committed no longer reads back
+            with faults.translating(faults.write_reason, "cannot compact", self.path):
+                rewritten = rewrite_live(
+                    fd, os.fstat(fd), real, path=self.path, atime_ns=time.time_ns(), pwrite=self._pwrite
+                )
+        except FormatError as exc:  # not an OSError: the file this session just committed no longer reads back
             raise Fault(HeapReason.WRITE_FAILED, 0, f"cannot compact {self.path}: {exc}") from None
         self._forget()
         self.fd, self.identity, self.writable = rewritten.fd, file_identity(rewritten.fd), True

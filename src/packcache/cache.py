@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
+from ._faults import Fault
 from ._ledger import Held, Ledger
 from ._registry import DEFAULTS, aggregate_stats, live_caches, register, unregister
-from ._store import Fault, FileStore
+from ._store import FileStore
 from .errors import PackResultError, RemoteError, SessionError
 from .options import get_instance_option, set_instance_option
 from .stats import FAILURE_REASONS, REMOTE_REASONS, CacheStats, HeapReason
