@@ -176,13 +176,14 @@ def test_the_public_face_is_unchanged() -> None:
 
 
 def test_internal_faults_stay_inside_the_file_layer_and_the_session() -> None:
-    """``Fault`` (a cache problem on its way to a heap reason) is made by the file layer and ended
-    by the session: only the session's module takes it at run time, and no public namespace has it."""
+    """``Fault`` (a cache problem on its way to a heap reason) is made by the file layer, recorded by the
+    ledger and ended by the session: only their modules take it at run time, and no public namespace has it."""
     users = sorted(module for module in MODULES for target, name in _imports(module) if name == "Fault")
-    assert users == ["packcache.cache"]
-    from packcache._store import Fault
+    file_layer = ["packcache._store", "packcache._store_lock", "packcache._store_state", "packcache._store_write"]
+    assert users == sorted(["packcache._ledger", *file_layer, "packcache.cache"])
+    from packcache._faults import Fault
 
-    assert Fault.__module__ == "packcache._store"
+    assert Fault.__module__ == "packcache._faults"
     public = [m for m in MODULES if not any(part.startswith("_") for part in m.split("."))]
     assert [m for m in public if "Fault" in _exported(m)] == []
 

@@ -22,6 +22,7 @@ from ._paths import create_temp, fsync_dir, unlink_quietly
 from .errors import FormatError
 
 __all__ = [
+    "Rewritten",
     "chunk_buffer",
     "keep_owner",
     "pwrite_all",

@@ -12,13 +12,13 @@ and a request costs no snapshot: one is built when someone reads.
 
 from __future__ import annotations
 
-import errno as errno_mod
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ._faults import Fault, errno_name
 from .stats import (
     FAILURE_REASONS,
     CacheStats,
@@ -28,9 +28,6 @@ from .stats import (
     zero_reasons,
     zero_remote_reasons,
 )
-
-if TYPE_CHECKING:
-    from ._store import Fault  # a type only: the ledger records faults, the file layer makes them
 
 __all__ = ["Held", "Ledger"]
 
@@ -77,7 +74,7 @@ class Ledger:
         self.error_time = 0.0
         self.pack_seconds = 0.0
         self.map_seconds = 0.0
-        self.blocking: Fault | None = None  # the file cannot be opened or trusted
+        self.blocking: Fault | None = None  # the store's blocking fault (FileStore.blocking): no file to use
         self.commit_fault: Fault | None = None  # the last commit failed
         self.remote = {"hits": 0, "bytes": 0}
         self.remote_seconds = 0.0
@@ -210,7 +207,7 @@ class Ledger:
 
     def _log(self, reason: HeapReason, message: str, err: int = 0) -> None:
         if reason in FAILURE_REASONS:
-            name = errno_mod.errorcode.get(err, "no errno") if err else "no errno"
+            name = errno_name(err, "no errno")
             logger.error("packcache: %s [%s]: %s; packs go to heap", reason.value, name, message)
         elif reason is HeapReason.FINALIZED:
             logger.info("packcache: cache %s is finalized; new packs go to heap", self.path)

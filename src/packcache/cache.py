@@ -39,9 +39,10 @@ import numpy as np
 
 from . import _defaults, _registry
 from . import format as fmt
+from ._faults import Fault
 from ._ledger import Held, Ledger
 from ._registry import DEFAULTS, aggregate_stats, register, unregister
-from ._store import Fault, FileStore
+from ._store import FileStore
 from .errors import PackResultError, RemoteError, SessionError
 from .options import get_instance_option, set_instance_option
 from .stats import FAILURE_REASONS, REMOTE_REASONS, CacheStats, HeapReason
@@ -666,9 +667,8 @@ class Session:
             ledger.set(commit_fault=None, blocking=None)
             self._compact(store)
         finally:
-            ledger.set(
-                file_bytes=store.file_size, reclaimable_bytes=store.reclaimable_bytes, written=store.bytes_written
-            )
+            status = store.status
+            ledger.set(file_bytes=status.size, reclaimable_bytes=status.reclaimable_bytes, written=store.bytes_written)
 
     def _compact(self, store: FileStore) -> None:
         """After a commit, still under the build lock: superseded bytes that outweigh the live ones are
@@ -710,11 +710,12 @@ class Session:
         started = time.perf_counter()
         store.refresh()
         ledger.add(map_seconds=time.perf_counter() - started)
-        ledger.set(file_bytes=store.file_size, reclaimable_bytes=store.reclaimable_bytes, blocking=store.problem)
-        if store.replacing and ledger.first("rebuild"):
-            logger.warning("packcache: cache file %s will be rebuilt as a new file: %s", store.path, store.replacing)
-        if store.problem is not None:
-            ledger.report(store.problem.reason, store.problem)
+        status = store.status
+        ledger.set(file_bytes=status.size, reclaimable_bytes=status.reclaimable_bytes, blocking=status.blocking)
+        if status.replacing and ledger.first("rebuild"):
+            logger.warning("packcache: cache file %s will be rebuilt as a new file: %s", store.path, status.replacing)
+        if status.blocking is not None:
+            ledger.report(status.blocking.reason, status.blocking)
 
     def get_or_pack(
         self, name: str | None, pack: PackFn, key: Mapping[str, Any] | PackKey | None = None
@@ -898,7 +899,7 @@ class Session:
         held = ledger.held.get(name)
         if held is not None and held.key == key and not self._retry(held) and self._still_backed(name, held):
             return held.array  # the same pack again: served and counted once
-        if store.problem is not None:
+        if store.status.blocking is not None:
             return None
         started = time.perf_counter()
         try:
@@ -922,12 +923,13 @@ class Session:
         """Where a miss goes: heap with a reason, the file (None), or first the build lock."""
         cache, store = self._cache, self._store
         assert store is not None
-        if store.problem is not None:
-            return _Route(store.problem.reason, store.problem)
+        status = store.status
+        if status.blocking is not None:
+            return _Route(status.blocking.reason, status.blocking)
         if cache.finalized:
             return _Route(HeapReason.FINALIZED, None)
-        if cache.read_only or store.read_only_fault is not None:
-            fault = store.read_only_fault or Fault(HeapReason.READ_ONLY, 0, f"cache {cache.path} is read-only")
+        if cache.read_only or status.read_only_fault is not None:
+            fault = status.read_only_fault or Fault(HeapReason.READ_ONLY, 0, f"cache {cache.path} is read-only")
             return _Route(HeapReason.READ_ONLY, fault)
         if self._lock_fault is not None:
             return _Route(self._lock_fault.reason, self._lock_fault)

@@ -16,12 +16,12 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
+from packcache import _faults as faults
 from packcache.errors import RemoteError
 
 from ._storebase import (
     CHUNK_BYTES,
     GRACE,
-    NO_SPACE,
     ObjectInfo,
     Store,
     T,
@@ -111,10 +111,13 @@ class DirectoryStore(Store):
 
     # -- errors, at one point
 
-    def _error(self, exc: OSError, key: str, doing: str) -> RemoteError:
+    def _error(self, key: str, doing: str, exc: OSError) -> RemoteError | None:
+        """The one translation of an ``OSError`` into a :class:`RemoteError` (None: it is one already)."""
+        if isinstance(exc, RemoteError):
+            return None
         code = exc.errno or 0
-        name = errno_mod.errorcode.get(code, str(code))
-        if code in NO_SPACE:
+        name = faults.errno_name(code, str(code))
+        if code in faults.NO_SPACE_ERRNOS:
             reason = "remote_no_space"
         elif code == errno_mod.ENOENT:
             return RemoteError("remote_absent", f"no object at {key!r}", url=self.url, errno=code)
@@ -131,12 +134,8 @@ class DirectoryStore(Store):
     def _bounded(
         self, key: str, doing: str, deadline: float, fn: Callable[[], T], on_late: Callable[[T], None] | None = None
     ) -> T:
-        try:
+        with faults.translating_into(functools.partial(self._error, key, doing), cause=True):
             result = run_bounded(fn, deadline, on_late)
-        except RemoteError:
-            raise
-        except OSError as exc:
-            raise self._error(exc, key, doing) from exc
         if result is None:
             raise self._timeout(key, doing)
         return result
@@ -144,16 +143,17 @@ class DirectoryStore(Store):
     # -- walking to a key without leaving the root
 
     def _open_root(self) -> int:
-        try:
+        with faults.translating_into(self._root_error, cause=True):
             return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            code = exc.errno or 0
-            raise RemoteError(
-                "remote_error",
-                f"store directory {self.root!r}: {errno_mod.errorcode.get(code, code)} ({exc.strerror})",
-                url=self.url,
-                errno=code,
-            ) from exc
+
+    def _root_error(self, exc: OSError) -> RemoteError:
+        """A root that cannot be opened is ``remote_error``, ENOENT too: an unmounted share is not "nothing
+        published"."""
+        code = exc.errno or 0
+        return RemoteError(
+            "remote_error", f"store directory {self.root!r}: {faults.errno_name(code, str(code))} ({exc.strerror})",
+            url=self.url, errno=code,
+        )  # fmt: skip
 
     def _parent(self, key: str, *, create: bool) -> tuple[int, str]:
         """(descriptor of the key's directory, leaf name); each component opened with ``O_NOFOLLOW``."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from packcache import _faults as faults
 from packcache.errors import RemoteError
 
 from ._storebase import CHUNK_BYTES, ObjectInfo, Store, T, check_key, check_range, read_all, redact, remaining
@@ -159,7 +160,7 @@ class ObjectStore(Store):
         timed_out = any(word in text for word in ("kind: Timeout", "TimedOut"))  # obstore's stall bound fired
         if not status_match and (timed_out or time.monotonic() >= deadline - 0.05):
             return RemoteError("remote_timeout", f"{where}: no answer before the deadline ({first})", url=self.url)
-        os_error = f" ({errno_mod.errorcode.get(code, code)}: {os.strerror(code)})" if code else ""
+        os_error = f" ({faults.errno_name(code, str(code))}: {os.strerror(code)})" if code else ""
         return RemoteError(
             "remote_error", f"{where}{status}{os_error}: {type(exc).__name__}: {first}", url=self.url, errno=code
         )

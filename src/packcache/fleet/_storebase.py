@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import errno as errno_mod
 import os
 import time
 import urllib.parse
@@ -17,7 +16,6 @@ __all__ = [
     "CHUNK_BYTES",
     "GRACE",
     "MAX_KEY_BYTES",
-    "NO_SPACE",
     "ObjectInfo",
     "Store",
     "T",
@@ -34,7 +32,6 @@ MAX_KEY_BYTES = 1024
 CHUNK_BYTES = 8 << 20
 #: What a call may overrun its deadline by (a thread to notice, a connection to drop).
 GRACE = 1.0
-NO_SPACE = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG})
 
 T = TypeVar("T")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import _faults as faults
 from .. import format as fmt
 from .._paths import (
     acquire_build_lock,
@@ -53,7 +55,6 @@ from .stores import Store, open_store
 
 __all__ = ["FetchReport", "accepted_generation", "fetch", "load_trusted_keys", "state_dir"]
 
-_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _MARGIN = 1 << 20  # free space to leave besides the blob
 _STATE_MAX_BYTES = 4096
 
@@ -136,15 +137,9 @@ def fetch(
     model = model_of(name)
     cls = platform_class(platform)
     directory = os.path.dirname(name)
-    try:
+    with faults.translating_into(functools.partial(_lock_error, name)):
         os.makedirs(directory, mode=dir_mode, exist_ok=True)
         lock_fd = acquire_build_lock(os.path.realpath(name), lock_timeout, file_mode)  # as FileStore opens it
-    except LockTimeoutError as exc:
-        raise RemoteError("remote_timeout", f"another process held the build lock: {exc}", url=name) from None
-    except UntrustedFileError as exc:
-        raise RemoteError("remote_write_failed", str(exc), url=name) from None
-    except OSError as exc:
-        raise _write_error(exc, lock_path_for(name)) from None
     try:
         with contextlib.ExitStack() as stack:
             if store is None:
@@ -214,20 +209,16 @@ def _download(
             "does not match its blob)", url=where,
         )  # fmt: skip
     directory = os.path.dirname(name)
-    try:
+    with _writing(directory):
         vfs = os.statvfs(directory)
-    except OSError as exc:
-        raise _write_error(exc, directory) from None
     free = vfs.f_bavail * vfs.f_frsize
     if free < manifest.size + _MARGIN:
         raise RemoteError(
             "remote_no_space", f"{free} bytes free in {directory}, the file needs {manifest.size}", url=where,
             errno=errno.ENOSPC,
         )  # fmt: skip
-    try:
+    with _writing(directory):
         fd, temp = create_temp(name, file_mode)
-    except OSError as exc:
-        raise _write_error(exc, directory) from None
     try:
         digest = hashlib.sha256()
         written = 0
@@ -236,13 +227,11 @@ def _download(
             nonlocal written
             digest.update(chunk)
             view = chunk
-            while view:
-                try:
+            with _writing(temp):  # around the chunk (8 MiB), not each write
+                while view:
                     count = os.write(fd, view)
-                except OSError as exc:
-                    raise _write_error(exc, temp) from None
-                view = view[count:]
-                written += count
+                    view = view[count:]
+                    written += count
 
         store.download(blob, sink, deadline=deadline, max_bytes=manifest.size)
         if written != manifest.size or digest.hexdigest() != manifest.blob_sha256:
@@ -250,18 +239,14 @@ def _download(
                 "remote_corrupt", f"{written} bytes with sha256 {digest.hexdigest()[:16]}..., the manifest says "
                 f"{manifest.size} bytes, {manifest.blob_sha256[:16]}...", url=where,
             )  # fmt: skip
-        try:
+        with _writing(temp):
             os.fsync(fd)
-        except OSError as exc:
-            raise _write_error(exc, temp) from None
         report = verify(temp)
         if not report.ok:
             raise RemoteError("remote_corrupt", f"it fails verification: {report.problems[0]}", url=where)
-        try:
+        with _writing(name):
             os.rename(temp, os.path.realpath(name))
             fsync_dir(directory)
-        except OSError as exc:
-            raise _write_error(exc, name) from None
     except BaseException:
         unlink_quietly(temp)
         raise
@@ -270,10 +255,28 @@ def _download(
     return written + len(head)
 
 
+def _write_reason(err: int) -> str:
+    """The remote miss a failed local write is: the fleet's own table over :data:`packcache._faults.NO_SPACE_ERRNOS`."""
+    return "remote_no_space" if err in faults.NO_SPACE_ERRNOS else "remote_write_failed"
+
+
 def _write_error(exc: OSError, where: str) -> RemoteError:
     code = exc.errno or 0
-    reason = "remote_no_space" if code in _NO_SPACE else "remote_write_failed"
-    return RemoteError(reason, f"{errno.errorcode.get(code, 'E?')}: {exc.strerror or exc}", url=where, errno=code)
+    return RemoteError(_write_reason(code), f"{faults.errno_name(code)}: {exc.strerror or exc}", url=where, errno=code)
+
+
+def _writing(where: str) -> contextlib.AbstractContextManager[None]:
+    """Every ``OSError`` of the body as its remote miss (:func:`_write_error`), ``where`` named."""
+    return faults.translating_into(functools.partial(_write_error, where=where))
+
+
+def _lock_error(name: str, exc: OSError) -> RemoteError:
+    """What failing to take the local file's build lock is: waiting too long is ``remote_timeout``."""
+    if isinstance(exc, LockTimeoutError):
+        return RemoteError("remote_timeout", f"another process held the build lock: {exc}", url=name)
+    if isinstance(exc, UntrustedFileError):
+        return RemoteError("remote_write_failed", str(exc), url=name)
+    return _write_error(exc, lock_path_for(name))
 
 
 # --------------------------------------------------------------------------- accepted generations
