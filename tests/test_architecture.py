@@ -1,9 +1,9 @@
 """The package's shape, checked: one-way imports in the layers docs/ARCHITECTURE.md lists, each
 module's ``__all__`` matching what the rest of the package takes from it, private rooms private.
 
-The import graph is read from the source (every ``import``, at module level or inside a
-function; only ``if TYPE_CHECKING:`` blocks are left out, as they never run), so an import
-hidden in a function to dodge a loop counts like any other.
+The import graph is read from the source (every ``import``: at module level, inside a function,
+and inside ``if TYPE_CHECKING:`` blocks), so an import hidden in a function to dodge a loop counts
+like any other, and so does a type-only one: a reader of the imports sees it all the same.
 """
 
 from __future__ import annotations
@@ -33,13 +33,6 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
 
 
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(module: str) -> list[tuple[str, str | None]]:
     """(module imported, name taken from it or None) for every import of ``module`` that runs."""
     path = MODULES[module]
@@ -48,11 +41,7 @@ def _imports(module: str) -> list[tuple[str, str | None]]:
 
     def walk(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
-                for other in child.orelse:
-                    walk_one(other)
-                continue
-            walk_one(child)
+            walk_one(child)  # an ``if TYPE_CHECKING:`` block too: a type-only import is still an edge
 
     def walk_one(node: ast.AST) -> None:
         if isinstance(node, ast.ImportFrom):
