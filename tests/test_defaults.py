@@ -37,14 +37,8 @@ HOMES = {
 }
 #: Other names of a constant of ``_defaults`` (``maintenance.compact`` takes the lock timeout from ``_paths``).
 ALIASES = {"DEFAULT_LOCK_TIMEOUT": "LOCK_TIMEOUT"}
-#: Literal defaults still written outside the one home, in modules another change of issue 24 owns: listed so
-#: they stay visible, and so that a new one anywhere else fails. (relative path, parameter)
-NOT_YET = {
-    ("fleet/fetch.py", "lock_timeout"),
-    ("fleet/fetch.py", "file_mode"),
-    ("fleet/fetch.py", "dir_mode"),
-    ("fleet/publish.py", "lock_timeout"),
-}
+#: Literal defaults still written outside the one home (relative path, parameter): none. A new one fails.
+NOT_YET: set[tuple[str, str]] = set()
 #: Fields named like a default that are results, not defaults a caller takes: ``ConversionReport.kernel_path``
 #: (the path the packed layers run; :func:`packcache.torch.convert` always sets it).
 RESULTS = {("torch.py", "kernel_path")}

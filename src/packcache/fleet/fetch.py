@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import _defaults
 from .. import _faults as faults
 from .. import format as fmt
 from .._paths import (
@@ -112,9 +113,9 @@ def fetch(
     trusted_keys: Sequence[bytes] = (),
     allow_unsigned: bool = False,
     timeout: float = 10.0,
-    lock_timeout: float = 30.0,
-    file_mode: int = 0o600,
-    dir_mode: int = 0o700,
+    lock_timeout: float = _defaults.LOCK_TIMEOUT,
+    file_mode: int = _defaults.FILE_MODE,
+    dir_mode: int = _defaults.DIR_MODE,
     store: Store | None = None,
 ) -> FetchReport:
     """Make ``path`` the cache file published at ``url`` for its model and this platform.

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import _boundedjson as boundedjson
+from .. import _defaults
 from .. import format as fmt
 from .._generations import read_committed
 from .._paths import acquire_build_lock, open_checked, still_linked
@@ -116,7 +117,7 @@ def publish(
     builder: str | None = None,
     expires_in: float | None = DEFAULT_EXPIRES,
     timeout: float = 600.0,
-    lock_timeout: float = 30.0,
+    lock_timeout: float = _defaults.LOCK_TIMEOUT,
 ) -> PublishReport:
     """Publish the cache file at ``path`` to the store at ``url`` (module docstring).
 
