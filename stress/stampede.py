@@ -23,7 +23,7 @@ and reports a digest of all of them; in ``wait`` and ``zero-timeout`` the
 digests of all 8 processes must be equal, and the file must hold exactly one
 copy of each pack: one generation whose packs lie back to back (alignment
 padding only), followed by its index, ending exactly at the end of the file
-(``packcache._store.read_committed``).
+(``packcache._generations.read_committed``).
 
 Prints one summary line per mode; exits 1 if any check fails.
 

@@ -19,7 +19,7 @@ catch either::
 
 A cache *problem* (full disk, read-only file, lock timeout, …) is never raised:
 it is counted and reported through :meth:`packcache.WeightCache.stats`. Inside
-the package such a problem travels as a ``Fault`` (``packcache._store``) from
+the package such a problem travels as a ``Fault`` (``packcache._faults``) from
 the file layer to the session, which is the one place it ends: counted under its
 reason, logged once, answered with a heap pack. It never leaves the package.
 """
