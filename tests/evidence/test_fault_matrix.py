@@ -1,4 +1,4 @@
-"""The fault matrix of ``stress/faults.py``, reduced to the rows tests/test_faults.py does not cover.
+"""The fault matrix of ``stress/faults.py``, reduced to the rows tests/evidence/test_fault_injection.py does not cover.
 
 Each case runs its load in a child process (as root, as root without
 ``CAP_DAC_OVERRIDE``, or as the real user ``nobody``) and checks what the
