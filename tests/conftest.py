@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
+from harness import ROOT_ONLY
+from harness.driver import Env, environment
 from harness.s3server import S3Server, moto_server
 from packcache import _registry
 
@@ -40,3 +42,12 @@ def moto_env(moto_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     for name, value in moto_s3.env.items():
         monkeypatch.setenv(name, value)
     return moto_s3
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    """The fault matrix's environment (``harness.driver.environment``: the interpreter and a copy of packcache
+    reachable for the real user ``nobody``), once per module; root only. Each test takes its own ``case_dir``."""
+    assert os.geteuid() == 0, ROOT_ONLY
+    with environment() as made:
+        yield made
