@@ -1,7 +1,14 @@
 """Opening paths (``packcache._paths``): never blocking on a FIFO, never following a symlink swapped in
-after the check, trusting a file by its owner and mode, temp files made with ``O_EXCL``.
+after the check, trusting a file by its owner and mode, files and directories made with exactly the modes
+asked for, temp files made with ``O_EXCL``.
 
-Real FIFOs, symlinks and, where ownership is the point, the real user ``nobody`` (the ``env`` fixture).
+Real FIFOs and symlinks. The trust refusals run as a real second user too: a child under ``setpriv
+--reuid=65534 --regid=65534 --clear-groups`` (the user ``nobody``), started by the fault matrix's
+``harness.driver.Env`` (the ``env`` fixture, which makes the interpreter and a copy of ``packcache``
+reachable for nobody). tests/evidence/test_fault_injection.py covers the refusals as root (foreign owner,
+world-writable, unsafe symlink) and the default modes under several umasks; nobody opening a root-owned
+0644 cache (trusted: hits map, misses are ``read_only`` with EACCES) is the fault matrix's
+``eacces-nobody/append`` case (tests/evidence/test_fault_matrix.py).
 """
 
 from __future__ import annotations
@@ -12,10 +19,24 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from harness import KEY, KIB, assert_same, build_keyed, packed
+from harness import (
+    KEY,
+    KIB,
+    Packer,
+    Spec,
+    assert_same,
+    build,
+    build_keyed,
+    error_records,
+    file_state,
+    packed,
+)
+from harness.driver import FOREIGN_UID, NOBODY, Env, check_load, loaded
 from packcache import WeightCache
+from packcache import _paths as paths_mod
 
 # ---------------------------------------------------------------------- a symlink swapped in after the check (issue 10)
 
@@ -72,3 +93,169 @@ def test_a_fifo_at_the_cache_path_is_refused_without_blocking(tmp_path: Path) ->
             s.get_or_pack("w", lambda: packed(1), KEY)
         st = cache.stats()
     assert st.heap_reason == "untrusted" and "FIFO" in st.error
+
+
+# --------------------------------------------------------------------------- trust: refusals as a real second user
+
+
+AB: Spec = {"a": (1, 16 * KIB), "b": (2, 16 * KIB)}
+ABC: Spec = {**AB, "c": (3, 16 * KIB)}
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _give(path: Path, uid: int) -> None:
+    os.chown(path, uid, uid)
+
+
+def _assert_refused(step: dict[str, Any], path: Path, nbytes: int) -> None:
+    assert check_load(step, path, hits=0, stored=0, heap={"untrusted": nbytes}, errors=("untrusted",)) == []
+    assert step["stats"]["state"] == "heap" and step["stats"]["written_bytes"] == 0
+
+
+@pytest.mark.root
+def test_nobody_refuses_a_cache_file_owned_by_another_non_root_user(env: Env) -> None:
+    d = env.case_dir("foreign-owner")
+    path = d / "model.pcache"
+    build(path, AB, file_mode=0o644)
+    _give(path, FOREIGN_UID)
+    before = file_state(path)
+    step = loaded(env, path, ABC, user="nobody")
+    _assert_refused(step, path, 48 * KIB)
+    assert any("owned by uid 12345" in m for _, m in step["records"]), step["records"]
+    assert file_state(path) == before
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("mode", [0o620, 0o602, 0o666], ids=["group-writable", "world-writable", "both"])
+def test_nobody_refuses_its_own_group_or_world_writable_file(env: Env, mode: int) -> None:
+    d = env.case_dir("writable")
+    _give(d, NOBODY)
+    os.chmod(d, 0o700)
+    path = d / "model.pcache"
+    build(path, AB)
+    for owned in (path, Path(f"{path}.lock")):
+        _give(owned, NOBODY)
+    os.chmod(path, mode)
+    before = file_state(path)
+    _assert_refused(loaded(env, path, AB, user="nobody"), path, 32 * KIB)
+    assert file_state(path) == before
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(("dir_mode", "trusted"), [(0o777, False), (0o1777, True)], ids=["no-sticky", "sticky"])
+def test_nobody_symlink_in_world_writable_directory_is_trusted_only_with_sticky_bit(
+    env: Env, dir_mode: int, trusted: bool
+) -> None:
+    """nobody's own valid cache, reached through a link in a shared directory anyone can write."""
+    d = env.case_dir("symlink")
+    real = d / "real"
+    real.mkdir()
+    target = real / "model.pcache"
+    build(target, AB)
+    for owned in (real, target, Path(f"{target}.lock")):
+        _give(owned, NOBODY)
+    shared = d / "shared"
+    shared.mkdir()
+    os.chmod(shared, dir_mode)
+    link = shared / "model.pcache"
+    link.symlink_to(target)
+    before = file_state(target)
+    step = loaded(env, link, AB, user="nobody")
+    if trusted:
+        assert check_load(step, link, hits=2, stored=0) == []
+    else:
+        _assert_refused(step, link, 32 * KIB)
+        assert any("sticky" in m for _, m in step["records"]), step["records"]
+    assert file_state(target) == before
+
+
+# --------------------------------------------------------------------------- modes
+
+
+@pytest.mark.root
+def test_nobody_creates_its_cache_0600_in_a_0700_directory_it_owns(env: Env) -> None:
+    d = env.case_dir("create")
+    _give(d, NOBODY)
+    path = d / "cache" / "model.pcache"
+    step = loaded(env, path, AB, user="nobody")
+    assert check_load(step, path, hits=0, stored=2) == []
+    for created, mode in ((path.parent, 0o700), (path, 0o600), (Path(f"{path}.lock"), 0o600)):
+        st = os.lstat(created)
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOBODY, mode), created
+    # And nobody trusts what it made: the next load maps everything.
+    assert check_load(loaded(env, path, AB, user="nobody"), path, hits=2, stored=0) == []
+
+
+def test_configured_file_and_dir_modes_are_applied_and_still_trusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "shared" / "model.pcache"
+    old = os.umask(0o077)  # the umask must neither widen nor narrow the configured modes
+    try:
+        with WeightCache(path, file_mode=0o640, dir_mode=0o750) as cache, cache.session() as s:
+            s.get_or_pack("w", lambda: packed(0, 4 * KIB))
+    finally:
+        os.umask(old)
+    assert (_mode(path.parent), _mode(path), _mode(Path(f"{path}.lock"))) == (0o750, 0o640, 0o640)
+    packer = Packer()
+    with WeightCache(path) as cache:
+        with cache.session() as s:
+            assert_same(s.get_or_pack("w", packer("w", 0)), packed(0, 4 * KIB))
+        assert (cache.stats().hits, packer.calls) == (1, {})
+    assert error_records(caplog.records) == []
+
+
+# --------------------------------------------------------------------------- O_EXCL temp files
+
+
+def _planted_file(at: Path, victim: Path) -> None:
+    at.write_bytes(b"planted by someone else")
+
+
+def _planted_symlink(at: Path, victim: Path) -> None:
+    victim.write_bytes(b"the victim's file")
+    at.symlink_to(victim)
+
+
+def _planted_dangling_symlink(at: Path, victim: Path) -> None:
+    at.symlink_to(victim)  # victim does not exist: O_CREAT without O_EXCL would create it
+
+
+@pytest.mark.parametrize("plant", [_planted_file, _planted_symlink, _planted_dangling_symlink])
+def test_temp_file_is_created_with_o_excl_and_never_follows_a_planted_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, plant: Any
+) -> None:
+    """The first random temp name the library picks is already taken: it must pick another, untouched."""
+    names = iter(["0000000000000000", "1111111111111111"])
+    monkeypatch.setattr(paths_mod.secrets, "token_hex", lambda n: next(names))
+    path = tmp_path / "cache" / "model.pcache"
+    path.parent.mkdir(mode=0o700)
+    planted = path.parent / f".model.pcache.tmp-{os.getpid()}-0000000000000000"
+    victim = tmp_path / "victim"
+    plant(planted, victim)
+    before = {p: os.lstat(p) for p in (planted, victim) if os.path.lexists(p)}
+    contents = {p: p.read_bytes() for p in before if p.exists()}
+    with WeightCache(path) as cache:
+        with cache.session() as s:
+            for name, (seed, nbytes) in AB.items():
+                assert_same(s.get_or_pack(name, lambda seed=seed, nbytes=nbytes: packed(seed, nbytes)),
+                            packed(seed, nbytes))  # fmt: skip
+        st = cache.stats()
+    assert (st.stored, st.heap_bytes, st.state) == (2, 0, "stored")
+    for p, old in before.items():
+        new = os.lstat(p)
+        assert (new.st_ino, new.st_size, new.st_mtime_ns, new.st_mode) == (
+            old.st_ino, old.st_size, old.st_mtime_ns, old.st_mode,
+        ), f"{p} was touched"  # fmt: skip
+    assert {p: p.read_bytes() for p in contents} == contents
+    assert os.path.lexists(victim) == (plant is _planted_symlink), "the symlink's target was created"
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([planted.name, "model.pcache", "model.pcache.lock"])
+    with WeightCache(path) as cache:
+        with cache.session() as s:
+            for name in AB:
+                s.get_or_pack(name, lambda: np.zeros(1))
+        assert cache.stats().hits == 2
+    assert error_records(caplog.records) == []
