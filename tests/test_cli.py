@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import pty
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,9 @@ import pytest
 from harness import build, without_build_compaction
 from packcache import WeightCache
 from packcache import format as fmt
+from packcache._paths import lock_path_for
 from packcache.cli import main, sanitize
+from test_maintenance import cli
 
 
 def build_fp32(path: Path, names: list[str], version: int = 1) -> dict[str, np.ndarray[Any, Any]]:
@@ -191,3 +194,73 @@ def test_python_dash_m_on_a_real_terminal(tmp_path: Path) -> None:
     assert proc.wait(30) == 0
     text = b"".join(chunks).decode()
     assert "generation 1" in text and "Traceback" not in text
+
+
+# ---------------------------------------------------------------------- a non-file at the cache path (issue 10, item 9)
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _socket(path: Path) -> None:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    sock.close()
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _device(path: Path) -> None:
+    path.symlink_to("/dev/zero")  # a character device, reached through a symlink in a safe directory
+
+
+def _link_to_fifo(path: Path) -> None:
+    os.mkfifo(path.parent / "hidden-fifo")
+    path.symlink_to(path.parent / "hidden-fifo")
+
+
+NOT_FILES = [_fifo, _socket, _directory, _device, _link_to_fifo]
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
+@pytest.mark.parametrize("plant", NOT_FILES, ids=[p.__name__.strip("_") for p in NOT_FILES])
+def test_cli_refuses_a_non_file_at_the_cache_path_without_hanging(tmp_path: Path, command: str, plant: Any) -> None:
+    path = tmp_path / "model.pcache"
+    plant(path)
+    locks = {f"{path}.lock", lock_path_for(str(path))}  # beside the link, and beside what it names (/dev/zero)
+    existed = {lock: os.path.lexists(lock) for lock in locks}
+    done = cli(command, str(path))  # TimeoutExpired: it blocked (a FIFO opened for reading)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    said = done.stdout + done.stderr
+    assert "Traceback" not in said and "not a regular file" in said, said
+    assert {lock: os.path.lexists(lock) for lock in locks} == existed, "no lock file created for what is no cache"
+
+
+# --------------------------------------------------------------------------- one line, never a traceback (issue 10)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
+def test_cli_names_a_hostile_path_on_one_sanitised_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    path = tmp_path / "evil\x1b[2J\nname.pcache"
+    for make in (lambda: None, lambda: path.write_bytes(b"\x89PKC\r\n\x1a\n" + b"\xff" * 5000)):
+        make()
+        assert main([command, str(path)]) == 1
+        captured = capsys.readouterr()
+        said = captured.err or captured.out
+        assert "\x1b" not in said and "Traceback" not in said and "evil\\x1b[2J\\nname" in said
+        if captured.err:
+            assert captured.err.count("\n") == 1
+
+
+def test_cli_gc_on_something_that_is_no_directory_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("x")
+    assert main(["gc", str(tmp_path / "file"), "--max-bytes", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("packcache gc: ENOTDIR") and err.count("\n") == 1
