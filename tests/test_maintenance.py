@@ -28,16 +28,7 @@ import numpy as np
 import pytest
 
 import packcache
-from harness import (
-    KIB,
-    Spec,
-    build,
-    child_argv,
-    file_state,
-    flip_bit,
-    packed,
-    without_build_compaction,
-)
+from harness import KIB, Spec, build, child_argv, file_state, flip_bit, packed, without_build_compaction
 from harness.driver import FOREIGN_UID, NOBODY, Env, check_load, loaded, run_cli
 from harness.entry_faults import superseded
 from packcache import WeightCache, compact, maintenance, verify

@@ -22,18 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import (
-    KEY,
-    KIB,
-    Packer,
-    Spec,
-    assert_same,
-    build,
-    build_keyed,
-    error_records,
-    file_state,
-    packed,
-)
+from harness import KEY, KIB, Packer, Spec, assert_same, build, build_keyed, error_records, file_state, packed
 from harness.driver import FOREIGN_UID, NOBODY, Env, check_load, loaded
 from packcache import WeightCache
 from packcache import _paths as paths_mod
