@@ -3,13 +3,16 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from harness import ROOT_ONLY
 from harness.driver import Env, environment
 from harness.s3server import S3Server, moto_server
+from harness.serve import TEXTS
 from packcache import _registry
 
 # Hypothesis writes under its home directory even with database=None; keep it out of the work tree.
@@ -51,3 +54,21 @@ def env() -> Iterator[Env]:
     assert os.geteuid() == 0, ROOT_ONLY
     with environment() as made:
         yield made
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray[Any, Any]:
+    """``harness.serve.TEXTS`` embedded in this process by ``minilm.load("int8", cache=None)``, one torch thread:
+    what every worker of ``packcache serve`` (one torch thread each) must answer."""
+    import torch
+
+    from packcache.models import minilm
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with minilm.load("int8", cache=None) as model:
+            result: np.ndarray[Any, Any] = model.embed(TEXTS)
+    finally:
+        torch.set_num_threads(threads)
+    return result

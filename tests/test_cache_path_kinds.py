@@ -27,9 +27,9 @@ import pytest
 
 from harness.checkpoints import tiny_bert
 from harness.cli_child import run_cli_cases
+from harness.serve import TEXTS, assert_embeddings, call, embed, loaded_workers, server
 from packcache import hf
 from packcache.models import minilm
-from test_serve import TEXTS, assert_embeddings, call, embed, loaded_workers, server
 
 
 def _directory(path: Path) -> None:

@@ -9,6 +9,7 @@ line, which are thin CLIs over the modules here:
 * ``files``: a file's state, garbage, flipped bits, what a file commits;
 * ``mounts``: a tiny tmpfs, a read-only bind mount, ``require_root``;
 * ``checkpoints``: tiny random BERT checkpoints the loaders load (``tiny_bert``);
+* ``serve``: ``packcache serve`` in a child process, its HTTP API and scrapes (``server``);
 * ``child``: the child prelude, ``run_child``, two appenders on one file;
 * ``driver``, ``faults``, ``entry_faults``: the fault matrix (``stress/faults.py``);
 * ``crash``, ``stampede``, ``fuzz``, ``interrupts``, ``stability``: the other stress harnesses.
