@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from harness import ROOT_ONLY
+from harness.checkpoints import tiny_bert
 from harness.driver import Env, environment
 from harness.s3server import S3Server, moto_server
 from harness.serve import TEXTS
@@ -72,3 +74,10 @@ def reference() -> np.ndarray[Any, Any]:
     finally:
         torch.set_num_threads(threads)
     return result
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BERT checkpoint (``harness.checkpoints.tiny_bert``, hidden size 32), once per module: the model
+    directory the tests of its readers (``run``/``serve --model``, ``minilm.load``) copy and break."""
+    return tiny_bert(tmp_path_factory.mktemp("model") / "tiny", hidden=32)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import pty
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,13 @@ import numpy as np
 import pytest
 
 from harness import build, without_build_compaction
+from harness.serve import SRC
 from packcache import WeightCache
 from packcache import format as fmt
 from packcache._paths import lock_path_for
 from packcache.cli import main, sanitize
 from test_maintenance import cli
+from test_minilm import config, fifo, variant, write
 
 
 def build_fp32(path: Path, names: list[str], version: int = 1) -> dict[str, np.ndarray[Any, Any]]:
@@ -264,3 +269,52 @@ def test_cli_gc_on_something_that_is_no_directory_is_one_line(
     assert main(["gc", str(tmp_path / "file"), "--max-bytes", "0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("packcache gc: ENOTDIR") and err.count("\n") == 1
+
+
+# ----------------------------------------- serve checks the model directory before any worker starts (issue 20, item 3)
+
+
+def serve_until_exit(argv: list[str], timeout: float = 90.0) -> tuple[int | None, str]:
+    """Run ``packcache serve ARGV`` in its own session until it exits or ``timeout`` passes (then the whole group
+    is killed: a worker stuck on a FIFO outlives its master); its exit code (None: it was still running) and stderr."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    argv = [sys.executable, "-m", "packcache", "serve", "--port", "0", "--torch-threads", "1", *argv]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    code: int | None = None
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        err = "(still running)"
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if code is None:
+            err = (proc.communicate(timeout=10)[1] or "") + err  # reaps it and closes the pipe
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("edit", "file", "says"),
+    [
+        (fifo("tokenizer.json"), "tokenizer.json", "not a regular file (a FIFO)"),
+        (fifo("config.json"), "config.json", "not a regular file (a FIFO)"),
+        (config(num_attention_heads=0), "config.json", "num_attention_heads"),
+        (config(num_hidden_layers=10_000_000), "config.json", "num_hidden_layers 10000000"),
+        (write("tokenizer.json", "[]"), "tokenizer.json", "tokenizers library"),
+    ],
+    ids=["fifo-tokenizer", "fifo-config", "zero-heads", "absurd-layers", "bad-tokenizer"],
+)
+@pytest.mark.parametrize("cache", ["--cache-dir", "--no-cache"])
+def test_serve_refuses_a_bad_model_directory_in_one_line_before_any_worker_starts(
+    base: Path, tmp_path: Path, edit: Callable[[Path], None], file: str, says: str, cache: str
+) -> None:
+    directory = variant(base, tmp_path / "model", edit)
+    where = [cache, str(tmp_path / "cache")] if cache == "--cache-dir" else [cache]
+    code, err = serve_until_exit(["--model", str(directory), "--workers", "2", *where])
+    assert code == 1, f"serve did not stop with exit 1 (exit {code}): {err[-2000:]}"
+    assert err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
+    assert err.startswith("packcache serve: cannot load the model: ") and f"/{file}" in err and says in err, err

@@ -14,16 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.serve import (
-    call,
-    connection_owner,
-    embed,
-    loaded_workers,
-    long,
-    scrape,
-    server,
-    wait_for,
-)
+from harness.serve import call, connection_owner, embed, loaded_workers, long, scrape, server, wait_for
 
 
 def test_bad_requests_get_a_json_4xx_the_worker_survives_and_sigterm_stops_gracefully(tmp_path: Path) -> None:

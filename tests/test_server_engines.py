@@ -40,6 +40,7 @@ from harness.serve import (
     server,
 )
 from packcache.memory import MappingUsage, file_mapping_usage, smaps_rollup
+from test_minilm import fifo, variant
 
 
 def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identical_embeddings(
@@ -344,3 +345,40 @@ def test_a_fresh_machine_serves_from_the_store_and_a_rolling_restart_picks_up_th
             assert w.info["cache_file"].endswith(f"{v2['model']}.pcache"), w
         e2 = embed_from_every_worker(srv, set(second.workers), TEXTS)
         assert np.abs(np.asarray(next(iter(e2.values()))[0]) - np.asarray(next(iter(e1.values()))[0])).max() > 1e-3
+
+
+# --------------------------------------------------------- a worker booting on a bad model directory (issue 20, item 3)
+
+
+def test_a_worker_booting_with_a_fifo_in_the_model_directory_stops_the_server_instead_of_hanging(
+    base: Path, tmp_path: Path
+) -> None:
+    """The master checked the directory at start; a FIFO planted before a rolling restart (SIGHUP) reaches the
+    new workers themselves. Each refuses it at once (gunicorn then stops the server: a worker that cannot load
+    its model is a boot failure, exit 1); none waits on it until the worker timeout, to be replaced and wait again."""
+    directory = variant(base, tmp_path / "model", lambda d: None)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    argv = [sys.executable, "-m", "packcache", "serve", "--port", "0", "--torch-threads", "1", "--workers", "2",
+            "--no-cache", "--scheme", "fp32", "--model", str(directory), "--timeout", "60"]  # fmt: skip
+    err_path = tmp_path / "serve.err"
+    with open(tmp_path / "serve.out", "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while "listening on" not in (tmp_path / "serve.out").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-2000:]
+            time.sleep(0.1)
+        fifo("tokenizer.json")(directory)
+        os.kill(proc.pid, signal.SIGHUP)
+        try:
+            code = proc.wait(45)  # well under the 60 s worker timeout that would kill a hung worker
+        except subprocess.TimeoutExpired:
+            code = None
+        log = err_path.read_text()
+        assert code == 1, f"the server did not stop (exit {code}): {log[-3000:]}"
+        assert "tokenizer.json: not a regular file (a FIFO)" in log, log[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

@@ -18,16 +18,7 @@ import numpy as np
 import pytest
 
 from harness import read_only_bind, require_root, tmpfs
-from harness.serve import (
-    SRC,
-    TEXTS,
-    assert_embeddings,
-    call,
-    embed,
-    embed_from_every_worker,
-    loaded_workers,
-    server,
-)
+from harness.serve import SRC, TEXTS, assert_embeddings, call, embed, embed_from_every_worker, loaded_workers, server
 
 
 @pytest.mark.root

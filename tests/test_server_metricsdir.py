@@ -29,14 +29,7 @@ from pathlib import Path
 import pytest
 
 from harness import require_root
-from harness.serve import (
-    SRC,
-    TEXTS,
-    embed_from_every_worker,
-    loaded_workers,
-    scrape,
-    server,
-)
+from harness.serve import SRC, TEXTS, embed_from_every_worker, loaded_workers, scrape, server
 from packcache.server.metricsdir import hold_metrics_dir
 
 NOBODY = 65534
