@@ -539,6 +539,7 @@ def read_record(name: str, *, dir_fd: int | None = None, max_bytes: int) -> tupl
         ``(value, None)``; ``(None, None)`` when it is missing or cannot be read; ``(None, why)`` when
         it is there but refused (a record is a hint: the caller goes on without it).
     """
+    # pinned by tests/test_identity.py::test_a_hostile_digest_cache_costs_a_rehash_never_wrong_bytes
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -546,6 +547,7 @@ def read_record(name: str, *, dir_fd: int | None = None, max_bytes: int) -> tupl
         return None, None  # missing, a symlink (ELOOP), unreadable
     try:
         st = os.fstat(fd)
+        # pinned by tests/test_identity.py::test_a_hostile_digest_cache_costs_a_rehash_never_wrong_bytes
         problem = trust_problem(st)
         if problem is None and st.st_size > max_bytes:
             problem = f"{st.st_size} bytes, over {max_bytes}"
