@@ -268,6 +268,8 @@ def lock_path_for(path: str) -> str:
     >>> lock_path_for("/tmp/../tmp/m.pcache")
     '/tmp/m.pcache.lock'
     """
+    # pinned (with the store's flock on the file's inode) by tests/test_store.py::
+    #   test_two_processes_on_one_file_through_different_paths_never_change_a_served_pack
     return os.path.realpath(path) + ".lock"
 
 
