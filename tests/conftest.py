@@ -3,11 +3,18 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
+from harness import ROOT_ONLY
+from harness.checkpoints import tiny_bert
+from harness.driver import Env, environment
 from harness.s3server import S3Server, moto_server
+from harness.serve import TEXTS
 from packcache import _registry
 
 # Hypothesis writes under its home directory even with database=None; keep it out of the work tree.
@@ -40,3 +47,37 @@ def moto_env(moto_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     for name, value in moto_s3.env.items():
         monkeypatch.setenv(name, value)
     return moto_s3
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    """The fault matrix's environment (``harness.driver.environment``: the interpreter and a copy of packcache
+    reachable for the real user ``nobody``), once per module; root only. Each test takes its own ``case_dir``."""
+    assert os.geteuid() == 0, ROOT_ONLY
+    with environment() as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray[Any, Any]:
+    """``harness.serve.TEXTS`` embedded in this process by ``minilm.load("int8", cache=None)``, one torch thread:
+    what every worker of ``packcache serve`` (one torch thread each) must answer."""
+    import torch
+
+    from packcache.models import minilm
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with minilm.load("int8", cache=None) as model:
+            result: np.ndarray[Any, Any] = model.embed(TEXTS)
+    finally:
+        torch.set_num_threads(threads)
+    return result
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BERT checkpoint (``harness.checkpoints.tiny_bert``, hidden size 32), once per module: the model
+    directory the tests of its readers (``run``/``serve --model``, ``minilm.load``) copy and break."""
+    return tiny_bert(tmp_path_factory.mktemp("model") / "tiny", hidden=32)

@@ -1,18 +1,21 @@
-"""Routing, accounting, lifetimes and concurrency of WeightCache sessions."""
+"""Routing, accounting and arguments of WeightCache, and the lifetime of what it hands out.
+
+Sessions themselves (threads, interrupts, misuse) are in test_cache_sessions.py, ``get_many`` and
+``PackKey`` in test_cache_get_many.py.
+"""
 
 from __future__ import annotations
 
 import errno
 import gc
 import json
-import logging
 import os
-import statistics
+import stat
 import subprocess
 import sys
 import textwrap
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ import numpy as np
 import pytest
 
 import packcache
-from harness import stuck_in_pack
+from harness import KEY, KIB, assert_same, build_keyed, load_all, packed
 from packcache import HeapReason, PackResultError, SessionError, WeightCache
 
 
@@ -36,12 +39,6 @@ def load(cache: WeightCache, arrays: dict[str, np.ndarray[Any, Any]], key: Any =
 
 def never() -> np.ndarray[Any, Any]:
     raise AssertionError("pack() must not be called on a hit")
-
-
-def test_exported_members_are_sorted_and_complete() -> None:
-    assert packcache.__all__ == sorted(packcache.__all__)
-    public = {n for n in dir(packcache) if not n.startswith("_") and not isinstance(getattr(packcache, n), type(os))}
-    assert public - {"annotations"} == set(packcache.__all__) - {"__version__"}
 
 
 def test_first_load_stores_and_second_load_maps_every_pack(tmp_path: Path) -> None:
@@ -342,20 +339,6 @@ def test_invalid_arguments_raise(tmp_path: Path) -> None:
             s.get_or_pack("w", lambda: np.ones(1), key=[1, 2])  # type: ignore[arg-type]
 
 
-def test_session_misuse_raises_session_error(tmp_path: Path) -> None:
-    cache = WeightCache(tmp_path / "m.pcache")
-    session = cache.session()
-    with pytest.raises(SessionError, match="outside an active session"):
-        session.get_or_pack("w", lambda: np.ones(1))
-    with cache.session():
-        with pytest.raises(SessionError, match="already active"):
-            with cache.session():
-                pass
-        with pytest.raises(SessionError, match="inside this thread's own session"):
-            cache.close()
-    cache.close()
-
-
 def test_platform_change_rebuilds_once_then_maps(tmp_path: Path) -> None:
     path = tmp_path / "m.pcache"
     arrays = packs()
@@ -367,229 +350,6 @@ def test_platform_change_rebuilds_once_then_maps(tmp_path: Path) -> None:
     with WeightCache(path, platform={"torch": "2.14.0"}) as cache:
         load(cache, arrays)
         assert (cache.stats().state, cache.stats().hits) == ("mapped", 4)
-
-
-# --------------------------------------------------------------------------- threads
-
-
-def test_sessions_of_two_threads_on_one_cache_serialise(tmp_path: Path) -> None:
-    cache = WeightCache(tmp_path / "m.pcache")
-    entered_b = threading.Event()
-
-    def b() -> None:
-        with cache.session() as s:
-            entered_b.set()
-            s.get_or_pack("b", lambda: np.zeros(4))
-
-    tb = threading.Thread(target=b)
-    with stuck_in_pack(cache, "a", timeout=5):  # a's session is inside pack() until the block ends
-        tb.start()
-        assert not entered_b.wait(0.3), "second session entered while the first held the cache"
-    tb.join(5)
-    assert entered_b.is_set() and cache.stats().stored == 2
-    cache.close()
-
-
-def test_two_caches_on_one_path_in_one_thread_do_not_deadlock(tmp_path: Path) -> None:
-    path = tmp_path / "m.pcache"
-    first, second = WeightCache(path), WeightCache(path, lock_timeout=0.1)
-    with first.session() as s1:
-        s1.get_or_pack("a", lambda: np.ones(4))  # first now holds the build lock
-        started = time.monotonic()
-        with second.session() as s2:
-            got = s2.get_or_pack("b", lambda: np.zeros(4))
-        assert time.monotonic() - started < 5
-    assert second.stats().heap_reason == "locked" and np.array_equal(got, np.zeros(4))
-    with second.session() as s2:
-        s2.get_or_pack("a", never)
-        s2.get_or_pack("c", lambda: np.full(4, 3.0))
-    assert second.stats().hits == 1 and second.stats().stored == 1
-    first.close()
-    second.close()
-
-
-def test_two_caches_on_one_path_in_two_threads_wait_then_map(tmp_path: Path) -> None:
-    path = tmp_path / "m.pcache"
-    arrays = packs()
-    barrier = threading.Barrier(2)
-    caches = [WeightCache(path), WeightCache(path)]
-    results: list[dict[str, Any]] = [{}, {}]
-
-    def worker(i: int) -> None:
-        barrier.wait()
-        results[i] = load(caches[i], arrays)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    stored = sorted(c.stats().stored for c in caches)
-    hits = sorted(c.stats().hits for c in caches)
-    assert stored == [0, 4] and hits == [0, 4], "exactly one builds, the other waits and maps"
-    for r in results:
-        assert all(np.array_equal(r[n], a) for n, a in arrays.items())
-    for c in caches:
-        c.close()
-
-
-def test_stats_reads_never_wait_on_a_slow_session(tmp_path: Path) -> None:
-    """A session holds the cache for up to 2 s inside pack(); 10,000 reads finish meanwhile."""
-    cache = WeightCache(tmp_path / "m.pcache")
-    in_pack = threading.Event()
-    reads_done = threading.Event()
-    held_until_reads_done: list[bool] = []
-
-    def slow_pack() -> np.ndarray[Any, Any]:
-        in_pack.set()
-        held_until_reads_done.append(reads_done.wait(2.0))
-        return np.ones(1024, np.float32)
-
-    def loader() -> None:
-        with cache.session() as s:
-            s.get_or_pack("slow", slow_pack)
-
-    t = threading.Thread(target=loader)
-    t.start()
-    assert in_pack.wait(5)
-    durations = []
-    for i in range(10_000):
-        started = time.perf_counter()
-        if i % 2:
-            cache.stats()
-        else:
-            cache.get_option("packed_cache_heap_mib")
-        packcache.aggregate_stats() if i % 1000 == 0 else None
-        durations.append(time.perf_counter() - started)
-    reads_done.set()
-    t.join(5)
-    cache.close()
-    assert held_until_reads_done == [True], "the reads did not all finish while the session held the lock"
-    assert statistics.median(durations) < 1e-3
-    assert max(durations) < 0.5, "a read waited for the session"
-
-
-def test_stats_snapshot_is_consistent_under_contention(tmp_path: Path) -> None:
-    """Readers racing a loader never see a snapshot whose sums disagree with its parts."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        cache = WeightCache(tmp_path / "m.pcache")
-        stop = threading.Event()
-        bad: list[Any] = []
-
-        def reader() -> None:
-            while not stop.is_set():
-                s = cache.stats()
-                if s.heap_bytes != sum(s.heap_bytes_by_reason.values()):
-                    bad.append(s)
-
-        readers = [threading.Thread(target=reader) for _ in range(2)]
-        for r in readers:
-            r.start()
-        with cache.session() as s:
-            for i in range(200):
-                s.get_or_pack(None if i % 3 == 0 else f"w{i}", lambda: np.ones(16))
-        stop.set()
-        for r in readers:
-            r.join(5)
-        cache.close()
-    finally:
-        sys.setswitchinterval(old)
-    assert bad == []
-
-
-def test_aggregate_stats_sums_live_caches(tmp_path: Path) -> None:
-    before = packcache.aggregate_stats()
-    off, on = WeightCache(None), WeightCache(tmp_path / "m.pcache")
-    load(off, {"a": np.ones(10, np.int8)})
-    load(on, {"b": np.ones(20, np.int8)})
-    agg = packcache.aggregate_stats()
-    assert agg.heap_bytes - before.heap_bytes == 10 and agg.mapped_bytes - before.mapped_bytes == 20
-    assert packcache.get_option("packed_cache_mapped_bytes") == agg.mapped_bytes
-    off.close()
-    on.close()
-    assert packcache.aggregate_stats().mapped_bytes == before.mapped_bytes
-
-
-# --------------------------------------------------------------------------- options
-
-
-def test_unknown_option_key_is_a_key_error_naming_close_matches() -> None:
-    cache = WeightCache(None)
-    for get in (cache.get_option, packcache.get_option):
-        with pytest.raises(KeyError) as info:
-            get("packed_cache_heap_mb")
-        assert isinstance(info.value, packcache.OptionError)
-        assert "'packed_cache_heap_mib'" in str(info.value)
-    with pytest.raises(packcache.OptionError, match="did you mean 'packed_cache_lock_timeout'"):
-        cache.set_option("packed_cache_lock_timout", 3.0)
-    cache.close()
-
-
-def test_writing_a_read_only_key_or_a_wrong_type_raises() -> None:
-    cache = WeightCache(None)
-    with pytest.raises(packcache.ReadOnlyOptionError, match="read-only"):
-        cache.set_option("packed_cache_state", "mapped")
-    with pytest.raises(packcache.ReadOnlyOptionError):
-        packcache.set_option("packed_cache_heap_bytes", 0)
-    with pytest.raises(TypeError, match="bool"):
-        cache.set_option("packed_cache_read_only", 1)
-    with pytest.raises(packcache.OptionTypeError):
-        packcache.set_option("packed_cache_lock_timeout", "5")
-    with pytest.raises(packcache.OptionValueError, match=">= 0"):
-        cache.set_option("packed_cache_lock_timeout", -1.0)
-    with pytest.raises(packcache.OptionValueError, match="no path"):
-        cache.set_option("packed_cache_enabled", True)
-    cache.close()
-
-
-def test_option_values_match_stats(tmp_path: Path) -> None:
-    with WeightCache(tmp_path / "m.pcache") as cache:
-        load(cache, {"w": np.ones(1 << 18, np.float32)})
-        with cache.session() as s:
-            s.get_or_pack(None, lambda: np.ones(1 << 17, np.float32))
-        st = cache.stats()
-        assert cache.get_option("packed_cache_state") == st.state == "stored"
-        assert cache.get_option("packed_cache_mapped_mib") == 1.0
-        assert cache.get_option("packed_cache_heap_mib") == 0.5
-        assert cache.get_option("packed_cache_heap_bytes") == st.heap_bytes == 1 << 19
-        assert cache.get_option("packed_cache_heap_reason") == "unnamed"
-        assert cache.get_option("packed_cache_errno") == 0
-        assert cache.get_option("packed_cache_file_mib") == st.file_bytes / 2**20 > 1.0
-        cache.set_option("packed_cache_lock_timeout", 2)
-        assert cache.get_option("packed_cache_lock_timeout") == 2.0
-    for key in packcache.OPTION_KEYS:
-        packcache.get_option(key)  # every key readable process-wide
-
-
-def test_process_wide_defaults_apply_to_caches_created_afterwards(tmp_path: Path) -> None:
-    packcache.set_option("packed_cache_enabled", False)
-    packcache.set_option("packed_cache_lock_timeout", 0.5)
-    with WeightCache(tmp_path / "m.pcache") as cache:
-        assert cache.get_option("packed_cache_lock_timeout") == 0.5
-        load(cache, {"w": np.ones(3)})
-        assert cache.stats().state == "off" and cache.stats().heap_reason == "disabled"
-
-
-# --------------------------------------------------------------------------- logging
-
-
-def test_failures_log_one_error_per_reason_per_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = tmp_path / "m.pcache"
-    with WeightCache(path) as cache:
-        load(cache, {"a": np.ones(2)})
-    caplog.set_level(logging.DEBUG, logger="packcache")
-    for _ in range(2):
-        with WeightCache(path, read_only=True) as cache:
-            load(cache, {f"miss{i}": np.ones(2) for i in range(5)})
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 2, "one ERROR per reason per cache, not one per pack"
-    assert all("read_only" in r.getMessage() and str(path) in r.getMessage() for r in errors)
-    caplog.clear()
-    with WeightCache(None) as cache:
-        load(cache, {f"w{i}": np.ones(2) for i in range(3)})
-    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
 
 
 # --------------------------------------------------------------------------- accounting vs the OS
@@ -658,3 +418,79 @@ def test_a_cache_refuses_to_be_pickled_or_copied_and_says_what_to_save(tmp_path:
             with pytest.raises(TypeError, match=r"cannot be pickled or copied.*state_dict\(\) or save_pretrained"):
                 attempt()
         assert cache.stats().state == "mapped" and not cache.closed  # refusing changed nothing
+
+
+# --------------------------------------------------------------------------- arguments refused at once (issue 10)
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o666, 0o620, 0o602])
+def test_a_file_mode_the_trust_check_would_refuse_is_refused_at_construction(tmp_path: Path, mode: int) -> None:
+    with pytest.raises(ValueError, match="untrusted"):
+        WeightCache(tmp_path / "m.pcache", file_mode=mode)
+
+
+def test_a_dir_mode_other_users_may_write_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="dir_mode 0777"):
+        WeightCache(tmp_path / "d" / "m.pcache", dir_mode=0o777)
+
+
+def test_a_readable_file_mode_is_accepted_and_reopened_as_trusted(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    with WeightCache(path, file_mode=0o644) as cache, cache.session() as s:
+        s.get_or_pack("w", lambda: packed(1), KEY)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    assert load_all(path, {"w": 1}).hits == 1
+
+
+@pytest.mark.parametrize("path", ["", "a\0b"])
+def test_an_empty_or_nul_path_is_refused(tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="non-empty file path"):
+        WeightCache(path)
+    assert list(tmp_path.iterdir()) == []  # no ".lock" in the working directory
+
+
+# --------------------------------------------------------------------------- raised instead of routed (issue 10)
+
+
+def test_a_masked_array_is_a_pack_result_error_not_a_write_failure(tmp_path: Path) -> None:
+    with WeightCache(tmp_path / "m.pcache") as cache:
+        with cache.session() as s:
+            with pytest.raises(packcache.PackResultError, match="MaskedArray"):
+                s.get_or_pack("w", lambda: np.ma.masked_array([1.0, 2.0], mask=[0, 1]), KEY)
+        st = cache.stats()
+    assert (st.errno, st.error, st.heap_bytes) == (0, "", 0)
+
+
+# --------------------------------------------------------------------------- who owns a heap pack (issue 10)
+
+
+class ScratchPacker:
+    """A packer that packs into one reused buffer and returns it (or a view of it)."""
+
+    def __init__(self, view: bool) -> None:
+        self.buffer = np.zeros(1024, np.float32)
+        self.view = view
+
+    def __call__(self, seed: int) -> Callable[[], np.ndarray[Any, Any]]:
+        def pack() -> np.ndarray[Any, Any]:
+            self.buffer[:] = packed(seed, 4 * KIB).reshape(-1)
+            return self.buffer[:].reshape(64, 16) if self.view else self.buffer
+
+        return pack
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("how", ["disabled", "read_only", "stored"])
+def test_heap_packs_stay_bit_identical_when_pack_reuses_its_buffer(tmp_path: Path, how: str, view: bool) -> None:
+    path = tmp_path / "m.pcache"
+    if how == "read_only":
+        build_keyed(path, {"other": 9})  # a valid cache that may not grow
+    packer = ScratchPacker(view)
+    cache = WeightCache(None if how == "disabled" else path, read_only=how == "read_only")
+    with cache, cache.session() as s:
+        served = {seed: s.get_or_pack(f"w{seed}", packer(seed), KEY) for seed in range(5)}
+        st = cache.stats()
+    assert (st.heap_packs if how != "stored" else st.stored) == 5
+    for seed, array in served.items():
+        assert_same(array, packed(seed, 4 * KIB).reshape(array.shape))

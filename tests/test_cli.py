@@ -1,14 +1,20 @@
-"""The packcache command line: inspect, verify, compact, gc (run is in test_cli_run.py)."""
+"""The packcache command line (``packcache.cli``): inspect, verify, compact, gc, what ``serve`` checks in the
+master before any worker starts, and ``$PACKCACHE_KERNEL_PATH`` at startup (``run`` is in test_cli_run.py).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import pty
+import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +22,15 @@ import numpy as np
 import pytest
 
 from harness import build, without_build_compaction
+from harness.serve import SRC
 from packcache import WeightCache
 from packcache import format as fmt
+from packcache._paths import lock_path_for
 from packcache.cli import main, sanitize
+from packcache.kernels import KERNEL_PATH_ENV, cpu_kernels
+from test_kernels import _other_path
+from test_maintenance import cli
+from test_minilm import config, fifo, variant, write
 
 
 def build_fp32(path: Path, names: list[str], version: int = 1) -> dict[str, np.ndarray[Any, Any]]:
@@ -191,3 +203,183 @@ def test_python_dash_m_on_a_real_terminal(tmp_path: Path) -> None:
     assert proc.wait(30) == 0
     text = b"".join(chunks).decode()
     assert "generation 1" in text and "Traceback" not in text
+
+
+# ---------------------------------------------------------------------- a non-file at the cache path (issue 10, item 9)
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _socket(path: Path) -> None:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    sock.close()
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _device(path: Path) -> None:
+    path.symlink_to("/dev/zero")  # a character device, reached through a symlink in a safe directory
+
+
+def _link_to_fifo(path: Path) -> None:
+    os.mkfifo(path.parent / "hidden-fifo")
+    path.symlink_to(path.parent / "hidden-fifo")
+
+
+NOT_FILES = [_fifo, _socket, _directory, _device, _link_to_fifo]
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
+@pytest.mark.parametrize("plant", NOT_FILES, ids=[p.__name__.strip("_") for p in NOT_FILES])
+def test_cli_refuses_a_non_file_at_the_cache_path_without_hanging(tmp_path: Path, command: str, plant: Any) -> None:
+    path = tmp_path / "model.pcache"
+    plant(path)
+    locks = {f"{path}.lock", lock_path_for(str(path))}  # beside the link, and beside what it names (/dev/zero)
+    existed = {lock: os.path.lexists(lock) for lock in locks}
+    done = cli(command, str(path))  # TimeoutExpired: it blocked (a FIFO opened for reading)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    said = done.stdout + done.stderr
+    assert "Traceback" not in said and "not a regular file" in said, said
+    assert {lock: os.path.lexists(lock) for lock in locks} == existed, "no lock file created for what is no cache"
+
+
+# --------------------------------------------------------------------------- one line, never a traceback (issue 10)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
+def test_cli_names_a_hostile_path_on_one_sanitised_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    path = tmp_path / "evil\x1b[2J\nname.pcache"
+    for make in (lambda: None, lambda: path.write_bytes(b"\x89PKC\r\n\x1a\n" + b"\xff" * 5000)):
+        make()
+        assert main([command, str(path)]) == 1
+        captured = capsys.readouterr()
+        said = captured.err or captured.out
+        assert "\x1b" not in said and "Traceback" not in said and "evil\\x1b[2J\\nname" in said
+        if captured.err:
+            assert captured.err.count("\n") == 1
+
+
+def test_cli_gc_on_something_that_is_no_directory_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("x")
+    assert main(["gc", str(tmp_path / "file"), "--max-bytes", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("packcache gc: ENOTDIR") and err.count("\n") == 1
+
+
+# ----------------------------------------- serve checks the model directory before any worker starts (issue 20, item 3)
+
+
+def serve_until_exit(argv: list[str], timeout: float = 90.0) -> tuple[int | None, str]:
+    """Run ``packcache serve ARGV`` in its own session until it exits or ``timeout`` passes (then the whole group
+    is killed: a worker stuck on a FIFO outlives its master); its exit code (None: it was still running) and stderr."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    argv = [sys.executable, "-m", "packcache", "serve", "--port", "0", "--torch-threads", "1", *argv]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    code: int | None = None
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        err = "(still running)"
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if code is None:
+            err = (proc.communicate(timeout=10)[1] or "") + err  # reaps it and closes the pipe
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("edit", "file", "says"),
+    [
+        (fifo("tokenizer.json"), "tokenizer.json", "not a regular file (a FIFO)"),
+        (fifo("config.json"), "config.json", "not a regular file (a FIFO)"),
+        (config(num_attention_heads=0), "config.json", "num_attention_heads"),
+        (config(num_hidden_layers=10_000_000), "config.json", "num_hidden_layers 10000000"),
+        (write("tokenizer.json", "[]"), "tokenizer.json", "tokenizers library"),
+    ],
+    ids=["fifo-tokenizer", "fifo-config", "zero-heads", "absurd-layers", "bad-tokenizer"],
+)
+@pytest.mark.parametrize("cache", ["--cache-dir", "--no-cache"])
+def test_serve_refuses_a_bad_model_directory_in_one_line_before_any_worker_starts(
+    base: Path, tmp_path: Path, edit: Callable[[Path], None], file: str, says: str, cache: str
+) -> None:
+    directory = variant(base, tmp_path / "model", edit)
+    where = [cache, str(tmp_path / "cache")] if cache == "--cache-dir" else [cache]
+    code, err = serve_until_exit(["--model", str(directory), "--workers", "2", *where])
+    assert code == 1, f"serve did not stop with exit 1 (exit {code}): {err[-2000:]}"
+    assert err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
+    assert err.startswith("packcache serve: cannot load the model: ") and f"/{file}" in err and says in err, err
+
+
+# ------------------------------------- $PACKCACHE_KERNEL_PATH checked at startup; --kernel-path wins over it (issue 20)
+
+
+def test_the_command_line_names_the_variable_and_its_values_as_the_library_does() -> None:
+    from packcache.cli import _model
+    from packcache.kernels import KERNEL_PATHS
+
+    assert _model._KERNEL_PATH_ENV == KERNEL_PATH_ENV
+    assert sorted(_model._KERNEL_PATH_CHOICES) == sorted(["auto", *KERNEL_PATHS])
+
+
+def _cli(tmp_path: Path, env_value: str | None, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != KERNEL_PATH_ENV}
+    if env_value is not None:
+        env[KERNEL_PATH_ENV] = env_value
+    env["PYTHONWARNINGS"] = "ignore"
+    return subprocess.run(
+        [sys.executable, "-m", "packcache", *argv],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--no-cache", "--scheme", "int8"],
+        ["build", "no-such-checkpoint", "--cache-dir", "."],
+        ["serve", "--port", "0", "--workers", "1", "--no-cache", "--scheme", "int8"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_an_invalid_environment_value_without_a_choice_is_one_usage_error_at_startup(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """No ``--kernel-path``: a bad ``$PACKCACHE_KERNEL_PATH`` stops ``run``, ``build`` and ``serve`` before
+    anything loads or listens, with one line naming the variable and exit 2 (as a bad ``--kernel-path``)."""
+    started = time.monotonic()
+    done = _cli(tmp_path, "gpu", *argv, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and KERNEL_PATH_ENV in lines[0] and "'gpu'" in lines[0], done.stderr[-3000:]
+    assert lines[0].startswith(f"packcache {argv[0]}: ") and "unset it" in lines[0], lines
+    assert ("--kernel-path" in lines[0]) == (argv[0] != "build"), lines  # build has no such option
+    assert done.stdout == "" and "listening" not in done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_an_explicit_cli_kernel_path_wins_over_the_environment(tmp_path: Path) -> None:
+    """``--kernel-path fp32`` runs with an invalid ``$PACKCACHE_KERNEL_PATH``; ``--kernel-path auto`` is the
+    machine's rule whatever the variable says (it is an explicit choice too)."""
+    done = _cli(tmp_path, "gpu", "run", "--no-cache", "--scheme", "int8", "--kernel-path", "fp32", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["kernel_path"] == "fp32"
+    done = _cli(tmp_path, _other_path(), "run", "--no-cache", "--scheme", "int8", "--kernel-path", "auto", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["kernel_path"] == cpu_kernels().default_path
+    done = _cli(tmp_path, _other_path(), "run", "--no-cache", "--scheme", "int8", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["kernel_path"] == _other_path()  # no choice: the environment's

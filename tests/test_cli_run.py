@@ -7,6 +7,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from packcache.cli import main
 from packcache.cli._report import Progress as _Progress
 from packcache.kernels import cpu_kernels
 from packcache.models import minilm
+from test_safetensors import HANG, HOSTILE, write
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
@@ -163,3 +166,42 @@ def test_run_serve_and_build_name_one_cache_file_for_one_checkpoint(
     assert run == serve == build == bundled  # the same bytes as the bundled model: the same file
     assert os.path.basename(build).startswith("bert-int8-") and "minilm" not in build and "copy" not in build
     assert _cache_file(parser.parse_args(["run", "--no-cache"]), "int8") is None
+
+
+# ------------------------------------- a hostile model.safetensors: one line, no traceback, no hang (issue 10, item 16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """config.json and tokenizer.json of the shipped model beside a model.safetensors each test replaces."""
+    from packcache.models import minilm
+
+    shipped = minilm.default_model_path()
+    target = tmp_path_factory.mktemp("checkpoint")
+    for name in ("config.json", "tokenizer.json", "sentence_bert_config.json"):
+        shutil.copyfile(shipped / name, target / name)
+    return target
+
+
+@pytest.mark.parametrize("case", ["dtype-list", "deep-json", "huge-int-4301-digits", "dim-over-int64"])
+def test_run_with_a_hostile_model_is_one_format_error_line(
+    checkpoint_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    raw, data, message = HOSTILE[case]
+    model = write(checkpoint_dir / "model.safetensors", raw, data)
+    assert main(["run", "--model", str(model), "--cache-dir", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("packcache run: cannot load the model: ") and f"{model}: offset " in captured.err
+    assert message.split()[0] in captured.err
+
+
+def test_run_with_a_fifo_as_model_exits_instead_of_hanging(checkpoint_dir: Path, tmp_path: Path) -> None:
+    model = checkpoint_dir / "fifo.safetensors"
+    os.mkfifo(model)
+    done = subprocess.run(
+        [sys.executable, "-m", "packcache", "run", "--model", str(model), "--cache-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=HANG,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "not a regular file (a FIFO)" in done.stderr and done.stderr.count("\n") == 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 import re
 import struct
 import zlib
@@ -28,6 +29,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import packcache
+from harness import KEY
+from packcache import WeightCache
 from packcache import format as fmt
 from packcache.errors import FormatError
 
@@ -1256,3 +1260,28 @@ def test_compacted_size_is_the_size_of_the_layout_compaction_writes() -> None:
             expected = laid_out(entries, header, index_bytes)
             assert fmt.compacted_size(entries, header, index_bytes) == expected
             assert fmt.compacted_size(iter(entries), header, index_bytes) == expected
+
+
+# --------------------------------------------------------------------------- R46 end to end (issue 10)
+
+
+def test_an_empty_entry_with_an_absurd_shape_is_rejected_never_raised_by_a_load(tmp_path: Path) -> None:
+    path = tmp_path / "m.pcache"
+    header = fmt.encode_header(64, b"{}")
+    entry = fmt.Entry("w", b"{}", fmt.key_digest("w", b"{}"), "f8", (2**62, 0), fmt.data_start_for(64), 0, 0)
+    record = fmt.ENTRY_FIXED.pack(entry.digest, entry.offset, 0, 0, 1, 2, 0, b"f8\0\0", 2)
+    index_body = record + np.array(entry.shape, "<u8").tobytes() + b"w" + b"{}"
+    index_body += bytes(fmt.align_up(len(index_body), 8) - len(index_body))
+    index = fmt.INDEX_HEAD.pack(fmt.INDEX_MAGIC, 1, 0) + index_body
+    at = fmt.data_start_for(64)
+    slot = fmt.Slot(1, at, len(index), 1, fmt.zlib.crc32(index) & 0xFFFFFFFF)
+    data = bytearray(header) + index
+    data[fmt.slot_offset(1) : fmt.slot_offset(1) + 64] = fmt.encode_slot(slot)
+    path.write_bytes(bytes(data))
+    os.chmod(path, 0o600)
+    assert not packcache.verify(path).ok
+    with WeightCache(path) as cache:
+        with cache.session() as s:
+            w = s.get_or_pack("w", lambda: np.zeros(3), KEY)  # rebuilt, never "array is too big"
+        assert cache.stats().stored == 1
+    assert w.shape == (3,)

@@ -7,7 +7,6 @@ each packed layer calls and the dtype of what it receives. Speed is measured in 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import signal
@@ -434,64 +433,6 @@ def test_an_explicit_kernel_path_runs_no_self_check_of_the_environments_path(tmp
     done = _fresh(code, tmp_path, _other_path())
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == repr([cpu_kernels().default_path])
-
-
-def test_the_command_line_names_the_variable_and_its_values_as_the_library_does() -> None:
-    from packcache.cli import _model
-    from packcache.kernels import KERNEL_PATHS
-
-    assert _model._KERNEL_PATH_ENV == KERNEL_PATH_ENV
-    assert sorted(_model._KERNEL_PATH_CHOICES) == sorted(["auto", *KERNEL_PATHS])
-
-
-def _cli(tmp_path: Path, env_value: str | None, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != KERNEL_PATH_ENV}
-    if env_value is not None:
-        env[KERNEL_PATH_ENV] = env_value
-    env["PYTHONWARNINGS"] = "ignore"
-    return subprocess.run(
-        [sys.executable, "-m", "packcache", *argv],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["run", "--no-cache", "--scheme", "int8"],
-        ["build", "no-such-checkpoint", "--cache-dir", "."],
-        ["serve", "--port", "0", "--workers", "1", "--no-cache", "--scheme", "int8"],
-    ],
-    ids=lambda argv: argv[0],
-)
-def test_an_invalid_environment_value_without_a_choice_is_one_usage_error_at_startup(
-    tmp_path: Path, argv: list[str]
-) -> None:
-    """No ``--kernel-path``: a bad ``$PACKCACHE_KERNEL_PATH`` stops ``run``, ``build`` and ``serve`` before
-    anything loads or listens, with one line naming the variable and exit 2 (as a bad ``--kernel-path``)."""
-    started = time.monotonic()
-    done = _cli(tmp_path, "gpu", *argv, timeout=120)
-    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1 and KERNEL_PATH_ENV in lines[0] and "'gpu'" in lines[0], done.stderr[-3000:]
-    assert lines[0].startswith(f"packcache {argv[0]}: ") and "unset it" in lines[0], lines
-    assert ("--kernel-path" in lines[0]) == (argv[0] != "build"), lines  # build has no such option
-    assert done.stdout == "" and "listening" not in done.stderr
-    assert time.monotonic() - started < 60
-
-
-def test_an_explicit_cli_kernel_path_wins_over_the_environment(tmp_path: Path) -> None:
-    """``--kernel-path fp32`` runs with an invalid ``$PACKCACHE_KERNEL_PATH``; ``--kernel-path auto`` is the
-    machine's rule whatever the variable says (it is an explicit choice too)."""
-    done = _cli(tmp_path, "gpu", "run", "--no-cache", "--scheme", "int8", "--kernel-path", "fp32", "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout)["kernel_path"] == "fp32"
-    done = _cli(tmp_path, _other_path(), "run", "--no-cache", "--scheme", "int8", "--kernel-path", "auto", "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout)["kernel_path"] == cpu_kernels().default_path
-    done = _cli(tmp_path, _other_path(), "run", "--no-cache", "--scheme", "int8", "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout)["kernel_path"] == _other_path()  # no choice: the environment's
 
 
 def test_serve_with_an_explicit_kernel_path_boots_its_workers_whatever_the_environment(tmp_path: Path) -> None:

@@ -1,17 +1,29 @@
-"""all-MiniLM-L6-v2 end to end: quality per scheme, same bytes same answers, memory shared by workers.
+"""all-MiniLM-L6-v2 end to end (``packcache.models.minilm``): quality per scheme, same bytes same answers,
+memory shared by workers; and every file ``minilm.load(model_path=...)``, ``run --model DIR`` and ``serve
+--model DIR`` read (issue 20, item 3).
 
 The reference embeddings in tests/data/minilm_reference.json were made by sentence-transformers
 with scripts/make_reference_embeddings.py (see docs/TORCH.md).
+
+``config.json``, ``sentence_bert_config.json``, ``tokenizer.json`` and ``model.safetensors`` are read without
+blocking (a FIFO is refused at once), within a size cap, and every value the loader uses is checked: a
+malformed one ends in one line naming the file and the field, never a traceback, and the sizes a config
+gives are checked against the safetensors header before anything is built from them. The ``run`` cases go
+through ``packcache.cli.main`` in one child interpreter (``harness.cli_child``: each case under an alarm, the
+child under a 3 GiB address-space limit, so an unbounded allocation is a ``MemoryError`` there and never a
+swapping machine); a FIFO, which could block a child in a place no signal reaches, gets a child of its own
+with a timeout. The tiny checkpoint they copy and break is the ``base`` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +31,9 @@ import numpy as np
 import pytest
 
 import packcache
+from harness.cli_child import run_cli_cases
+from harness.serve import SRC
+from packcache import FormatError, UntrustedFileError
 from packcache.kernels import cpu_kernels
 from packcache.models import minilm
 from packcache.safetensors import SafetensorsFile
@@ -321,3 +336,236 @@ def test_four_workers_share_one_copy_of_the_packed_weights(tmp_path: Path) -> No
     for report, kib in zip(heap_reports, private, strict=True):
         assert report["state"] == "off" and kib["Rss"] == kib["Pss"] == 0  # no mapping at all
         assert report["anonymous_growth"] > 0.9 * report["packed_bytes"], report  # each pays the full size
+
+
+# --------------------------------------------------------------------------- every file a load reads (issue 20, item 3)
+
+
+CHILD_TIMEOUT = 120.0
+
+
+def variant(base: Path, target: Path, edit: Callable[[Path], None]) -> Path:
+    """A copy of ``base`` (the weights hard-linked) with ``edit`` applied to it."""
+    target.mkdir(parents=True)
+    for entry in base.iterdir():
+        os.link(entry, target / entry.name)
+    edit(target)
+    return target
+
+
+def write(name: str, content: str | bytes) -> Callable[[Path], None]:
+    def edit(directory: Path) -> None:
+        (directory / name).unlink(missing_ok=True)  # a hard link: never write through it into the base
+        data = content.encode() if isinstance(content, str) else content
+        (directory / name).write_bytes(data)
+
+    return edit
+
+
+def json_edit(name: str, change: Callable[[Any], Any]) -> Callable[[Path], None]:
+    def edit(directory: Path) -> None:
+        data = change(json.loads((directory / name).read_text()))
+        write(name, json.dumps(data))(directory)
+
+    return edit
+
+
+def config(**fields: Any) -> Callable[[Path], None]:
+    return json_edit("config.json", lambda c: {**c, **fields})
+
+
+def sentence_config(text: str) -> Callable[[Path], None]:
+    return write("sentence_bert_config.json", text)
+
+
+def sized(name: str, size: int) -> Callable[[Path], None]:
+    """``name`` replaced by a sparse file of ``size`` bytes (a cap is checked before a byte is read)."""
+
+    def edit(directory: Path) -> None:
+        (directory / name).unlink()
+        with open(directory / name, "wb") as f:
+            f.truncate(size)
+
+    return edit
+
+
+def a_directory(name: str) -> Callable[[Path], None]:
+    def edit(directory: Path) -> None:
+        (directory / name).unlink()
+        (directory / name).mkdir()
+
+    return edit
+
+
+def fifo(name: str) -> Callable[[Path], None]:
+    def edit(directory: Path) -> None:
+        (directory / name).unlink()
+        os.mkfifo(directory / name)
+
+    return edit
+
+
+def tokenizer_edit(change: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    def apply(data: Any) -> Any:
+        change(data)
+        return data
+
+    return json_edit("tokenizer.json", apply)
+
+
+def _extra_tokens(data: dict[str, Any]) -> None:
+    data["model"]["vocab"].update({f"zzextra{i}": 30522 + i for i in range(3)})
+
+
+#: name -> (edit, the file the one line must name, what else it must say). Each is a value the loader uses,
+#: malformed in a way that once ended in a traceback, hung, allocated without bound, or loaded a wrong model.
+CASES: dict[str, tuple[Callable[[Path], None], str, str]] = {
+    "zero heads": (config(num_attention_heads=0), "config.json", "num_attention_heads"),
+    "a string for a size": (config(hidden_size="32"), "config.json", "hidden_size"),
+    "true for a count": (config(num_attention_heads=True), "config.json", "num_attention_heads"),
+    "a float for a count": (config(num_hidden_layers=2.0), "config.json", "num_hidden_layers"),
+    "a negative size": (config(intermediate_size=-1), "config.json", "intermediate_size"),
+    "an absurd layer count": (config(num_hidden_layers=10_000_000), "config.json", "num_hidden_layers 10000000"),
+    "a size past int64": (config(vocab_size=10**30), "config.json", "vocab_size"),
+    "more positions than the weights": (
+        config(max_position_embeddings=1 << 30),
+        "config.json",
+        "max_position_embeddings",
+    ),
+    "another width than the weights": (config(hidden_size=64, num_attention_heads=2), "config.json", "hidden_size 64"),
+    "a string for eps": (config(layer_norm_eps="x"), "config.json", "layer_norm_eps"),
+    "a zero eps": (config(layer_norm_eps=0), "config.json", "layer_norm_eps"),
+    "eps past a float": (write("config.json", '{"layer_norm_eps": 1e400}'), "config.json", "1e400"),
+    "NaN": (write("config.json", '{"layer_norm_eps": NaN}'), "config.json", "NaN"),
+    "another activation": (config(hidden_act="relu"), "config.json", "hidden_act"),
+    "relative positions": (config(position_embedding_type="relative_key"), "config.json", "position_embedding_type"),
+    "a list for the config": (write("config.json", "[1, 2]"), "config.json", "not a JSON object"),
+    "a number for model_type": (config(model_type=5), "config.json", "model_type"),
+    "not JSON": (write("config.json", "{"), "config.json", "not UTF-8 JSON"),
+    "a config past the cap": (sized("config.json", (16 << 20) + 1), "config.json", "cap"),
+    "a directory for the config": (a_directory("config.json"), "config.json", "not a regular file"),
+    "a list for the sentence config": (sentence_config("[]"), "sentence_bert_config.json", "not a JSON object"),
+    "a negative max_seq_length": (
+        sentence_config('{"max_seq_length": -1}'),
+        "sentence_bert_config.json",
+        "max_seq_length",
+    ),
+    "a string max_seq_length": (
+        sentence_config('{"max_seq_length": "x"}'),
+        "sentence_bert_config.json",
+        "max_seq_length",
+    ),
+    "true for max_seq_length": (
+        sentence_config('{"max_seq_length": true}'),
+        "sentence_bert_config.json",
+        "max_seq_length",
+    ),
+    "max_seq_length past a float": (sentence_config('{"max_seq_length": 1e400}'), "sentence_bert_config.json", "1e400"),
+    "a huge max_seq_length": (
+        sentence_config('{"max_seq_length": 1000000000000000000000}'),
+        "sentence_bert_config.json",
+        "max_seq_length",
+    ),
+    "a truncated tokenizer": (write("tokenizer.json", '{"version": '), "tokenizer.json", "tokenizers library"),
+    "a list for the tokenizer": (write("tokenizer.json", "[]"), "tokenizer.json", "tokenizers library"),
+    "a tokenizer not UTF-8": (write("tokenizer.json", b'{"\xff": 1}'), "tokenizer.json", "tokenizers library"),
+    "a tokenizer past the cap": (sized("tokenizer.json", (64 << 20) + 1), "tokenizer.json", "cap"),
+    "a directory for the tokenizer": (a_directory("tokenizer.json"), "tokenizer.json", "not a regular file"),
+    "more tokens than the vocabulary": (tokenizer_edit(_extra_tokens), "tokenizer.json", "30525 tokens"),
+    "a directory for the weights": (a_directory("model.safetensors"), "model.safetensors", "not a regular file"),
+}
+
+
+def one_line(result: dict[str, Any], prefix: str) -> str:
+    """The one line ``run`` printed, after checking it was the only thing on stderr and the exit code was 1."""
+    assert result.get("rc") == 1, result
+    lines = result["stderr"].splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), result["stderr"]
+    assert "Traceback" not in result["stderr"]
+    return str(lines[0])
+
+
+def test_malformed_model_files_end_in_one_line_naming_the_file_and_the_field(base: Path, tmp_path: Path) -> None:
+    cases: list[tuple[str, list[str]]] = []
+    for name, (edit, _, _) in CASES.items():
+        directory = variant(base, tmp_path / name.replace(" ", "-"), edit)
+        # With the cache (its file named from config.json and the weights first) and without (the loader alone).
+        cases.append((name, ["run", "--model", str(directory), "--cache-dir", str(tmp_path / "cache")]))
+        cases.append((f"{name}, no cache", ["run", "--model", str(directory), "--no-cache", "--scheme", "fp32"]))
+    results = run_cli_cases(cases)
+    wrong = {}
+    for case, result in results.items():
+        name = case.removesuffix(", no cache")
+        _, file, says = CASES[name]
+        try:
+            line = one_line(result, "packcache run: cannot load the model: ")
+            assert f"/{file}" in line and says in line, line
+        except AssertionError as exc:
+            wrong[case] = str(exc)[:400]
+    assert not wrong, json.dumps(wrong, indent=1)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("*.pcache")), "nothing cached"
+
+
+@pytest.mark.parametrize("name", ["config.json", "sentence_bert_config.json", "tokenizer.json", "model.safetensors"])
+@pytest.mark.parametrize("cache", ["--cache-dir", "--no-cache"])
+def test_a_fifo_in_the_model_directory_is_refused_at_once(base: Path, tmp_path: Path, name: str, cache: str) -> None:
+    """A FIFO where a model file should be: ``run`` refuses it at once (in a child with a timeout: a regression
+    blocks in ``open``, where only the timeout reaches it)."""
+    directory = variant(base, tmp_path / "fifo", fifo(name))
+    where = [cache, str(tmp_path / "cache")] if cache == "--cache-dir" else [cache]
+    argv = ["run", "--model", str(directory), *where]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-m", "packcache", *argv], capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=env
+    )
+    line = one_line({"rc": done.returncode, "stderr": done.stderr}, "packcache run: cannot load the model: ")
+    assert f"/{name}" in line and "not a regular file (a FIFO)" in line, line
+
+
+# ------------------------------------------------------------------- the loader's checks, in process (issue 20, item 3)
+
+
+def test_a_config_the_weights_do_not_match_is_refused_before_the_skeleton_is_built(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shape the config implies is looked up in the safetensors header first: a layer count or a size
+    the weights do not have never reaches ``BertEncoder`` (nor ``pack_count``'s skeleton)."""
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the skeleton was built from a config the weights do not match")
+
+    one_more = variant(base, tmp_path / "three", config(num_hidden_layers=3))
+    monkeypatch.setattr(minilm, "BertEncoder", never)
+    for call in (
+        lambda: minilm.load("int8", cache=None, model_path=one_more),
+        lambda: minilm.pack_count("int8", model_path=one_more),
+        lambda: minilm.default_cache_path("int8", model_path=one_more),
+    ):
+        with pytest.raises(FormatError, match=r"config\.json: num_hidden_layers 3, hidden_size 32 call for "
+                           r"encoder\.layer\.2\.attention\.self\.query\.weight .*no such tensor"):  # fmt: skip
+            call()
+    monkeypatch.undo()
+    assert minilm.pack_count("int8", model_path=base) > 0
+
+
+def test_library_errors_are_the_librarys_own(base: Path, tmp_path: Path) -> None:
+    """What the CLI prints comes from ``packcache.errors`` (a FormatError is a ValueError, an UntrustedFileError
+    an OSError): a caller catches them as documented."""
+    bad = variant(base, tmp_path / "bad", config(num_attention_heads=0))
+    with pytest.raises(FormatError, match=r"config\.json: num_attention_heads") as caught:
+        minilm.load("int8", cache=None, model_path=bad)
+    assert caught.value.path == str(bad / "config.json")
+    planted = variant(base, tmp_path / "fifo", fifo("tokenizer.json"))
+    with pytest.raises(UntrustedFileError, match=r"untrusted tokenizer .*tokenizer\.json: not a regular file"):
+        minilm.load_tokenizer(planted)
+    with pytest.raises(ValueError, match="max_seq_length must be a non-negative integer"):
+        minilm.load_tokenizer(base, max_seq_length=-5)
+
+
+def test_a_well_formed_checkpoint_still_loads_and_its_optional_file_may_be_missing(base: Path, tmp_path: Path) -> None:
+    plain = variant(base, tmp_path / "plain", lambda d: (d / "sentence_bert_config.json").unlink())
+    tokenizer = minilm.load_tokenizer(plain)
+    assert tokenizer.truncation is not None and tokenizer.truncation["max_length"] == 512  # the position limit
+    assert minilm.load_tokenizer(base).truncation["max_length"] == 256  # sentence_bert_config.json's
+    model = minilm.load("fp32", cache=None, model_path=plain)
+    assert model.embed(["the", ""]).shape == (2, 32)

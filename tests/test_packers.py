@@ -1,20 +1,19 @@
-"""Packers: identity, keys, behavioural fingerprints, self-contained output, and the safetensors reader."""
+"""Packers (``packcache.packers``): identity, keys, behavioural fingerprints, self-contained output,
+non-finite weights (the int4 search: test_packers_int4.py; the torch packers: test_packers_torch.py).
+"""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-import struct
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from packcache import FormatError, NonFiniteWeightError, PackResultError
+from packcache import NonFiniteWeightError, PackResultError
 from packcache.packers import (
     Float32,
     Int8PerChannel,
@@ -29,7 +28,6 @@ from packcache.packers import (
     quantize_int8_rows,
     to_float32,
 )
-from packcache.safetensors import SafetensorsFile
 
 
 def test_import_packcache_and_numpy_packers_does_not_import_torch() -> None:
@@ -180,151 +178,6 @@ def test_platform_lists_every_packer_with_its_fingerprint() -> None:
     ids = [p["id"] for p in platform["packers"]]
     assert sorted(ids) == ["np.f32", "np.int8c"]
     assert all(len(p["fingerprint"]) == 64 for p in platform["packers"])
-
-
-# --------------------------------------------------------------------------- safetensors
-
-
-def _write_safetensors(path: Path, header: dict[str, Any], data: bytes, header_len: int | None = None) -> Path:
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data)
-    return path
-
-
-def test_safetensors_reads_header_then_tensor_bytes_on_demand(tmp_path: Path) -> None:
-    w = np.arange(6, dtype=np.float32).reshape(2, 3)
-    b = _bf16_bits(np.array([1.5, -2.0], np.float32))
-    header = {
-        "__metadata__": {"format": "pt"},
-        "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
-        "b": {"dtype": "BF16", "shape": [2], "data_offsets": [24, 28]},
-    }
-    path = _write_safetensors(tmp_path / "m.safetensors", header, w.tobytes() + b.tobytes())
-    st = SafetensorsFile(path)
-    assert st.names() == ["w", "b"] and st.metadata == {"format": "pt"}
-    assert st.meta("b").dtype == "BF16" and st.meta("w").shape == (2, 3)
-    content = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert st.identity == f"sha256:{content}:{path.stat().st_size}"  # the bytes name it, not where they lie
-    np.testing.assert_array_equal(st.read("w"), w)
-    assert to_float32(st.read("b"), "BF16").tolist() == [1.5, -2.0]
-    with pytest.raises(KeyError):
-        st.meta("missing")
-
-
-@pytest.mark.parametrize(
-    ("header", "data", "message"),
-    [
-        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}}, b"\0" * 12, "need 8"),
-        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "past the end"),
-        ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unsupported dtype"),
-        ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "invalid shape"),
-        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "invalid data_offsets"),
-        (
-            {
-                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
-            },
-            b"\0" * 12,
-            "overlaps",
-        ),
-        ({"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, b"\0" * 8, "need"),
-    ],
-)
-def test_safetensors_rejects_hostile_headers(tmp_path: Path, header: dict[str, Any], data: bytes, message: str) -> None:
-    path = _write_safetensors(tmp_path / "bad.safetensors", header, data)
-    with pytest.raises(FormatError, match=message):
-        SafetensorsFile(path)
-
-
-def test_safetensors_rejects_a_header_length_past_the_file(tmp_path: Path) -> None:
-    path = _write_safetensors(tmp_path / "bad.safetensors", {}, b"", header_len=10**9)
-    with pytest.raises(FormatError, match="header length"):
-        SafetensorsFile(path)
-    (tmp_path / "short").write_bytes(b"\1\2")
-    with pytest.raises(FormatError, match="shorter than the 8-byte"):
-        SafetensorsFile(tmp_path / "short")
-    _write_safetensors(tmp_path / "notjson", {}, b"")
-    raw = b"{not json"
-    (tmp_path / "notjson").write_bytes(struct.pack("<Q", len(raw)) + raw)
-    with pytest.raises(FormatError, match="not UTF-8 JSON"):
-        SafetensorsFile(tmp_path / "notjson")
-
-
-# --------------------------------------------------------------------------- torch packers
-
-
-def test_torch_packers_run_their_kernel_to_the_intended_weight_on_every_path() -> None:
-    import torch
-
-    from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
-    from packcache.torch import PackedLinear
-
-    w = fingerprint_input((64, 256)) * np.float32(0.1)
-    checked = 0
-    for packer in (LinearFloat32(), LinearBFloat16(), Int8WeightOnly(), *(Int4WeightOnly(g) for g in (32, 64, 128))):
-        parts = packer.checked_pack(w, "F32")
-        for path in packer.paths:
-            layer = PackedLinear.from_parts(packer, parts, bias=np.full(64, 0.5, np.float32), kernel_path=path)
-            # A few rows (the fused kernel where there is one) and more than the packer's threshold (dequantise + GEMM).
-            for rows in sorted({5, packer.fused_max_rows.get(path, 0) + 1}):
-                x = torch.from_numpy(fingerprint_input((rows, 256)))
-                expected = x @ torch.from_numpy(packer.intended(w, "F32")).T + 0.5
-                with torch.inference_mode():
-                    got = layer(x)
-                assert got.dtype == torch.float32 and got.shape == (rows, 64)
-                bf16 = packer.kernel_input_dtype(path, rows) == torch.bfloat16
-                # bfloat16 keeps 8 significant bits: its error scales with the outputs' magnitude.
-                tolerance = 0.02 * (1 + float(expected.abs().max())) if bf16 else 1e-4
-                what = (packer, path, rows, layer.kernel(rows))
-                assert float((got - expected).abs().max()) < tolerance, what
-                approximation = float((got - (x @ torch.from_numpy(w).T + 0.5)).abs().max())
-                assert approximation < 0.35 + tolerance, what  # and it approximates w (int4 g128: ~0.3 on 193 rows)
-                checked += 1
-    assert checked >= 20
-
-
-def test_torch_platform_names_torch_version_and_cpu_capability() -> None:
-    import torch
-
-    from packcache.packers_torch import Int4WeightOnly
-
-    platform = platform_for([Int4WeightOnly(32), Float32()])
-    assert platform["torch"] == torch.__version__
-    assert platform["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert {p["id"] for p in platform["packers"]} == {"torch.int4wo", "np.f32"}
-    assert platform_for([Int4WeightOnly(64)]) != platform_for([Int4WeightOnly(32)])
-
-
-def test_int4_refuses_shapes_its_kernel_cannot_take() -> None:
-    from packcache.packers_torch import Int4WeightOnly
-
-    assert Int4WeightOnly(32).eligible((24, 64)) is not None  # out_features not a multiple of 16
-    assert Int4WeightOnly(64).eligible((32, 96)) is not None  # in_features not a multiple of the group
-    assert Int4WeightOnly(32).eligible((32, 96)) is None
-    with pytest.raises(ValueError, match="group_size"):
-        Int4WeightOnly(16)
-
-
-def test_tensors_that_are_not_self_contained_bytes_are_refused() -> None:
-    import torch
-
-    from packcache.packers_torch import tensor_to_numpy
-
-    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    with pytest.raises(PackResultError, match="not standard C-contiguous"):
-        tensor_to_numpy(base.t(), "w")
-    with pytest.raises(PackResultError, match="opaque or non-dense"):
-        tensor_to_numpy(base.to_mkldnn(), "w")
-    with pytest.raises(PackResultError, match="opaque or non-dense"):
-        tensor_to_numpy(base.to_sparse(), "w")
-    with pytest.raises(PackResultError, match="autograd"):
-        tensor_to_numpy(base.clone().requires_grad_(), "w")
-    with pytest.raises(PackResultError, match="no numpy representation"):
-        tensor_to_numpy(base.to(torch.complex64), "w")
-    with pytest.raises(PackResultError, match=r"plain torch\.Tensor"):
-        tensor_to_numpy(torch.nn.Parameter(base), "w")
-    bits = tensor_to_numpy(base.to(torch.bfloat16), "w")
-    assert bits.dtype == np.uint16 and to_float32(bits, "BF16").tolist() == base.tolist()
 
 
 # --------------------------------------------------------------------------- non-finite weights

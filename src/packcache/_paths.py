@@ -116,8 +116,10 @@ def trust_problem(st: os.stat_result, *, directory: bool = False) -> str | None:
         return f"not a directory ({_kind(st.st_mode)})"
     if not directory and not stat.S_ISREG(st.st_mode):
         return f"not a regular file ({_kind(st.st_mode)})"
+    # pinned by tests/test_paths.py::test_nobody_refuses_a_cache_file_owned_by_another_non_root_user
     if st.st_uid not in (os.geteuid(), 0):
         return f"owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root"
+    # pinned by tests/test_paths.py::test_nobody_refuses_its_own_group_or_world_writable_file
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
@@ -126,6 +128,7 @@ def trust_problem(st: os.stat_result, *, directory: bool = False) -> str | None:
 def _unsafe_directory(path: str) -> str | None:
     parent = os.path.dirname(os.path.abspath(path))
     pst = os.stat(parent)
+    # pinned by tests/test_paths.py::test_nobody_symlink_in_world_writable_directory_is_trusted_only_with_sticky_bit
     if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
         return f"a symlink in world-writable directory {parent} without the sticky bit"
     return None
@@ -161,6 +164,7 @@ def read_bounded(path: str, *, what: str, max_bytes: int) -> bytes:
         OSError: it cannot be opened or read (``FileNotFoundError``, ``PermissionError``, ...).
     """
     try:
+        # pinned by tests/test_minilm.py::test_a_fifo_in_the_model_directory_is_refused_at_once
         fd, st = open_checked(path, trust=False)
     except UntrustedFileError as exc:
         raise UntrustedFileError(path, exc.reason, what=what) from None
@@ -195,14 +199,20 @@ def open_checked(
         OSError: the path cannot be opened (``FileNotFoundError``, ``PermissionError``, ...).
     """
     lst = os.lstat(path)
+    # O_NONBLOCK: a symlink to a FIFO passes the lstat, and a read-only open of it would wait; pinned by
+    #   tests/test_cli.py::test_cli_refuses_a_non_file_at_the_cache_path_without_hanging
     flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
     if stat.S_ISLNK(lst.st_mode):
         unsafe = _unsafe_directory(path)
         if unsafe:
             raise UntrustedFileError(path, unsafe)
     elif stat.S_ISREG(lst.st_mode):
+        # pinned (with the same-inode check after the open) by
+        #   tests/test_paths.py::test_a_symlink_swapped_in_after_the_check_is_never_followed
         flags |= os.O_NOFOLLOW  # swapped for a symlink since the lstat: ELOOP, never its target
     else:
+        # pinned (with the fstat check after the open) by
+        #   tests/test_paths.py::test_a_fifo_at_the_cache_path_is_refused_without_blocking
         raise UntrustedFileError(path, f"not a regular file ({_kind(lst.st_mode)})")
     try:
         try:
@@ -259,6 +269,8 @@ def lock_path_for(path: str) -> str:
     >>> lock_path_for("/tmp/../tmp/m.pcache")
     '/tmp/m.pcache.lock'
     """
+    # pinned (with the store's flock on the file's inode) by tests/test_store.py::
+    #   test_two_processes_on_one_file_through_different_paths_never_change_a_served_pack
     return os.path.realpath(path) + ".lock"
 
 
@@ -293,8 +305,12 @@ def open_lock(lock_path: str, mode: int, *, create: bool = True) -> tuple[int, b
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+            # pinned by tests/test_paths.py::test_configured_file_and_dir_modes_are_applied_and_still_trusted
             os.fchmod(fd, mode)  # the umask must not leave it unopenable for writing
             st = os.fstat(fd)
+        # pinned by
+        #   tests/test_paths.py::test_a_fifo_at_the_lock_path_is_refused_without_blocking,
+        #   tests/test_maintenance.py::test_gc_does_not_hang_on_a_fifo_planted_at_a_lock_path
         problem = trust_problem(st)
         if problem is not None:
             raise UntrustedFileError(lock_path, problem, what="lock file")
@@ -429,12 +445,14 @@ def create_temp(path: str, mode: int) -> tuple[int, str]:
     for attempt in range(8):
         temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(8)}")
         try:
+            # pinned by tests/test_paths.py::test_temp_file_is_created_with_o_excl_and_never_follows_a_planted_name
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
         except FileExistsError:
             if attempt == 7:
                 raise
             continue
         try:
+            # pinned by tests/test_paths.py::test_configured_file_and_dir_modes_are_applied_and_still_trusted
             os.fchmod(fd, mode)  # the umask must not widen or narrow the documented mode
         except BaseException:
             os.close(fd)
@@ -455,6 +473,7 @@ def parse_temp_name(name: str, prefix: str) -> int | None:
     if not name.startswith(prefix):
         return None
     pid_text, _, token = name[len(prefix) :].partition("-")
+    # pinned by tests/test_maintenance.py::test_gc_keeps_a_users_file_named_like_a_temp_file
     if not pid_text.isdigit() or len(pid_text) > 10 or len(token) != 16:
         return None
     if any(c not in "0123456789abcdef" for c in token):
@@ -523,6 +542,7 @@ def read_record(name: str, *, dir_fd: int | None = None, max_bytes: int) -> tupl
         ``(value, None)``; ``(None, None)`` when it is missing or cannot be read; ``(None, why)`` when
         it is there but refused (a record is a hint: the caller goes on without it).
     """
+    # pinned by tests/test_identity.py::test_a_hostile_digest_cache_costs_a_rehash_never_wrong_bytes
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -530,6 +550,7 @@ def read_record(name: str, *, dir_fd: int | None = None, max_bytes: int) -> tupl
         return None, None  # missing, a symlink (ELOOP), unreadable
     try:
         st = os.fstat(fd)
+        # pinned by tests/test_identity.py::test_a_hostile_digest_cache_costs_a_rehash_never_wrong_bytes
         problem = trust_problem(st)
         if problem is None and st.st_size > max_bytes:
             problem = f"{st.st_size} bytes, over {max_bytes}"

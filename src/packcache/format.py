@@ -654,6 +654,10 @@ def _entries_one_by_one(
         itemsize = itemsizes[code]
         if prod(shape) * itemsize != nbytes:
             raise fail(f"entry {number} ({name!r}): size {nbytes} != shape {shape} x itemsize", pos + 40)
+        # R46: an empty pack whose other dimensions overflow has a valid checksum, yet no array of it can exist
+        # (a hit would raise); pinned by
+        #   tests/test_format.py::test_reject_empty_entry_whose_other_dimensions_overflow,
+        #   tests/test_format.py::test_an_empty_entry_with_an_absurd_shape_is_rejected_never_raised_by_a_load
         if not nbytes and not shape_fits(shape, itemsize):
             raise fail(f"entry {number} ({name!r}): empty shape {shape}, other dimensions over 2**63-1", pos + 64)
         if offset % alignment:

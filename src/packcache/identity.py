@@ -183,11 +183,15 @@ def file_digest(fd: int, path: str, st: os.stat_result | None = None) -> FileDig
     if st is None:
         st = now
     key = stat_key(st)
+    # pinned by tests/test_identity.py::test_file_digest_refuses_a_stat_that_is_no_longer_the_files
     if stat_key(now) != key:
         raise FormatError("the file changed since it was opened; open it again", path=path)
     blob = _hub_blob(path, st)
     if blob is not None:
         return FileDigest(blob, st.st_size, "hub-blob")
+    # a record is trusted only past the racy window and on a filesystem whose stat does not lie; pinned by
+    #   tests/test_identity.py::test_an_edit_within_the_racy_window_is_never_recorded_and_is_repacked,
+    #   tests/test_identity.py::test_a_filesystem_whose_stat_may_lie_is_hashed_on_every_launch
     trusted = _settled(st) and _reliable(fd)
     if trusted:
         found = _MEMO.get(key)
@@ -222,6 +226,8 @@ def recorded_location(sha256: str) -> str | None:
 def stat_key(st: os.stat_result) -> StatKey:
     """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``: one version of one file on this machine.
     Every write moves ctime, which user space cannot set back."""
+    # ctime too: touch -r, cp -p and rsync -t restore mtime after an in-place write, nothing restores ctime; pinned by
+    #   tests/test_identity.py::test_an_in_place_same_size_edit_with_mtime_restored_is_repacked_never_stale
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
@@ -342,6 +348,7 @@ class _Records:
                     "ctime_ns": key[4]}  # fmt: skip
         if not isinstance(record, dict) or set(record) != {*expected, "sha256"}:
             return None
+        # pinned by tests/test_identity.py::test_a_hostile_digest_cache_costs_a_rehash_never_wrong_bytes
         if any(type(record[field]) is not type(value) or record[field] != value for field, value in expected.items()):
             return None  # a record of another version of the file (or of another file): stale, not a digest
         digest = record["sha256"]
@@ -450,6 +457,7 @@ def _records(*, create: bool = False) -> Iterator[_Records]:
         yield _Records(path, None)
         return
     try:
+        # pinned by tests/test_identity.py::test_a_hostile_digest_cache_costs_a_rehash_never_wrong_bytes
         problem = trust_problem(os.fstat(fd), directory=True)
         if problem is not None:
             _unusable(path, problem)

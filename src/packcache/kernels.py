@@ -166,6 +166,8 @@ def requested_path(requested: str | None) -> str | None:
     >>> requested_path("fp32"), requested_path("auto")
     ('fp32', None)
     """
+    # only without a choice: an invalid variable used to fail every explicit kernel_path; pinned by
+    #   tests/test_kernels.py::test_an_explicit_kernel_path_wins_over_an_invalid_environment_value
     if requested is None:
         value = os.environ.get(KERNEL_PATH_ENV) or None
         if value is None or value == "auto":

@@ -4,11 +4,12 @@
 every child process (``CHILD_PRELUDE``) and in every ``stress/*.py`` command
 line, which are thin CLIs over the modules here:
 
-* ``packs``: deterministic packs (``packed``, ``Packer``, ``assert_same``), ``build`` and
-  ``without_build_compaction``;
+* ``packs``: deterministic packs (``packed``, ``Packer``, ``assert_same``), ``build``,
+  ``build_keyed``/``load_all``/``KEY`` and ``without_build_compaction``;
 * ``files``: a file's state, garbage, flipped bits, what a file commits;
 * ``mounts``: a tiny tmpfs, a read-only bind mount, ``require_root``;
 * ``checkpoints``: tiny random BERT checkpoints the loaders load (``tiny_bert``);
+* ``serve``: ``packcache serve`` in a child process, its HTTP API and scrapes (``server``);
 * ``child``: the child prelude, ``run_child``, two appenders on one file;
 * ``driver``, ``faults``, ``entry_faults``: the fault matrix (``stress/faults.py``);
 * ``crash``, ``stampede``, ``fuzz``, ``interrupts``, ``stability``: the other stress harnesses.
@@ -31,6 +32,7 @@ from harness.child import (
 from harness.files import committed, file_state, flip_bit, garbage, save_safetensors, snapshot
 from harness.mounts import ROOT_ONLY, fill, read_only_bind, require_root, tmpfs
 from harness.packs import (
+    KEY,
     KIB,
     MIB,
     Packer,
@@ -39,6 +41,8 @@ from harness.packs import (
     assert_same,
     build,
     build_generations,
+    build_keyed,
+    load_all,
     packed,
     same_pack,
     stuck_in_pack,
@@ -47,6 +51,7 @@ from harness.packs import (
 
 __all__ = [
     "CHILD_PRELUDE",
+    "KEY",
     "KIB",
     "MIB",
     "ROOT_ONLY",
@@ -57,6 +62,7 @@ __all__ = [
     "assert_same",
     "build",
     "build_generations",
+    "build_keyed",
     "child_argv",
     "committed",
     "error_records",
@@ -65,6 +71,7 @@ __all__ = [
     "flip_bit",
     "garbage",
     "last_json",
+    "load_all",
     "packed",
     "read_only_bind",
     "require_root",

@@ -3,7 +3,8 @@
 ``packed(seed, nbytes)`` gives the same bits in any process, so a child process
 packs exactly what its parent expects, and "served the right bytes" is one
 comparison. ``build()`` is the one way a test or a harness writes a valid cache
-holding given packs.
+holding given packs (``build_keyed`` and ``load_all``: the regression tests' build
+and full load, every pack under ``KEY``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,24 @@ def build(path: str | os.PathLike[str], packs: Mapping[str, Pack], *, key: Any =
         stats = cache.stats()
     assert (stats.hits + stats.stored, stats.heap_packs) == (len(packs), 0), f"build {path}: {stats}"
     return stats
+
+
+#: The key the regression tests store and ask for their packs under (``build_keyed``, ``load_all``).
+KEY = {"packer": "test", "version": 1}
+
+
+def build_keyed(path: str | os.PathLike[str], names: dict[str, int]) -> None:
+    """A valid cache holding ``packed(seed, 4 KiB)`` per name under ``KEY``, as ``load_all`` requests them."""
+    build(path, {name: (seed, 4 * KIB) for name, seed in names.items()}, key=KEY)
+
+
+def load_all(path: str | os.PathLike[str], names: dict[str, int], nbytes: int = 4 * KIB) -> CacheStats:
+    """A fresh instance requests every pack; each must be bit-identical to pack()."""
+    with WeightCache(path) as cache:
+        with cache.session() as s:
+            for name, seed in names.items():
+                assert_same(s.get_or_pack(name, functools.partial(packed, seed, nbytes), KEY), packed(seed, nbytes))
+        return cache.stats()
 
 
 @contextlib.contextmanager

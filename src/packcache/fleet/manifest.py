@@ -366,6 +366,8 @@ def _check_signatures(
             continue
         signature = _signature_bytes(entry)
         assert signature is not None  # _parse checked it
+        # a trusted key's signature that fails is tampering, refused even with allow_unsigned; pinned by
+        #   tests/test_fleet_manifest.py::test_a_field_changed_after_signing_is_untrusted
         if not _verifies(public, signature, message):
             raise RemoteError(
                 "remote_untrusted",
@@ -404,6 +406,7 @@ def check_generation(manifest: Manifest, last_accepted: int | None, *, last_blob
             "remote_stale", f"manifest generation {manifest.generation} is older than generation {last_accepted}, "
             "which this machine already accepted (a rollback)",
         )  # fmt: skip
+    # pinned by tests/test_fleet_manifest.py::test_check_generation_refuses_rollbacks_and_a_reused_generation_number
     if manifest.generation == last_accepted and last_blob_sha256 not in (None, manifest.blob_sha256):
         raise RemoteError(
             "remote_stale", f"manifest generation {manifest.generation} names blob {manifest.blob_sha256[:16]}.., "

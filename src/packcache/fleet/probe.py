@@ -22,7 +22,7 @@ file, a range read for a published blob), never a pack's bytes, and says what a
 
 The verdict is the cache's own rule (``packcache._store.FileStore``: same fingerprint bytes, a
 header and a generation that validate), applied to the same decoders of :mod:`packcache.format`;
-``tests/test_fleet_platform.py`` checks it against real WeightCache loads. Torch-free: the caller
+``tests/test_fleet_probe.py`` checks it against real WeightCache loads. Torch-free: the caller
 says what this machine's fingerprint is (the command line derives it from the file's packers).
 """
 
@@ -272,6 +272,7 @@ def _read_index(
     read: _Counted, slot: fmt.Slot, header: fmt.Header, size: int | None, cap: int, source: str | None
 ) -> dict[str, fmt.Entry]:
     # Bounds first (with the size when known), so a hostile index size never becomes a read.
+    # pinned by tests/test_fleet_probe.py::test_hostile_files_are_not_applicable_in_one_process_that_never_blocks
     fmt.validate_slot_bounds(slot, header, size if size is not None else slot.committed_end, path=source)
     if slot.index_size > cap:
         raise FormatError(f"generation {slot.generation}: index of {slot.index_size} bytes, past the probe's "

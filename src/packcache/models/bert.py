@@ -87,11 +87,17 @@ class BertConfig:
     def _problem(self) -> str | None:
         for name in _SIZES:
             value = getattr(self, name)
+            # true for a count was read as 1, a zero heads count divided by zero; pinned by
+            #   tests/test_bert.py::test_bert_config_refuses_bad_values_made_in_code_too,
+            #   tests/test_bert.py::test_any_values_in_config_json_make_a_checked_config_or_one_format_error
             if type(value) is not int or not 1 <= value <= MAX_SIZE:
                 return f"{name} must be an integer from 1 to {MAX_SIZE}, got {_REPR.repr(value)}"
         eps = self.layer_norm_eps
+        # pinned by tests/test_bert.py::test_bert_config_refuses_bad_values_made_in_code_too
         if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
             return f"layer_norm_eps must be a positive finite number, got {_REPR.repr(eps)}"
+        # another activation was computed as gelu, relative positions as absolute, without a word; pinned by
+        #   tests/test_minilm.py::test_malformed_model_files_end_in_one_line_naming_the_file_and_the_field
         if self.hidden_act != "gelu":
             return f"hidden_act {_REPR.repr(self.hidden_act)} is not supported (only 'gelu')"
         if self.position_embedding_type != "absolute":
@@ -99,6 +105,7 @@ class BertConfig:
             return f"position_embedding_type {kind} is not supported (only 'absolute')"
         if not isinstance(self.model_type, str):
             return f"model_type must be a string, got {type(self.model_type).__name__}"
+        # pinned by tests/test_bert.py::test_bert_config_refuses_bad_values_made_in_code_too
         if self.hidden_size % self.num_attention_heads:
             return f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
         return None
@@ -169,6 +176,7 @@ class BertConfig:
         num_hidden_layers 2, hidden_size 384 call for encoder.layer.1.attention.self.query.weight
         of shape [384, 384]: the checkpoint has no such tensor
         """
+        # pinned by tests/test_minilm.py::test_a_config_the_weights_do_not_match_is_refused_before_the_skeleton_is_built
         for name, shape, fields in self.tensor_shapes():
             found = shape_of(name)
             if found == shape:
@@ -491,6 +499,7 @@ def _check_ids(tokens: PackedTokens, config: BertConfig) -> None:
         return
     for ids, field in ((tokens.ids, "vocab_size"), (tokens.types, "type_vocab_size")):
         limit, low, high = getattr(config, field), int(ids.min()), int(ids.max())
+        # pinned by tests/test_bert.py::test_a_tokenizer_giving_ids_past_the_tables_is_one_line_not_an_index_error
         if low < 0 or high >= limit:
             raise ValueError(
                 f"the tokenizer gave id {high if high >= limit else low}, outside config.json's {field} {limit}: "

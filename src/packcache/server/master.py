@@ -123,6 +123,8 @@ def _application(
     from .worker import worker_class
 
     def child_exit(server: Any, worker: Any) -> None:
+        # a dead worker's gauges would stay in every scrape; pinned by
+        #   tests/test_server_master.py::test_a_worker_killed_mid_request_is_replaced_and_maps_again
         mark_dead(worker.pid)
 
     def when_ready(server: Any) -> None:
@@ -161,6 +163,8 @@ def _application(
     application = Application(prog="packcache serve")
     # gunicorn re-executes itself (USR2) with the environment it saw at start, which holds this
     # process's /proc/self/fd/N: a descriptor the new master does not have. Give it the operator's.
+    # pinned by tests/test_server_metricsdir.py::
+    #   test_a_gunicorn_re_exec_gets_the_operators_metrics_dir_not_this_processs_descriptor
     if given_env is None:
         application.cfg.env_orig.pop("PROMETHEUS_MULTIPROC_DIR", None)
     else:

@@ -53,6 +53,9 @@ def _others_can_write(st: os.stat_result) -> bool:
     return not _ours(st.st_uid) or bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
+# A symlink on the metrics directory's path is followed only if this user or root owns it and no other user can
+# replace it (``_walk``); pinned by tests/test_server_metricsdir.py::
+#   test_a_symlink_another_user_can_change_is_refused_before_anything_is_read_or_removed
 def _entries_safe(directory: os.stat_result, entry_uid: int) -> bool:
     """Whether no other user can replace an entry owned by ``entry_uid`` in ``directory``."""
     if not _ours(directory.st_uid) or not _ours(entry_uid):
@@ -203,6 +206,9 @@ def hold_metrics_dir(given: str | None) -> HeldDirectory:
     path_fd, real, exposed = _walk(given, given)
     try:
         st = os.fstat(path_fd)
+        # pinned by tests/test_server_metricsdir.py::
+        #   test_a_metrics_directory_other_users_can_write_is_refused_before_anything_is_written,
+        #   test_hold_metrics_dir_walks_the_path_the_way_the_kernel_does_and_refuses_what_it_cannot_hold
         problem = trust_problem(st, directory=True)
         if problem is not None:
             raise ValueError(
@@ -214,6 +220,9 @@ def hold_metrics_dir(given: str | None) -> HeldDirectory:
         fd = _reopen(path_fd)
     finally:
         os.close(path_fd)
+    # the held descriptor's path, never the name: prometheus_client opens its files by name; pinned by
+    # tests/test_server_metricsdir.py::
+    #   test_a_nobody_process_swapping_symlinks_while_the_server_runs_never_gets_a_file_where_it_points
     held = _proc_path(fd)
     if held is None and exposed:
         os.close(fd)

@@ -1,27 +1,99 @@
-"""Hostile safetensors files: every malformed header is a FormatError naming the file and the offset.
+"""The safetensors reader (``packcache.safetensors.SafetensorsFile``): the header first, tensor bytes on
+demand, and hostile files.
 
-Issue 10, item 16: ``SafetensorsFile`` raised ``TypeError`` (dtype given as a list),
-``RecursionError`` (deep JSON) and a plain ``ValueError`` (an integer over 4,300
-digits), accepted a dimension over int64 (failing later), and ``packcache run
---model`` printed tracebacks for them. A FIFO at the model path hung it.
+Issue 10, item 16: ``SafetensorsFile`` raised ``TypeError`` (dtype given as a list), ``RecursionError``
+(deep JSON) and a plain ``ValueError`` (an integer over 4,300 digits), and accepted a dimension over
+int64 (failing later); a FIFO at the model path hung it. Every malformed header is now a FormatError
+naming the file and the offset (``packcache run --model`` with such a file: test_cli_run.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from packcache.cli import main
 from packcache.errors import FormatError, UntrustedFileError
+from packcache.packers import to_float32
 from packcache.safetensors import SafetensorsFile
+from test_packers import _bf16_bits
+
+
+def _write_safetensors(path: Path, header: dict[str, Any], data: bytes, header_len: int | None = None) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data)
+    return path
+
+
+def test_safetensors_reads_header_then_tensor_bytes_on_demand(tmp_path: Path) -> None:
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = _bf16_bits(np.array([1.5, -2.0], np.float32))
+    header = {
+        "__metadata__": {"format": "pt"},
+        "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+        "b": {"dtype": "BF16", "shape": [2], "data_offsets": [24, 28]},
+    }
+    path = _write_safetensors(tmp_path / "m.safetensors", header, w.tobytes() + b.tobytes())
+    st = SafetensorsFile(path)
+    assert st.names() == ["w", "b"] and st.metadata == {"format": "pt"}
+    assert st.meta("b").dtype == "BF16" and st.meta("w").shape == (2, 3)
+    content = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert st.identity == f"sha256:{content}:{path.stat().st_size}"  # the bytes name it, not where they lie
+    np.testing.assert_array_equal(st.read("w"), w)
+    assert to_float32(st.read("b"), "BF16").tolist() == [1.5, -2.0]
+    with pytest.raises(KeyError):
+        st.meta("missing")
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "message"),
+    [
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}}, b"\0" * 12, "need 8"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "past the end"),
+        ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unsupported dtype"),
+        ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "invalid shape"),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "invalid data_offsets"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "overlaps",
+        ),
+        ({"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, b"\0" * 8, "need"),
+    ],
+)
+def test_safetensors_rejects_hostile_headers(tmp_path: Path, header: dict[str, Any], data: bytes, message: str) -> None:
+    path = _write_safetensors(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(FormatError, match=message):
+        SafetensorsFile(path)
+
+
+def test_safetensors_rejects_a_header_length_past_the_file(tmp_path: Path) -> None:
+    path = _write_safetensors(tmp_path / "bad.safetensors", {}, b"", header_len=10**9)
+    with pytest.raises(FormatError, match="header length"):
+        SafetensorsFile(path)
+    (tmp_path / "short").write_bytes(b"\1\2")
+    with pytest.raises(FormatError, match="shorter than the 8-byte"):
+        SafetensorsFile(tmp_path / "short")
+    _write_safetensors(tmp_path / "notjson", {}, b"")
+    raw = b"{not json"
+    (tmp_path / "notjson").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(FormatError, match="not UTF-8 JSON"):
+        SafetensorsFile(tmp_path / "notjson")
+
+
+# --------------------------------------------------------------------------- hostile files (issue 10, item 16)
+
 
 HANG = 60.0  # seconds; reaching it means something blocked
 
@@ -184,42 +256,3 @@ def test_a_non_file_at_the_model_path_is_refused_without_hanging(tmp_path: Path,
     )
     with pytest.raises(UntrustedFileError, match="not a regular file"):
         SafetensorsFile(path)  # non-blocking: safe in-process once the subprocess proved it
-
-
-# --------------------------------------------------------------------------- packcache run --model
-
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """config.json and tokenizer.json of the shipped model beside a model.safetensors each test replaces."""
-    from packcache.models import minilm
-
-    shipped = minilm.default_model_path()
-    target = tmp_path_factory.mktemp("checkpoint")
-    for name in ("config.json", "tokenizer.json", "sentence_bert_config.json"):
-        shutil.copyfile(shipped / name, target / name)
-    return target
-
-
-@pytest.mark.parametrize("case", ["dtype-list", "deep-json", "huge-int-4301-digits", "dim-over-int64"])
-def test_run_with_a_hostile_model_is_one_format_error_line(
-    checkpoint_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
-) -> None:
-    raw, data, message = HOSTILE[case]
-    model = write(checkpoint_dir / "model.safetensors", raw, data)
-    assert main(["run", "--model", str(model), "--cache-dir", str(tmp_path)]) == 1
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
-    assert captured.err.startswith("packcache run: cannot load the model: ") and f"{model}: offset " in captured.err
-    assert message.split()[0] in captured.err
-
-
-def test_run_with_a_fifo_as_model_exits_instead_of_hanging(checkpoint_dir: Path, tmp_path: Path) -> None:
-    model = checkpoint_dir / "fifo.safetensors"
-    os.mkfifo(model)
-    done = subprocess.run(
-        [sys.executable, "-m", "packcache", "run", "--model", str(model), "--cache-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=HANG,
-    )  # fmt: skip
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert "not a regular file (a FIFO)" in done.stderr and done.stderr.count("\n") == 1

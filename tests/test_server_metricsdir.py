@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from harness import require_root
+from harness.serve import SRC, TEXTS, embed_from_every_worker, loaded_workers, scrape, server
 from packcache.server.metricsdir import hold_metrics_dir
-from test_serve import SRC, TEXTS, embed_from_every_worker, loaded_workers, scrape, server
 
 NOBODY = 65534
 AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
@@ -234,3 +234,42 @@ def test_a_gunicorn_re_exec_gets_the_operators_metrics_dir_not_this_processs_des
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
             held.remove()
             os.close(held.fd)
+
+
+# --------------------------------------------------------------------------- a metrics directory other users can write
+
+
+def test_a_metrics_directory_other_users_can_write_is_refused_before_anything_is_written() -> None:
+    """prometheus_client opens ``<dir>/<kind>_<pid>.db`` by name and writes through it: in a directory
+    another user can write, that user plants a symlink there and the server writes through it into a
+    file of theirs choosing. ``serve`` refuses such a directory (as the cache refuses one for its
+    files), before it starts gunicorn or deletes anything in it."""
+    require_root()
+    base = Path(tempfile.mkdtemp(prefix="packcache-metrics-"))  # pytest's tmp_path is 0700: nobody can't reach it
+    try:
+        _refuse_shared_metrics_dir(base)
+    finally:
+        shutil.rmtree(base)
+
+
+def _refuse_shared_metrics_dir(base: Path) -> None:
+    os.chmod(base, 0o755)
+    shared = base / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # world-writable, no sticky bit: anyone can plant or replace names
+    victim = base / "victim"
+    victim.write_bytes(b"keep")
+    planted = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "ln", "-s", str(victim), str(shared / "a.db")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert planted.returncode == 0, planted.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "packcache", "serve", "--port", "0", "--workers", "1", "--metrics-dir", str(shared)],
+        capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "other users can write" in done.stderr and "listening" not in done.stdout, done.stderr[-2000:]
+    assert (shared / "a.db").is_symlink() and victim.read_bytes() == b"keep"

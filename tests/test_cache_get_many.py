@@ -1,4 +1,4 @@
-"""Session.get_many (one pass over the committed packs of a layer or a model) and PackKey."""
+"""Session.get_many (one pass over the committed packs of a layer or a model) and PackKey (``packcache.cache``)."""
 
 from __future__ import annotations
 

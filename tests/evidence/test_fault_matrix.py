@@ -1,4 +1,4 @@
-"""The fault matrix of ``stress/faults.py``, reduced to the rows tests/test_faults.py does not cover.
+"""The fault matrix of ``stress/faults.py``, reduced to the rows tests/evidence/test_fault_injection.py does not cover.
 
 Each case runs its load in a child process (as root, as root without
 ``CAP_DAC_OVERRIDE``, or as the real user ``nobody``) and checks what the
@@ -11,13 +11,10 @@ stands in for EDQUOT: this kernel has no tmpfs quota support (CONFIG_TMPFS_QUOTA
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 
-from harness import ROOT_ONLY, faults
-from harness.driver import Case, Env, environment, run_case
+from harness import faults
+from harness.driver import Case, Env, run_case
 
 REDUCED = [
     "emfile/open",
@@ -53,13 +50,6 @@ REDUCED = [
 ]
 BY_NAME = {c.name: c for c in faults.CASES}
 FLIPS = [faults.flip_case(region, seed) for region in ("header", "index", "data") for seed in range(2)]
-
-
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    assert os.geteuid() == 0, ROOT_ONLY
-    with environment() as made:
-        yield made
 
 
 def test_reduced_matrix_names_existing_cases() -> None:

@@ -7,7 +7,7 @@ master logged ``WORKER TIMEOUT`` and replaced them. Now each worker's event loop
 requests (``packcache.server.worker``); a stalled client holds a buffer, gets ``408`` after
 ``--body-timeout`` (or ``--header-timeout``), and no worker is ever killed for it.
 
-The servers come from ``tests/test_serve.py``'s ``server()`` (a child in its own session, a
+The servers come from ``harness.serve``'s ``server()`` (a child in its own session, a
 watchdog, stopped in ``finally``); every raw client has a socket timeout, so nothing here hangs.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from test_serve import SRC, TEXTS, Server, call, embed, loaded_workers, scrape, server
+from harness.serve import SRC, TEXTS, Server, call, embed, loaded_workers, scrape, server
 
 PARTIAL_BODY = (
     b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"

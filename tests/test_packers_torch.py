@@ -1,0 +1,85 @@
+"""The torch packers (``packcache.packers_torch``): each runs its kernel to the weight it intends on every
+kernel path, names torch and the CPU in its platform, refuses what its kernel cannot take.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from packcache import PackResultError
+from packcache.packers import Float32, fingerprint_input, platform_for, to_float32
+
+
+def test_torch_packers_run_their_kernel_to_the_intended_weight_on_every_path() -> None:
+    import torch
+
+    from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
+    from packcache.torch import PackedLinear
+
+    w = fingerprint_input((64, 256)) * np.float32(0.1)
+    checked = 0
+    for packer in (LinearFloat32(), LinearBFloat16(), Int8WeightOnly(), *(Int4WeightOnly(g) for g in (32, 64, 128))):
+        parts = packer.checked_pack(w, "F32")
+        for path in packer.paths:
+            layer = PackedLinear.from_parts(packer, parts, bias=np.full(64, 0.5, np.float32), kernel_path=path)
+            # A few rows (the fused kernel where there is one) and more than the packer's threshold (dequantise + GEMM).
+            for rows in sorted({5, packer.fused_max_rows.get(path, 0) + 1}):
+                x = torch.from_numpy(fingerprint_input((rows, 256)))
+                expected = x @ torch.from_numpy(packer.intended(w, "F32")).T + 0.5
+                with torch.inference_mode():
+                    got = layer(x)
+                assert got.dtype == torch.float32 and got.shape == (rows, 64)
+                bf16 = packer.kernel_input_dtype(path, rows) == torch.bfloat16
+                # bfloat16 keeps 8 significant bits: its error scales with the outputs' magnitude.
+                tolerance = 0.02 * (1 + float(expected.abs().max())) if bf16 else 1e-4
+                what = (packer, path, rows, layer.kernel(rows))
+                assert float((got - expected).abs().max()) < tolerance, what
+                approximation = float((got - (x @ torch.from_numpy(w).T + 0.5)).abs().max())
+                assert approximation < 0.35 + tolerance, what  # and it approximates w (int4 g128: ~0.3 on 193 rows)
+                checked += 1
+    assert checked >= 20
+
+
+def test_torch_platform_names_torch_version_and_cpu_capability() -> None:
+    import torch
+
+    from packcache.packers_torch import Int4WeightOnly
+
+    platform = platform_for([Int4WeightOnly(32), Float32()])
+    assert platform["torch"] == torch.__version__
+    assert platform["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert {p["id"] for p in platform["packers"]} == {"torch.int4wo", "np.f32"}
+    assert platform_for([Int4WeightOnly(64)]) != platform_for([Int4WeightOnly(32)])
+
+
+def test_int4_refuses_shapes_its_kernel_cannot_take() -> None:
+    from packcache.packers_torch import Int4WeightOnly
+
+    assert Int4WeightOnly(32).eligible((24, 64)) is not None  # out_features not a multiple of 16
+    assert Int4WeightOnly(64).eligible((32, 96)) is not None  # in_features not a multiple of the group
+    assert Int4WeightOnly(32).eligible((32, 96)) is None
+    with pytest.raises(ValueError, match="group_size"):
+        Int4WeightOnly(16)
+
+
+def test_tensors_that_are_not_self_contained_bytes_are_refused() -> None:
+    import torch
+
+    from packcache.packers_torch import tensor_to_numpy
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with pytest.raises(PackResultError, match="not standard C-contiguous"):
+        tensor_to_numpy(base.t(), "w")
+    with pytest.raises(PackResultError, match="opaque or non-dense"):
+        tensor_to_numpy(base.to_mkldnn(), "w")
+    with pytest.raises(PackResultError, match="opaque or non-dense"):
+        tensor_to_numpy(base.to_sparse(), "w")
+    with pytest.raises(PackResultError, match="autograd"):
+        tensor_to_numpy(base.clone().requires_grad_(), "w")
+    with pytest.raises(PackResultError, match="no numpy representation"):
+        tensor_to_numpy(base.to(torch.complex64), "w")
+    with pytest.raises(PackResultError, match=r"plain torch\.Tensor"):
+        tensor_to_numpy(torch.nn.Parameter(base), "w")
+    bits = tensor_to_numpy(base.to(torch.bfloat16), "w")
+    assert bits.dtype == np.uint16 and to_float32(bits, "BF16").tolist() == base.tolist()

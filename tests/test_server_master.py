@@ -1,0 +1,129 @@
+"""The gunicorn master of ``packcache serve`` (``packcache.server.master``): a worker killed mid-request is
+replaced and the dead worker's gauges go (``child_exit``); the server package imports gunicorn,
+prometheus_client and torch only when the master runs. Real servers on 127.0.0.1 (``harness.serve``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import packcache
+from harness.serve import (
+    SRC,
+    TEXTS,
+    assert_no_heap,
+    connection_owner,
+    embed,
+    embed_from_every_worker,
+    loaded_workers,
+    long,
+    server,
+    wait_for,
+)
+
+
+def test_a_worker_killed_mid_request_is_replaced_and_maps_again(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    long_texts = long(128, 2000)
+    with server(tmp_path, "--cache-dir", str(cache_dir), workers=2) as srv:
+        s = loaded_workers(srv, 2)
+        path = Path(next(iter(s.workers.values())).info["cache_file"])
+        _, expected = embed(srv, TEXTS)
+        before = path.stat()
+        port = int(srv.url.rsplit(":", 1)[1])
+
+        # Clients keep asking while a worker dies: none may see a wrong embedding.
+        stop = threading.Event()
+        answers: list[Any] = []
+
+        def client() -> None:
+            while not stop.is_set():
+                try:
+                    answers.append(embed(srv, TEXTS)[1])
+                except Exception as exc:  # collected, judged below
+                    answers.append(exc)
+
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(2)]
+        for t in clients:
+            t.start()
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.connect()
+        client_port = conn.sock.getsockname()[1]
+        outcome: list[Any] = []
+
+        def big_request() -> None:
+            try:
+                conn.request("POST", "/embed", json.dumps({"texts": long_texts}), {"Content-Type": "application/json"})
+                outcome.append(conn.getresponse().status)
+            except Exception as exc:
+                outcome.append(exc)
+
+        sender = threading.Thread(target=big_request, daemon=True)
+        sender.start()
+        victim = wait_for(
+            "the worker serving the big request", lambda: connection_owner(port, client_port, srv.workers())
+        )
+        time.sleep(0.3)
+        assert sender.is_alive() and not outcome, "the big request must still be in flight when its worker dies"
+        os.kill(victim, signal.SIGKILL)
+        sender.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], (ConnectionError, http.client.HTTPException)), outcome
+
+        after = loaded_workers(srv, 2, exclude={victim})
+        stop.set()
+        for t in clients:
+            t.join(30)
+        assert victim not in after.workers, "the dead worker's gauges are gone (child_exit marked it dead)"
+        replacement = set(after.workers) - set(s.workers)
+        assert len(replacement) == 1, (sorted(s.workers), sorted(after.workers))
+        new = after.workers[replacement.pop()]
+        assert new.current_state == "mapped" and new.values["written_bytes"] == 0 and new.packs["stored"] == 0
+        assert_no_heap(new)
+        good = [a for a in answers if not isinstance(a, Exception)]
+        assert good and all(a == expected for a in good), "no client saw a wrong embedding"
+        # A client request the victim had accepted while it was still receiving the big body waited behind it and
+        # dies with the worker: a connection error, at most one per client, never a wrong answer or an HTTP error.
+        failed = [a for a in answers if isinstance(a, Exception)]
+        assert len(failed) <= len(clients) and all(_lost_connection(a) for a in failed), failed
+        seen = embed_from_every_worker(srv, set(after.workers), TEXTS)
+        assert all(a == expected for answers_ in seen.values() for a in answers_)
+    now = path.stat()
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    report = packcache.verify(path)
+    assert report.ok, report
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    """A request whose connection the server dropped (urllib wraps some of these in URLError)."""
+    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
+        exc = exc.reason
+    return isinstance(exc, (ConnectionError, http.client.HTTPException))
+
+
+def test_the_server_package_imports_neither_gunicorn_nor_prometheus_client_nor_torch() -> None:
+    """``packcache`` and ``packcache.server`` import without the serve extra's packages or the model's;
+    ``packcache serve --help`` too. The master imports them only when it runs."""
+    code = (
+        "import sys\n"
+        "import packcache, packcache.server, packcache.cli\n"
+        "assert packcache.cli.main(['serve', '--help']) == 0\n"
+        "heavy = {'gunicorn', 'prometheus_client', 'torch', 'tokenizers', 'sentence_transformers'}\n"
+        "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-500:]
+    assert "--workers" in done.stdout and "--engine" in done.stdout
