@@ -14,7 +14,6 @@ from harness import ROOT_ONLY
 from harness.checkpoints import tiny_bert
 from harness.driver import Env, environment
 from harness.s3server import S3Server, moto_server
-from harness.serve import TEXTS
 from packcache import _registry
 
 # Hypothesis writes under its home directory even with database=None; keep it out of the work tree.
@@ -64,6 +63,7 @@ def reference() -> np.ndarray[Any, Any]:
     what every worker of ``packcache serve`` (one torch thread each) must answer."""
     import torch
 
+    from harness.serve import TEXTS
     from packcache.models import minilm
 
     threads = torch.get_num_threads()
