@@ -133,10 +133,13 @@ def rewrite_live(
     header, slot, entries = read_committed(fd, path=path)
     ordered = sorted(entries.values(), key=lambda e: e.offset)
     previous = slot.generation if slot else 0
+    # pinned by tests/test_generations.py::test_compact_at_the_last_usable_generation_restarts_the_generation
     generation = previous + 1 if previous + 1 < fmt.MAX_GENERATION else 1
     mode = stat.S_IMODE(st.st_mode)
     temp_fd, temp = create_temp(real, mode)
     try:
+        # pinned by tests/test_generations.py::test_compact_as_root_keeps_the_group_a_service_reads_through,
+        # ::test_compact_that_cannot_keep_the_owner_leaves_the_original_and_no_temp
         keep_owner(temp_fd, st, "the compacted copy")
         os.fchmod(temp_fd, mode)  # chown clears set-id bits: the mode must come out exactly as it was
         pwrite(temp_fd, fmt.encode_header(header.alignment, header.platform), 0)

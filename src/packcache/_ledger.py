@@ -238,6 +238,7 @@ class Ledger:
         log each reason once per cache (``ERROR`` for a failure, ``INFO`` for ``finalized``,
         ``DEBUG`` otherwise; docs/ROUTING.md)."""
         if fault is not None:
+            # pinned by tests/test_ledger.py::test_failures_log_one_error_per_reason_per_cache
             if self.record_failure(fault):
                 self._log(reason, fault.message, fault.errno)
         elif self.first(reason.value):
@@ -293,6 +294,8 @@ class Ledger:
     def _build(self, enabled: bool, path: str) -> CacheStats:
         by_reason = dict(self.heap)
         totals = dict(self.totals)
+        # pinned by tests/test_stats.py::test_a_file_that_cannot_be_opened_shows_degraded_before_any_pack,
+        # ::test_an_untrusted_file_shows_degraded_before_any_pack
         failing = self.blocking is not None or self.commit_fault is not None
         state = derive_state(
             enabled=enabled, mapped_bytes=self.mapped, heap_bytes_by_reason=by_reason,

@@ -197,6 +197,8 @@ class FileWriter:
         )  # fmt: skip
         index_size = pending.index_size_with(entry)
         count = len(pending.merged) + (name not in pending.merged)
+        # pinned by tests/test_store.py::test_the_writer_never_commits_an_index_the_readers_refuse,
+        # ::test_the_writer_never_commits_more_entries_than_the_readers_accept
         if index_size > fmt.MAX_INDEX_BYTES or count > fmt.MAX_ENTRIES:
             # Readers reject an index over the caps (R17, R18, R26): a file they would refuse must never be written.
             raise Fault(

@@ -208,6 +208,8 @@ def _check_timeout(value: float) -> float:
 def _check_mode(value: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o7777:
         raise ValueError(f"{what} must be permission bits (an int in [0, 0o7777]), got {value!r}")
+    # pinned by tests/test_cache.py::test_a_file_mode_the_trust_check_would_refuse_is_refused_at_construction,
+    # ::test_a_dir_mode_other_users_may_write_is_refused
     if value & 0o022:
         # The trust check refuses group/world-writable files and unsafe directories:
         # a mode that makes the cache refuse its own file on the next launch is a mistake.
@@ -291,6 +293,7 @@ class WeightCache:
         platform_bytes = fmt.canonical_key(platform)
         fmt.check_new_file(alignment, platform_bytes)
         self.path: str | None = os.fspath(path) if path is not None else None
+        # pinned by tests/test_cache.py::test_an_empty_or_nul_path_is_refused
         if self.path is not None and (not isinstance(self.path, str) or not self.path or "\0" in self.path):
             raise ValueError(f"path must be a non-empty file path (or None for caching off), got {path!r}")
         _check_mode(file_mode, "file_mode")
@@ -463,6 +466,7 @@ def _validated(result: object) -> tuple[np.ndarray[Any, Any], bool]:
     if not isinstance(result, np.ndarray):
         raise PackResultError(f"pack() must return a numpy.ndarray, got {type(result).__name__}")
     masked = sys.modules.get("numpy.ma")  # imported if a MaskedArray exists; never import it here (EMFILE)
+    # pinned by tests/test_cache.py::test_a_masked_array_is_a_pack_result_error_not_a_write_failure
     if masked is not None and isinstance(result, masked.MaskedArray):
         raise PackResultError(
             "pack() returned a numpy.ma.MaskedArray: its mask cannot be cached; return .filled(...) or .data"
@@ -547,6 +551,7 @@ class Session:
         try:
             self._claim(sys._getframe(1))
             return self
+        # pinned by tests/test_cache_sessions.py::test_an_interrupt_while_a_session_starts_leaves_the_cache_usable
         except BaseException:  # KeyboardInterrupt in the refresh included: never leave the cache owned
             # Inline, not in a helper: calling a function is itself a point where a pending interrupt is raised.
             for _ in range(8):
@@ -593,6 +598,7 @@ class Session:
         (asked from that thread) the frame that entered it has returned, so its ``with`` block was
         left without ``__exit__`` running (an interrupt in the instant between the two)."""
         current = sys._current_frames()
+        # pinned by tests/test_cache_sessions.py::test_a_session_whose_thread_died_is_ended_by_another_thread
         if self._thread not in current:
             return True
         if self._thread != threading.get_ident():
@@ -614,6 +620,8 @@ class Session:
                 with self._mutex:
                     if self._state is SessionState.ACTIVE:
                         self._state = SessionState.CLOSING
+                    # pinned by
+                    # tests/test_cache_sessions.py::test_a_request_after_the_session_ended_raises_and_the_session_waits_for_running_ones  # noqa: E501
                     busy = any(count for thread, count in self._calls.items() if thread != me)
                 if not busy:
                     break
@@ -661,6 +669,8 @@ class Session:
             store.abort()
             self._commit_failed(store, names, Fault(HeapReason.WRITE_FAILED, 0, f"cannot commit {store.path}: {exc!r}"))
         except BaseException as exc:  # interrupted: what was not committed is not durable
+            # pinned by
+            # tests/test_cache_sessions.py::test_an_interrupt_during_the_commit_keeps_the_previous_generation_and_counts_what_was_lost  # noqa: E501
             self._commit_failed(store, names, Fault(HeapReason.WRITE_FAILED, 0, f"commit interrupted: {exc!r}"))
             raise
         else:
@@ -698,6 +708,7 @@ class Session:
                 continue
             if store.holds(name, held.key, held.origin):
                 continue  # committed after all (the rename happened; only the directory sync failed)
+            # pinned by tests/test_cache_sessions.py::test_a_failed_final_sync_counts_the_session_packs_as_heap
             ledger.reclassify(name, fault.reason, self._serial)
         ledger.set(commit_fault=fault)
         ledger.report(fault.reason, fault)
@@ -862,6 +873,7 @@ class Session:
                     found = self._serve_existing(name, key)
                     if isinstance(found, np.ndarray):
                         return found
+                    # pinned by tests/test_cache_sessions.py::test_two_threads_asking_for_one_name_make_one_pack
                     waiting = self._inflight.get(name)
                     if waiting is not None and waiting.is_set():
                         del self._inflight[name]  # left by a request an interrupt cut short
@@ -944,6 +956,8 @@ class Session:
         assert store is not None
         with self._locking:
             with self._mutex:
+                # pinned by
+                # tests/test_cache_sessions.py::test_threads_racing_for_the_build_lock_take_it_once_without_waiting_on_their_own_process  # noqa: E501
                 if store.locked or self._lock_fault is not None:
                     return  # another thread of this session got it (or failed) meanwhile
             timeout = self._cache.lock_timeout
@@ -1054,6 +1068,7 @@ class Session:
             # Exclusively ours when nothing else references it (this frame's name and getrefcount's
             # argument) and its memory is its own, or belongs to a chain of bases nothing else
             # references: a packer reusing a scratch buffer, or keeping one, gets a copy served.
+            # pinned by tests/test_cache.py::test_heap_packs_stay_bit_identical_when_pack_reuses_its_buffer
             exclusive = type(result) is np.ndarray and sys.getrefcount(result) <= 2 and _owns_memory(result)
             array, copied = _validated(result)
             return array, exclusive or copied

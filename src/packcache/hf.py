@@ -301,6 +301,7 @@ def _checked_skeleton(checkpoint: Checkpoint, model_class: type[Any], config: An
     where = str(checkpoint.config_path)
     tensors = len(checkpoint.names())
     for field, value in _counts(config):
+        # pinned by tests/test_hf.py::test_hostile_config_values_end_in_one_line_naming_config_json
         if not 0 <= value <= tensors:
             raise FormatError(
                 f"{field} is {value}, but the checkpoint holds {tensors} tensors: not that many modules", path=where

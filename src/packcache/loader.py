@@ -148,6 +148,7 @@ def open_cache(
             raise ValueError(f"the WeightCache for {cache.path} was made with another platform mapping; {remedy}")
         return cache, False
     # ".pcache": how every default name ends (packcache.identity.model_cache_name).
+    # pinned by tests/test_torch.py::test_the_loaders_take_any_kind_of_file_at_a_cache_file_path
     if os.path.isdir(cache) and not os.fspath(cache).endswith(".pcache"):
         raise ValueError(
             f"cache {os.fspath(cache)!r} is a directory; give a file path such as "

@@ -541,10 +541,12 @@ def _gc_candidates(directory: str) -> list[_Candidate]:
         if candidate is None:
             continue
         st = candidate.st
+        # pinned by tests/test_maintenance.py::test_gc_as_root_leaves_a_service_users_cache_and_temp_alone
         if st.st_uid != euid:
             candidate.refusal = f"owned by uid {st.st_uid}: gc removes only files of its own user ({euid})"
         elif trust_problem(st) is not None:
             candidate.refusal = f"untrusted: {trust_problem(st)}"
+        # pinned by tests/test_maintenance.py::test_gc_never_follows_or_removes_symlinks_and_leaves_hard_links_alone
         elif st.st_nlink != 1:
             candidate.refusal = f"it has {st.st_nlink} hard links: removing one name frees nothing"
         found.append(candidate)
@@ -596,6 +598,8 @@ def _remove(c: _Candidate, dry_run: bool) -> tuple[str, bool] | None:
             c.cache_path, 0, _lock_mode(c.cache_path, stat.S_IMODE(c.st.st_mode)), create=not dry_run
         )  # a dry run creates no lock file
     except LockTimeoutError:
+        # pinned by
+        # tests/test_maintenance.py::test_gc_keeps_a_dead_builders_temp_while_another_process_holds_the_caches_lock
         return f"a live process holds the build lock {lock_path}", True
     except FileNotFoundError:
         pass  # dry run, and no lock file: nobody can hold it

@@ -419,6 +419,7 @@ class Packer:
         # packcache's own pack() methods refuse before this (a second scan of a cold pack costs ~0.4 ns per
         # value); a packer whose pack() is anyone else's, a subclass's override included, is checked here.
         own = getattr(type(self).pack, "__module__", None) in _REFUSING_MODULES
+        # pinned by tests/test_packers.py::test_a_custom_packer_that_makes_a_non_finite_pack_is_refused
         for part in () if own else self.parts:
             index = non_finite_index(packed[part])
             if index is not None:
@@ -595,11 +596,13 @@ def quantize_int8_rows(w: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], n
             scale and turn the row into a finite channel of zeros).
     """
     amax = np.abs(w).max(axis=1) if w.shape[1] else np.zeros(w.shape[0], np.float32)
+    # pinned by tests/test_packers.py::test_the_quantizers_refuse_non_finite_weights_instead_of_laundering_them
     if not np.isfinite(amax).all():  # NaN propagates through max and Inf is its own: no extra pass
         raise non_finite_source(w)
     step = amax / np.float32(127.0)
     # A row of subnormals (largest magnitude below ~1.8e-43) has a step of 0: it packs as zeros, like an
     # all-zero row, instead of dividing by zero.
+    # pinned by tests/test_packers.py::test_rows_and_groups_of_subnormal_weights_pack_to_nearly_zero_without_warnings
     scales = np.where(step > 0, step, np.float32(1.0)).astype(np.float32)
     q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
     return q, scales
@@ -688,7 +691,7 @@ def quantize_int4_groups(
     the group in float32, for each range of :data:`INT4_RANGE_STEPS`; ``"closed"`` takes it in float64
     from the sums the fit already has (``s^2 S_qq + 2 s m S_q - 2 s S_qx + m^2 S_d - 2 m S_dx + S_dxx``),
     for the ranges of :data:`INT4_RANGE_STEPS_CLOSED`: about half the passes over the weight, for a
-    weighted error within a fraction of a percent (``tests/test_int4_search.py``). Their bytes differ.
+    weighted error within a fraction of a percent (``tests/test_packers_int4.py``). Their bytes differ.
 
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or ±Inf (or float64 beyond float32's range), or a
@@ -745,7 +748,7 @@ class _Int4Search:
     vectorised loop. Every sum over a group that is not exact is taken in the order numpy's
     ``sum(axis=-1)`` takes it (:func:`_group_sum`), and every element's arithmetic is the same
     float32 operation, so the result is bit-identical to the plain whole-array formulas
-    (``tests/test_int4_search.py`` keeps them and compares).
+    (``tests/test_packers_int4.py`` keeps them and compares).
 
     ``columns`` (float64 ``[variants, in]``) searches every row of ``w`` times each variant's column
     scales at once, each variant with its own ``importance`` row (``[variants, in]``): the candidate
@@ -1052,7 +1055,7 @@ def quantize_int4_activation_aware(
 
     The alphas are searched together, one pass of the search over the weight's rows scaled every
     way (chunk by chunk, so the float64 product ``w * c`` is never whole), with the bytes one
-    :func:`quantize_int4_groups` per alpha gives (``tests/test_int4_search.py`` keeps that loop and
+    :func:`quantize_int4_groups` per alpha gives (``tests/test_packers_int4.py`` keeps that loop and
     compares): a small weight costs a fifth of the numpy calls, which are most of its cost.
 
     Returns ``(codes, scales, zeros, input_scales)``: the layer computes

@@ -211,6 +211,7 @@ def dominant_reason(heap_bytes_by_reason: Mapping[str, int]) -> str:
     'disabled'
     """
     get = heap_bytes_by_reason.get
+    # pinned by tests/test_stats.py::test_aggregate_heap_reason_names_the_failure_not_a_bigger_legitimate_reason
     for group in (_FAILURE_VALUES, _OTHER_VALUES):  # a legitimate reason must never hide a failure
         best, best_bytes = "none", 0
         for reason in group:

@@ -48,6 +48,7 @@ def kernel_path_arg(args: argparse.Namespace) -> str | None:
     if given is not None:
         return str(given)
     value = os.environ.get(_KERNEL_PATH_ENV) or None  # empty: unset
+    # pinned by tests/test_cli.py::test_an_invalid_environment_value_without_a_choice_is_one_usage_error_at_startup
     if value is not None and value not in _KERNEL_PATH_CHOICES:
         instead = ", or choose one with --kernel-path" if hasattr(args, "kernel_path") else ""
         raise UsageError(

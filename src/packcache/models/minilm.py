@@ -325,6 +325,7 @@ def _checked_weights(files: _Files, config: BertConfig) -> tuple[SafetensorsFile
     def shape_of(name: str) -> tuple[int, ...] | None:
         return source.meta(prefix + name).shape if prefix + name in source else None
 
+    # pinned by tests/test_minilm.py::test_a_config_the_weights_do_not_match_is_refused_before_the_skeleton_is_built
     problem = config.mismatch(shape_of)
     if problem is not None:
         raise FormatError(f"{problem} (in {files.weights})", path=os.fspath(files.config))
@@ -355,6 +356,7 @@ def load_tokenizer(
         files = dataclasses.replace(files, max_seq_length=max_seq_length)
     tokenizer = _read_tokenizer(files.tokenizer)
     tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    # pinned by tests/test_minilm.py::test_malformed_model_files_end_in_one_line_naming_the_file_and_the_field
     if tokens > config.vocab_size:
         raise FormatError(
             f"the tokenizer has {tokens} tokens, more than the vocab_size {config.vocab_size} of {files.config}",
@@ -369,6 +371,7 @@ def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
     """``tokenizer.json`` read by :func:`packcache._paths.read_bounded`, then parsed from memory: the
     ``tokenizers`` library opens a path with a plain blocking ``open`` (a FIFO would hang it)."""
     name = os.fspath(path)
+    # pinned by tests/test_minilm.py::test_a_fifo_in_the_model_directory_is_refused_at_once
     raw = read_bounded(name, what="tokenizer", max_bytes=MAX_TOKENIZER_BYTES)
     try:
         return tokenizers.Tokenizer.from_str(raw.decode("utf-8"))

@@ -288,6 +288,8 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         # The master replaces a worker that stays silent for `timeout`: stay silent only when the
         # application itself has run one request that long (a hung model), never for a slow client.
         started = [t for t in (self.main.started, self.express.started) if t is not None]
+        # pinned by
+        # tests/test_server_worker.py::test_an_application_that_hangs_past_the_timeout_still_gets_its_worker_replaced
         if not started or now - min(started) < self.timeout:
             self.notify()
 
@@ -318,6 +320,8 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         its client sent (or is sending) a request, which gets its answer (or the header deadline)."""
         self._set_accepting(False)
         for conn in list(self.conns.values()):
+            # pinned by
+            # tests/test_server_worker.py::test_a_connection_accepted_before_sigterm_still_gets_the_answer_to_its_first_request  # noqa: E501
             if conn.state == _HEAD and not conn.buf and conn.served:
                 self._close(conn)
             else:
