@@ -106,10 +106,10 @@ def _wait_until(check: Any, deadline: float, process: subprocess.Popen[bytes], l
     raise RuntimeError(f"{what} did not answer in time: {log.read_text()[-2000:]}")
 
 
-def _http(method: str, url: str) -> int:
+def _http(method: str, url: str, timeout: float = 2.0) -> int:
     request = urllib.request.Request(url, method=method)
     try:
-        with urllib.request.urlopen(request, timeout=2) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
@@ -138,7 +138,9 @@ def moto_server(bucket: str = "packcache-test", *, startup: float = 30.0) -> Ite
     try:
         deadline = time.monotonic() + startup
         _wait_until(lambda: _http("GET", f"{endpoint}/moto-api/") < 500, deadline, process, log, "moto_server")
-        status = _http("PUT", f"{endpoint}/{bucket}")
+        # A fresh moto answers its first PUT slowly on a loaded machine (2 s was not always enough in the
+        # default suite): the setup's own bound, not a deadline packcache is held to.
+        status = _http("PUT", f"{endpoint}/{bucket}", timeout=30.0)
         assert status == 200, f"creating bucket {bucket} on moto: HTTP {status}"
         yield S3Server(endpoint, bucket, s3_env(endpoint), process, log)
     finally:
