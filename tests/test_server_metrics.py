@@ -80,3 +80,32 @@ def test_a_read_only_cache_directory_still_starts_and_serves_and_the_scrape_says
             assert w.values["errno"] == errno.EROFS and w.values["mapped_bytes"] == 0
             assert w.heap_bytes["open_failed"] > 0 and sum(w.heap_bytes.values()) == w.heap_bytes["open_failed"]
             assert_embeddings(embed(srv, TEXTS)[1], reference)
+
+
+# --------------------------------------------------------------------------- issue 24: a metrics file being born
+
+_SCRAPE_WITH_AN_EMPTY_FILE = """
+import os, sys
+from packcache.server import metrics
+from packcache.stats import CacheStats
+worker = metrics.WorkerMetrics("packcache", "int8", "bf16", "m.pcache", 0.5)
+worker.publish(CacheStats(state="mapped", mapped_bytes=123))
+# A worker between prometheus_client's open(..., "a+b") and its truncate to 64 KiB, or one killed there:
+# an empty file in the directory, with another pid's name.
+open(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "gauge_liveall_999999.db"), "wb").close()
+body, kind = metrics.exposition()
+sys.stdout.write(body.decode())
+"""
+
+
+def test_an_empty_metrics_file_of_a_worker_being_born_does_not_fail_the_scrape(tmp_path: Path) -> None:
+    """/metrics answered 500 while workers started under load (seen in the default suite): the
+    collector read a worker's file in the instant between its creation and its truncation to size, and
+    ``struct.error`` on 0 bytes failed the whole exposition. A worker killed in that instant would leave
+    it so until the server restarts. The scrape skips a file that holds nothing yet."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": SRC}
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRAPE_WITH_AN_EMPTY_FILE], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 'packcache_mapped_bytes{pid="' in done.stdout and "} 123.0" in done.stdout, done.stdout[-3000:]
