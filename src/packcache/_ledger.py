@@ -85,8 +85,9 @@ class Ledger:
         self.cached: tuple[int, bool, CacheStats] | None = None
 
     # Every method below runs under the writer's exclusion, with ``seq`` odd while it runs and even after,
-    # whatever interrupts it: it sets ``seq`` from the value it started at, in a ``finally``. The methods that
-    # change what is held recount the byte figures if stopped part-way (_recount).
+    # whatever line an interrupt stops it at: it sets ``seq`` from the value it started at, in a ``finally``.
+    # The methods that change what is held recount the byte figures if stopped part-way (``except
+    # BaseException``: an interrupt included; _recount).
 
     def hold(self, name: str | None, held: Held, *, outcome: str | None = None, map_seconds: float = 0.0) -> None:
         """Hold a pack served now; ``outcome`` ``"hits"`` or ``"stored"`` counts it (heap packs count themselves)."""
@@ -111,11 +112,11 @@ class Ledger:
                 self.heap[held.reason.value] += held.nbytes
                 self.totals["heap"] += held.nbytes
                 self.totals["heap_packs"] += 1
-        except BaseException:  # an interrupt between two lines included
+        except BaseException:
             self._recount()
             raise
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
 
     def hold_hits(self, hits: list[tuple[str, Held]], *, map_seconds: float) -> None:
         """Hold packs served now from the file, none held before under its name: :meth:`hold` with
@@ -131,11 +132,11 @@ class Ledger:
             self.map_seconds += map_seconds
             self.mapped += nbytes
             self.totals["mapped"] += nbytes
-        except BaseException:  # an interrupt between two lines included
+        except BaseException:
             self._recount()
             raise
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
 
     def _recount(self) -> None:
         """A change stopped part-way (an interrupt can land between any two of its lines): make the byte
@@ -165,22 +166,22 @@ class Ledger:
                 self._uncount(held)
             self.held.clear()
             self.unnamed.clear()
-        except BaseException:  # an interrupt between two lines included
+        except BaseException:
             self._recount()
             raise
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
 
     def drop(self, name: str | None, serial: int = 0) -> None:
         start = self.seq
         try:
             self.seq = start + 1
             self._uncount(self.held.pop(name) if name is not None else self.unnamed.pop(serial))
-        except BaseException:  # an interrupt between two lines included
+        except BaseException:
             self._recount()
             raise
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
 
     def reclassify(self, name: str, reason: HeapReason, session: int) -> None:
         """A held pack's bytes are now counted under ``reason`` (heap)."""
@@ -191,11 +192,11 @@ class Ledger:
             self._uncount(held)
             held.reason, held.session, held.origin = reason, session, None
             self.heap[reason.value] += held.nbytes
-        except BaseException:  # an interrupt between two lines included
+        except BaseException:
             self._recount()
             raise
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
 
     def add(self, **amounts: float) -> None:
         """Add to totals (``hits``, ``stored``) and timers (``pack_seconds``, ``map_seconds``)."""
@@ -208,7 +209,7 @@ class Ledger:
                 else:
                     setattr(self, field, getattr(self, field) + amount)
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
 
     def set(self, **values: Any) -> None:
         """Set plain figures (``file_bytes``, ``reclaimable_bytes``, ``blocking``, ``commit_fault``, ``written``)."""
@@ -221,7 +222,7 @@ class Ledger:
                 else:
                     setattr(self, field, value)
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
 
     def record_failure(self, fault: Fault) -> bool:
         """Keep the errno and message of the latest failure; True the first time its reason is seen."""
@@ -230,7 +231,7 @@ class Ledger:
             self.seq = start + 1
             self.errno, self.error, self.error_time = fault.errno, fault.message, time.time()
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
         return self.first(fault.reason.value)
 
     def report(self, reason: HeapReason, fault: Fault | None = None) -> None:
@@ -268,7 +269,7 @@ class Ledger:
                 self.remote_misses[miss] += 1
                 self.remote_errno, self.remote_error = err, message
         finally:
-            self.seq = start + 2  # even again, whichever line an interrupt stopped at
+            self.seq = start + 2
 
     def first(self, what: str) -> bool:
         if what in self.logged:

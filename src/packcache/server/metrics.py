@@ -205,13 +205,15 @@ class _WrittenFiles:
         return files
 
     def collect(self) -> Iterable[Metric]:
-        for attempt in range(3):
+        for _ in range(2):
             try:
-                return multiprocess.MultiProcessCollector.merge(self._files(), accumulate=True)  # type: ignore[no-untyped-call,no-any-return]
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+                return self._merged()
+            except FileNotFoundError:  # a worker marked dead between the listing and the reading: list again
+                continue
+        return self._merged()
+
+    def _merged(self) -> Iterable[Metric]:
+        return multiprocess.MultiProcessCollector.merge(self._files(), accumulate=True)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def exposition() -> tuple[bytes, str]:
