@@ -118,7 +118,11 @@ def add_parser(sub: Any) -> None:
     )  # fmt: skip
     serve.add_argument("--max-texts", type=positive, default=256, help="texts per request (default 256)")
     serve.add_argument("--max-text-chars", type=positive, default=10_000, help="characters per text (default 10000)")
-    serve.add_argument("--max-body-bytes", type=positive, default=4 << 20, help="request body bytes (default 4 MiB)")
+    serve.add_argument(
+        "--max-body-bytes", type=positive, default=4 << 20,
+        help="request body bytes (default 4 MiB); a worker keeps at most 16 times this of bodies in memory, "
+        "counted as their bytes arrive, then refuses the biggest body still arriving (503, Retry-After: 1)",
+    )  # fmt: skip
     serve.add_argument(
         "--body-timeout", type=seconds, default=10.0,
         help="seconds a client gets to send a request's whole body, from the end of its headers; then 408 "
