@@ -16,7 +16,7 @@ import time
 
 from . import _faults as faults
 from ._faults import Fault
-from ._paths import acquire_build_lock, close_if_same, file_identity, remove_orphans, wait_for_flock
+from ._paths import acquire_build_lock, close_if_same, file_identity, remove_orphans, resolve_trusted, wait_for_flock
 from ._store_state import StoreStateError
 from .stats import HeapReason
 
@@ -116,7 +116,7 @@ class BuildLock:
         # Only the lock holder creates temp files, so any left now belong to dead writers
         # (a killed rebuild or compaction): reclaim their space.
         with contextlib.suppress(OSError):
-            remove_orphans(os.path.realpath(self.path))
+            remove_orphans(resolve_trusted(self.path))
 
     def lock_inode(self, fd: int) -> None:
         """``flock`` the file being appended to: the build lock is per path, the file may have
