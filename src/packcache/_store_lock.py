@@ -30,9 +30,12 @@ def ensure_dir(path: str, dir_mode: int) -> None:
     exactly ``dir_mode``: the umask must not widen or narrow it.
 
     Raises:
+        UntrustedFileError: ``path`` is reached through a symlink another user may have planted (nothing is made
+            where it points).
         OSError: a directory cannot be made.
     """
-    directory = os.path.dirname(os.path.abspath(path))
+    # pinned by tests/test_paths.py::test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept
+    directory = os.path.dirname(resolve_trusted(path))
     missing = []
     while not os.path.isdir(directory):
         missing.append(directory)

@@ -7,14 +7,17 @@
    the trusted keys, its model and class against this file's, its expiry, and its generation
    against the last one this user accepted from that store (no rollback);
 2. read the blob's header by a range read: the platform must be this machine's;
-3. check the free space of the cache directory;
+3. check the local path as the cache would open it (no symlink another user could have planted on its
+   way, no file there the cache would refuse: :func:`packcache._paths.resolve_trusted`,
+   :func:`packcache._paths.trust_problem`) and the free space of the cache directory;
 4. stream the blob into a temp file beside the local file while hashing it (no more bytes than
    the manifest's size are taken); check size and sha256, ``fsync``, verify every pack's checksum,
    and only then rename it over the local path (a mapped file is never truncated or rewritten:
    processes mapping the old one keep it).
 
 Every problem raises :class:`~packcache.errors.RemoteError` with one of
-:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. All calls to
+:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. A fetch killed
+mid-download leaves its temp file: the next holder of the build lock (a fetch, a build) removes it. All calls to
 the store share one deadline (``timeout``): a store that hangs costs at most that.
 """
 
@@ -139,13 +142,13 @@ def fetch(
     name = os.path.abspath(os.fspath(path))
     model = model_of(name)
     cls = platform_class(platform)
-    directory = os.path.dirname(name)
     with faults.translating_into(functools.partial(_lock_error, name)):
-        os.makedirs(directory, mode=dir_mode, exist_ok=True)
         # The file the cache would open: never through a symlink another user planted (the cache refuses it as
         # untrusted; renaming over its target destroyed a root-owned file); pinned by
         #   tests/test_fleet_trust.py::test_fetch_through_a_symlink_nobody_planted_is_refused_and_its_target_kept
         real = resolve_trusted(name)
+        os.makedirs(os.path.dirname(real), mode=dir_mode, exist_ok=True)
+        real = resolve_trusted(name)  # again: what the directories made resolve to
         lock_fd = acquire_build_lock(real, lock_timeout, file_mode)  # as FileStore opens it
     try:
         # Every temp of this file was left by a writer killed holding this lock: pinned by
