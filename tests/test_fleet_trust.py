@@ -321,11 +321,13 @@ def slow_http_store(root: Path) -> Iterator[tuple[str, threading.Event]]:
         thread.join()
 
 
+@pytest.mark.parametrize("then", ["fetch", "load"])
 def test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes(
-    tmp_path: Path, keys: dict[str, Path]
+    tmp_path: Path, keys: dict[str, Path], then: str
 ) -> None:
     """A real fetch process, SIGKILLed while the store is half-way through the blob, leaves its partial temp file
-    (nothing can remove it then). The next fetch of that file, holding the lock the killed one held, removes it."""
+    (nothing can remove it then). The next fetch of that file, or load through the store, holding the lock the
+    killed one held, removes it."""
     store, built = _published(tmp_path, keys, count=8, side=512)  # 8 MiB: the download is still running
     local = tmp_path / "b" / "model-x.pcache"
     with slow_http_store(Path(store)) as (url, sending):
@@ -348,6 +350,11 @@ def test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes(
                 child.wait()
     (temp,) = local.parent.glob(".model-x.pcache.tmp-*")
     assert 0 < temp.stat().st_size < built.stat().st_size and not local.exists()
-    report = _fetch(store, local, keys["ci.pub"])
-    assert report.downloaded and local.read_bytes() == built.read_bytes()
+    if then == "fetch":
+        assert _fetch(store, local, keys["ci.pub"]).downloaded
+    else:
+        arrays = build(tmp_path / "same.pcache", count=8, side=512)  # what the published file holds
+        stats = load(local, arrays, remote=store, trusted_keys=[str(keys["ci.pub"])])
+        assert (stats.remote_hits, stats.stored, stats.hits) == (1, 0, len(arrays)), stats
+    assert local.read_bytes() == built.read_bytes()
     assert sorted(p.name for p in local.parent.iterdir()) == ["model-x.pcache", "model-x.pcache.lock"]
