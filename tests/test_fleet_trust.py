@@ -322,19 +322,30 @@ def slow_http_store(root: Path) -> Iterator[tuple[str, threading.Event]]:
 
 
 @pytest.mark.parametrize("then", ["fetch", "load"])
+@pytest.mark.parametrize("spelling", ["direct", "through-a-symlink"])
 def test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes(
-    tmp_path: Path, keys: dict[str, Path], then: str
+    tmp_path: Path, keys: dict[str, Path], spelling: str, then: str
 ) -> None:
     """A real fetch process, SIGKILLed while the store is half-way through the blob, leaves its partial temp file
     (nothing can remove it then). The next fetch of that file, or load through the store, holding the lock the
-    killed one held, removes it."""
+    killed one held, removes it, however the path is spelled (this user's own symlink to it, too)."""
     store, built = _published(tmp_path, keys, count=8, side=512)  # 8 MiB: the download is still running
     local = tmp_path / "b" / "model-x.pcache"
+    local.parent.mkdir()
+    given = local
+    if spelling == "through-a-symlink":
+        given = tmp_path / "link" / "model-x.pcache"
+        given.parent.mkdir()
+        given.symlink_to(local)
+
+    def temps() -> list[Path]:
+        return [*local.parent.glob(".model-x.pcache.tmp-*"), *given.parent.glob(".model-x.pcache.tmp-*")]
+
     with slow_http_store(Path(store)) as (url, sending):
         code = (
             "from packcache.fleet.fetch import fetch\n"
             "from packcache.format import canonical_key\n"
-            f"fetch({url!r}, {str(local)!r}, platform=canonical_key({PLATFORM!r}), "
+            f"fetch({url!r}, {str(given)!r}, platform=canonical_key({PLATFORM!r}), "
             f"trusted_keys=[open({str(keys['ci.pub'])!r}, 'rb').read()], timeout=60)\n"
         )
         env = {**os.environ, "PYTHONPATH": str(SRC)}
@@ -342,19 +353,20 @@ def test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes(
             try:
                 assert sending.wait(60), "the fetch never asked for the blob"
                 deadline = time.monotonic() + 30
-                while not [p for p in local.parent.glob(".model-x.pcache.tmp-*") if p.stat().st_size]:
+                while not [p for p in temps() if p.stat().st_size]:
                     assert time.monotonic() < deadline and child.poll() is None, child.stderr
                     time.sleep(0.05)
             finally:
                 child.send_signal(signal.SIGKILL)
                 child.wait()
-    (temp,) = local.parent.glob(".model-x.pcache.tmp-*")
+    (temp,) = set(temps())
     assert 0 < temp.stat().st_size < built.stat().st_size and not local.exists()
     if then == "fetch":
-        assert _fetch(store, local, keys["ci.pub"]).downloaded
+        assert _fetch(store, given, keys["ci.pub"]).downloaded
     else:
         arrays = build(tmp_path / "same.pcache", count=8, side=512)  # what the published file holds
-        stats = load(local, arrays, remote=store, trusted_keys=[str(keys["ci.pub"])])
+        stats = load(given, arrays, remote=store, trusted_keys=[str(keys["ci.pub"])])
         assert (stats.remote_hits, stats.stored, stats.hits) == (1, 0, len(arrays)), stats
     assert local.read_bytes() == built.read_bytes()
+    assert temps() == [], "the killed fetch's temp file is still there"
     assert sorted(p.name for p in local.parent.iterdir()) == ["model-x.pcache", "model-x.pcache.lock"]

@@ -10,8 +10,11 @@ user may control. Three rules hold for all of them:
   must be a regular file, owned by the effective user or root, and not
   group/world-writable (:func:`trust_problem`). A path that ``lstat`` saw as a
   plain file is opened with ``O_NOFOLLOW`` and must still be the same inode, so
-  a symlink swapped in between is never followed. A symlink is followed only
-  when the directory holding it is safe (not world-writable without the sticky bit).
+  a symlink swapped in between is never followed. A symlink anywhere on the way is
+  followed only if no other user can have planted or re-pointed it (:func:`entry_problem`:
+  the link and its directory this user's or root's, the directory writable by no one
+  else, or sticky); the same rule decides every other name packcache believes (a key
+  file, a hub blob), and every path it renames a new file over (:func:`resolve_trusted`).
 * **One lock per file, whatever the spelling of its path.** The build lock
   lives beside the *resolved* path (:func:`lock_path_for`), is re-checked after
   ``flock`` (a lock file unlinked by a cleaner is not a lock), and a writer that
