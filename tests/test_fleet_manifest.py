@@ -357,6 +357,7 @@ def _pem_files(directory: Path) -> dict[str, Path]:
     for name, data in files.items():
         paths[name] = directory / (name.replace(" ", "-") + ".pem")
         paths[name].write_bytes(data)
+        os.chmod(paths[name], 0o600)  # as keygen makes a private key: a key others can read is refused first
     paths["fifo"] = directory / "fifo.pem"
     os.mkfifo(paths["fifo"])
     paths["directory"] = directory / "dir.pem"

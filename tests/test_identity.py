@@ -396,6 +396,42 @@ def test_a_hub_blob_is_named_by_its_file_name_and_a_git_blob_name_is_hashed(
     assert identity.digest_path(sha1_named).how == "hashed"
 
 
+@pytest.mark.root
+def test_another_users_blob_named_like_the_real_model_is_hashed_never_packed_as_it(
+    models: dict[str, Path], tmp_path: Path, digests: Path
+) -> None:
+    """``nobody`` lays out a hub cache whose blob is named by the genuine model's sha256 and holds other weights of
+    the same size. Believed by its name, it was packed under the genuine model's identity, and the genuine model then
+    loaded ``mapped`` with those weights. Another user's blob is hashed: it gets its own identity."""
+    require_root()
+    genuine, other = models["a"] / "model.safetensors", models["b"] / "model.safetensors"
+    assert genuine.stat().st_size == other.stat().st_size
+    content = sha256_of(genuine)
+    shared = Path(tempfile.mkdtemp(prefix="packcache-shared-"))
+    try:
+        os.chmod(shared, 0o1777)  # a shared scratch directory, like /tmp
+        staging = shared / "staging"
+        shutil.copytree(models["b"], staging)
+        for path in (staging, *staging.iterdir()):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        repo = shared / "hub" / "models--org--tiny"
+        snapshot = repo / "snapshots" / ("0" * 40)
+        script = (
+            f"mkdir -p {repo}/blobs {snapshot} && cp {staging}/model.safetensors {repo}/blobs/{content} && "
+            f"cp {staging}/*.json {snapshot}/ && ln -s ../../blobs/{content} {snapshot}/model.safetensors"
+        )
+        subprocess.run(["runuser", "-u", "nobody", "--", "sh", "-c", script], check=True)
+        assert (repo / "blobs" / content).stat().st_uid == NOBODY
+        wait_settled(repo / "blobs" / content)
+        planted = launch(snapshot, tmp_path / "cache")
+        real = launch(models["a"], tmp_path / "cache")
+        assert real["same_as_fresh"], f"the genuine model was served the planted file's weights: {real}"
+        assert planted["hashed"] == ["model.safetensors"], "another user's blob name was believed"
+        assert real["cache"] != planted["cache"] and real["embedding"] != planted["embedding"]
+    finally:
+        shutil.rmtree(shared)
+
+
 # ----------------------------------------------------------------------------- a hostile digest cache
 
 

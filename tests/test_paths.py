@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -248,3 +249,56 @@ def test_temp_file_is_created_with_o_excl_and_never_follows_a_planted_name(
                 s.get_or_pack(name, lambda: np.zeros(1))
         assert cache.stats().hits == 2
     assert error_records(caplog.records) == []
+
+
+# --------------------------------------------------------------------------- a symlink another user plants (issue 31)
+
+
+def _as_nobody(*argv: str) -> None:
+    """Run ``argv`` as the real user ``nobody`` (what that user can do, it does itself)."""
+    subprocess.run(["runuser", "-u", "nobody", "--", *argv], check=True, capture_output=True)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("where", ["sticky-shared", "nobodys-directory"])
+@pytest.mark.parametrize("target", ["roots-file", "dangling"])
+def test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept(
+    env: Env, where: str, target: str
+) -> None:
+    """``nobody`` links root's cache path to root's private 0600 file (or to a name beside it): the cache's
+    rebuild renamed a new file over the target (or created one there). The link is not followed: ``untrusted``."""
+    d = env.case_dir("planted-symlink")
+    shared = d / "shared"
+    shared.mkdir()
+    if where == "sticky-shared":
+        os.chmod(shared, 0o1777)  # like /tmp
+    else:
+        _give(shared, NOBODY)  # nobody's own directory, which root was told to keep its cache in
+    private = d / "private"
+    private.mkdir(mode=0o700)
+    victim = private / ("secret" if target == "roots-file" else "created-by-root")
+    if target == "roots-file":
+        victim.write_bytes(b"precious")
+        os.chmod(victim, 0o600)
+    before = os.lstat(victim) if victim.exists() else None
+    link = shared / "model.pcache"
+    _as_nobody("ln", "-s", str(victim), str(link))
+    assert os.lstat(link).st_uid == NOBODY
+    with WeightCache(link) as cache:
+        with cache.session() as s:
+            w = s.get_or_pack("w", lambda: packed(1), KEY)
+        st = cache.stats()
+    assert_same(w, packed(1))
+    assert (st.stored, st.heap_bytes_by_reason["untrusted"]) == (0, 4 * KIB), st
+    assert "65534" in st.error, st.error
+    if before is None:
+        assert not victim.exists(), "root created a file where nobody's link points"
+    else:
+        after = os.lstat(victim)
+        assert (after.st_ino, after.st_mtime_ns, victim.read_bytes()) == (
+            before.st_ino,
+            before.st_mtime_ns,
+            b"precious",
+        )
+    assert sorted(p.name for p in private.iterdir()) == ([victim.name] if before else []), "nothing beside it"
+    assert os.path.islink(link) and os.readlink(link) == str(victim)

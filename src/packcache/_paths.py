@@ -10,8 +10,11 @@ user may control. Three rules hold for all of them:
   must be a regular file, owned by the effective user or root, and not
   group/world-writable (:func:`trust_problem`). A path that ``lstat`` saw as a
   plain file is opened with ``O_NOFOLLOW`` and must still be the same inode, so
-  a symlink swapped in between is never followed. A symlink is followed only
-  when the directory holding it is safe (not world-writable without the sticky bit).
+  a symlink swapped in between is never followed. A symlink anywhere on the way is
+  followed only if no other user can have planted or re-pointed it (:func:`entry_problem`:
+  the link and its directory this user's or root's, the directory writable by no one
+  else, or sticky); the same rule decides every other name packcache believes (a key
+  file, a hub blob), and every path it renames a new file over (:func:`resolve_trusted`).
 * **One lock per file, whatever the spelling of its path.** The build lock
   lives beside the *resolved* path (:func:`lock_path_for`), is re-checked after
   ``flock`` (a lock file unlinked by a cleaner is not a lock), and a writer that
@@ -44,6 +47,7 @@ import os
 import secrets
 import stat
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +60,7 @@ __all__ = [
     "close_if_same",
     "create_temp",
     "default_cache_dir",
+    "entry_problem",
     "file_identity",
     "fsync_dir",
     "lock_path_for",
@@ -66,7 +71,10 @@ __all__ = [
     "pid_alive",
     "read_bounded",
     "read_record",
+    "read_trusted",
     "remove_orphans",
+    "replaceable",
+    "resolve_trusted",
     "still_linked",
     "temp_prefix",
     "trust_problem",
@@ -125,6 +133,92 @@ def trust_problem(st: os.stat_result, *, directory: bool = False) -> str | None:
     return None
 
 
+def _ours(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def entry_problem(directory: os.stat_result, entry_uid: int) -> str | None:
+    """Why another user could replace (or has made) an entry owned by ``entry_uid`` in ``directory``, or ``None``.
+
+    No other user can: the entry is this user's or root's, and so is the directory, which no one else
+    can write, or which is sticky (there only an entry's owner, the directory's owner and root may
+    rename or unlink it: Linux's ``fs.protected_symlinks`` reasoning, narrowed to owners this user trusts).
+    The one rule for every name packcache believes: a symlink it follows (:func:`resolve_trusted`),
+    a hub blob's file name and the directories above it, a key file.
+    """
+    # pinned by tests/test_paths.py::test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept
+    if not _ours(entry_uid):
+        return f"owned by uid {entry_uid}, not by this user ({os.geteuid()}) or root"
+    if not _ours(directory.st_uid):
+        return f"in a directory owned by uid {directory.st_uid}, who may replace it"
+    if directory.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not directory.st_mode & stat.S_ISVTX:
+        mode = stat.S_IMODE(directory.st_mode)
+        return f"in a directory other users can write without the sticky bit (mode {mode:04o})"
+    return None
+
+
+#: Symlinks :func:`resolve_trusted` follows at most (the kernel's own limit).
+MAX_LINKS = 40
+
+
+def resolve_trusted(path: str | os.PathLike[str], *, what: str = "cache file") -> str:
+    """``os.path.realpath(path)``, following only symlinks no other user can have planted or re-pointed
+    (:func:`entry_problem`: the link and its directory this user's or root's, the directory writable by
+    no one else or sticky). A missing component ends the walk: the rest is taken as written.
+
+    >>> resolve_trusted("/tmp/../tmp/m.pcache")
+    '/tmp/m.pcache'
+
+    Raises:
+        UntrustedFileError: a symlink on the way fails the rule (the message names it), or more than
+            :data:`MAX_LINKS` symlinks.
+    """
+    given = os.fspath(path)
+    pending = deque((given if given.startswith("/") else os.path.join(os.getcwd(), given)).split("/"))
+    real, links = "/", 0
+    while pending:
+        name = pending.popleft()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            real = os.path.dirname(real)
+            continue
+        candidate = os.path.join(real, name)
+        try:
+            st = os.lstat(candidate)
+        except OSError:  # missing (or not a directory): nothing more to follow, as realpath
+            real = os.path.join(candidate, *[p for p in pending if p not in ("", ".")])
+            return os.path.normpath(real)
+        if not stat.S_ISLNK(st.st_mode):
+            real = candidate
+            continue
+        problem = entry_problem(os.stat(real), st.st_uid)
+        if problem is not None:
+            raise UntrustedFileError(given, f"{candidate} is a symlink {problem}", what=what)
+        links += 1
+        if links > MAX_LINKS:
+            raise UntrustedFileError(given, f"more than {MAX_LINKS} symlinks", what=what)
+        target = os.readlink(candidate)
+        if target.startswith("/"):
+            real = "/"
+        pending.extendleft(reversed(target.split("/")))
+    return real
+
+
+def replaceable(real: str) -> str | None:
+    """Why another user could replace the file at the symlink-free path ``real`` or a directory on
+    its way (:func:`entry_problem` for each step from ``/`` down), or ``None``."""
+    parts = [p for p in real.split("/") if p]
+    here = "/"
+    for name in parts:
+        child = os.path.join(here, name)
+        problem = entry_problem(os.stat(here), os.lstat(child).st_uid)
+        if problem is not None:
+            return f"{child} is {problem}"
+        here = child
+    return None
+
+
 def _unsafe_directory(path: str) -> str | None:
     parent = os.path.dirname(os.path.abspath(path))
     pst = os.stat(parent)
@@ -176,6 +270,36 @@ def read_bounded(path: str, *, what: str, max_bytes: int) -> bytes:
         os.close(fd)
 
 
+def read_trusted(path: str, *, what: str, max_bytes: int, secret: bool = False) -> bytes:
+    """The whole of a small file packcache believes (a trusted public key, a private signing key): the cache
+    file's rule (:func:`open_checked`: no FIFO, no symlink another user planted, this user's or root's,
+    writable by no one else), no other user able to replace it or a directory on its way
+    (:func:`replaceable`), ``secret``: readable by its owner only (as ssh refuses a private key), and no
+    larger than ``max_bytes``, measured on what was opened before a byte is read.
+
+    Raises:
+        UntrustedFileError: it fails a rule (its message names ``what``).
+        FormatError: larger than ``max_bytes``, or it shrank while being read.
+        OSError: it cannot be opened or read.
+    """
+    try:
+        # pinned by tests/test_fleet_trust.py::test_a_key_file_another_user_owns_can_write_or_planted_is_refused
+        fd, st = open_checked(path)
+        try:
+            problem = replaceable(resolve_trusted(path))
+            if problem is None and secret and st.st_mode & 0o077:
+                problem = f"other users may read it (mode {stat.S_IMODE(st.st_mode):04o}; a private key is 0600)"
+            if problem is not None:
+                raise UntrustedFileError(path, problem)
+            if st.st_size > max_bytes:
+                raise FormatError(f"the {what} is {st.st_size} bytes, past the {max_bytes}-byte cap", path=path)
+            return pread_exact(fd, st.st_size, 0, path=path, what=what)
+        finally:
+            os.close(fd)
+    except UntrustedFileError as exc:
+        raise UntrustedFileError(path, exc.reason, what=what) from None
+
+
 def open_checked(
     path: str, *, write: bool = False, trust: bool = True, noatime: bool = False
 ) -> tuple[int, os.stat_result]:
@@ -195,9 +319,14 @@ def open_checked(
 
     Raises:
         UntrustedFileError: not a regular file, a symlink in an unsafe directory, the path
-            changed while it was opened, or (``trust``) a foreign owner or a writable mode.
+            changed while it was opened, or (``trust``) a foreign owner or a writable mode, or a
+            symlink on the way another user may have planted (:func:`resolve_trusted`).
         OSError: the path cannot be opened (``FileNotFoundError``, ``PermissionError``, ...).
     """
+    if trust:
+        # every symlink on the way, not only the last: pinned by
+        #   tests/test_paths.py::test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept
+        resolve_trusted(path)
     lst = os.lstat(path)
     # O_NONBLOCK: a symlink to a FIFO passes the lstat, and a read-only open of it would wait; pinned by
     #   tests/test_cli.py::test_cli_refuses_a_non_file_at_the_cache_path_without_hanging
@@ -252,6 +381,11 @@ def open_for_reading(name: str) -> tuple[int, os.stat_result, str | None]:
     try:
         fd, st = open_checked(name, trust=False, noatime=True)
         verdict = trust_problem(st)
+        if verdict is None:
+            try:
+                resolve_trusted(name)
+            except UntrustedFileError as exc:
+                verdict = exc.reason
     except UntrustedFileError as exc:
         if not os.path.islink(name):
             raise
@@ -378,10 +512,12 @@ def acquire_build_lock(
 
     Raises:
         LockTimeoutError: another process held the lock for more than ``timeout`` seconds.
-        UntrustedFileError: the lock path is a FIFO, symlink, foreign or writable file.
+        UntrustedFileError: the lock path is a FIFO, symlink, foreign or writable file, or ``path``
+            is reached through a symlink another user may have planted (:func:`resolve_trusted`).
         OSError: the lock file cannot be opened or created, or ``flock`` failed.
     """
-    lock_path = lock_path_for(path)
+    # pinned by tests/test_paths.py::test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept
+    lock_path = resolve_trusted(path) + ".lock"  # lock_path_for, refusing a symlink another user planted
     deadline = time.monotonic() + timeout
     while True:
         fd, created = open_lock(lock_path, mode, create=create)
@@ -495,17 +631,22 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_orphans(path: str) -> list[str]:
-    """Delete temp files of ``path`` left by builders that died; the caller holds the build lock.
+    """Delete temp files of ``path`` (its resolved path) left by writers that died; the caller holds the build lock.
 
-    Only names of the exact shape :func:`create_temp` makes, holding a regular file
-    this user may trust, whose builder pid no longer exists. Returns the removed paths.
+    Every writer of a temp file of ``path`` (a rebuild, a compaction, a fetch) holds ``path``'s build
+    lock while the file exists, so whatever the caller finds was left by one killed holding it, whatever
+    its pid says (a pid reused since, or one of another pid namespace, would keep it for ever); only
+    this process's own pid is spared. Only names of the exact shape :func:`create_temp` makes, holding
+    a regular file this user may trust.
+    Returns the removed paths.
     """
     directory = os.path.dirname(os.path.abspath(path))
     prefix = temp_prefix(path)
     removed = []
     for name in os.listdir(directory):
+        # pinned by tests/test_fleet_trust.py::test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes
         pid = parse_temp_name(name, prefix)
-        if pid is None or pid_alive(pid):
+        if pid is None or pid == os.getpid():  # this process's own name is no dead writer's
             continue
         candidate = os.path.join(directory, name)
         with contextlib.suppress(OSError):

@@ -28,7 +28,7 @@ from . import format as fmt
 from ._faults import Fault
 from ._generations import read_generation
 from ._mapping import FileMap, Window
-from ._paths import close_if_same, file_identity, open_checked, still_linked, trust_problem
+from ._paths import close_if_same, file_identity, open_checked, resolve_trusted, still_linked, trust_problem
 from ._store_lock import BuildLock
 from ._store_state import Committed, OpenFile, StoreState, StoreStateError, StoreStatus
 from ._store_write import DTYPES, FileWriter, Origin, PendingWrite, entry_array
@@ -502,7 +502,10 @@ class FileStore:
         live, reclaimable = status.figures
         if reclaimable <= live:
             return 0
-        real = os.path.realpath(self.path)
+        try:
+            real = resolve_trusted(self.path)  # renamed over below: never through a symlink another user planted
+        except OSError:
+            return 0
         if not still_linked(file.fd, real):
             return 0  # renamed over by someone else meanwhile: not this file's to replace
         rewritten = self._writer.compact(file.fd, real)

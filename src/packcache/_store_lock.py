@@ -16,7 +16,7 @@ import time
 
 from . import _faults as faults
 from ._faults import Fault
-from ._paths import acquire_build_lock, close_if_same, file_identity, remove_orphans, wait_for_flock
+from ._paths import acquire_build_lock, close_if_same, file_identity, remove_orphans, resolve_trusted, wait_for_flock
 from ._store_state import StoreStateError
 from .stats import HeapReason
 
@@ -30,9 +30,12 @@ def ensure_dir(path: str, dir_mode: int) -> None:
     exactly ``dir_mode``: the umask must not widen or narrow it.
 
     Raises:
+        UntrustedFileError: ``path`` is reached through a symlink another user may have planted (nothing is made
+            where it points).
         OSError: a directory cannot be made.
     """
-    directory = os.path.dirname(os.path.abspath(path))
+    # pinned by tests/test_paths.py::test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept
+    directory = os.path.dirname(resolve_trusted(path))
     missing = []
     while not os.path.isdir(directory):
         missing.append(directory)
@@ -116,7 +119,7 @@ class BuildLock:
         # Only the lock holder creates temp files, so any left now belong to dead writers
         # (a killed rebuild or compaction): reclaim their space.
         with contextlib.suppress(OSError):
-            remove_orphans(os.path.realpath(self.path))
+            remove_orphans(resolve_trusted(self.path))
 
     def lock_inode(self, fd: int) -> None:
         """``flock`` the file being appended to: the build lock is per path, the file may have

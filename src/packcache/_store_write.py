@@ -32,7 +32,7 @@ from . import format as fmt
 from ._faults import Fault
 from ._generations import Rewritten, pwrite_all, rewrite_live, write_generation
 from ._mapping import FileMap, Window
-from ._paths import close_if_same, create_temp, file_identity, unlink_quietly
+from ._paths import close_if_same, create_temp, file_identity, resolve_trusted, unlink_quietly
 from ._store_lock import ensure_dir
 from ._store_state import Committed, OpenFile, StoreState, StoreStatus
 from .errors import FormatError
@@ -148,10 +148,12 @@ class FileWriter:
         """
         header_bytes = fmt.encode_header(self.alignment, self.platform)
         header = fmt.decode_header(header_bytes)
-        # A rebuild replaces the file the path resolves to: a symlinked path keeps its symlink.
-        target = os.path.realpath(self.path)
         with faults.translating(_create_reason, "cannot create a new cache file for", self.path):
             ensure_dir(self.path, self.dir_mode)
+            # A rebuild replaces the file the path resolves to (a symlinked path keeps its symlink), never through a
+            # symlink another user planted (an UntrustedFileError: ``untrusted``); pinned by
+            #   tests/test_paths.py::test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept
+            target = resolve_trusted(self.path)
             fd, temp = create_temp(target, self.file_mode)
         try:  # not the translator alone: a failure must close and remove the temp file too
             with faults.translating(HeapReason.OPEN_FAILED, "cannot open the directory of", self.path):

@@ -6,9 +6,14 @@ same bytes at another path, in another container or on another machine give the
 same keys, and other bytes never do. A warm launch must not read the file, so the
 digest is found, cheapest first (:func:`file_digest`):
 
-1. **A Hugging Face hub blob.** A file whose resolved path is ``.../blobs/<64 hex>``
-   is named by its sha256 already (the hub stores every LFS file so). A 40-hex name
-   is a git blob sha1 of a small file, not a content digest: it is hashed.
+1. **A Hugging Face hub blob.** A file reached from a hub repository's own
+   ``<root>/models--<name>/snapshots/`` whose resolved path is
+   ``<root>/models--<name>/blobs/<64 hex>`` is named by its sha256 already (the hub
+   stores every LFS file so), when no other user can have put other bytes under that
+   name: every symlink on the way, the blob and each directory above it pass the cache
+   file's rule (this user's or root's, writable by no one else, or sticky), and so does
+   the blob itself. Anything else is hashed: a wrong belief may cost a hash, never a wrong
+   byte. A 40-hex name is a git blob sha1 of a small file, not a content digest: it is hashed.
 2. **The in-process memo, then the per-user digest cache** (:func:`digest_dir`):
    one small JSON record per file, keyed by ``(st_dev, st_ino, size, mtime_ns,
    ctime_ns)``. ``ctime`` is in the key because user space cannot set it (``touch
@@ -69,6 +74,8 @@ from ._paths import (
     parse_temp_name,
     pid_alive,
     read_record,
+    replaceable,
+    resolve_trusted,
     trust_problem,
     user_cache_home,
     write_record,
@@ -237,14 +244,31 @@ def _settled(st: os.stat_result) -> bool:
     return time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= RACY_SECONDS * 1e9
 
 
+_HUB_REPO = re.compile(r"(models|datasets|spaces)--.+")
+
+
 def _hub_blob(path: str, st: os.stat_result) -> str | None:
-    """The sha256 a Hugging Face hub cache names the file by (``.../blobs/<64 hex>``), if it is one."""
+    """The sha256 a Hugging Face hub cache names the file by (``<repo>/blobs/<64 hex>``), if it is one
+    no other user can have put other bytes under (module docstring, rule 1)."""
+    # Believed only in a hub layout, reached from the repository's own snapshots, through trusted symlinks, and
+    # only if neither the blob nor a directory above it is another user's to write or replace; pinned by
+    #   tests/test_identity_hub.py::test_another_users_blob_named_like_the_real_model_is_hashed_never_packed_as_it
     try:
-        real = os.path.realpath(path)
-        if os.path.basename(os.path.dirname(real)) != "blobs" or not _SHA256_HEX.fullmatch(os.path.basename(real)):
+        real = resolve_trusted(path, what="source file")
+        blobs = os.path.dirname(real)
+        repo = os.path.dirname(blobs)
+        if (
+            os.path.basename(blobs) != "blobs" or not _SHA256_HEX.fullmatch(os.path.basename(real))
+            or not _HUB_REPO.fullmatch(os.path.basename(repo))
+        ):  # fmt: skip
             return None
-        now = os.stat(real)
-    except OSError:
+        reached_from = resolve_trusted(os.path.dirname(os.path.abspath(path)), what="source directory")
+        if not reached_from.startswith(os.path.join(repo, "snapshots") + "/"):
+            return None
+        if trust_problem(st) is not None or replaceable(real) is not None:
+            return None
+        now = os.stat(real, follow_symlinks=False)
+    except OSError:  # UntrustedFileError too: a symlink another user controls
         return None
     # The resolved path must name the file that was opened: a symlink re-pointed since names another.
     return os.path.basename(real) if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino) else None

@@ -42,6 +42,7 @@ from ._paths import (
     open_for_reading,
     parse_temp_name,
     pid_alive,
+    resolve_trusted,
     still_linked,
     temp_prefix,
     trust_problem,
@@ -228,7 +229,7 @@ def compact(path: str | os.PathLike[str], *, lock_timeout: float = DEFAULT_LOCK_
     fd, st = open_checked(name, noatime=True)
     descriptors = [fd]
     try:
-        real = os.path.realpath(name)
+        real = resolve_trusted(name)  # renamed over: never through a symlink another user planted
         if not still_linked(fd, real):
             raise UntrustedFileError(name, "it was replaced while being opened")
         lock_path = lock_path_for(real)

@@ -80,7 +80,7 @@ def add_trust_options(parser: argparse.ArgumentParser, *, unsigned: bool = True)
     parser.add_argument(
         "--trusted-key", action="append", default=[], metavar="PUB.pem",
         help="an ed25519 public key (the .pub.pem 'packcache keygen' writes) whose signature on a manifest is "
-        "trusted (repeatable: key rotation)",
+        "trusted (repeatable: key rotation); the file must be this user's or root's and writable by no one else",
     )  # fmt: skip
     if unsigned:
         parser.add_argument(

@@ -293,7 +293,11 @@ def add_store_parsers(sub: Any) -> None:
     )
     publish.add_argument("file", help="the cache file (built by build, run or serve)")
     publish.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
-    publish.add_argument("--sign", metavar="KEY.pem", help="sign the manifest with this ed25519 private key")
+    publish.add_argument(
+        "--sign",
+        metavar="KEY.pem",
+        help="sign the manifest with this ed25519 private key (a 0600 file of this user or root)",
+    )
     publish.add_argument(
         "--model", action="append", default=[], metavar="DIR",
         help="where the checkpoint the file was built from lies (repeatable)",

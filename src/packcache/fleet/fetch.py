@@ -7,14 +7,17 @@
    the trusted keys, its model and class against this file's, its expiry, and its generation
    against the last one this user accepted from that store (no rollback);
 2. read the blob's header by a range read: the platform must be this machine's;
-3. check the free space of the cache directory;
+3. check the local path as the cache would open it (no symlink another user could have planted on its
+   way, no file there the cache would refuse: :func:`packcache._paths.resolve_trusted`,
+   :func:`packcache._paths.trust_problem`) and the free space of the cache directory;
 4. stream the blob into a temp file beside the local file while hashing it (no more bytes than
    the manifest's size are taken); check size and sha256, ``fsync``, verify every pack's checksum,
    and only then rename it over the local path (a mapped file is never truncated or rewritten:
    processes mapping the old one keep it).
 
 Every problem raises :class:`~packcache.errors.RemoteError` with one of
-:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. All calls to
+:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. A fetch killed
+mid-download leaves its temp file: the next holder of the build lock (a fetch, a build) removes it. All calls to
 the store share one deadline (``timeout``): a store that hangs costs at most that.
 """
 
@@ -41,6 +44,8 @@ from .._paths import (
     lock_path_for,
     open_checked,
     read_record,
+    remove_orphans,
+    resolve_trusted,
     trust_problem,
     unlink_quietly,
     user_cache_home,
@@ -137,23 +142,31 @@ def fetch(
     name = os.path.abspath(os.fspath(path))
     model = model_of(name)
     cls = platform_class(platform)
-    directory = os.path.dirname(name)
     with faults.translating_into(functools.partial(_lock_error, name)):
-        os.makedirs(directory, mode=dir_mode, exist_ok=True)
-        lock_fd = acquire_build_lock(os.path.realpath(name), lock_timeout, file_mode)  # as FileStore opens it
+        # The file the cache would open: never through a symlink another user planted (the cache refuses it as
+        # untrusted; renaming over its target destroyed a root-owned file); pinned by
+        #   tests/test_fleet_trust.py::test_fetch_through_a_symlink_nobody_planted_is_refused_and_its_target_kept
+        real = resolve_trusted(name)
+        os.makedirs(os.path.dirname(real), mode=dir_mode, exist_ok=True)
+        real = resolve_trusted(name)  # again: what the directories made resolve to
+        lock_fd = acquire_build_lock(real, lock_timeout, file_mode)  # as FileStore opens it
     try:
+        # Every temp of this file was left by a writer killed holding this lock: pinned by
+        #   tests/test_fleet_trust.py::test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes
+        with contextlib.suppress(OSError):
+            remove_orphans(real)
         with contextlib.ExitStack() as stack:
             if store is None:
                 store = stack.enter_context(open_store(url, timeout=timeout))
-            return _fetch_locked(store, url, name, model, cls, platform, trusted_keys, allow_unsigned, deadline,
-                                 started, file_mode)  # fmt: skip
+            return _fetch_locked(store, url, name, real, model, cls, platform, trusted_keys, allow_unsigned,
+                                 deadline, started, file_mode)  # fmt: skip
     finally:
         os.close(lock_fd)
 
 
 def _fetch_locked(
-    store: Store, url: str, name: str, model: str, cls: str, platform: bytes, trusted_keys: Sequence[bytes],
-    allow_unsigned: bool, deadline: float, started: float, file_mode: int,
+    store: Store, url: str, name: str, real: str, model: str, cls: str, platform: bytes,
+    trusted_keys: Sequence[bytes], allow_unsigned: bool, deadline: float, started: float, file_mode: int,
 ) -> FetchReport:  # fmt: skip
     key = manifest_key(model, cls)
     data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
@@ -167,9 +180,10 @@ def _fetch_locked(
     state = _state_path(url, model, cls)
     accepted = accepted_generation(state)
     check_generation(manifest, accepted[0] if accepted else None, last_blob_sha256=accepted[1] if accepted else None)
-    done = _local_is(name, manifest)
+    done = _local_is(real, manifest)
     if not done:
-        read += _download(store, url, name, manifest, platform, deadline, file_mode)
+        _check_target(real, name)
+        read += _download(store, url, name, real, manifest, platform, deadline, file_mode)
     _accept(state, manifest)
     return FetchReport(
         url=url, path=name, model=model, platform_class=cls, generation=manifest.generation,
@@ -192,9 +206,25 @@ def _local_is(name: str, manifest: Manifest) -> bool:
         os.close(fd)
 
 
+def _check_target(real: str, name: str) -> None:
+    """What the cache would refuse at ``real`` (``name`` resolved), fetch never renames over: a FIFO, a directory,
+    another user's file, one others can write (the cache's rule, :func:`packcache._paths.trust_problem`)."""
+    try:
+        st = os.lstat(real)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise _write_error(exc, name) from None
+    # pinned by tests/test_fleet_trust.py::test_fetch_never_renames_over_a_file_the_cache_would_refuse
+    problem = trust_problem(st)
+    if problem is not None:
+        raise RemoteError("remote_write_failed", f"untrusted cache file {real}: {problem}", url=name)
+
+
 def _download(
-    store: Store, url: str, name: str, manifest: Manifest, platform: bytes, deadline: float, file_mode: int
-) -> int:
+    store: Store, url: str, name: str, real: str, manifest: Manifest, platform: bytes, deadline: float,
+    file_mode: int,
+) -> int:  # fmt: skip
     blob = manifest.blob_key
     where = f"{url.rstrip('/')}/{blob}"
     # No HEAD first: the download refuses more bytes than the manifest's size before taking any, and
@@ -209,7 +239,7 @@ def _download(
             "remote_incompatible", "its header names another platform than this machine's (the manifest's class "
             "does not match its blob)", url=where,
         )  # fmt: skip
-    directory = os.path.dirname(name)
+    directory = os.path.dirname(real)  # the temp goes beside the file it replaces: one rename, one directory
     with _writing(directory):
         vfs = os.statvfs(directory)
     free = vfs.f_bavail * vfs.f_frsize
@@ -219,7 +249,7 @@ def _download(
             errno=errno.ENOSPC,
         )  # fmt: skip
     with _writing(directory):
-        fd, temp = create_temp(name, file_mode)
+        fd, temp = create_temp(real, file_mode)
     try:
         digest = hashlib.sha256()
         written = 0
@@ -246,7 +276,7 @@ def _download(
         if not report.ok:
             raise RemoteError("remote_corrupt", f"it fails verification: {report.problems[0]}", url=where)
         with _writing(name):
-            os.rename(temp, os.path.realpath(name))
+            os.rename(temp, real)
             fsync_dir(directory)
     except BaseException:
         unlink_quietly(temp)

@@ -50,7 +50,7 @@ from typing import Any
 
 from .. import _boundedjson as boundedjson
 from .. import format as fmt
-from .._paths import read_bounded
+from .._paths import read_trusted
 from ..errors import FormatError, RemoteError
 
 __all__ = [
@@ -596,32 +596,36 @@ def _create(path: str, data: bytes, mode: int, what: str) -> None:
 
 
 def load_private_key(path: str | os.PathLike[str]) -> bytes:
-    """The PEM bytes of an ed25519 private key file, checked (read bounded, without blocking on a FIFO).
+    """The PEM bytes of an ed25519 private key file, checked (read bounded, without blocking on a FIFO) and
+    trusted as ssh trusts one (:func:`packcache._paths.read_trusted`): this user's or root's, mode 0600 or
+    narrower, reached through no symlink another user planted, in no directory another user can change.
 
     Raises:
         ImportError: ``cryptography`` is missing. FormatError: not one PEM block, a public key, an
-        encrypted key, another key type, or larger than 16 KiB. UntrustedFileError: not a regular file.
-        OSError: it cannot be read.
+        encrypted key, another key type, or larger than 16 KiB. UntrustedFileError: not a regular file,
+        or it fails the trust rule above. OSError: it cannot be read.
     """
     name = os.fspath(path)
-    pem = read_bounded(name, what="private key", max_bytes=_MAX_KEY_FILE_BYTES)
+    pem = read_trusted(name, what="private key", max_bytes=_MAX_KEY_FILE_BYTES, secret=True)
     _private_key(pem, where=f"private key {name}")
     return pem
 
 
 def load_public_keys(paths: Sequence[str | os.PathLike[str]]) -> list[bytes]:
     """The PEM bytes of each ed25519 public key file, checked (read bounded, without blocking on a FIFO),
-    for ``trusted_keys``. A key given twice is kept once.
+    for ``trusted_keys``. A key given twice is kept once. A key file is trusted as the cache file is
+    (:func:`packcache._paths.read_trusted`): this user's or root's, writable by no one else, reached through
+    no symlink another user planted, in no directory another user can change.
 
     Raises:
         ImportError: ``cryptography`` is missing. FormatError: not one PEM block, a private key,
         another key type, or larger than 16 KiB (naming the file). UntrustedFileError: not a regular
-        file. OSError: it cannot be read.
+        file, or it fails the trust rule above. OSError: it cannot be read.
     """
     keys: dict[str, bytes] = {}
     for path in paths:
         name = os.fspath(path)
-        pem = read_bounded(name, what="public key", max_bytes=_MAX_KEY_FILE_BYTES)
+        pem = read_trusted(name, what="public key", max_bytes=_MAX_KEY_FILE_BYTES)
         public = _public_key(pem, where=f"public key {name}")
         keys.setdefault(_id_of(_raw_public(public)), pem)
     return list(keys.values())

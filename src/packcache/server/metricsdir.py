@@ -36,7 +36,7 @@ import tempfile
 from collections import deque
 from dataclasses import dataclass
 
-from .._paths import trust_problem
+from .._paths import entry_problem, trust_problem
 
 __all__ = ["HeldDirectory", "hold_metrics_dir"]
 
@@ -58,9 +58,7 @@ def _others_can_write(st: os.stat_result) -> bool:
 #   test_a_symlink_another_user_can_change_is_refused_before_anything_is_read_or_removed
 def _entries_safe(directory: os.stat_result, entry_uid: int) -> bool:
     """Whether no other user can replace an entry owned by ``entry_uid`` in ``directory``."""
-    if not _ours(directory.st_uid) or not _ours(entry_uid):
-        return False  # a directory's owner may always replace its entries, sticky or not
-    return not directory.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or bool(directory.st_mode & stat.S_ISVTX)
+    return entry_problem(directory, entry_uid) is None  # the one rule every name packcache believes passes
 
 
 def _walk(path: str, shown: str) -> tuple[int, str, bool]:

@@ -1,0 +1,372 @@
+"""The fleet's local files, trusted by one rule (issue 31): the trusted public keys, the private signing key and
+the file ``fetch`` renames into place pass the cache file's owner/mode rule, and a symlink on their way is
+followed only if no other user can have planted or re-pointed it (``packcache._paths.entry_problem``); a
+fetch killed mid-download leaves a temp file the next fetch of that file removes.
+
+Real users (``nobody`` plants the key file, the symlink, the file at the target, with ``runuser``), real
+processes (a fetch child killed with SIGKILL while a loopback HTTP server is sending it the blob).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import packcache
+from harness import require_root
+from packcache.errors import RemoteError, UntrustedFileError
+from packcache.fleet import fetch as fleet_fetch
+from packcache.fleet.manifest import generate_key, load_private_key, public_path_for
+from packcache.fleet.publish import publish
+from packcache.format import canonical_key
+
+SRC = Path(packcache.__file__).resolve().parents[1]
+PLATFORM = {"packers": [{"id": "test.f32", "version": 1}], "cpu": "test"}
+RECIPE = {"packer": "test.f32", "version": 1}
+NOBODY = 65534
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(autouse=True)
+def private_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test is a new machine user: its own accepted-generation records."""
+    require_root()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two key pairs in a private directory: ``ci`` (the fleet's) and ``other`` (an attacker's)."""
+    directory = tmp_path_factory.mktemp("keys")
+    made = {}
+    for name in ("ci", "other"):
+        generate_key(directory / f"{name}.pem")
+        made[name] = directory / f"{name}.pem"
+        made[f"{name}.pub"] = Path(public_path_for(directory / f"{name}.pem"))
+    return made
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory ``nobody`` can reach (pytest's own are root's 0700)."""
+    directory = Path(tempfile.mkdtemp(prefix="packcache-trust-"))
+    os.chmod(directory, 0o755)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory)
+
+
+def as_nobody(script: str) -> None:
+    """Run a shell ``script`` as the real user ``nobody``."""
+    subprocess.run(["runuser", "-u", "nobody", "--", "sh", "-c", script], check=True, capture_output=True)
+
+
+def build(path: Path, seed: int = 0, count: int = 4, side: int = 64) -> dict[str, np.ndarray]:
+    """A core cache file of ``count`` packs; returns what it holds."""
+    rng = np.random.default_rng(seed)
+    arrays = {f"layer{i}": rng.standard_normal((side, side)).astype(np.float32) for i in range(count)}
+    with packcache.WeightCache(path, platform=PLATFORM) as cache, cache.session() as s:
+        for name, array in arrays.items():
+            s.get_or_pack(name, lambda a=array: a, RECIPE)
+    return arrays
+
+
+def load(path: Path, arrays: dict[str, np.ndarray], **remote: Any) -> packcache.CacheStats:
+    """Load ``arrays`` through a cache at ``path`` (with ``remote=`` arguments); every byte checked."""
+    with packcache.WeightCache(path, platform=PLATFORM, **remote) as cache:
+        with cache.session() as s:
+            for name, array in arrays.items():
+                got = s.get_or_pack(name, lambda a=array: a, RECIPE)
+                assert np.array_equal(got, array), f"{name}: not the genuine weights"
+        return cache.stats()
+
+
+def _fetch(store: str, path: Path, key: Path, timeout: float = 30) -> fleet_fetch.FetchReport:
+    return fleet_fetch.fetch(
+        store, path, platform=canonical_key(PLATFORM), trusted_keys=[key.read_bytes()], timeout=timeout
+    )
+
+
+def _published(tmp_path: Path, keys: dict[str, Path], **build_options: Any) -> tuple[str, Path]:
+    built = tmp_path / "a" / "model-x.pcache"
+    build(built, **build_options)
+    store = tmp_path / "store"
+    store.mkdir()
+    publish(built, str(store), private_key=str(keys["ci"]))
+    return str(store), built
+
+
+def _victim(tmp_path: Path) -> tuple[Path, os.stat_result]:
+    """Root's private 0600 file, in a 0700 directory."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    victim = private / "secret"
+    victim.write_bytes(b"precious")
+    os.chmod(victim, 0o600)
+    return victim, os.lstat(victim)
+
+
+def _kept(victim: Path, before: os.stat_result) -> None:
+    after = os.lstat(victim)
+    assert (after.st_ino, after.st_mtime_ns, victim.read_bytes()) == (before.st_ino, before.st_mtime_ns, b"precious")
+    assert [p.name for p in victim.parent.iterdir()] == [victim.name], "nothing made beside it (no lock, no temp)"
+
+
+# --------------------------------------------------------------------------- trusted and signing key files
+
+
+@pytest.mark.parametrize("plant", ["nobodys-file", "world-writable-file", "nobodys-symlink"])
+def test_a_key_file_another_user_owns_can_write_or_planted_is_refused(
+    tmp_path: Path, keys: dict[str, Path], shared: Path, plant: str
+) -> None:
+    """The machine trusts ``<keys>/ci.pub.pem``. ``nobody`` makes that name hold their key (their own file in the
+    sticky key directory; their write into a file others can write; their symlink to another root-owned key) and
+    puts their weights, signed with their key, in the store: those were served. The key file is refused."""
+    genuine = build(tmp_path / "genuine.pcache", seed=0)
+    theirs = tmp_path / "t" / "model-x.pcache"
+    build(theirs, seed=7)  # the same pack names and shapes, other weights
+    store = tmp_path / "store"
+    store.mkdir()
+    publish(theirs, str(store), private_key=str(keys["other"]))
+    directory = shared / "keys"
+    directory.mkdir()
+    trusted = directory / "ci.pub.pem"
+    staged = shared / "theirs.pub.pem"
+    shutil.copy(keys["other.pub"], staged)
+    os.chmod(staged, 0o644)
+    if plant == "nobodys-file":
+        os.chmod(directory, 0o1777)
+        as_nobody(f"cp {staged} {trusted}")
+    elif plant == "world-writable-file":
+        shutil.copy(keys["ci.pub"], trusted)
+        os.chmod(trusted, 0o666)  # a careless mode
+        as_nobody(f"cat {staged} > {trusted}")
+    else:
+        os.chmod(directory, 0o1777)
+        as_nobody(f"ln -s {keys['other.pub']} {trusted}")  # root's key of another project
+    stats = load(tmp_path / "b" / "model-x.pcache", genuine, remote=str(store), trusted_keys=[str(trusted)])
+    assert (stats.remote_hits, stats.stored) == (0, len(genuine)), stats
+    assert stats.remote_misses_by_reason["remote_untrusted"] == 1, stats.remote_misses_by_reason
+    assert "untrusted public key" in stats.remote_error, stats.remote_error
+
+
+@pytest.mark.parametrize("flaw", ["readable-by-others", "nobodys-file"])
+def test_a_private_key_others_can_read_or_own_is_refused_and_nothing_is_published(
+    tmp_path: Path, keys: dict[str, Path], shared: Path, flaw: str
+) -> None:
+    built = tmp_path / "a" / "model-x.pcache"
+    build(built)
+    store = tmp_path / "store"
+    store.mkdir()
+    key = shared / "signing.pem"
+    if flaw == "readable-by-others":
+        shutil.copy(keys["ci"], key)
+        os.chmod(key, 0o644)
+    else:
+        staged = shared / "staged.pem"
+        shutil.copy(keys["other"], staged)
+        os.chmod(staged, 0o644)
+        os.chmod(shared, 0o1777)
+        as_nobody(f"cp {staged} {key} && chmod 600 {key}")
+    with pytest.raises(UntrustedFileError, match="untrusted private key"):
+        load_private_key(key)
+    done = subprocess.run(
+        [sys.executable, "-m", "packcache", "publish", str(built), str(store), "--sign", str(key)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(SRC)},
+    )  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "untrusted private key" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not list((store).rglob("*.json")), "a manifest was published"
+
+
+# --------------------------------------------------------------------------- the file fetch renames into place
+
+
+@pytest.mark.parametrize(
+    "where", ["nobodys-link-in-sticky-directory", "a-link-in-an-open-directory", "nobodys-directory-link"]
+)
+def test_fetch_through_a_symlink_nobody_planted_is_refused_and_its_target_kept(
+    tmp_path: Path, keys: dict[str, Path], shared: Path, where: str
+) -> None:
+    """The cache directory is shared. A symlink at the fetched path to root's private file: fetch renamed the blob
+    over it (and locked beside it). The cache refuses such a link as ``untrusted``; fetch refuses it too."""
+    store, _ = _published(tmp_path, keys)
+    victim, before = _victim(tmp_path)
+    cache_dir = shared / "cache"
+    cache_dir.mkdir()
+    link = cache_dir / "model-x.pcache"
+    if where == "nobodys-link-in-sticky-directory":
+        os.chmod(cache_dir, 0o1777)
+        as_nobody(f"ln -s {victim} {link}")
+    elif where == "nobodys-directory-link":  # a directory on the way, not the file: every hop is checked
+        os.chmod(cache_dir, 0o1777)
+        as_nobody(f"ln -s {victim.parent} {cache_dir / 'models'}")
+        link = cache_dir / "models" / "model-x.pcache"
+    else:
+        os.chmod(cache_dir, 0o777)  # anyone may replace root's own link here
+        link.symlink_to(victim)
+    with pytest.raises(RemoteError) as raised:
+        _fetch(store, link, keys["ci.pub"])
+    assert raised.value.reason == "remote_write_failed" and "symlink" in str(raised.value), raised.value
+    _kept(victim, before)
+    assert len(list(cache_dir.iterdir())) == 1, "no lock, no temp"
+
+
+@pytest.mark.parametrize("planted", ["nobodys-file", "world-writable-file", "fifo"])
+def test_fetch_never_renames_over_a_file_the_cache_would_refuse(
+    tmp_path: Path, keys: dict[str, Path], shared: Path, planted: str
+) -> None:
+    store, _ = _published(tmp_path, keys)
+    cache_dir = shared / "cache"
+    cache_dir.mkdir()
+    os.chmod(cache_dir, 0o1777)
+    path = cache_dir / "model-x.pcache"
+    if planted == "nobodys-file":
+        as_nobody(f"echo theirs > {path}")
+    elif planted == "world-writable-file":
+        path.write_bytes(b"theirs\n")
+        os.chmod(path, 0o666)
+    else:
+        os.mkfifo(path)
+    before = os.lstat(path)
+    with pytest.raises(RemoteError) as raised:
+        _fetch(store, path, keys["ci.pub"])
+    assert raised.value.reason == "remote_write_failed" and "untrusted cache file" in str(raised.value), raised.value
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    # What the cache itself makes of the path: untrusted too (no fetch could have made it usable).
+    with packcache.WeightCache(path, platform=PLATFORM) as cache, cache.session() as s:
+        s.get_or_pack("layer0", lambda: np.zeros(4, np.float32), RECIPE)
+        assert cache.stats().heap_bytes_by_reason["untrusted"] == 16
+
+
+# --------------------------------------------------------------------------- a fetch killed mid-download
+
+
+class _SlowStore(BaseHTTPRequestHandler):
+    """Serves a directory store read-only over HTTP; a whole blob is sent half, then nothing until released."""
+
+    root: Path
+    release: threading.Event
+    sending: threading.Event
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def _answer(self, *, body: bool) -> None:
+        path = self.root / self.path.lstrip("/").split("?")[0]
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        wanted = self.headers.get("Range")
+        if wanted:
+            first, _, last = wanted.removeprefix("bytes=").partition("-")
+            start, end = int(first), min(int(last) if last else len(data) - 1, len(data) - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+            data = data[start : end + 1]
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Last-Modified", "Wed, 02 Dec 2026 00:00:00 GMT")
+        self.send_header("ETag", f'"{len(data)}"')
+        self.end_headers()
+        if not body:
+            return
+        if wanted or not path.name.endswith(".pcache"):
+            self.wfile.write(data)
+            return
+        self.wfile.write(data[: len(data) // 2])
+        self.wfile.flush()
+        self.sending.set()
+        self.release.wait(60)
+
+
+@contextlib.contextmanager
+def slow_http_store(root: Path) -> Iterator[tuple[str, threading.Event]]:
+    handler = type("Handler", (_SlowStore,), {"root": root, "release": threading.Event(), "sending": threading.Event()})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler.sending
+    finally:
+        handler.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.parametrize("then", ["fetch", "load"])
+@pytest.mark.parametrize("spelling", ["direct", "through-a-symlink"])
+def test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes(
+    tmp_path: Path, keys: dict[str, Path], spelling: str, then: str
+) -> None:
+    """A real fetch process, SIGKILLed while the store is half-way through the blob, leaves its partial temp file
+    (nothing can remove it then). The next fetch of that file, or load through the store, holding the lock the
+    killed one held, removes it, however the path is spelled (this user's own symlink to it, too)."""
+    store, built = _published(tmp_path, keys, count=8, side=512)  # 8 MiB: the download is still running
+    local = tmp_path / "b" / "model-x.pcache"
+    local.parent.mkdir()
+    given = local
+    if spelling == "through-a-symlink":
+        given = tmp_path / "link" / "model-x.pcache"
+        given.parent.mkdir()
+        given.symlink_to(local)
+
+    def temps() -> list[Path]:
+        return [*local.parent.glob(".model-x.pcache.tmp-*"), *given.parent.glob(".model-x.pcache.tmp-*")]
+
+    with slow_http_store(Path(store)) as (url, sending):
+        code = (
+            "from packcache.fleet.fetch import fetch\n"
+            "from packcache.format import canonical_key\n"
+            f"fetch({url!r}, {str(given)!r}, platform=canonical_key({PLATFORM!r}), "
+            f"trusted_keys=[open({str(keys['ci.pub'])!r}, 'rb').read()], timeout=60)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        with subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, env=env) as child:
+            try:
+                assert sending.wait(60), "the fetch never asked for the blob"
+                deadline = time.monotonic() + 30
+                while not [p for p in temps() if p.stat().st_size]:
+                    assert time.monotonic() < deadline and child.poll() is None, child.stderr
+                    time.sleep(0.05)
+            finally:
+                child.send_signal(signal.SIGKILL)
+                child.wait()
+    (temp,) = set(temps())
+    assert 0 < temp.stat().st_size < built.stat().st_size and not local.exists()
+    if then == "fetch":
+        assert _fetch(store, given, keys["ci.pub"]).downloaded
+    else:
+        arrays = build(tmp_path / "same.pcache", count=8, side=512)  # what the published file holds
+        stats = load(given, arrays, remote=store, trusted_keys=[str(keys["ci.pub"])])
+        assert (stats.remote_hits, stats.stored, stats.hits) == (1, 0, len(arrays)), stats
+    assert local.read_bytes() == built.read_bytes()
+    assert temps() == [], "the killed fetch's temp file is still there"
+    assert sorted(p.name for p in local.parent.iterdir()) == ["model-x.pcache", "model-x.pcache.lock"]
