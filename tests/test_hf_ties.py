@@ -227,3 +227,53 @@ def test_a_masked_lm_checkpoint_saved_tied_loads_in_every_scheme(
     assert reloaded.all_tied_weights_keys == ref.all_tied_weights_keys
     assert cosine(logits(reloaded), expected) >= THRESHOLDS[scheme]
     model.packcache.close()
+
+
+@pytest.fixture(scope="module")
+def seq2seq(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random T5 as transformers saves it (``shared.weight`` only: the encoder's and decoder's embeddings
+    and the head are tied to it), and checkpoints that disagree with that config: the encoder's embeddings its
+    own, different tensor; no ``shared.weight`` but the encoder's and decoder's (equal, or the decoder's different:
+    transformers ties ``shared`` to the encoder's, then compares the decoder's with it)."""
+    base = tmp_path_factory.mktemp("t5")
+    config = transformers.T5Config(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    saved = base / "as-saved"
+    transformers.T5ForConditionalGeneration(config).save_pretrained(saved)
+    tensors = load_file(saved / "model.safetensors")
+    shared = tensors.pop("shared.weight")
+    variants = {
+        "own encoder embeddings": {"shared.weight": shared, "encoder.embed_tokens.weight": torch.randn(256, 64)},
+        "encoder and decoder only": {"encoder.embed_tokens.weight": shared, "decoder.embed_tokens.weight": shared},
+        "decoder differs": {"encoder.embed_tokens.weight": shared, "decoder.embed_tokens.weight": torch.randn(256, 64)},
+    }
+    cases = {"as saved": saved}
+    for label, extra in variants.items():
+        directory = base / label.replace(" ", "-")
+        directory.mkdir()
+        # clone: safetensors refuses two names over one storage
+        save_file({**tensors, **{k: v.clone() for k, v in extra.items()}}, directory / "model.safetensors")
+        (directory / "config.json").write_text((saved / "config.json").read_text())
+        cases[label] = directory
+    return cases
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "int8"])
+@pytest.mark.parametrize("case", ["as saved", "own encoder embeddings", "encoder and decoder only", "decoder differs"])
+def test_shared_embeddings_of_an_encoder_decoder_are_tied_as_transformers_ties_them(
+    seq2seq: dict[str, Path], tmp_path: Path, case: str, scheme: str
+) -> None:
+    directory = seq2seq[case]
+    ref = transformers.AutoModelForSeq2SeqLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    model = hf.from_pretrained(directory, scheme, tmp_path / "c.pcache", auto_class="AutoModelForSeq2SeqLM")
+    assert model.all_tied_weights_keys == ref.all_tied_weights_keys
+    embeddings = [m.get_input_embeddings().weight for m in (model, model.encoder, model.decoder)]
+    expected = [m.get_input_embeddings().weight for m in (ref, ref.encoder, ref.decoder)]
+    assert [a is b for a in embeddings for b in embeddings] == [a is b for a in expected for b in expected]
+    with torch.inference_mode():
+        got, want = model(input_ids=ids, decoder_input_ids=ids).logits, ref(input_ids=ids, decoder_input_ids=ids).logits
+    assert cosine(got, want) >= THRESHOLDS[scheme], f"cosine {cosine(got, want):.6f}"
+    model.packcache.close()
