@@ -1,4 +1,4 @@
-"""packcache.hf ties exactly what transformers 5.23 ties, whatever the config and the checkpoint say.
+"""packcache.hf ties exactly what transformers 5.23 ties, whatever the config and the checkpoint say (issue 31).
 
 transformers ties a pair of ``all_tied_weights_keys`` (``lm_head.weight`` -> the input embeddings) only when
 the config asks for it (``tie_word_embeddings``) and the checkpoint does not hold both tensors with different
@@ -22,10 +22,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, LlamaConfig
 
-from packcache import hf
+from packcache import hf, inspect
+from test_hf import CAUSAL, THRESHOLDS, cosine
 
-THRESHOLDS = {"fp32": 0.99999, "bf16": 0.999, "int8": 0.99, "int4": 0.95}
-CAUSAL = "AutoModelForCausalLM"
 HEAD = "lm_head.weight"
 EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
 #: What the checkpoint holds of the pair: the embedding only, both (equal or different), the head only.
@@ -83,10 +82,6 @@ def logits(model: Any) -> torch.Tensor:
     ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         return model(input_ids=ids).logits.float()
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
 def head_is_tied(model: Any) -> bool:
@@ -175,6 +170,10 @@ def test_a_tied_config_over_an_untied_checkpoint_loads_the_checkpoints_own_head(
     assert cosine(logits(reloaded), logits(ref)) >= THRESHOLDS["int8"]
     assert cosine(logits(reloaded), logits(packed)) >= 0.999
     packed.packcache.close()
+    checks = [
+        e.name for e in inspect(tmp_path / "c.pcache").entries if e.name.endswith(":packcache.hf.tie-check:equal")
+    ]
+    assert checks == [f"{EMBEDDING[arch]}={HEAD}:packcache.hf.tie-check:equal"]  # what a warm launch ties from
 
 
 @pytest.fixture(scope="module")
