@@ -12,7 +12,9 @@ The model is built on the ``meta`` device the way ``transformers`` builds it bef
 loading (its own init contexts; non-persistent buffers such as rotary frequencies or
 position ids recomputed by the model's own ``_init_weights``), so no weight is
 materialised. The checkpoint is read for its config and safetensors headers only;
-tensor bytes are read only to pack a miss, which a warm launch never has. A head tied
+tensor bytes are read only to pack a miss, which a warm launch never has. Weights are tied
+exactly as transformers' ``from_pretrained`` ties them for that checkpoint (:func:`_tie`): what the
+config ties, unless the checkpoint holds both tensors of a pair with different values. A head tied
 to the input embeddings is packed from the tie's one source tensor; the embeddings keep it as
 float32, stored once.
 
@@ -37,10 +39,11 @@ Example (run by ``tests/test_hf.py``, not as a doctest: it needs a checkpoint)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import reprlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,11 +57,11 @@ from transformers.pytorch_utils import Conv1D
 from . import _boundedjson as boundedjson
 from ._defaults import GROUP_SIZE
 from ._paths import default_cache_dir
-from .cache import WeightCache
+from .cache import PackKey, Request, Session, WeightCache
 from .errors import FormatError
 from .identity import model_cache_name
 from .loader import Recipe, open_cache, resolve
-from .packers import SCHEMES
+from .packers import SCHEMES, to_float32
 from .safetensors import SafetensorsFile, TensorMeta
 from .torch import ConversionReport, convert, count_packs, parameter_groups
 
@@ -330,7 +333,8 @@ def _counts(config: Any, depth: int = 0) -> Iterator[tuple[str, int]]:
 
 def _skeleton(model_class: type[Any], config: Any, *, max_buffer_bytes: int) -> Any:
     """The model without its weights: built on ``meta`` under transformers' own init contexts, float32,
-    non-persistent buffers recomputed by the model's ``_init_weights`` (as ``from_pretrained`` does), tied.
+    non-persistent buffers recomputed by the model's ``_init_weights`` (as ``from_pretrained`` does), not tied
+    yet: which of its ties hold depends on the checkpoint (:func:`_tie`).
 
     Raises:
         ValueError: the non-persistent buffers would take more than ``max_buffer_bytes``.
@@ -372,8 +376,82 @@ def _skeleton(model_class: type[Any], config: Any, *, max_buffer_bytes: int) -> 
                 initialiser = candidate
                 break
         initialiser._init_weights(owner)
-    model.tie_weights()
     return model
+
+
+#: Names and version of the cache entry that records whether two tensors of a checkpoint are equal (:func:`_tie`).
+TIE_CHECK = "packcache.hf.tie-check"
+TIE_CHECK_VERSION = 1
+
+
+def _tie(model: Any, source: _Renamed, equal: Callable[[str, str], bool]) -> int:
+    """Tie the skeleton's parameters as transformers 5.23's ``from_pretrained`` ties them for this checkpoint
+    (``PreTrainedModel.tie_weights(missing_keys=...)`` over ``model.all_tied_weights_keys``, which the config
+    fills: ``tie_word_embeddings``), pair by pair in its order:
+
+    - the checkpoint holds both tensors: tied if their values are equal (``equal``, given the names of the
+      tensors the two parameters hold), else kept apart and the pair dropped from ``all_tied_weights_keys``
+      (a config that says tied over a checkpoint with its own head: the head is the checkpoint's);
+    - only the target (the head): the source (the embeddings) is tied to it;
+    - only the source, or neither (a later pair with the same source may hold it): the target is tied to the source.
+
+    A pair the config does not tie is never tied, however equal the tensors. Returns how many times ``equal``
+    was asked.
+    """
+    # pinned by tests/test_hf_ties.py::test_every_config_and_checkpoint_combination_builds_transformers_model
+    tied_keys = list(getattr(model, "all_tied_weights_keys", {}).items())  # set by post_init
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    missing = {name for name in names if source.name(name) not in source.checkpoint}
+    holds = {name: name for name in names if name not in missing}  # parameter -> the tensor it holds now
+    asked = 0
+    for i, (target, origin) in enumerate(tied_keys):
+        keep_missing = False
+        origin_there, target_there = origin not in missing, target not in missing
+        if origin_there and target_there:
+            if holds.get(origin) != holds.get(target):
+                asked += 1
+                if not equal(holds[origin], holds[target]):
+                    model.all_tied_weights_keys.pop(target)
+                    continue
+        elif target_there:
+            target, origin = origin, target
+        elif not origin_there:
+            for later_target, later_origin in tied_keys[i + 1 :]:
+                if later_origin == origin and later_target not in missing:
+                    origin = later_target
+                    break
+            else:
+                keep_missing = True  # transformers warns and leaves it random; packcache's missing check refuses it
+        param = model.get_parameter_or_buffer(origin)
+        owner_name, _, attr = target.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        setattr(owner, attr, param)
+        model._adjust_bias(owner, param)
+        if origin in holds:
+            holds[target] = holds[origin]
+        if not keep_missing:
+            missing.discard(target)
+    return asked
+
+
+def _same_values(source: _Renamed, a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` of the checkpoint (model names) load as the same float32 values:
+    transformers' test (``torch.equal`` of the loaded parameters; the model is float32)."""
+    meta_a, meta_b = source.meta(a), source.meta(b)
+    if tuple(meta_a.shape) != tuple(meta_b.shape):
+        return False
+    return bool(np.array_equal(to_float32(source.read(a), meta_a.dtype), to_float32(source.read(b), meta_b.dtype)))
+
+
+def _tie_check(source: _Renamed, a: str, b: str) -> Request:
+    """The cache request whose entry records :func:`_same_values` of ``a`` and ``b`` (``uint8`` 1 or 0): a warm
+    launch ties from it without reading either tensor. Its key names both tensors (name, shape, dtype, file
+    identity), so a changed checkpoint is compared again."""
+    metas = [source.meta(a), source.meta(b)]
+    tensors = [{"name": m.name, "shape": list(m.shape), "dtype": m.dtype, "identity": m.identity} for m in metas]
+    key = PackKey({"packer": TIE_CHECK, "version": TIE_CHECK_VERSION, "tensors": tensors})
+    name = f"{metas[0].name}={metas[1].name}:{TIE_CHECK}:equal"
+    return name, lambda: np.array([_same_values(source, a, b)], dtype=np.uint8), key
 
 
 @dataclass
@@ -408,8 +486,17 @@ def _load(
     )  # fmt: skip
     try:
         model = _checked_skeleton(checkpoint, model_class, config)
+        source = _renaming(model, parameter_groups(model), checkpoint)
+        with contextlib.ExitStack() as stack:
+            sessions: list[Session] = []  # opened at the first comparison: most checkpoints need none
+
+            def equal(a: str, b: str) -> bool:
+                if not sessions:
+                    sessions.append(stack.enter_context(weight_cache.session()))
+                return bool(sessions[0].get_many([_tie_check(source, a, b)])[0][0])
+
+            _tie(model, source, equal)
         groups = parameter_groups(model)
-        source = _renaming(model, groups, checkpoint)
         missing = _missing(groups, source)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -552,7 +639,8 @@ def pack_count(
 ) -> int:
     """How many cache entries :func:`from_pretrained` requests for this checkpoint: a progress total.
 
-    Reads ``config.json`` and the safetensors headers and builds the model on ``meta``; no tensor is read.
+    Reads ``config.json`` and the safetensors headers and builds the model on ``meta``; no tensor is read, but
+    the two of a tie the checkpoint holds both of (rare: transformers saves one), compared as a load compares them.
 
     Raises:
         As :func:`from_pretrained` for a missing or malformed checkpoint, scheme or auto class.
@@ -561,7 +649,9 @@ def pack_count(
     checkpoint = Checkpoint(path)
     config = checkpoint.config()  # a missing or malformed checkpoint fails here, naming the file
     model = _checked_skeleton(checkpoint, _model_class(auto_class, config), config)
-    return count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS)
+    source = _renaming(model, parameter_groups(model), checkpoint)
+    checks = _tie(model, source, lambda a, b: _same_values(source, a, b))
+    return checks + count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS)
 
 
 #: ``modules.json`` type names of sentence-transformers' Transformer module (old and new spellings).

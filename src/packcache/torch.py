@@ -725,10 +725,12 @@ def _convert(
         layers.append((
             layer,
             wanted(names, layer.shape, packer, layer=layer.name, flip=layer.transposed),
-            wanted([f"{dotted}bias"], (layer.shape[0],), other) if layer.has_bias else None,
+            # pinned by tests/test_hf_ties.py::test_a_masked_lm_checkpoint_saved_tied_loads_in_every_scheme
+            wanted([f"{dotted}bias", *layer.bias_tied], (layer.shape[0],), other) if layer.has_bias else None,
         ))  # fmt: skip
     parameters = [
-        (names, wanted(names, tuple(module.get_parameter(names[0]).shape), other)) for names in plan.parameters
+        (names, wanted([*names, *plan.also.get(names[0], ())], tuple(module.get_parameter(names[0]).shape), other))
+        for names in plan.parameters
     ]
     flush()
     report.packed_bytes += sum(int(a.nbytes) for a in served)
@@ -778,6 +780,7 @@ class _Layer:
     transposed: bool  # the module stores its weight [in, out]
     has_bias: bool
     tied: tuple[str, ...] = ()  # the other names of its weight (parameters of other modules: the tie)
+    bias_tied: tuple[str, ...] = ()  # the other names of its bias (BERT's MLM decoder's, tied to cls.predictions.bias)
 
 
 @dataclass
@@ -785,6 +788,9 @@ class _Plan:
     linears: list[_Layer] = field(default_factory=list)
     ineligible: dict[str, str] = field(default_factory=dict)
     parameters: list[list[str]] = field(default_factory=list)  # every name of each other parameter
+    # A parameter's names that a packed layer owns (a packed head's weight, tied to the embeddings): a checkpoint
+    # may hold the tie's tensor under one of them only (the head's), which then serves the embeddings too.
+    also: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _plan(module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], ...]) -> _Plan:
@@ -811,9 +817,18 @@ def _plan(module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], 
             continue
         # A tied layer (an output head tied to the input embeddings) is packed like any other, from the one source
         # tensor of the tie; the other owners (the embedding lookup) keep that tensor as float32.
-        plan.linears.append(_Layer(name, shape, flip, sub.bias is not None, tied))
+        bias_tied = (
+            tuple(n for n in aliases.get(id(sub.bias), []) if n != f"{dotted}bias") if sub.bias is not None else ()
+        )
+        plan.linears.append(_Layer(name, shape, flip, sub.bias is not None, tied, bias_tied))
         owned.update({f"{dotted}weight", f"{dotted}bias"})
-    plan.parameters = [left for names in aliases.values() if (left := [n for n in names if n not in owned])]
+    # pinned by tests/test_hf_ties.py::test_every_config_and_checkpoint_combination_builds_transformers_model
+    for names in aliases.values():
+        left = [n for n in names if n not in owned]
+        if left:
+            plan.parameters.append(left)
+            if len(left) < len(names):  # a packed head's weight: the checkpoint may hold the tie under its name only
+                plan.also[left[0]] = [n for n in names if n in owned]
     return plan
 
 
