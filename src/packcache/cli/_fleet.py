@@ -10,11 +10,10 @@ import importlib
 import json
 import re
 import sys
-import time
 from typing import Any
 
 from .._defaults import GROUP_SIZE, GROUP_SIZES, SCHEME
-from ..errors import FormatError, RemoteError
+from ..errors import FormatError
 from ..packers import SCHEMES
 from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, mib, sanitize, seconds
 
@@ -149,7 +148,10 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
         f"verdict       {report.verdict.value}",
         f"file          {sanitize(args.file)}",
         f"class         file {report.platform_class or '-'}, here {report.platform_class_here or '-'}",
-        f"generation    {report.generation}: {report.entries} packs"
+        *([_manifest_line(report)] if report.manifest_generation is not None else []),
+        f"generation    {report.generation}"
+        + (" (the file's own commit)" if report.manifest_generation is not None else "")
+        + f": {report.entries} packs"
         + (
             " (as its commit slot says; index not read)"
             if report.verdict.value == "incompatible"
@@ -163,52 +165,25 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
     return code
 
 
+def _manifest_line(report: Any) -> str:
+    signed = f"signed by {report.signer}" if report.signer else "signed by no trusted key"
+    return f"manifest      generation {report.manifest_generation}, {signed}"
+
+
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
-    """``probe URL``: a manifest (``.../manifests/<model>/<class>.json``: its signature checked, then its
-    blob probed) or a blob (``.../blobs/sha256/<hex>.pcache``, or any object), by range reads.
+    """``probe URL``: :func:`packcache.fleet.probe.probe_url` with the trusted keys given.
 
     Raises:
         RemoteError: the store failed (exit 1 with the reason).
     """
     from ..fleet.fetch import load_trusted_keys
-    from ..fleet.manifest import MAX_ENVELOPE_BYTES, read_envelope
-    from ..fleet.probe import downgrade_unverified, probe_bytes
-    from ..fleet.stores import open_store
+    from ..fleet.probe import probe_url
 
-    url = args.file.rstrip("/")
-    root, key = url.rsplit("/", 1)
-    for marker in ("/manifests/", "/blobs/"):
-        if marker in url:
-            root, rest = url.rsplit(marker, 1)
-            key = marker.strip("/") + "/" + rest
-            break
-    deadline = time.monotonic() + args.timeout
-    unverified = None
-    model, size = None, None
-    with open_store(root, timeout=args.timeout) as store:
-        if key.endswith(".json"):
-            data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
-            keys = load_trusted_keys(args.trusted_key)
-            try:
-                manifest, _signer = read_envelope(data, trusted_keys=keys, allow_unsigned=False, url=url)
-            except RemoteError as exc:
-                if exc.reason != "remote_untrusted":
-                    raise
-                manifest, _signer = read_envelope(data, trusted_keys=keys, allow_unsigned=True, url=url)
-                unverified = str(exc)
-            key, model, size = manifest.blob_key, manifest.model, manifest.size
-        else:
-            size = store.head(key, deadline=deadline).size
-
-        def read(start: int, end: int) -> bytes:
-            return store.get_range(key, start, end, deadline=deadline)
-
-        report = probe_bytes(read, expected_platform=expected, model=model, expected_model=args.expected_model,
-                             size=size, source=url)  # fmt: skip
-    return downgrade_unverified(report, unverified) if unverified is not None else report
+    return probe_url(args.file, expected_platform=expected, trusted_keys=load_trusted_keys(args.trusted_key),
+                     expected_model=args.expected_model, timeout=args.timeout)  # fmt: skip
 
 
 def cmd_publish(args: argparse.Namespace, out: Out) -> int:
@@ -362,8 +337,11 @@ def add_parsers(sub: Any) -> None:
         help="say from a cache file's header and index whether this machine can map it (exit 0 only if compatible)",
         description="Read FILE's header and index (never its packs) and give a verdict: compatible (exit 0), "
         "compatible_suboptimal (3), incompatible (4, naming every differing platform field), not_applicable (5: "
-        "not a packcache file, or another model), unverified (6); 1 when FILE cannot be read. This machine's "
-        "platform is that of the file's own scheme, read from its packers, unless --scheme is given.",
+        "not a packcache file, or another model), unverified (6: a manifest no trusted key signed), refused (7: a "
+        "manifest fetch refuses, with fetch's reason: the checks fetch makes, by the same function); 1 when FILE "
+        "cannot be read. A manifest's blob is checked by size, header and index, not by sha256 (that reads it "
+        "whole; fetch does). This machine's platform is that of the file's own scheme, read from its packers, "
+        "unless --scheme is given.",
     )
     probe.add_argument("file", metavar="FILE_OR_URL", help="a cache file, or a manifest's or a blob's URL in a store")
     add_trust_options(probe, unsigned=False)  # an unsigned manifest is probed all the same: 'unverified'

@@ -49,7 +49,7 @@ from .._paths import (
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from ..identity import hash_file
 from ..maintenance import verify
-from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_generation, load_public_keys, manifest_key, read_envelope
+from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_manifest, load_public_keys, manifest_key
 from .platform import platform_class
 from .publish import model_of
 from .stores import Store, open_store
@@ -158,15 +158,11 @@ def _fetch_locked(
     key = manifest_key(model, cls)
     data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
     read = len(data)
-    manifest, signed_by = read_envelope(data, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned)
-    if (manifest.model, manifest.platform_class) != (model, cls):
-        raise RemoteError(
-            "remote_incompatible", f"the manifest at {key} is for {manifest.model} / {manifest.platform_class}, "
-            f"not {model} / {cls}", url=url,
-        )  # fmt: skip
     state = _state_path(url, model, cls)
-    accepted = accepted_generation(state)
-    check_generation(manifest, accepted[0] if accepted else None, last_blob_sha256=accepted[1] if accepted else None)
+    manifest, signed_by = check_manifest(
+        data, model=model, platform_class=cls, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
+        accepted=accepted_generation(state), url=url,
+    )  # fmt: skip
     done = _local_is(name, manifest)
     if not done:
         read += _download(store, url, name, manifest, platform, deadline, file_mode)
