@@ -620,3 +620,38 @@ def test_a_fetched_file_gets_the_modes_the_cache_would_have_made_it_with(tmp_pat
     assert stats.remote_hits == 1 and stats.stored == 0
     assert (local.stat().st_mode & 0o777, local.parent.stat().st_mode & 0o777) == (0o644, 0o755)
     assert Path(f"{local}.lock").stat().st_mode & 0o777 == 0o644
+
+
+# --------------------------------------------------------------------------- key rotation, repair (issue 31)
+
+
+def test_key_rotation_by_cli_machines_trusting_old_new_or_both_accept_the_dual_signed_manifest(
+    tmp_path: Path,
+) -> None:
+    """``publish --sign OLD --sign NEW`` signs with both: machines that still trust only the old key, those
+    that trust only the new one, and those with both all take the manifest (docs/FLEET.md, rotation)."""
+    keydir = tmp_path / "keys"
+    keydir.mkdir()
+    for name in ("old", "new"):
+        made = _cli("keygen", str(keydir / f"{name}.pem"))
+        assert made.returncode == 0, made.stderr
+    builder = machine(tmp_path / "ci")
+    checkpoint = tiny_bert(tmp_path / "ci" / "ckpt", seed=3, layers=1)
+    built = _cli("build", str(checkpoint), "--loader", "minilm", "--scheme", "int8", "--cache-dir",
+                 str(tmp_path / "ci" / "cache"), "--json", env=builder)  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    store = tmp_path / "store"
+    store.mkdir()
+    signs = ["--sign", str(keydir / "old.pem"), "--sign", str(keydir / "new.pem")]
+    published = _cli("publish", json.loads(built.stdout)["cache_file"], str(store), "--model", str(checkpoint),
+                     *signs, "--json", env=builder)  # fmt: skip
+    assert published.returncode == 0, published.stderr
+    envelope = json.loads((store / json.loads(published.stdout)["manifest_key"]).read_bytes())
+    assert len(envelope["signatures"]) == 2, envelope["signatures"]
+    for trusting in (["old"], ["new"], ["old", "new"]):
+        env = machine(tmp_path / "-".join(trusting))
+        keys_given = [arg for name in trusting for arg in ("--trusted-key", str(keydir / f"{name}.pub.pem"))]
+        fetched = _cli("fetch", str(store), "--model", str(checkpoint), "--scheme", "int8", "--cache-dir",
+                       str(tmp_path / "-".join(trusting) / "cache"), *keys_given, "--json", env=env)  # fmt: skip
+        assert fetched.returncode == 0, (trusting, fetched.stderr)
+        assert json.loads(fetched.stdout)["downloaded"] is True

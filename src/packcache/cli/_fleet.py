@@ -191,7 +191,7 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
 
     try:
         report = publish(
-            args.file, args.url, private_key=args.sign, sources=args.model, builder=args.builder,
+            args.file, args.url, private_key=args.sign or None, sources=args.model, builder=args.builder,
             expires_in=None if args.expires_days == 0 else args.expires_days * 86400.0, timeout=args.timeout,
         )  # fmt: skip
     except ImportError as exc:
@@ -206,7 +206,7 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
         f"model         {report.model}   class {report.platform_class}",
         f"blob          {report.blob_key} ({mib(report.size)}, {'uploaded' if report.uploaded else 'already there'})",
         f"manifest      {report.manifest_key}, generation {report.generation}, "
-        + (f"signed by {report.signed_by}" if report.signed_by else "UNSIGNED (machines need --allow-unsigned)"),
+        + (f"signed by {', '.join(report.signers)}" if report.signers else "UNSIGNED (machines need --allow-unsigned)"),
         f"sources       {report.sources_checked} hashed again and found as the packs name them",
     ]
     out.emit(data, "\n".join(lines))
@@ -268,7 +268,11 @@ def add_store_parsers(sub: Any) -> None:
     )
     publish.add_argument("file", help="the cache file (built by build, run or serve)")
     publish.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
-    publish.add_argument("--sign", metavar="KEY.pem", help="sign the manifest with this ed25519 private key")
+    publish.add_argument(
+        "--sign", action="append", default=[], metavar="KEY.pem",
+        help="sign the manifest with this ed25519 private key (repeatable: every key given signs; during a key "
+        "rotation give the old and the new key, so machines trusting either accept it)",
+    )  # fmt: skip
     publish.add_argument(
         "--model", action="append", default=[], metavar="DIR",
         help="where the checkpoint the file was built from lies (repeatable)",

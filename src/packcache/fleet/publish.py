@@ -62,10 +62,12 @@ class PublishReport:
     size: int
     generation: int
     uploaded: bool
-    signed_by: str | None
+    signed_by: str | None  #: the first signer's key id (None: unsigned)
     sources_checked: int
     expires: int | None
     seconds: float
+    signers: tuple[str, ...] = ()  #: the id of every key that signed the manifest, in the order given
+    repaired: bool = False  #: an object at the blob's content address held other bytes and was replaced
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,7 +114,7 @@ def publish(
     path: str | os.PathLike[str],
     url: str,
     *,
-    private_key: str | None = None,
+    private_key: str | Sequence[str] | None = None,
     sources: Sequence[str] = (),
     builder: str | None = None,
     expires_in: float | None = DEFAULT_EXPIRES,
@@ -122,8 +124,9 @@ def publish(
     """Publish the cache file at ``path`` to the store at ``url`` (module docstring).
 
     Args:
-        private_key: an ed25519 private key (PKCS#8 PEM) to sign the manifest with; ``None``
-            publishes it unsigned (machines then need ``allow_unsigned``).
+        private_key: the path of an ed25519 private key (PKCS#8 PEM) to sign the manifest with, or of
+            several (during a key rotation: the old and the new key; every one signs); ``None`` publishes
+            it unsigned (machines then need ``allow_unsigned``).
         sources: checkpoint directories or files to find the sources in (besides this user's
             records of where each was last hashed, and the hub cache).
         builder: free text recorded in the manifest (default: ``packcache <version>``).
@@ -184,13 +187,16 @@ def publish(
                     created=now, expires=None if expires_in is None else now + int(expires_in),
                     builder=builder or _default_builder(),
                 )  # fmt: skip
-                if private_key is not None:
+                key_files = [private_key] if isinstance(private_key, str) else list(private_key or ())
+                if key_files:
                     from .manifest import load_private_key
 
-                    envelope = sign(manifest, load_private_key(private_key))
-                    signed_by: str | None = json.loads(envelope)["signatures"][0]["key"]
+                    # pinned by tests/test_fleet.py::
+                    #   test_key_rotation_by_cli_machines_trusting_old_new_or_both_accept_the_dual_signed_manifest
+                    envelope = sign(manifest, [load_private_key(k) for k in key_files])
+                    signers = tuple(s["key"] for s in json.loads(envelope)["signatures"])
                 else:
-                    envelope, signed_by = encode_unsigned(manifest), None
+                    envelope, signers = encode_unsigned(manifest), ()
                 store.put_bytes(manifest_name, envelope, deadline=deadline, if_match=etag)
         finally:
             os.close(lock_fd)
@@ -198,8 +204,9 @@ def publish(
         os.close(fd)
     return PublishReport(
         url=url, model=model, platform_class=cls, blob_key=blob, manifest_key=manifest_name, sha256=sha256,
-        size=size, generation=manifest.generation, uploaded=uploaded, signed_by=signed_by,
+        size=size, generation=manifest.generation, uploaded=uploaded, signed_by=signers[0] if signers else None,
         sources_checked=checked, expires=manifest.expires, seconds=round(time.monotonic() - started, 3),
+        signers=signers,
     )  # fmt: skip
 
 
