@@ -448,12 +448,17 @@ def test_two_publishers_racing_one_wins_the_other_gets_remote_conflict(tmp_path:
         f"    print(p.publish(sys.argv[1], {store!r}, private_key={str(keys['ci'])!r}).generation)\n"
         "except Exception as e:\n"
         "    print(getattr(e, 'reason', type(e).__name__))\n"
+        "    print(str(e).replace(chr(10), ' '))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True, env=env)
              for path in (built, twin)]  # fmt: skip
-    outcomes = sorted(proc.communicate(timeout=60)[0].strip() for proc in procs)
+    outputs = sorted(proc.communicate(timeout=60)[0].strip().splitlines() for proc in procs)
+    outcomes = [lines[0] for lines in outputs]
     assert outcomes == ["1", "remote_conflict"], outcomes
+    # the loser is told what happened and what to do (issue 31: it never said so)
+    lost = outputs[1][1]
+    assert "another publisher" in lost and "run it again" in lost, lost
 
 
 def test_publish_refuses_a_file_with_superseded_bytes_or_sources_it_cannot_find(
@@ -655,3 +660,57 @@ def test_key_rotation_by_cli_machines_trusting_old_new_or_both_accept_the_dual_s
                        str(tmp_path / "-".join(trusting) / "cache"), *keys_given, "--json", env=env)  # fmt: skip
         assert fetched.returncode == 0, (trusting, fetched.stderr)
         assert json.loads(fetched.stdout)["downloaded"] is True
+
+
+def _damage(store: str, blob_key: str, how: str) -> None:
+    """Write other bytes over the published blob, in place, as a bad disk or a hand-made upload would."""
+    import obstore
+    import obstore.store
+
+    if store.startswith("s3://"):
+        client = obstore.store.from_url(store, client_options={"allow_http": True})
+        data = bytes(obstore.get(client, blob_key).bytes())
+    else:
+        data = (Path(store) / blob_key).read_bytes()
+    damaged = {
+        "same size": data[:5000] + bytes(b ^ 0xFF for b in data[5000:5100]) + data[5100:],
+        "shorter": data[: len(data) // 2],
+        "longer": data + b"\0" * 4096,
+    }[how]
+    if store.startswith("s3://"):
+        obstore.put(client, blob_key, damaged)
+    else:
+        path = Path(store) / blob_key
+        path.chmod(0o644)
+        path.write_bytes(damaged)
+
+
+@pytest.mark.parametrize("kind", ["directory", "moto"])
+def test_republish_replaces_a_damaged_blob_of_any_size_and_fetches_then_succeed(
+    tmp_path: Path, keys: dict[str, Path], kind: str, request: pytest.FixtureRequest
+) -> None:
+    """An object at the blob's content address is taken as the blob only once its bytes hash to it: a
+    damaged one (same size, shorter, longer) is replaced by the next publish, and fetches succeed again."""
+    built = tmp_path / "a" / "model-x.pcache"
+    arrays = build(built)
+    if kind == "moto":
+        import uuid
+
+        store = f"{request.getfixturevalue('moto_env').url}/{uuid.uuid4().hex}"
+    else:
+        store = str(tmp_path / "store")
+        os.mkdir(store)
+    first = publish(built, store, private_key=str(keys["ci"]))
+    assert (first.uploaded, first.repaired) == (True, False)
+    for number, how in enumerate(["same size", "shorter", "longer"]):
+        _damage(store, first.blob_key, how)
+        broken = load(tmp_path / f"broken{number}" / "model-x.pcache", arrays, remote=store,
+                      trusted_keys=[keys["ci.pub"]])  # fmt: skip
+        assert misses(broken) == {"remote_corrupt": 1}, (how, broken.remote_error)
+        again = publish(built, store, private_key=str(keys["ci"]))
+        assert (again.uploaded, again.repaired) == (False, True), (how, again)
+        stats = load(tmp_path / f"fixed{number}" / "model-x.pcache", arrays, remote=store,
+                     trusted_keys=[keys["ci.pub"]])  # fmt: skip
+        assert (stats.remote_hits, stats.stored, misses(stats)) == (1, 0, {}), (how, stats.remote_error)
+    kept = publish(built, store, private_key=str(keys["ci"]))  # a sound blob is kept, after its bytes are hashed
+    assert (kept.uploaded, kept.repaired) == (False, False)

@@ -82,6 +82,7 @@ def every_call(store: Store, key: str, upload: str | None) -> list[Callable[[], 
     if upload is not None:
         calls.append(lambda: store.put_file(key, upload, deadline=soon(5)))
         calls.append(lambda: store.put_bytes(key, b"x", deadline=soon(5), if_match=None))
+        calls.append(lambda: store.replace_file(key, upload, deadline=soon(5), if_match=None))
     return calls
 
 
@@ -116,6 +117,25 @@ def test_put_file_is_create_only_and_never_overwrites(store: Store, tmp_path: Pa
     assert store.put_file("blobs/sha256/x.pcache", str(tmp_path / "a.pcache"), deadline=soon()) is True
     assert store.put_file("blobs/sha256/x.pcache", str(tmp_path / "b.pcache"), deadline=soon()) is False
     assert store.get("blobs/sha256/x.pcache", deadline=soon(), max_bytes=1 << 20)[0] == first
+
+
+def test_replace_file_overwrites_on_the_current_etag_or_unconditionally_and_conflicts_on_a_stale_one(
+    store: Store, tmp_path: Path
+) -> None:
+    """What publish repairs a damaged blob with (issue 31): a whole object replaced, never a mix."""
+    damaged = write_file(tmp_path / "a.pcache", 100_000, seed=1)
+    good = write_file(tmp_path / "b.pcache", 70_000, seed=2)
+    store.put_file("blobs/sha256/x.pcache", str(tmp_path / "a.pcache"), deadline=soon())
+    etag = store.head("blobs/sha256/x.pcache", deadline=soon()).etag
+    assert etag is not None
+    stale = reason_of(lambda: store.replace_file("blobs/sha256/x.pcache", str(tmp_path / "b.pcache"),
+                                                 deadline=soon(), if_match="0" * 32))  # fmt: skip
+    assert stale.reason == "remote_conflict"
+    assert store.get("blobs/sha256/x.pcache", deadline=soon(), max_bytes=1 << 20)[0] == damaged
+    store.replace_file("blobs/sha256/x.pcache", str(tmp_path / "b.pcache"), deadline=soon(), if_match=etag)
+    assert store.get("blobs/sha256/x.pcache", deadline=soon(), max_bytes=1 << 20)[0] == good
+    store.replace_file("blobs/sha256/x.pcache", str(tmp_path / "a.pcache"), deadline=soon(), if_match=None)
+    assert store.get("blobs/sha256/x.pcache", deadline=soon(), max_bytes=1 << 20)[0] == damaged
 
 
 def test_put_bytes_create_only_conflicts_and_keeps_the_first(store: Store) -> None:

@@ -204,13 +204,19 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
     lines = [
         f"published     {sanitize(args.file)} -> {sanitize(report.url)}",
         f"model         {report.model}   class {report.platform_class}",
-        f"blob          {report.blob_key} ({mib(report.size)}, {'uploaded' if report.uploaded else 'already there'})",
+        f"blob          {report.blob_key} ({mib(report.size)}, {_blob_state(report)})",
         f"manifest      {report.manifest_key}, generation {report.generation}, "
         + (f"signed by {', '.join(report.signers)}" if report.signers else "UNSIGNED (machines need --allow-unsigned)"),
         f"sources       {report.sources_checked} hashed again and found as the packs name them",
     ]
     out.emit(data, "\n".join(lines))
     return EXIT_OK
+
+
+def _blob_state(report: Any) -> str:
+    if report.uploaded:
+        return "uploaded"
+    return "replaced: the object there held other bytes" if report.repaired else "already there, its bytes hashed"
 
 
 def cmd_fetch(args: argparse.Namespace, out: Out) -> int:

@@ -278,6 +278,34 @@ class ObjectStore(Store):
         finally:
             os.close(fd)
 
+    def replace_file(self, key: str, path: str, *, deadline: float, if_match: str | None) -> None:
+        """See :meth:`Store.replace_file`. Up to 1 GiB: one PUT with ``If-Match`` (or none when ``if_match`` is
+        None). Larger: a multipart upload, which carries no condition (obstore sends conditional headers only
+        on single PUTs): the object is replaced whatever it holds then."""
+        check_key(key)
+        obs = self._obstore
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno_mod.EINVAL, "not a regular file", path)
+            if st.st_size <= _SINGLE_PUT_MAX:
+                data = read_all(fd, st.st_size)
+                if len(data) != st.st_size:
+                    raise OSError(errno_mod.EIO, f"{path} changed while it was read")
+                mode: Any = "overwrite" if if_match is None else {"e_tag": if_match}
+                self._call(
+                    key, "replace_file", deadline, lambda c: obs.put(c, key, data, mode=mode, use_multipart=False)
+                )
+                return
+            with open(os.dup(fd), "rb", closefd=True) as source:
+                self._call(
+                    key, "replace_file", deadline,
+                    lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4),
+                )  # fmt: skip
+        finally:
+            os.close(fd)
+
     def put_bytes(self, key: str, data: bytes, *, deadline: float, if_match: str | None) -> str:
         """See :meth:`Store.put_bytes`."""
         check_key(key)
