@@ -714,3 +714,17 @@ def test_republish_replaces_a_damaged_blob_of_any_size_and_fetches_then_succeed(
         assert (stats.remote_hits, stats.stored, misses(stats)) == (1, 0, {}), (how, stats.remote_error)
     kept = publish(built, store, private_key=str(keys["ci"]))  # a sound blob is kept, after its bytes are hashed
     assert (kept.uploaded, kept.repaired) == (False, False)
+
+
+def test_a_missing_bucket_is_a_remote_error_for_fetch_and_publish_never_nothing_published(
+    tmp_path: Path, keys: dict[str, Path], moto_env: Any
+) -> None:
+    built = tmp_path / "a" / "model-x.pcache"
+    arrays = build(built)
+    url = "s3://no-such-bucket-packcache/fleet"
+    stats = load(tmp_path / "b" / "model-x.pcache", arrays, remote=url, trusted_keys=[keys["ci.pub"]])
+    _assert_miss(stats, "remote_error", arrays)
+    assert "does not exist" in stats.remote_error, stats.remote_error
+    with pytest.raises(packcache.errors.RemoteError) as raised:
+        publish(built, url, private_key=str(keys["ci"]))
+    assert raised.value.reason == "remote_error" and "bucket" in str(raised.value), raised.value

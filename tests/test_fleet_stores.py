@@ -603,6 +603,51 @@ def test_a_missing_store_directory_is_a_remote_error_not_absent(tmp_path: Path) 
     assert not (tmp_path / "not-mounted").exists()
 
 
+def _missing_root_calls(store: Store, upload: str) -> list[Callable[[], object]]:
+    return [
+        *every_call(store, "manifests/m/pc1-x.json", upload),
+        lambda: store.get_range("blobs/b.pcache", 0, 0, deadline=soon(5)),
+        lambda: store.put_bytes("manifests/m/pc1-x.json", b"x", deadline=soon(5), if_match="0" * 32),
+        lambda: store.replace_file("blobs/b.pcache", upload, deadline=soon(5), if_match="0" * 32),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["directory", "moto"])
+def test_a_missing_bucket_or_store_directory_is_a_remote_error_on_every_call(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A bucket that does not exist (a typo, a deleted bucket, the wrong account or endpoint) is a
+    configuration problem, as a missing store directory is: never "nothing published" (issue 31)."""
+    write_file(tmp_path / "f", 1000)
+    if kind == "moto":
+        server = request.getfixturevalue("moto_env")
+        url = f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/fleet"
+        assert server.url != url
+    else:
+        url = str(tmp_path / "not-mounted")
+    with open_store(url) as store:
+        for number, call in enumerate(_missing_root_calls(store, str(tmp_path / "f"))):
+            error = reason_of(call)
+            assert error.reason == "remote_error", (number, error)
+            assert ("bucket" in str(error)) if kind == "moto" else error.errno == errno.ENOENT, (number, error)
+    assert not (tmp_path / "not-mounted").exists()
+
+
+def test_weed_mini_a_missing_bucket_is_a_remote_error_on_every_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SeaweedFS creates a bucket on a first write, so only reads meet a missing one there."""
+    with weed_server() as server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        with open_store(f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/fleet") as store:
+            for number, call in enumerate(every_call(store, "manifests/m/pc1-x.json", None)):
+                error = reason_of(call)
+                assert error.reason == "remote_error" and "bucket" in str(error), (number, error)
+        with open_store(f"{server.url}/fleet") as store:  # an existing bucket: a missing key is absent
+            assert reason_of(lambda: store.head("manifests/none.json", deadline=soon())).reason == "remote_absent"
+
+
 def test_objects_are_0644_and_directories_0755_whatever_the_umask(dstore: DirectoryStore, tmp_path: Path) -> None:
     write_file(tmp_path / "f", 10)
     old = os.umask(0o077)
