@@ -728,3 +728,41 @@ def test_a_missing_bucket_is_a_remote_error_for_fetch_and_publish_never_nothing_
     with pytest.raises(packcache.errors.RemoteError) as raised:
         publish(built, url, private_key=str(keys["ci"]))
     assert raised.value.reason == "remote_error" and "bucket" in str(raised.value), raised.value
+
+
+def test_fetch_without_loader_picks_the_loader_that_reads_the_checkpoint_of_an_hf_built_file(
+    tmp_path: Path, keys: dict[str, Path]
+) -> None:
+    """``packcache build DIR`` (the hf loader) of a llama checkpoint, published; ``packcache fetch URL --model
+    DIR`` with no ``--loader`` used to fail with the minilm loader's "hidden_act 'silu' is not supported"."""
+    import torch
+    import transformers
+
+    checkpoint = tmp_path / "ci" / "llama"
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    env = machine(tmp_path / "ci")
+    built = _cli("build", str(checkpoint), "--scheme", "int8", "--auto-class", "AutoModelForCausalLM",
+                 "--cache-dir", str(tmp_path / "ci" / "cache"), "--json", env=env)  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    store = tmp_path / "store"
+    store.mkdir()
+    published = _cli("publish", json.loads(built.stdout)["cache_file"], str(store), "--model", str(checkpoint),
+                     "--sign", str(keys["ci"]), env=env)  # fmt: skip
+    assert published.returncode == 0, published.stderr
+    other = machine(tmp_path / "b")
+    common = ["--model", str(checkpoint), "--scheme", "int8", "--trusted-key", str(keys["ci.pub"])]
+    fetched = _cli("fetch", str(store), *common, "--cache-dir", str(tmp_path / "b" / "cache"), "--json", env=other)
+    assert fetched.returncode == 0, fetched.stderr
+    report = json.loads(fetched.stdout)
+    assert report["downloaded"] is True and report["loader"] == "hf", report
+    assert Path(report["path"]).name == Path(json.loads(built.stdout)["cache_file"]).name
+    text = _cli("fetch", str(store), *common, "--cache-dir", str(tmp_path / "b" / "cache"), env=other)
+    assert text.returncode == 0 and "loader        hf" in text.stdout and "minilm" in text.stdout, text.stdout
+    explicit = _cli("fetch", str(store), *common, "--loader", "minilm", "--cache-dir", str(tmp_path / "c"), env=other)
+    assert explicit.returncode == 1 and "--loader hf" in explicit.stderr, explicit.stderr
+    assert "Traceback" not in explicit.stderr

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from .._defaults import GROUP_SIZE, GROUP_SIZES, SCHEME
-from ..errors import FormatError
+from ..errors import FormatError, RemoteError
 from ..packers import SCHEMES
 from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, mib, sanitize, seconds
 
@@ -221,44 +221,70 @@ def _blob_state(report: Any) -> str:
 
 def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
     from ..fleet.fetch import fetch, load_trusted_keys
+    from ..format import canonical_key
 
     if args.cache is None and args.model is None:
         raise UsageError("give the checkpoint (--model DIR, whose cache file is named by its content) or --cache FILE")
     scheme = chosen_scheme(args)
-    try:
-        if args.loader == "hf":
-            module: Any = importlib.import_module("packcache.hf")
-        else:
-            module = importlib.import_module("packcache.models.minilm")
-        platform = module.platform(scheme, args.group_size)
-        if args.cache is not None:
-            path = args.cache
-        elif args.loader == "hf":
-            path = str(
-                module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
-            )
-        else:
-            path = str(module.default_cache_path(scheme, model_path=args.model, group_size=args.group_size,
-                                                 cache_dir=args.cache_dir))  # fmt: skip
-    except ImportError as exc:
-        print(f"packcache fetch needs the {args.loader} extra ({exc})", file=sys.stderr)
+    # No --loader: the minilm loader's file (what run/serve --model map) when it reads the checkpoint, else, or
+    # when nothing is published under its name, the hf loader's (what build makes of any architecture).
+    # pinned by tests/test_fleet.py::
+    #   test_fetch_without_loader_picks_the_loader_that_reads_the_checkpoint_of_an_hf_built_file
+    targets: list[tuple[str, str, bytes]] = []
+    refused: list[str] = []
+    for loader in [args.loader] if args.loader else ["minilm", "hf"]:
+        try:
+            if loader == "hf":
+                module: Any = importlib.import_module("packcache.hf")
+            else:
+                module = importlib.import_module("packcache.models.minilm")
+            platform = canonical_key(module.platform(scheme, args.group_size))
+            if args.cache is not None:
+                path = args.cache
+            elif loader == "hf":
+                path = str(
+                    module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
+                )
+            else:
+                path = str(module.default_cache_path(scheme, model_path=args.model, group_size=args.group_size,
+                                                     cache_dir=args.cache_dir))  # fmt: skip
+        except ImportError as exc:
+            refused.append(f"the {loader} loader needs its extra ({exc})")
+            continue
+        except (ValueError, FormatError, OSError) as exc:
+            refused.append(f"the {loader} loader cannot read the checkpoint: {sanitize(str(exc))}")
+            continue
+        if all((path, platform) != (p, f) for _, p, f in targets):
+            targets.append((loader, path, platform))
+    if not targets:
+        hint = " (a checkpoint of another architecture than BERT: --loader hf, as build makes it)" * (
+            args.loader == "minilm"
+        )
+        print(f"packcache fetch: {'; '.join(refused)}{hint}", file=sys.stderr)
         return EXIT_FAILED
-    except (ValueError, FormatError, OSError) as exc:
-        print(f"packcache fetch: cannot read the checkpoint: {sanitize(str(exc))}", file=sys.stderr)
-        return EXIT_FAILED
-    from ..format import canonical_key
-
-    report = fetch(
-        args.url, path, platform=canonical_key(platform), trusted_keys=load_trusted_keys(args.trusted_key),
-        allow_unsigned=args.allow_unsigned, timeout=args.timeout,
-    )  # fmt: skip
+    trusted = load_trusted_keys(args.trusted_key)
+    absent: list[str] = []
+    for number, (loader, path, platform) in enumerate(targets):
+        try:
+            report = fetch(args.url, path, platform=platform, trusted_keys=trusted,
+                           allow_unsigned=args.allow_unsigned, timeout=args.timeout)  # fmt: skip
+        except RemoteError as exc:
+            if exc.reason != "remote_absent" or (not absent and number == len(targets) - 1):
+                raise
+            absent.append(f"the {loader} loader's file: {exc}")
+            if number == len(targets) - 1:
+                raise RemoteError("remote_absent", "nothing published for " + "; nor for ".join(absent)) from None
+            continue
+        break
+    why = "as --loader says" if args.loader else "; ".join([*refused, *absent]) or "it reads the checkpoint"
     lines = [
         f"{'fetched' if report.downloaded else 'up to date'}    {sanitize(report.path)}",
         f"from          {sanitize(report.url)}: {report.model}, class {report.platform_class}, "
         f"generation {report.generation}" + (f", signed by {report.signed_by}" if report.signed_by else ", unsigned"),
+        f"loader        {loader} ({why})",
         f"read          {mib(report.bytes)} in {report.seconds:.2f} s",
     ]
-    out.emit(report.to_json(), "\n".join(lines))
+    out.emit({**report.to_json(), "loader": loader}, "\n".join(lines))
     return EXIT_OK
 
 
@@ -303,8 +329,9 @@ def add_store_parsers(sub: Any) -> None:
     fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
     fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
     fetch.add_argument(
-        "--loader", choices=("minilm", "hf"), default="minilm",
-        help="whose cache file: minilm (default; run/serve --model, build --loader minilm) or hf (build)",
+        "--loader", choices=("minilm", "hf"), default=None,
+        help="whose cache file: minilm (run/serve --model, build --loader minilm) or hf (build's default). Default: "
+        "minilm when it reads the checkpoint and a file is published under its name, else hf (the output says which)",
     )  # fmt: skip
     fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default=SCHEME, help="weight scheme (default auto)")
     fetch.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
