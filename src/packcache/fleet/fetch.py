@@ -54,7 +54,7 @@ from .platform import platform_class
 from .publish import model_of
 from .stores import Store, open_store
 
-__all__ = ["FetchReport", "accepted_generation", "fetch", "load_trusted_keys", "state_dir"]
+__all__ = ["FetchReport", "accepted_generation", "fetch", "last_accepted", "load_trusted_keys", "state_dir"]
 
 _MARGIN = 1 << 20  # free space to leave besides the blob
 _STATE_MAX_BYTES = 4096
@@ -282,6 +282,12 @@ def _lock_error(name: str, exc: OSError) -> RemoteError:
 def _state_path(url: str, model: str, cls: str) -> str:
     digest = hashlib.sha256(f"{url.rstrip('/')}\0{model}\0{cls}".encode()).hexdigest()[:32]
     return os.path.join(state_dir(), f"{digest}.json")
+
+
+def last_accepted(url: str, model: str, platform_class: str) -> tuple[int, str] | None:
+    """The generation and blob sha256 this user last accepted from the store at ``url`` for (model, class),
+    the record fetch checks a manifest against (probe reads it too, never writes it)."""
+    return accepted_generation(_state_path(url, model, platform_class))
 
 
 def accepted_generation(path: str) -> tuple[int, str] | None:

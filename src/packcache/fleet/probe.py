@@ -368,7 +368,7 @@ def probe_url(
     Raises:
         RemoteError: the store failed, or holds no object at the key (``remote_absent``).
     """
-    from .fetch import _state_path, accepted_generation
+    from .fetch import last_accepted
     from .manifest import MAX_ENVELOPE_BYTES, check_manifest, manifest_key
     from .stores import open_store
 
@@ -398,7 +398,7 @@ def probe_url(
         except ValueError as exc:
             return ProbeReport(Verdict.NOT_APPLICABLE, [f"fetch never reads it: {exc}"], source=url)
         data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
-        accepted = accepted_generation(_state_path(root, model, cls))
+        accepted = last_accepted(root, model, cls)
 
         def refused(exc: RemoteError, *more: str, **figures: Any) -> ProbeReport:
             return ProbeReport(Verdict.REFUSED, [f"fetch refuses it: {exc}", *more], model=model, source=url,
