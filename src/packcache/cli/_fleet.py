@@ -296,7 +296,10 @@ def add_store_parsers(sub: Any) -> None:
         "signed manifest",
         description="Verify FILE, hash every source its packs name again (found under --model, where this user last "
         "hashed it, or in the Hugging Face hub cache), upload it create-only to URL/blobs/sha256/<hex>.pcache and "
-        "write URL/manifests/<model>/<class>.json with a conditional put (docs/FLEET.md).",
+        "write URL/manifests/<model>/<class>.json with a conditional put (docs/FLEET.md). An object already at the "
+        "blob's address is read back whole and hashed (one read of the blob); a damaged one is replaced by a "
+        "conditional PUT (If-Match), which the bucket policy must allow for blobs/. Exit 1 with remote_conflict "
+        "when another publisher won the race for the manifest: run it again.",
     )
     publish.add_argument("file", help="the cache file (built by build, run or serve)")
     publish.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")

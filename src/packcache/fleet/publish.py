@@ -240,31 +240,42 @@ def _holds(store: Any, blob: str, sha256: str, size: int, deadline: float) -> tu
 
 def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadline: float, url: str) -> bool:
     """Make the object at ``blob`` (which ``put_file`` found there) the file at ``path``: kept when it
-    holds its bytes, else replaced (conditionally on the damaged object's ETag, where there is one).
-    Returns whether it was replaced.
+    holds its bytes, else replaced (conditionally on the damaged object's ETag, where there is one) and
+    read back again. Returns whether it was replaced (or uploaded again, if it vanished meanwhile).
 
     Raises:
         RemoteError: the store refused the replacement (a bucket policy that allows only create-only writes
-            to blobs: the message says what a repair needs), or still holds other bytes after it.
+            to blobs: the message says what a repair needs), or the object kept changing (``remote_conflict``).
     """
     # pinned by tests/test_fleet.py::test_republish_replaces_a_damaged_blob_of_any_size_and_fetches_then_succeed
-    good, etag = _holds(store, blob, sha256, size, deadline)
-    if good:
-        return False
     where = f"{url.rstrip('/')}/{blob}"
-    try:
-        store.replace_file(blob, path, deadline=deadline, if_match=etag)
-    except RemoteError as exc:
-        if exc.reason == "remote_conflict" and _holds(store, blob, sha256, size, deadline)[0]:
-            return True  # another publisher repaired it meanwhile
-        raise RemoteError(
-            exc.reason, f"the object at the blob's content address holds other bytes (damaged) and replacing it "
-            f"failed: {exc}. A repair overwrites it with a conditional PUT (If-Match on its ETag): the bucket "
-            "policy must allow that for blobs/, or delete the object and publish again", url=where,
-        ) from exc  # fmt: skip
-    if not _holds(store, blob, sha256, size, deadline)[0]:
-        raise RemoteError("remote_corrupt", "the store still holds other bytes after the blob was replaced", url=where)
-    return True
+    replaced = False
+    for _ in range(4):  # read back; replace; read back (again, if another writer changed it meanwhile)
+        try:
+            good, etag = _holds(store, blob, sha256, size, deadline)
+        except RemoteError as exc:
+            if exc.reason != "remote_absent":
+                raise
+            if store.put_file(blob, path, deadline=deadline):  # removed meanwhile: uploaded afresh
+                return True
+            continue
+        if good:
+            return replaced
+        try:
+            store.replace_file(blob, path, deadline=deadline, if_match=etag)
+        except RemoteError as exc:
+            if exc.reason == "remote_conflict":
+                continue  # it changed since it was read: look again
+            raise RemoteError(
+                exc.reason, f"the object at the blob's content address holds other bytes (damaged) and replacing "
+                f"it failed: {exc}. A repair overwrites it with a conditional PUT (If-Match on its ETag): the bucket "
+                "policy must allow that for blobs/, or delete the object and publish again", url=where,
+            ) from exc  # fmt: skip
+        replaced = True
+    raise RemoteError(
+        "remote_conflict", "the object at the blob's content address kept changing while it was repaired "
+        "(another writer?): run it again", url=where,
+    )  # fmt: skip
 
 
 def _default_builder() -> str:
