@@ -438,6 +438,8 @@ def _hostile_manifests(
         ("rolled back", sign(made(generation=1), ci)),
         ("same generation, another blob", sign(made(blob_sha256="0" * 64), ci)),
         ("another size than its blob", sign(made(generation=3, size=len(blob) + 4096), ci)),
+        ("unsigned, and another size than its blob", encode_unsigned(made(generation=3, size=len(blob) + 4096))),
+        ("unsigned, and expired", encode_unsigned(made(generation=3, created=1000, expires=2000))),
     ]
 
 

@@ -400,26 +400,28 @@ def probe_url(
         data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
         accepted = last_accepted(root, model, cls)
 
-        def refused(exc: RemoteError, *more: str, **figures: Any) -> ProbeReport:
-            return ProbeReport(Verdict.REFUSED, [f"fetch refuses it: {exc}", *more], model=model, source=url,
-                               remote_reason=exc.reason, **figures)  # fmt: skip
-
         # pinned by tests/test_fleet_probe.py::
-
         #   test_probe_refuses_exactly_the_manifests_fetch_refuses_and_names_the_same_reason
-        unverified: RemoteError | None = None
+        unverified: RemoteError | None = None  # fetch's first refusal when no trusted key signed it
+
+        def refused(exc: RemoteError, **figures: Any) -> ProbeReport:
+            first = unverified or exc
+            then = [f"and with unsigned manifests allowed: {exc}"] * (str(exc) != str(first))
+            return ProbeReport(Verdict.REFUSED, [f"fetch refuses it: {first}", *then], model=model, source=url,
+                               remote_reason=first.reason, **figures)  # fmt: skip
+
         try:
             manifest, signer = check_manifest(data, model=model, platform_class=cls, trusted_keys=trusted_keys,
                                               allow_unsigned=False, accepted=accepted, url=url)  # fmt: skip
         except RemoteError as exc:
             if exc.reason != "remote_untrusted":
                 return refused(exc)
-            try:  # what else fetch would refuse, were unsigned manifests allowed
+            unverified = exc
+            try:  # what else fetch would refuse, were unsigned manifests allowed (a tampered one: again)
                 manifest, signer = check_manifest(data, model=model, platform_class=cls, trusted_keys=trusted_keys,
                                                   allow_unsigned=True, accepted=accepted, url=url)  # fmt: skip
             except RemoteError as again:
-                return refused(exc, *([f"and with unsigned manifests allowed: {again}"] * (again is not exc)))
-            unverified = exc
+                return refused(again)
         figures: dict[str, Any] = {"manifest_generation": manifest.generation, "signer": signer}
         blob = manifest.blob_key
         size = store.head(blob, deadline=deadline).size
