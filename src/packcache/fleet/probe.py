@@ -427,7 +427,7 @@ def probe_url(
         size = store.head(blob, deadline=deadline).size
         if size != manifest.size:
             why = f"its blob holds {size} bytes, the manifest says {manifest.size}"
-            return refused(RemoteError("remote_corrupt", why, url=f"{root}/{blob}"), **figures)
+            return refused(RemoteError("remote_corrupt", why, url=f"{store.url}/{blob}"), **figures)
         report = probe_bytes(read(blob), expected_platform=expected_platform, model=manifest.model,
                              expected_model=expected_model, size=size, source=url)  # fmt: skip
         report = dataclasses.replace(report, **figures)
@@ -436,7 +436,7 @@ def probe_url(
                 f"its blob's header is of platform class {report.platform_class}, "
                 f"the manifest's {manifest.platform_class}"
             )
-            return dataclasses.replace(refused(RemoteError("remote_incompatible", why, url=f"{root}/{blob}")),
+            return dataclasses.replace(refused(RemoteError("remote_incompatible", why, url=f"{store.url}/{blob}")),
                                        **figures, **_figures_of(report))  # fmt: skip
         blob_reason = {Verdict.INCOMPATIBLE: "remote_incompatible", Verdict.NOT_APPLICABLE: "remote_corrupt"}
         reason = unverified.reason if unverified is not None else blob_reason.get(report.verdict)

@@ -177,7 +177,7 @@ def publish(
                 manifest_name = manifest_key(model, cls)
                 blob = f"blobs/sha256/{sha256}.pcache"
                 uploaded = store.put_file(blob, real, deadline=deadline)
-                repaired = not uploaded and _repair_blob(store, blob, real, sha256, size, deadline, url)
+                repaired = not uploaded and _repair_blob(store, blob, real, sha256, size, deadline)
                 previous, etag = _current_generation(store, manifest_name, deadline)
                 now = int(time.time())
                 manifest = Manifest(
@@ -204,7 +204,7 @@ def publish(
                     raise RemoteError(
                         "remote_conflict", f"another publisher won: {manifest_name} changed after this publish read "
                         f"{f'its generation {previous}' if etag else 'that there was none'} (the blob is in place); "
-                        "run it again: it publishes the next generation over the winner's", url=url,
+                        "run it again: it publishes the next generation over the winner's", url=store.url,
                     ) from exc  # fmt: skip
         finally:
             os.close(lock_fd)
@@ -238,7 +238,7 @@ def _holds(store: Any, blob: str, sha256: str, size: int, deadline: float) -> tu
     return good, info.etag if info.etag is not None or good else store.head(blob, deadline=deadline).etag
 
 
-def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadline: float, url: str) -> bool:
+def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadline: float) -> bool:
     """Make the object at ``blob`` (which ``put_file`` found there) the file at ``path``: kept when it
     holds its bytes, else replaced (conditionally on the damaged object's ETag, where there is one) and
     read back again. Returns whether it was replaced (or uploaded again, if it vanished meanwhile).
@@ -248,7 +248,7 @@ def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadl
             to blobs: the message says what a repair needs), or the object kept changing (``remote_conflict``).
     """
     # pinned by tests/test_fleet.py::test_republish_replaces_a_damaged_blob_of_any_size_and_fetches_then_succeed
-    where = f"{url.rstrip('/')}/{blob}"
+    where = f"{store.url.rstrip('/')}/{blob}"  # redacted, as the store shows it
     replaced = False
     for _ in range(4):  # read back; replace; read back (again, if another writer changed it meanwhile)
         try:
