@@ -685,18 +685,28 @@ def _damage(store: str, blob_key: str, how: str) -> None:
         path.write_bytes(damaged)
 
 
-@pytest.mark.parametrize("kind", ["directory", "moto"])
+@pytest.mark.parametrize("kind", ["directory", "moto", "weed"])
 def test_republish_replaces_a_damaged_blob_of_any_size_and_fetches_then_succeed(
-    tmp_path: Path, keys: dict[str, Path], kind: str, request: pytest.FixtureRequest
+    tmp_path: Path, keys: dict[str, Path], kind: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An object at the blob's content address is taken as the blob only once its bytes hash to it: a
-    damaged one (same size, shorter, longer) is replaced by the next publish, and fetches succeed again."""
+    damaged one (same size, shorter, longer) is replaced by the next publish (a conditional PUT on its
+    ETag, which SeaweedFS enforces too), and fetches succeed again."""
+    import uuid
+
+    from harness.s3server import weed_server
+
     built = tmp_path / "a" / "model-x.pcache"
     arrays = build(built)
+    servers = contextlib.ExitStack()
+    request.addfinalizer(servers.close)
     if kind == "moto":
-        import uuid
-
         store = f"{request.getfixturevalue('moto_env').url}/{uuid.uuid4().hex}"
+    elif kind == "weed":
+        server = servers.enter_context(weed_server())
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        store = f"{server.url}/{uuid.uuid4().hex}"
     else:
         store = str(tmp_path / "store")
         os.mkdir(store)
