@@ -325,7 +325,9 @@ def add_store_parsers(sub: Any) -> None:
         help="fetch the published cache file of a checkpoint from a store, checked (an init container's step)",
         description="Read URL's manifest for the checkpoint's cache file and this machine's platform class, check "
         "its signature, expiry and generation, download the blob beside the local file while hashing it, verify "
-        "it and rename it into place. Exit 1 with the miss reason when the store cannot give it (docs/FLEET.md).",
+        "it and rename it into place. Exit 1 with the miss reason when the store cannot give it (docs/FLEET.md): "
+        "remote_absent is nothing published; a missing bucket, container or store directory is remote_error (a "
+        "plain http(s):// store cannot tell a wrong prefix from nothing published).",
     )
     fetch.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
     fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
