@@ -448,12 +448,17 @@ def test_two_publishers_racing_one_wins_the_other_gets_remote_conflict(tmp_path:
         f"    print(p.publish(sys.argv[1], {store!r}, private_key={str(keys['ci'])!r}).generation)\n"
         "except Exception as e:\n"
         "    print(getattr(e, 'reason', type(e).__name__))\n"
+        "    print(str(e).replace(chr(10), ' '))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True, env=env)
              for path in (built, twin)]  # fmt: skip
-    outcomes = sorted(proc.communicate(timeout=60)[0].strip() for proc in procs)
+    outputs = sorted(proc.communicate(timeout=60)[0].strip().splitlines() for proc in procs)
+    outcomes = [lines[0] for lines in outputs]
     assert outcomes == ["1", "remote_conflict"], outcomes
+    # the loser is told what happened and what to do (issue 31: it never said so)
+    lost = outputs[1][1]
+    assert "another publisher" in lost and "run it again" in lost, lost
 
 
 def test_publish_refuses_a_file_with_superseded_bytes_or_sources_it_cannot_find(
@@ -620,3 +625,154 @@ def test_a_fetched_file_gets_the_modes_the_cache_would_have_made_it_with(tmp_pat
     assert stats.remote_hits == 1 and stats.stored == 0
     assert (local.stat().st_mode & 0o777, local.parent.stat().st_mode & 0o777) == (0o644, 0o755)
     assert Path(f"{local}.lock").stat().st_mode & 0o777 == 0o644
+
+
+# --------------------------------------------------------------------------- key rotation, repair (issue 31)
+
+
+def test_key_rotation_by_cli_machines_trusting_old_new_or_both_accept_the_dual_signed_manifest(
+    tmp_path: Path,
+) -> None:
+    """``publish --sign OLD --sign NEW`` signs with both: machines that still trust only the old key, those
+    that trust only the new one, and those with both all take the manifest (docs/FLEET.md, rotation)."""
+    keydir = tmp_path / "keys"
+    keydir.mkdir()
+    for name in ("old", "new"):
+        made = _cli("keygen", str(keydir / f"{name}.pem"))
+        assert made.returncode == 0, made.stderr
+    builder = machine(tmp_path / "ci")
+    checkpoint = tiny_bert(tmp_path / "ci" / "ckpt", seed=3, layers=1)
+    built = _cli("build", str(checkpoint), "--loader", "minilm", "--scheme", "int8", "--cache-dir",
+                 str(tmp_path / "ci" / "cache"), "--json", env=builder)  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    store = tmp_path / "store"
+    store.mkdir()
+    signs = ["--sign", str(keydir / "old.pem"), "--sign", str(keydir / "new.pem")]
+    published = _cli("publish", json.loads(built.stdout)["cache_file"], str(store), "--model", str(checkpoint),
+                     *signs, "--json", env=builder)  # fmt: skip
+    assert published.returncode == 0, published.stderr
+    envelope = json.loads((store / json.loads(published.stdout)["manifest_key"]).read_bytes())
+    assert len(envelope["signatures"]) == 2, envelope["signatures"]
+    for trusting in (["old"], ["new"], ["old", "new"]):
+        env = machine(tmp_path / "-".join(trusting))
+        keys_given = [arg for name in trusting for arg in ("--trusted-key", str(keydir / f"{name}.pub.pem"))]
+        fetched = _cli("fetch", str(store), "--model", str(checkpoint), "--scheme", "int8", "--cache-dir",
+                       str(tmp_path / "-".join(trusting) / "cache"), *keys_given, "--json", env=env)  # fmt: skip
+        assert fetched.returncode == 0, (trusting, fetched.stderr)
+        assert json.loads(fetched.stdout)["downloaded"] is True
+
+
+def _damage(store: str, blob_key: str, how: str) -> None:
+    """Write other bytes over the published blob, in place, as a bad disk or a hand-made upload would."""
+    import obstore
+    import obstore.store
+
+    if store.startswith("s3://"):
+        client = obstore.store.from_url(store, client_options={"allow_http": True})
+        data = bytes(obstore.get(client, blob_key).bytes())
+    else:
+        data = (Path(store) / blob_key).read_bytes()
+    damaged = {
+        "same size": data[:5000] + bytes(b ^ 0xFF for b in data[5000:5100]) + data[5100:],
+        "shorter": data[: len(data) // 2],
+        "longer": data + b"\0" * 4096,
+    }[how]
+    if store.startswith("s3://"):
+        obstore.put(client, blob_key, damaged)
+    else:
+        path = Path(store) / blob_key
+        path.chmod(0o644)
+        path.write_bytes(damaged)
+
+
+@pytest.mark.parametrize("kind", ["directory", "moto", "weed"])
+def test_republish_replaces_a_damaged_blob_of_any_size_and_fetches_then_succeed(
+    tmp_path: Path, keys: dict[str, Path], kind: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object at the blob's content address is taken as the blob only once its bytes hash to it: a
+    damaged one (same size, shorter, longer) is replaced by the next publish (a conditional PUT on its
+    ETag, which SeaweedFS enforces too), and fetches succeed again."""
+    import uuid
+
+    from harness.s3server import weed_server
+
+    built = tmp_path / "a" / "model-x.pcache"
+    arrays = build(built)
+    servers = contextlib.ExitStack()
+    request.addfinalizer(servers.close)
+    if kind == "moto":
+        store = f"{request.getfixturevalue('moto_env').url}/{uuid.uuid4().hex}"
+    elif kind == "weed":
+        server = servers.enter_context(weed_server())
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        store = f"{server.url}/{uuid.uuid4().hex}"
+    else:
+        store = str(tmp_path / "store")
+        os.mkdir(store)
+    first = publish(built, store, private_key=str(keys["ci"]))
+    assert (first.uploaded, first.repaired) == (True, False)
+    for number, how in enumerate(["same size", "shorter", "longer"]):
+        _damage(store, first.blob_key, how)
+        broken = load(tmp_path / f"broken{number}" / "model-x.pcache", arrays, remote=store,
+                      trusted_keys=[keys["ci.pub"]])  # fmt: skip
+        assert misses(broken) == {"remote_corrupt": 1}, (how, broken.remote_error)
+        again = publish(built, store, private_key=str(keys["ci"]))
+        assert (again.uploaded, again.repaired) == (False, True), (how, again)
+        stats = load(tmp_path / f"fixed{number}" / "model-x.pcache", arrays, remote=store,
+                     trusted_keys=[keys["ci.pub"]])  # fmt: skip
+        assert (stats.remote_hits, stats.stored, misses(stats)) == (1, 0, {}), (how, stats.remote_error)
+    kept = publish(built, store, private_key=str(keys["ci"]))  # a sound blob is kept, after its bytes are hashed
+    assert (kept.uploaded, kept.repaired) == (False, False)
+
+
+def test_a_missing_bucket_is_a_remote_error_for_fetch_and_publish_never_nothing_published(
+    tmp_path: Path, keys: dict[str, Path], moto_env: Any
+) -> None:
+    built = tmp_path / "a" / "model-x.pcache"
+    arrays = build(built)
+    url = "s3://no-such-bucket-packcache/fleet"
+    stats = load(tmp_path / "b" / "model-x.pcache", arrays, remote=url, trusted_keys=[keys["ci.pub"]])
+    _assert_miss(stats, "remote_error", arrays)
+    assert "does not exist" in stats.remote_error, stats.remote_error
+    with pytest.raises(packcache.errors.RemoteError) as raised:
+        publish(built, url, private_key=str(keys["ci"]))
+    assert raised.value.reason == "remote_error" and "bucket" in str(raised.value), raised.value
+
+
+def test_fetch_without_loader_picks_the_loader_that_reads_the_checkpoint_of_an_hf_built_file(
+    tmp_path: Path, keys: dict[str, Path]
+) -> None:
+    """``packcache build DIR`` (the hf loader) of a llama checkpoint, published; ``packcache fetch URL --model
+    DIR`` with no ``--loader`` used to fail with the minilm loader's "hidden_act 'silu' is not supported"."""
+    import torch
+    import transformers
+
+    checkpoint = tmp_path / "ci" / "llama"
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    env = machine(tmp_path / "ci")
+    built = _cli("build", str(checkpoint), "--scheme", "int8", "--auto-class", "AutoModelForCausalLM",
+                 "--cache-dir", str(tmp_path / "ci" / "cache"), "--json", env=env)  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    store = tmp_path / "store"
+    store.mkdir()
+    published = _cli("publish", json.loads(built.stdout)["cache_file"], str(store), "--model", str(checkpoint),
+                     "--sign", str(keys["ci"]), env=env)  # fmt: skip
+    assert published.returncode == 0, published.stderr
+    other = machine(tmp_path / "b")
+    common = ["--model", str(checkpoint), "--scheme", "int8", "--trusted-key", str(keys["ci.pub"])]
+    fetched = _cli("fetch", str(store), *common, "--cache-dir", str(tmp_path / "b" / "cache"), "--json", env=other)
+    assert fetched.returncode == 0, fetched.stderr
+    report = json.loads(fetched.stdout)
+    assert report["downloaded"] is True and report["loader"] == "hf", report
+    assert Path(report["path"]).name == Path(json.loads(built.stdout)["cache_file"]).name
+    text = _cli("fetch", str(store), *common, "--cache-dir", str(tmp_path / "b" / "cache"), env=other)
+    assert text.returncode == 0 and "loader        hf" in text.stdout and "minilm" in text.stdout, text.stdout
+    explicit = _cli("fetch", str(store), *common, "--loader", "minilm", "--cache-dir", str(tmp_path / "c"), env=other)
+    assert explicit.returncode == 1 and "--loader hf" in explicit.stderr, explicit.stderr
+    assert "Traceback" not in explicit.stderr

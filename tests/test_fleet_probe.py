@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -389,3 +390,116 @@ def test_the_text_output_leads_with_the_verdict_and_names_each_difference(
     assert any(line.startswith("reason        packers[torch.int4wo].fingerprint: ") for line in lines)
     assert main(["probe", str(built["here"])]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "verdict       compatible"
+
+
+# --------------------------------------------------------------------------- probe and fetch agree (issue 31)
+
+
+@pytest.fixture(scope="module")
+def signing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from packcache.fleet.manifest import generate_key, public_path_for
+
+    directory = tmp_path_factory.mktemp("keys")
+    made = {}
+    for name in ("ci", "other"):
+        generate_key(directory / f"{name}.pem")
+        made[name], made[f"{name}.pub"] = directory / f"{name}.pem", Path(public_path_for(directory / f"{name}.pem"))
+    return made
+
+
+def _hostile_manifests(
+    blob: bytes, model: str, cls: str, signing: dict[str, Path]
+) -> list[tuple[str, bytes]]:  # fmt: skip
+    """(case, envelope) in the order they are put at ``manifests/<model>/<cls>.json``: the first is good
+    (fetch accepts it and records its generation 2), the rest each break one rule fetch applies."""
+    import hashlib
+
+    from packcache.fleet.manifest import Manifest, encode_unsigned, sign
+
+    ci, other = signing["ci"].read_bytes(), signing["other"].read_bytes()
+    sha = hashlib.sha256(blob).hexdigest()
+
+    def made(**changes: Any) -> Manifest:
+        fields = {"model": model, "platform_class": cls, "blob_sha256": sha, "size": len(blob), "generation": 2,
+                  "created": int(time.time()) - 60, "expires": int(time.time()) + 3600, "builder": "ci"}  # fmt: skip
+        return Manifest(**{**fields, **changes})
+
+    tampered = json.loads(sign(made(generation=3), ci))
+    tampered["manifest"]["generation"] = 9
+    return [
+        ("good", sign(made(), ci)),
+        ("another model under this key", sign(made(model="model-b", generation=3), ci)),
+        ("another class under this key", sign(made(platform_class="pc1-" + "f" * 32, generation=3), ci)),
+        ("expired", sign(made(generation=3, created=1000, expires=2000), ci)),
+        ("changed after signing", json.dumps(tampered).encode()),
+        ("unsigned", encode_unsigned(made(generation=3))),
+        ("signed by another key", sign(made(generation=3), other)),
+        ("malformed", b'{"manifest": {"generation": 3}, "signatures": []}'),
+        ("rolled back", sign(made(generation=1), ci)),
+        ("same generation, another blob", sign(made(blob_sha256="0" * 64), ci)),
+        ("another size than its blob", sign(made(generation=3, size=len(blob) + 4096), ci)),
+        ("unsigned, and another size than its blob", encode_unsigned(made(generation=3, size=len(blob) + 4096))),
+        ("unsigned, and expired", encode_unsigned(made(generation=3, created=1000, expires=2000))),
+    ]
+
+
+def test_probe_refuses_exactly_the_manifests_fetch_refuses_and_names_the_same_reason(
+    built: dict[str, Path], signing: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """A manifest is probed by the one function fetch checks it with: on each hostile manifest the probe's
+    exit is 0 exactly when a real fetch takes it, and its ``remote_reason`` is the reason fetch refuses with."""
+    import hashlib
+
+    from packcache.errors import RemoteError
+    from packcache.fleet.fetch import fetch
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # one machine user: its accepted generations
+    blob = built["here"].read_bytes()
+    model = built["here"].name.removesuffix(".pcache")
+    platform = fmt.canonical_key(minilm.platform("int4"))
+    cls = platform_class(platform)
+    store = tmp_path / "store"
+    (store / "blobs" / "sha256").mkdir(parents=True)
+    (store / "blobs" / "sha256" / f"{hashlib.sha256(blob).hexdigest()}.pcache").write_bytes(blob)
+    (store / "manifests" / model).mkdir(parents=True)
+    url = f"file://{store}"
+    seen = []
+    for number, (case, envelope) in enumerate(_hostile_manifests(blob, model, cls, signing)):
+        (store / "manifests" / model / f"{cls}.json").write_bytes(envelope)
+        code, report = probe_cli(capsys, f"{url}/manifests/{model}/{cls}.json", "--trusted-key", str(signing["ci.pub"]))
+        try:
+            fetch(url, tmp_path / f"m{number}" / f"{model}.pcache", platform=platform,
+                  trusted_keys=[signing["ci.pub"].read_bytes()], timeout=30)  # fmt: skip
+            reason = None
+        except RemoteError as exc:
+            reason = exc.reason
+        seen.append((case, code, report.get("remote_reason"), reason))
+        assert (code == 0) == (reason is None), (case, code, report["reasons"], reason)
+        assert report.get("remote_reason") == reason, (case, report["reasons"], reason)
+        if reason is not None:
+            assert report["verdict"] in ("refused", "unverified"), (case, report)
+    assert seen[0][1:] == (0, None, None) and all(r is not None for _, _, _, r in seen[1:]), seen
+
+
+def test_a_probed_manifest_shows_its_own_generation_and_names_its_signers_when_no_key_is_trusted(
+    built: dict[str, Path], signing: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from packcache.fleet.manifest import key_id
+    from packcache.fleet.publish import publish
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    store = tmp_path / "store"
+    store.mkdir()
+    for _ in range(3):
+        report = publish(built["here"], str(store), private_key=str(signing["ci"]), sources=[str(built["checkpoint"])])
+    url = f"file://{store}/{report.manifest_key}"
+    code, probed = probe_cli(capsys, url, "--trusted-key", str(signing["ci.pub"]))
+    assert (code, probed["manifest_generation"]) == (0, 3), probed
+    assert main(["probe", url, "--trusted-key", str(signing["ci.pub"])]) == 0
+    assert "manifest      generation 3" in capsys.readouterr().out
+    code, probed = probe_cli(capsys, url)  # no --trusted-key: the manifest IS signed, and says by whom
+    signer = key_id(signing["ci.pub"].read_bytes())
+    assert code == 6 and signer in probed["reasons"][0] and "--trusted-key" in probed["reasons"][0], probed
+    assert "unsigned manifests are not allowed" not in probed["reasons"][0]

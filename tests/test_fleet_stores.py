@@ -82,6 +82,7 @@ def every_call(store: Store, key: str, upload: str | None) -> list[Callable[[], 
     if upload is not None:
         calls.append(lambda: store.put_file(key, upload, deadline=soon(5)))
         calls.append(lambda: store.put_bytes(key, b"x", deadline=soon(5), if_match=None))
+        calls.append(lambda: store.replace_file(key, upload, deadline=soon(5), if_match=None))
     return calls
 
 
@@ -116,6 +117,25 @@ def test_put_file_is_create_only_and_never_overwrites(store: Store, tmp_path: Pa
     assert store.put_file("blobs/sha256/x.pcache", str(tmp_path / "a.pcache"), deadline=soon()) is True
     assert store.put_file("blobs/sha256/x.pcache", str(tmp_path / "b.pcache"), deadline=soon()) is False
     assert store.get("blobs/sha256/x.pcache", deadline=soon(), max_bytes=1 << 20)[0] == first
+
+
+def test_replace_file_overwrites_on_the_current_etag_or_unconditionally_and_conflicts_on_a_stale_one(
+    store: Store, tmp_path: Path
+) -> None:
+    """What publish repairs a damaged blob with (issue 31): a whole object replaced, never a mix."""
+    damaged = write_file(tmp_path / "a.pcache", 100_000, seed=1)
+    good = write_file(tmp_path / "b.pcache", 70_000, seed=2)
+    store.put_file("blobs/sha256/x.pcache", str(tmp_path / "a.pcache"), deadline=soon())
+    etag = store.head("blobs/sha256/x.pcache", deadline=soon()).etag
+    assert etag is not None
+    stale = reason_of(lambda: store.replace_file("blobs/sha256/x.pcache", str(tmp_path / "b.pcache"),
+                                                 deadline=soon(), if_match="0" * 32))  # fmt: skip
+    assert stale.reason == "remote_conflict"
+    assert store.get("blobs/sha256/x.pcache", deadline=soon(), max_bytes=1 << 20)[0] == damaged
+    store.replace_file("blobs/sha256/x.pcache", str(tmp_path / "b.pcache"), deadline=soon(), if_match=etag)
+    assert store.get("blobs/sha256/x.pcache", deadline=soon(), max_bytes=1 << 20)[0] == good
+    store.replace_file("blobs/sha256/x.pcache", str(tmp_path / "a.pcache"), deadline=soon(), if_match=None)
+    assert store.get("blobs/sha256/x.pcache", deadline=soon(), max_bytes=1 << 20)[0] == damaged
 
 
 def test_put_bytes_create_only_conflicts_and_keeps_the_first(store: Store) -> None:
@@ -581,6 +601,51 @@ def test_a_missing_store_directory_is_a_remote_error_not_absent(tmp_path: Path) 
         error = reason_of(call)
         assert error.reason == "remote_error" and error.errno == errno.ENOENT, error
     assert not (tmp_path / "not-mounted").exists()
+
+
+def _missing_root_calls(store: Store, upload: str) -> list[Callable[[], object]]:
+    return [
+        *every_call(store, "manifests/m/pc1-x.json", upload),
+        lambda: store.get_range("blobs/b.pcache", 0, 0, deadline=soon(5)),
+        lambda: store.put_bytes("manifests/m/pc1-x.json", b"x", deadline=soon(5), if_match="0" * 32),
+        lambda: store.replace_file("blobs/b.pcache", upload, deadline=soon(5), if_match="0" * 32),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["directory", "moto"])
+def test_a_missing_bucket_or_store_directory_is_a_remote_error_on_every_call(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A bucket that does not exist (a typo, a deleted bucket, the wrong account or endpoint) is a
+    configuration problem, as a missing store directory is: never "nothing published" (issue 31)."""
+    write_file(tmp_path / "f", 1000)
+    if kind == "moto":
+        server = request.getfixturevalue("moto_env")
+        url = f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/fleet"
+        assert server.url != url
+    else:
+        url = str(tmp_path / "not-mounted")
+    with open_store(url) as store:
+        for number, call in enumerate(_missing_root_calls(store, str(tmp_path / "f"))):
+            error = reason_of(call)
+            assert error.reason == "remote_error", (number, error)
+            assert ("bucket" in str(error)) if kind == "moto" else error.errno == errno.ENOENT, (number, error)
+    assert not (tmp_path / "not-mounted").exists()
+
+
+def test_weed_mini_a_missing_bucket_is_a_remote_error_on_every_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SeaweedFS creates a bucket on a first write, so only reads meet a missing one there."""
+    with weed_server() as server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        with open_store(f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/fleet") as store:
+            for number, call in enumerate(every_call(store, "manifests/m/pc1-x.json", None)):
+                error = reason_of(call)
+                assert error.reason == "remote_error" and "bucket" in str(error), (number, error)
+        with open_store(f"{server.url}/fleet") as store:  # an existing bucket: a missing key is absent
+            assert reason_of(lambda: store.head("manifests/none.json", deadline=soon())).reason == "remote_absent"
 
 
 def test_objects_are_0644_and_directories_0755_whatever_the_umask(dstore: DirectoryStore, tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import importlib
 import json
 import re
 import sys
-import time
 from typing import Any
 
 from .._defaults import GROUP_SIZE, GROUP_SIZES, SCHEME
@@ -149,7 +148,10 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
         f"verdict       {report.verdict.value}",
         f"file          {sanitize(args.file)}",
         f"class         file {report.platform_class or '-'}, here {report.platform_class_here or '-'}",
-        f"generation    {report.generation}: {report.entries} packs"
+        *([_manifest_line(report)] if report.manifest_generation is not None else []),
+        f"generation    {report.generation}"
+        + (" (the file's own commit)" if report.manifest_generation is not None else "")
+        + f": {report.entries} packs"
         + (
             " (as its commit slot says; index not read)"
             if report.verdict.value == "incompatible"
@@ -163,52 +165,25 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
     return code
 
 
+def _manifest_line(report: Any) -> str:
+    signed = f"signed by {report.signer}" if report.signer else "signed by no trusted key"
+    return f"manifest      generation {report.manifest_generation}, {signed}"
+
+
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
-    """``probe URL``: a manifest (``.../manifests/<model>/<class>.json``: its signature checked, then its
-    blob probed) or a blob (``.../blobs/sha256/<hex>.pcache``, or any object), by range reads.
+    """``probe URL``: :func:`packcache.fleet.probe.probe_url` with the trusted keys given.
 
     Raises:
         RemoteError: the store failed (exit 1 with the reason).
     """
     from ..fleet.fetch import load_trusted_keys
-    from ..fleet.manifest import MAX_ENVELOPE_BYTES, read_envelope
-    from ..fleet.probe import downgrade_unverified, probe_bytes
-    from ..fleet.stores import open_store
+    from ..fleet.probe import probe_url
 
-    url = args.file.rstrip("/")
-    root, key = url.rsplit("/", 1)
-    for marker in ("/manifests/", "/blobs/"):
-        if marker in url:
-            root, rest = url.rsplit(marker, 1)
-            key = marker.strip("/") + "/" + rest
-            break
-    deadline = time.monotonic() + args.timeout
-    unverified = None
-    model, size = None, None
-    with open_store(root, timeout=args.timeout) as store:
-        if key.endswith(".json"):
-            data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
-            keys = load_trusted_keys(args.trusted_key)
-            try:
-                manifest, _signer = read_envelope(data, trusted_keys=keys, allow_unsigned=False, url=url)
-            except RemoteError as exc:
-                if exc.reason != "remote_untrusted":
-                    raise
-                manifest, _signer = read_envelope(data, trusted_keys=keys, allow_unsigned=True, url=url)
-                unverified = str(exc)
-            key, model, size = manifest.blob_key, manifest.model, manifest.size
-        else:
-            size = store.head(key, deadline=deadline).size
-
-        def read(start: int, end: int) -> bytes:
-            return store.get_range(key, start, end, deadline=deadline)
-
-        report = probe_bytes(read, expected_platform=expected, model=model, expected_model=args.expected_model,
-                             size=size, source=url)  # fmt: skip
-    return downgrade_unverified(report, unverified) if unverified is not None else report
+    return probe_url(args.file, expected_platform=expected, trusted_keys=load_trusted_keys(args.trusted_key),
+                     expected_model=args.expected_model, timeout=args.timeout)  # fmt: skip
 
 
 def cmd_publish(args: argparse.Namespace, out: Out) -> int:
@@ -216,7 +191,7 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
 
     try:
         report = publish(
-            args.file, args.url, private_key=args.sign, sources=args.model, builder=args.builder,
+            args.file, args.url, private_key=args.sign or None, sources=args.model, builder=args.builder,
             expires_in=None if args.expires_days == 0 else args.expires_days * 86400.0, timeout=args.timeout,
         )  # fmt: skip
     except ImportError as exc:
@@ -229,55 +204,87 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
     lines = [
         f"published     {sanitize(args.file)} -> {sanitize(report.url)}",
         f"model         {report.model}   class {report.platform_class}",
-        f"blob          {report.blob_key} ({mib(report.size)}, {'uploaded' if report.uploaded else 'already there'})",
+        f"blob          {report.blob_key} ({mib(report.size)}, {_blob_state(report)})",
         f"manifest      {report.manifest_key}, generation {report.generation}, "
-        + (f"signed by {report.signed_by}" if report.signed_by else "UNSIGNED (machines need --allow-unsigned)"),
+        + (f"signed by {', '.join(report.signers)}" if report.signers else "UNSIGNED (machines need --allow-unsigned)"),
         f"sources       {report.sources_checked} hashed again and found as the packs name them",
     ]
     out.emit(data, "\n".join(lines))
     return EXIT_OK
 
 
+def _blob_state(report: Any) -> str:
+    if report.uploaded:
+        return "uploaded"
+    return "replaced: the object there held other bytes" if report.repaired else "already there, its bytes hashed"
+
+
 def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
     from ..fleet.fetch import fetch, load_trusted_keys
+    from ..format import canonical_key
 
     if args.cache is None and args.model is None:
         raise UsageError("give the checkpoint (--model DIR, whose cache file is named by its content) or --cache FILE")
     scheme = chosen_scheme(args)
-    try:
-        if args.loader == "hf":
-            module: Any = importlib.import_module("packcache.hf")
-        else:
-            module = importlib.import_module("packcache.models.minilm")
-        platform = module.platform(scheme, args.group_size)
-        if args.cache is not None:
-            path = args.cache
-        elif args.loader == "hf":
-            path = str(
-                module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
-            )
-        else:
-            path = str(module.default_cache_path(scheme, model_path=args.model, group_size=args.group_size,
-                                                 cache_dir=args.cache_dir))  # fmt: skip
-    except ImportError as exc:
-        print(f"packcache fetch needs the {args.loader} extra ({exc})", file=sys.stderr)
+    # No --loader: the minilm loader's file (what run/serve --model map) when it reads the checkpoint, else, or
+    # when nothing is published under its name, the hf loader's (what build makes of any architecture).
+    # pinned by tests/test_fleet.py::
+    #   test_fetch_without_loader_picks_the_loader_that_reads_the_checkpoint_of_an_hf_built_file
+    targets: list[tuple[str, str, bytes]] = []
+    refused: list[str] = []
+    for loader in [args.loader] if args.loader else ["minilm", "hf"]:
+        try:
+            if loader == "hf":
+                module: Any = importlib.import_module("packcache.hf")
+            else:
+                module = importlib.import_module("packcache.models.minilm")
+            platform = canonical_key(module.platform(scheme, args.group_size))
+            if args.cache is not None:
+                path = args.cache
+            elif loader == "hf":
+                path = str(
+                    module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
+                )
+            else:
+                path = str(module.default_cache_path(scheme, model_path=args.model, group_size=args.group_size,
+                                                     cache_dir=args.cache_dir))  # fmt: skip
+        except ImportError as exc:
+            refused.append(f"the {loader} loader needs its extra ({exc})")
+            continue
+        except (ValueError, FormatError, OSError) as exc:
+            refused.append(f"the {loader} loader cannot read the checkpoint: {sanitize(str(exc))}")
+            continue
+        if all((path, platform) != (p, f) for _, p, f in targets):
+            targets.append((loader, path, platform))
+    if not targets:
+        hint = " (a checkpoint of another architecture than BERT: --loader hf, as build makes it)" * (
+            args.loader == "minilm"
+        )
+        print(f"packcache fetch: {'; '.join(refused)}{hint}", file=sys.stderr)
         return EXIT_FAILED
-    except (ValueError, FormatError, OSError) as exc:
-        print(f"packcache fetch: cannot read the checkpoint: {sanitize(str(exc))}", file=sys.stderr)
-        return EXIT_FAILED
-    from ..format import canonical_key
-
-    report = fetch(
-        args.url, path, platform=canonical_key(platform), trusted_keys=load_trusted_keys(args.trusted_key),
-        allow_unsigned=args.allow_unsigned, timeout=args.timeout,
-    )  # fmt: skip
+    trusted = load_trusted_keys(args.trusted_key)
+    absent: list[str] = []
+    for number, (loader, path, platform) in enumerate(targets):
+        try:
+            report = fetch(args.url, path, platform=platform, trusted_keys=trusted,
+                           allow_unsigned=args.allow_unsigned, timeout=args.timeout)  # fmt: skip
+        except RemoteError as exc:
+            if exc.reason != "remote_absent" or (not absent and number == len(targets) - 1):
+                raise
+            absent.append(f"the {loader} loader's file: {exc}")
+            if number == len(targets) - 1:
+                raise RemoteError("remote_absent", "nothing published for " + "; nor for ".join(absent)) from None
+            continue
+        break
+    why = "as --loader says" if args.loader else "; ".join([*refused, *absent]) or "it reads the checkpoint"
     lines = [
         f"{'fetched' if report.downloaded else 'up to date'}    {sanitize(report.path)}",
         f"from          {sanitize(report.url)}: {report.model}, class {report.platform_class}, "
         f"generation {report.generation}" + (f", signed by {report.signed_by}" if report.signed_by else ", unsigned"),
+        f"loader        {loader} ({why})",
         f"read          {mib(report.bytes)} in {report.seconds:.2f} s",
     ]
-    out.emit(report.to_json(), "\n".join(lines))
+    out.emit({**report.to_json(), "loader": loader}, "\n".join(lines))
     return EXIT_OK
 
 
@@ -289,15 +296,18 @@ def add_store_parsers(sub: Any) -> None:
         "signed manifest",
         description="Verify FILE, hash every source its packs name again (found under --model, where this user last "
         "hashed it, or in the Hugging Face hub cache), upload it create-only to URL/blobs/sha256/<hex>.pcache and "
-        "write URL/manifests/<model>/<class>.json with a conditional put (docs/FLEET.md).",
+        "write URL/manifests/<model>/<class>.json with a conditional put (docs/FLEET.md). An object already at the "
+        "blob's address is read back whole and hashed (one read of the blob); a damaged one is replaced by a "
+        "conditional PUT (If-Match), which the bucket policy must allow for blobs/. Exit 1 with remote_conflict "
+        "when another publisher won the race for the manifest: run it again.",
     )
     publish.add_argument("file", help="the cache file (built by build, run or serve)")
     publish.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
     publish.add_argument(
-        "--sign",
-        metavar="KEY.pem",
-        help="sign the manifest with this ed25519 private key (a 0600 file of this user or root)",
-    )
+        "--sign", action="append", default=[], metavar="KEY.pem",
+        help="sign the manifest with this ed25519 private key, a 0600 file of this user or root (repeatable: every "
+        "key given signs; during a key rotation give the old and the new key, so machines trusting either accept it)",
+    )  # fmt: skip
     publish.add_argument(
         "--model", action="append", default=[], metavar="DIR",
         help="where the checkpoint the file was built from lies (repeatable)",
@@ -315,15 +325,18 @@ def add_store_parsers(sub: Any) -> None:
         help="fetch the published cache file of a checkpoint from a store, checked (an init container's step)",
         description="Read URL's manifest for the checkpoint's cache file and this machine's platform class, check "
         "its signature, expiry and generation, download the blob beside the local file while hashing it, verify "
-        "it and rename it into place. Exit 1 with the miss reason when the store cannot give it (docs/FLEET.md).",
+        "it and rename it into place. Exit 1 with the miss reason when the store cannot give it (docs/FLEET.md): "
+        "remote_absent is nothing published; a missing bucket, container or store directory is remote_error (a "
+        "plain http(s):// store cannot tell a wrong prefix from nothing published).",
     )
     fetch.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
     fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
     fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
     fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
     fetch.add_argument(
-        "--loader", choices=("minilm", "hf"), default="minilm",
-        help="whose cache file: minilm (default; run/serve --model, build --loader minilm) or hf (build)",
+        "--loader", choices=("minilm", "hf"), default=None,
+        help="whose cache file: minilm (run/serve --model, build --loader minilm) or hf (build's default). Default: "
+        "minilm when it reads the checkpoint and a file is published under its name, else hf (the output says which)",
     )  # fmt: skip
     fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default=SCHEME, help="weight scheme (default auto)")
     fetch.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
@@ -366,8 +379,11 @@ def add_parsers(sub: Any) -> None:
         help="say from a cache file's header and index whether this machine can map it (exit 0 only if compatible)",
         description="Read FILE's header and index (never its packs) and give a verdict: compatible (exit 0), "
         "compatible_suboptimal (3), incompatible (4, naming every differing platform field), not_applicable (5: "
-        "not a packcache file, or another model), unverified (6); 1 when FILE cannot be read. This machine's "
-        "platform is that of the file's own scheme, read from its packers, unless --scheme is given.",
+        "not a packcache file, or another model), unverified (6: a manifest no trusted key signed), refused (7: a "
+        "manifest fetch refuses, with fetch's reason: the checks fetch makes, by the same function); 1 when FILE "
+        "cannot be read. A manifest's blob is checked by size, header and index, not by sha256 (that reads it "
+        "whole; fetch does). This machine's platform is that of the file's own scheme, read from its packers, "
+        "unless --scheme is given.",
     )
     probe.add_argument("file", metavar="FILE_OR_URL", help="a cache file, or a manifest's or a blob's URL in a store")
     add_trust_options(probe, unsigned=False)  # an unsigned manifest is probed all the same: 'unverified'

@@ -308,24 +308,30 @@ class DirectoryStore(Store):
         os.fsync(dfd)
         return True
 
+    def _copier(self, src: int, path: str, key: str, doing: str, deadline: float) -> Callable[[int], None]:
+        """A ``write`` for :meth:`_write_temp` that copies the regular file open at ``src``."""
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno_mod.EINVAL, "not a regular file", path)
+
+        def copy(fd: int) -> None:
+            offset = 0
+            while offset < st.st_size:
+                if time.monotonic() > deadline:
+                    raise self._timeout(key, doing)
+                sent = os.sendfile(fd, src, offset, min(CHUNK_BYTES, st.st_size - offset))
+                if sent == 0:
+                    raise OSError(errno_mod.EIO, f"{path} ended after {offset} of {st.st_size} bytes")
+                offset += sent
+
+        return copy
+
     def put_file(self, key: str, path: str, *, deadline: float) -> bool:
         """See :meth:`Store.put_file`: copied into a temp file beside the key, fsynced, then linked."""
         check_key(key)
         src = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            st = os.fstat(src)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(errno_mod.EINVAL, "not a regular file", path)
-
-            def copy(fd: int) -> None:
-                offset = 0
-                while offset < st.st_size:
-                    if time.monotonic() > deadline:
-                        raise self._timeout(key, "put_file")
-                    sent = os.sendfile(fd, src, offset, min(CHUNK_BYTES, st.st_size - offset))
-                    if sent == 0:
-                        raise OSError(errno_mod.EIO, f"{path} ended after {offset} of {st.st_size} bytes")
-                    offset += sent
+            copy = self._copier(src, path, key, "put_file", deadline)
 
             def run() -> bool:
                 dfd, leaf = self._parent(key, create=True)
@@ -339,6 +345,49 @@ class DirectoryStore(Store):
             return self._bounded(key, "put_file", deadline, run)
         finally:
             os.close(src)
+
+    def replace_file(self, key: str, path: str, *, deadline: float, if_match: str | None) -> None:
+        """See :meth:`Store.replace_file`: a temp file beside the key, fsynced, renamed over it under the
+        store lock, after comparing the current object's ETag (its sha256) when ``if_match`` is given."""
+        check_key(key)
+        src = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            copy = self._copier(src, path, key, "replace_file", deadline)
+
+            def run() -> bool:  # not None: _bounded's None means "did not finish"
+                with self._cas_lock(deadline, key):
+                    dfd, leaf = self._parent(key, create=True)
+                    try:
+                        self._swap(dfd, leaf, key, if_match, copy)
+                    finally:
+                        os.close(dfd)
+                return True
+
+            self._bounded(key, "replace_file", deadline, run)
+        finally:
+            os.close(src)
+
+    def _swap(self, dfd: int, leaf: str, key: str, if_match: str | None, write: Callable[[int], None]) -> None:
+        """Under the store lock: compare ``leaf``'s ETag with ``if_match`` (None: no comparison), then
+        rename a temp file filled by ``write`` over it and fsync the directory."""
+        if if_match is not None:
+            try:
+                current: str | None = self._current_etag(dfd, leaf, key)
+            except FileNotFoundError:
+                current = None
+            if current != if_match:
+                what = "no object" if current is None else "another version"
+                raise RemoteError(
+                    "remote_conflict", f"{key!r} changed: {what} (expected ETag {if_match})", url=self.url
+                )
+        temp = self._write_temp(dfd, leaf, write)
+        try:
+            os.rename(temp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dfd)
+            raise
+        os.fsync(dfd)
 
     def put_bytes(self, key: str, data: bytes, *, deadline: float, if_match: str | None) -> str:
         """See :meth:`Store.put_bytes`. Create-only by ``link``; compare-and-swap by ``rename`` under an
@@ -362,26 +411,11 @@ class DirectoryStore(Store):
             return etag
 
         def swap() -> str:
+            assert if_match is not None
             with self._cas_lock(deadline, key):
                 dfd, leaf = self._parent(key, create=True)
                 try:
-                    try:
-                        current = self._current_etag(dfd, leaf, key)
-                    except FileNotFoundError:
-                        current = None
-                    if current != if_match:
-                        what = "no object" if current is None else "another version"
-                        raise RemoteError(
-                            "remote_conflict", f"{key!r} changed: {what} (expected ETag {if_match})", url=self.url
-                        )
-                    temp = self._write_temp(dfd, leaf, write)
-                    try:
-                        os.rename(temp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    except BaseException:
-                        with contextlib.suppress(OSError):
-                            os.unlink(temp, dir_fd=dfd)
-                        raise
-                    os.fsync(dfd)
+                    self._swap(dfd, leaf, key, if_match, write)
                 finally:
                     os.close(dfd)
             return etag

@@ -51,6 +51,13 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _STATUS = re.compile(r"status(?: code)?: (\d{3})")
+#: The error a 404 carries when the bucket or container itself does not exist: the S3 (and GCS XML) and Azure
+#: error codes, and GCS's JSON message. obstore raises one NotFoundError for a missing key and a missing
+#: bucket alike: the protocol's own error code in the body is what tells them apart.
+_MISSING_ROOT = re.compile(
+    r"<Code>(NoSuchBucket|ContainerNotFound)</Code>|The specified (bucket|container) does not exist", re.IGNORECASE
+)
+_ERROR_BODY = re.compile(r"<Code>|\"error\"\s*:")
 _OS_CODE = re.compile(r"Os \{\s*code: (\d+)")
 _SINGLE_PUT_MAX = 1 << 30  # a create-only PUT holds the whole file in memory (obstore sends it in one request)
 _S3_ENDPOINTS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
@@ -149,6 +156,18 @@ class ObjectStore(Store):
         status = f" (HTTP {status_match.group(1)})" if status_match else ""
         where = f"{doing} {key!r}" if key else doing
         exceptions = self._obstore.exceptions
+        not_found = isinstance(exc, FileNotFoundError) or (
+            isinstance(exc, exceptions.PreconditionError)
+            and status_match is not None
+            and status_match.group(1) == "404"
+        )  # a conditional PUT into a missing bucket is a "precondition" 404 (moto)
+        # pinned by tests/test_fleet_stores.py::test_a_missing_bucket_or_store_directory_is_a_remote_error_on_every_call
+        if not_found and self._root_missing(text, key, deadline):
+            return RemoteError(
+                "remote_error", f"{where} (HTTP 404): the bucket or container of {self.url} does not exist (a typo, "
+                "another account, region or endpoint): a configuration problem, not \"nothing published\"",
+                url=self.url,
+            )  # fmt: skip
         if isinstance(exc, FileNotFoundError):
             return RemoteError("remote_absent", f"no object at {key!r}", url=self.url)
         if isinstance(exc, exceptions.AlreadyExistsError):
@@ -164,6 +183,21 @@ class ObjectStore(Store):
         return RemoteError(
             "remote_error", f"{where}{status}{os_error}: {type(exc).__name__}: {first}", url=self.url, errno=code
         )
+
+    def _root_missing(self, text: str, key: str, deadline: float) -> bool:
+        """Whether a 404 (``text``, obstore's message) says the bucket or container is missing, not the key.
+        A HEAD's 404 has no body to say which: then a GET of the same key asks (a missing key costs one more
+        request; a bucket that does not exist is never taken for an empty one)."""
+        if _MISSING_ROOT.search(text):
+            return True
+        if _ERROR_BODY.search(text) or not key:
+            return False
+        try:
+            client = self._client(deadline, "get", key)
+            self._obstore.get(client, key)  # the object appeared meanwhile: neither is missing
+        except Exception as exc:
+            return bool(_MISSING_ROOT.search(str(exc)))
+        return False
 
     def _call(self, key: str, doing: str, deadline: float, call: Callable[[Any], T]) -> T:
         client = self._client(deadline, doing, key)
@@ -275,6 +309,34 @@ class ObjectStore(Store):
                     key, "put_file", deadline, lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4)
                 )
             return True
+        finally:
+            os.close(fd)
+
+    def replace_file(self, key: str, path: str, *, deadline: float, if_match: str | None) -> None:
+        """See :meth:`Store.replace_file`. Up to 1 GiB: one PUT with ``If-Match`` (or none when ``if_match`` is
+        None). Larger: a multipart upload, which carries no condition (obstore sends conditional headers only
+        on single PUTs): the object is replaced whatever it holds then."""
+        check_key(key)
+        obs = self._obstore
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno_mod.EINVAL, "not a regular file", path)
+            if st.st_size <= _SINGLE_PUT_MAX:
+                data = read_all(fd, st.st_size)
+                if len(data) != st.st_size:
+                    raise OSError(errno_mod.EIO, f"{path} changed while it was read")
+                mode: Any = "overwrite" if if_match is None else {"e_tag": if_match}
+                self._call(
+                    key, "replace_file", deadline, lambda c: obs.put(c, key, data, mode=mode, use_multipart=False)
+                )
+                return
+            with open(os.dup(fd), "rb", closefd=True) as source:
+                self._call(
+                    key, "replace_file", deadline,
+                    lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4),
+                )  # fmt: skip
         finally:
             os.close(fd)
 

@@ -144,6 +144,12 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
+    def replace_file(self, key: str, path: str, *, deadline: float, if_match: str | None) -> None:
+        """Write the local file ``path`` over the object at ``key`` (publish's repair of a damaged blob):
+        only while that object's ETag is ``if_match`` (``remote_conflict`` otherwise), or whatever is
+        there when ``if_match`` is ``None``. A reader sees the old object or the new one, whole."""
+
+    @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes, *, deadline: float, if_match: str | None) -> str:
         """Write ``data`` to ``key``: create-only when ``if_match`` is ``None``, else compare-and-swap on
         that ETag. ``remote_conflict`` when the condition fails. Returns the new ETag (``""`` when the

@@ -54,12 +54,12 @@ from .._paths import (
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from ..identity import hash_file
 from ..maintenance import verify
-from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_generation, load_public_keys, manifest_key, read_envelope
+from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_manifest, load_public_keys, manifest_key
 from .platform import platform_class
 from .publish import model_of
 from .stores import Store, open_store
 
-__all__ = ["FetchReport", "accepted_generation", "fetch", "load_trusted_keys", "state_dir"]
+__all__ = ["FetchReport", "accepted_generation", "fetch", "last_accepted", "load_trusted_keys", "state_dir"]
 
 _MARGIN = 1 << 20  # free space to leave besides the blob
 _STATE_MAX_BYTES = 4096
@@ -171,15 +171,11 @@ def _fetch_locked(
     key = manifest_key(model, cls)
     data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
     read = len(data)
-    manifest, signed_by = read_envelope(data, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned)
-    if (manifest.model, manifest.platform_class) != (model, cls):
-        raise RemoteError(
-            "remote_incompatible", f"the manifest at {key} is for {manifest.model} / {manifest.platform_class}, "
-            f"not {model} / {cls}", url=url,
-        )  # fmt: skip
     state = _state_path(url, model, cls)
-    accepted = accepted_generation(state)
-    check_generation(manifest, accepted[0] if accepted else None, last_blob_sha256=accepted[1] if accepted else None)
+    manifest, signed_by = check_manifest(
+        data, model=model, platform_class=cls, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
+        accepted=accepted_generation(state), url=url,
+    )  # fmt: skip
     done = _local_is(real, manifest)
     if not done:
         _check_target(real, name)
@@ -316,6 +312,12 @@ def _lock_error(name: str, exc: OSError) -> RemoteError:
 def _state_path(url: str, model: str, cls: str) -> str:
     digest = hashlib.sha256(f"{url.rstrip('/')}\0{model}\0{cls}".encode()).hexdigest()[:32]
     return os.path.join(state_dir(), f"{digest}.json")
+
+
+def last_accepted(url: str, model: str, platform_class: str) -> tuple[int, str] | None:
+    """The generation and blob sha256 this user last accepted from the store at ``url`` for (model, class),
+    the record fetch checks a manifest against (probe reads it too, never writes it)."""
+    return accepted_generation(_state_path(url, model, platform_class))
 
 
 def accepted_generation(path: str) -> tuple[int, str] | None:

@@ -59,6 +59,7 @@ __all__ = [
     "MAX_ENVELOPE_BYTES",
     "Manifest",
     "check_generation",
+    "check_manifest",
     "check_name",
     "encode_unsigned",
     "generate_key",
@@ -245,14 +246,15 @@ def sign(manifest: Manifest, private_key_pem: bytes | Sequence[bytes]) -> bytes:
     if not 1 <= len(keys) <= MAX_SIGNATURES:
         raise ValueError(f"sign with 1 to {MAX_SIGNATURES} keys, got {len(keys)}")
     message = manifest.canonical()
-    signatures = []
+    signatures: dict[str, dict[str, str]] = {}  # a key given twice signs once
     for pem in keys:
         key = _private_key(pem, where="private key")
         raw_public = _raw_public(key.public_key())
-        signatures.append(
-            {"alg": "ed25519", "key": _id_of(raw_public), "sig": base64.b64encode(key.sign(message)).decode("ascii")}
+        signatures.setdefault(
+            _id_of(raw_public),
+            {"alg": "ed25519", "key": _id_of(raw_public), "sig": base64.b64encode(key.sign(message)).decode("ascii")},
         )
-    return _encode(manifest, signatures)
+    return _encode(manifest, list(signatures.values()))
 
 
 def read_envelope(
@@ -344,9 +346,17 @@ def _check_signatures(
     if not trusted_keys:
         if allow_unsigned:
             return None
+        # pinned by tests/test_fleet_probe.py::
+        #   test_a_probed_manifest_shows_its_own_generation_and_names_its_signers_when_no_key_is_trusted
+        if ours:
+            named = ", ".join(sorted({s["key"] for s in ours}))
+            raise RemoteError(
+                "remote_untrusted", f"the manifest is signed by key {named}, but no trusted key is configured: "
+                "pass --trusted-key PUB.pem (trusted_keys=), the public half of a key that signed it", url=url,
+            )  # fmt: skip
         raise RemoteError(
-            "remote_untrusted", "no trusted key is configured and unsigned manifests are not allowed "
-            "(give --trusted-key PUB.pem, or allow unsigned manifests knowingly)", url=url,
+            "remote_untrusted", "the manifest is unsigned and no trusted key is configured (give --trusted-key "
+            "PUB.pem and sign when publishing, or allow unsigned manifests knowingly)", url=url,
         )  # fmt: skip
     if not ours:  # nothing to verify: no cryptography needed
         if allow_unsigned:
@@ -383,6 +393,39 @@ def _check_signatures(
         "remote_untrusted", f"the manifest is signed only by keys not trusted here ({named}); "
         f"trusted: {', '.join(sorted(trusted))}", url=url,
     )  # fmt: skip
+
+
+def check_manifest(
+    data: bytes,
+    *,
+    model: str,
+    platform_class: str,
+    trusted_keys: Sequence[bytes],
+    allow_unsigned: bool,
+    accepted: tuple[int, str] | None,
+    now: float | None = None,
+    url: str | None = None,
+) -> tuple[Manifest, str | None]:
+    """Every check a manifest read from ``manifests/<model>/<platform_class>.json`` must pass before its
+    blob is read: :func:`read_envelope` (bounds, fields, signatures, expiry), its ``model`` and
+    ``platform_class`` against the key's (a manifest copied under another key is refused), and
+    :func:`check_generation` against ``accepted`` (the generation and blob sha256 this user last
+    accepted from the store, or None). Fetch and probe both call it, so they cannot disagree.
+
+    Raises:
+        RemoteError: as :func:`read_envelope`; ``remote_incompatible`` (another model or class than
+            the key's); ``remote_stale`` (a rollback).
+    """
+    manifest, signer = read_envelope(data, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned, now=now, url=url)
+    # pinned by tests/test_fleet_probe.py::
+    #   test_probe_refuses_exactly_the_manifests_fetch_refuses_and_names_the_same_reason
+    if (manifest.model, manifest.platform_class) != (model, platform_class):
+        raise RemoteError(
+            "remote_incompatible", f"the manifest at {manifest_key(model, platform_class)} is for {manifest.model} / "
+            f"{manifest.platform_class}, not {model} / {platform_class}", url=url,
+        )  # fmt: skip
+    check_generation(manifest, accepted[0] if accepted else None, last_blob_sha256=accepted[1] if accepted else None)
+    return manifest, signer
 
 
 def check_generation(manifest: Manifest, last_accepted: int | None, *, last_blob_sha256: str | None = None) -> None:

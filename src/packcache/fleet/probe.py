@@ -18,6 +18,9 @@ file, a range read for a published blob), never a pack's bytes, and says what a
                            generation, an unusable index), or a file of another model (exit 5).
 ``unverified``             a published file whose manifest no trusted key signed (exit 6); see
                            :func:`downgrade_unverified`.
+``refused``                a manifest fetch refuses (exit 7): malformed, changed after signing,
+                           expired, of another model or class than its key, a rollback, another
+                           size or platform class than its blob (:func:`probe_url`).
 =========================  ========================================================================
 
 The verdict is the cache's own rule (``packcache._store.FileStore``: same fingerprint bytes, a
@@ -33,16 +36,17 @@ import enum
 import json
 import os
 import struct
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import format as fmt
 from .._paths import open_for_reading
-from ..errors import FormatError, UntrustedFileError
+from ..errors import FormatError, RemoteError, UntrustedFileError
 from .platform import Difference, differences, platform_class
 
-__all__ = ["EXIT_CODES", "ProbeReport", "Verdict", "downgrade_unverified", "probe_bytes", "probe_file"]
+__all__ = ["EXIT_CODES", "ProbeReport", "Verdict", "downgrade_unverified", "probe_bytes", "probe_file", "probe_url"]
 
 
 class Verdict(str, enum.Enum):
@@ -53,6 +57,7 @@ class Verdict(str, enum.Enum):
     INCOMPATIBLE = "incompatible"
     NOT_APPLICABLE = "not_applicable"
     UNVERIFIED = "unverified"
+    REFUSED = "refused"
 
     def __str__(self) -> str:
         return self.value
@@ -65,6 +70,7 @@ EXIT_CODES = {
     Verdict.INCOMPATIBLE: 4,
     Verdict.NOT_APPLICABLE: 5,
     Verdict.UNVERIFIED: 6,
+    Verdict.REFUSED: 7,
 }
 
 
@@ -78,6 +84,9 @@ class ProbeReport:
     ``bytes_read``: what the probe read (header and index). ``entries``, ``live_bytes``,
     ``superseded_bytes`` and ``generation`` describe the committed generation (for an incompatible
     file, whose index is not read, ``generation`` and ``entries`` are what its newest valid slot says).
+    For a manifest URL, ``manifest_generation`` is the manifest's generation (what fetch records), and
+    ``remote_reason`` the remote miss reason a fetch on this machine would refuse it with (``None``: fetch
+    takes it, as far as a manifest, a size, a header and an index show; see :func:`probe_url`).
     """
 
     verdict: Verdict
@@ -94,6 +103,8 @@ class ProbeReport:
     source: str | None = None
     file_bytes: int | None = None
     signer: str | None = None  #: id of the trusted key that signed the manifest (URLs), if any
+    manifest_generation: int | None = None
+    remote_reason: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -330,3 +341,113 @@ def probe_file(
         why = f"WeightCache does not trust this file in place ({untrusted}): fix its owner or mode, or copy it"
         return dataclasses.replace(report, verdict=Verdict.COMPATIBLE_SUBOPTIMAL, reasons=[*report.reasons, why])
     return report
+
+
+# --------------------------------------------------------------------------- published files
+
+
+def probe_url(
+    url: str,
+    *,
+    expected_platform: bytes | Callable[[bytes], bytes],
+    trusted_keys: Sequence[bytes] = (),
+    expected_model: str | None = None,
+    timeout: float = 30.0,
+) -> ProbeReport:
+    """The verdict on a published file, by range reads: ``url`` is a manifest's
+    (``<store>/manifests/<model>/<class>.json``) or a blob's (``<store>/blobs/sha256/<hex>.pcache``, or any object).
+
+    A manifest is checked by :func:`packcache.fleet.manifest.check_manifest`, the function fetch checks
+    it with, against the same trusted keys and the generation this user last accepted from the store:
+    a manifest fetch refuses is ``refused`` (``remote_reason`` says why, as fetch would), one no trusted
+    key signed ``unverified``. Then its blob: another size than the manifest's, or a header of another
+    platform class than the manifest's, is ``refused``; else the blob is probed (:func:`probe_bytes`).
+    Its sha256 is not checked (that reads the whole blob): a damaged blob of the right size, header and
+    index is refused by fetch (``remote_corrupt``) and not here.
+
+    Raises:
+        RemoteError: the store failed, or holds no object at the key (``remote_absent``).
+    """
+    from .fetch import last_accepted
+    from .manifest import MAX_ENVELOPE_BYTES, check_manifest, manifest_key
+    from .stores import open_store
+
+    url = url.rstrip("/")
+    root, key = url.rsplit("/", 1)
+    for marker in ("/manifests/", "/blobs/"):
+        if marker in url:
+            root, rest = url.rsplit(marker, 1)
+            key = marker.strip("/") + "/" + rest
+            break
+    deadline = time.monotonic() + timeout
+    with open_store(root, timeout=timeout) as store:
+
+        def read(blob: str) -> Callable[[int, int], bytes]:
+            return lambda start, end: store.get_range(blob, start, end, deadline=deadline)
+
+        if not key.endswith(".json"):
+            size = store.head(key, deadline=deadline).size
+            return probe_bytes(read(key), expected_platform=expected_platform, expected_model=expected_model,
+                               size=size, source=url)  # fmt: skip
+        parts = key.split("/")
+        try:
+            if len(parts) != 3 or parts[0] != "manifests":
+                raise ValueError(f"{key!r} is not a manifest's key (manifests/<model>/<class>.json)")
+            model, cls = parts[1], parts[2][: -len(".json")]
+            manifest_key(model, cls)
+        except ValueError as exc:
+            return ProbeReport(Verdict.NOT_APPLICABLE, [f"fetch never reads it: {exc}"], source=url)
+        data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+        accepted = last_accepted(root, model, cls)
+
+        # pinned by tests/test_fleet_probe.py::
+        #   test_probe_refuses_exactly_the_manifests_fetch_refuses_and_names_the_same_reason
+        unverified: RemoteError | None = None  # fetch's first refusal when no trusted key signed it
+
+        def refused(exc: RemoteError, **figures: Any) -> ProbeReport:
+            first = unverified or exc
+            then = [f"and with unsigned manifests allowed: {exc}"] * (str(exc) != str(first))
+            return ProbeReport(Verdict.REFUSED, [f"fetch refuses it: {first}", *then], model=model, source=url,
+                               remote_reason=first.reason, **figures)  # fmt: skip
+
+        try:
+            manifest, signer = check_manifest(data, model=model, platform_class=cls, trusted_keys=trusted_keys,
+                                              allow_unsigned=False, accepted=accepted, url=url)  # fmt: skip
+        except RemoteError as exc:
+            if exc.reason != "remote_untrusted":
+                return refused(exc)
+            unverified = exc
+            try:  # what else fetch would refuse, were unsigned manifests allowed (a tampered one: again)
+                manifest, signer = check_manifest(data, model=model, platform_class=cls, trusted_keys=trusted_keys,
+                                                  allow_unsigned=True, accepted=accepted, url=url)  # fmt: skip
+            except RemoteError as again:
+                return refused(again)
+        figures: dict[str, Any] = {"manifest_generation": manifest.generation, "signer": signer}
+        blob = manifest.blob_key
+        size = store.head(blob, deadline=deadline).size
+        if size != manifest.size:
+            why = f"its blob holds {size} bytes, the manifest says {manifest.size}"
+            return refused(RemoteError("remote_corrupt", why, url=f"{store.url}/{blob}"), **figures)
+        report = probe_bytes(read(blob), expected_platform=expected_platform, model=manifest.model,
+                             expected_model=expected_model, size=size, source=url)  # fmt: skip
+        report = dataclasses.replace(report, **figures)
+        if report.platform_class is not None and report.platform_class != manifest.platform_class:
+            why = (
+                f"its blob's header is of platform class {report.platform_class}, "
+                f"the manifest's {manifest.platform_class}"
+            )
+            return dataclasses.replace(refused(RemoteError("remote_incompatible", why, url=f"{store.url}/{blob}")),
+                                       **figures, **_figures_of(report))  # fmt: skip
+        blob_reason = {Verdict.INCOMPATIBLE: "remote_incompatible", Verdict.NOT_APPLICABLE: "remote_corrupt"}
+        reason = unverified.reason if unverified is not None else blob_reason.get(report.verdict)
+        if expected_model is not None and manifest.model != expected_model:
+            reason = None  # not a refusal: another model than the one asked about
+        report = dataclasses.replace(report, remote_reason=reason)
+    return downgrade_unverified(report, str(unverified)) if unverified is not None else report
+
+
+def _figures_of(report: ProbeReport) -> dict[str, Any]:
+    """What a probe of the blob found besides its verdict and reasons."""
+    kept = ("differences", "platform_class", "platform_class_here", "bytes_read", "entries", "live_bytes",
+            "superseded_bytes", "generation", "file_bytes")  # fmt: skip
+    return {name: getattr(report, name) for name in kept}

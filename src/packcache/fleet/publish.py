@@ -12,16 +12,20 @@
    checkpoint directories or files), where this user last hashed each digest
    (:func:`packcache.identity.recorded_location`), and the Hugging Face hub cache (blobs are
    named by their sha256).
-3. The file is hashed and uploaded create-only to ``blobs/sha256/<hex>.pcache``: an object
-   already there (the same bytes, by its name) is kept, after its size is checked.
+3. The file is hashed and uploaded create-only to ``blobs/sha256/<hex>.pcache``. An object already
+   there is kept only once it is read back and hashed to the blob's sha256 and size: a damaged one
+   (any size) is replaced, conditionally on its ETag where the store gives one. The key is the
+   content's sha256, so any correct object there holds exactly these bytes: overwriting is safe.
 4. The manifest ``manifests/<model>/<class>.json`` is written with a conditional put: created,
    or replaced only if it is still the one read (its ETag), with the next generation. Of two
-   publishers racing, one wins; the other gets ``RemoteError("remote_conflict")``.
+   publishers racing, one wins; the other gets ``RemoteError("remote_conflict")`` saying another
+   publisher won and to run it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -62,10 +66,12 @@ class PublishReport:
     size: int
     generation: int
     uploaded: bool
-    signed_by: str | None
+    signed_by: str | None  #: the first signer's key id (None: unsigned)
     sources_checked: int
     expires: int | None
     seconds: float
+    signers: tuple[str, ...] = ()  #: the id of every key that signed the manifest, in the order given
+    repaired: bool = False  #: an object at the blob's content address held other bytes and was replaced
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,7 +118,7 @@ def publish(
     path: str | os.PathLike[str],
     url: str,
     *,
-    private_key: str | None = None,
+    private_key: str | Sequence[str] | None = None,
     sources: Sequence[str] = (),
     builder: str | None = None,
     expires_in: float | None = DEFAULT_EXPIRES,
@@ -122,8 +128,9 @@ def publish(
     """Publish the cache file at ``path`` to the store at ``url`` (module docstring).
 
     Args:
-        private_key: an ed25519 private key (PKCS#8 PEM) to sign the manifest with; ``None``
-            publishes it unsigned (machines then need ``allow_unsigned``).
+        private_key: the path of an ed25519 private key (PKCS#8 PEM) to sign the manifest with, or of
+            several (during a key rotation: the old and the new key; every one signs); ``None`` publishes
+            it unsigned (machines then need ``allow_unsigned``).
         sources: checkpoint directories or files to find the sources in (besides this user's
             records of where each was last hashed, and the hub cache).
         builder: free text recorded in the manifest (default: ``packcache <version>``).
@@ -170,13 +177,7 @@ def publish(
                 manifest_name = manifest_key(model, cls)
                 blob = f"blobs/sha256/{sha256}.pcache"
                 uploaded = store.put_file(blob, real, deadline=deadline)
-                if not uploaded:
-                    held = store.head(blob, deadline=deadline)
-                    if held.size != size:
-                        raise RemoteError(
-                            "remote_corrupt", f"an object of {held.size} bytes already holds the content address "
-                            f"of these {size} bytes", url=f"{url.rstrip('/')}/{blob}",
-                        )  # fmt: skip
+                repaired = not uploaded and _repair_blob(store, blob, real, sha256, size, deadline)
                 previous, etag = _current_generation(store, manifest_name, deadline)
                 now = int(time.time())
                 manifest = Manifest(
@@ -184,22 +185,96 @@ def publish(
                     created=now, expires=None if expires_in is None else now + int(expires_in),
                     builder=builder or _default_builder(),
                 )  # fmt: skip
-                if private_key is not None:
+                key_files = [private_key] if isinstance(private_key, str) else list(private_key or ())
+                if key_files:
                     from .manifest import load_private_key
 
-                    envelope = sign(manifest, load_private_key(private_key))
-                    signed_by: str | None = json.loads(envelope)["signatures"][0]["key"]
+                    # pinned by tests/test_fleet.py::
+                    #   test_key_rotation_by_cli_machines_trusting_old_new_or_both_accept_the_dual_signed_manifest
+                    envelope = sign(manifest, [load_private_key(k) for k in key_files])
+                    signers = tuple(s["key"] for s in json.loads(envelope)["signatures"])
                 else:
-                    envelope, signed_by = encode_unsigned(manifest), None
-                store.put_bytes(manifest_name, envelope, deadline=deadline, if_match=etag)
+                    envelope, signers = encode_unsigned(manifest), ()
+                try:
+                    store.put_bytes(manifest_name, envelope, deadline=deadline, if_match=etag)
+                except RemoteError as exc:
+                    if exc.reason != "remote_conflict":
+                        raise
+                    # pinned by tests/test_fleet.py::test_two_publishers_racing_one_wins_the_other_gets_remote_conflict
+                    raise RemoteError(
+                        "remote_conflict", f"another publisher won: {manifest_name} changed after this publish read "
+                        f"{f'its generation {previous}' if etag else 'that there was none'} (the blob is in place); "
+                        "run it again: it publishes the next generation over the winner's", url=store.url,
+                    ) from exc  # fmt: skip
         finally:
             os.close(lock_fd)
     finally:
         os.close(fd)
     return PublishReport(
         url=url, model=model, platform_class=cls, blob_key=blob, manifest_key=manifest_name, sha256=sha256,
-        size=size, generation=manifest.generation, uploaded=uploaded, signed_by=signed_by,
+        size=size, generation=manifest.generation, uploaded=uploaded, signed_by=signers[0] if signers else None,
         sources_checked=checked, expires=manifest.expires, seconds=round(time.monotonic() - started, 3),
+        signers=signers, repaired=repaired,
+    )  # fmt: skip
+
+
+def _holds(store: Any, blob: str, sha256: str, size: int, deadline: float) -> tuple[bool, str | None]:
+    """Whether the object at ``blob`` holds exactly ``size`` bytes hashing to ``sha256`` (read back whole and
+    hashed: a name, a size or an ETag says nothing of the bytes), and its ETag (None: the store gives none)."""
+    digest, count = hashlib.sha256(), 0
+
+    def sink(chunk: memoryview) -> None:
+        nonlocal count
+        digest.update(chunk)
+        count += len(chunk)
+
+    try:
+        info = store.download(blob, sink, deadline=deadline, max_bytes=size)
+    except RemoteError as exc:
+        if exc.reason != "remote_corrupt":  # remote_corrupt: it holds more than `size` bytes
+            raise
+        return False, store.head(blob, deadline=deadline).etag
+    good = count == size and digest.hexdigest() == sha256
+    return good, info.etag if info.etag is not None or good else store.head(blob, deadline=deadline).etag
+
+
+def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadline: float) -> bool:
+    """Make the object at ``blob`` (which ``put_file`` found there) the file at ``path``: kept when it
+    holds its bytes, else replaced (conditionally on the damaged object's ETag, where there is one) and
+    read back again. Returns whether it was replaced (or uploaded again, if it vanished meanwhile).
+
+    Raises:
+        RemoteError: the store refused the replacement (a bucket policy that allows only create-only writes
+            to blobs: the message says what a repair needs), or the object kept changing (``remote_conflict``).
+    """
+    # pinned by tests/test_fleet.py::test_republish_replaces_a_damaged_blob_of_any_size_and_fetches_then_succeed
+    where = f"{store.url.rstrip('/')}/{blob}"  # redacted, as the store shows it
+    replaced = False
+    for _ in range(4):  # read back; replace; read back (again, if another writer changed it meanwhile)
+        try:
+            good, etag = _holds(store, blob, sha256, size, deadline)
+        except RemoteError as exc:
+            if exc.reason != "remote_absent":
+                raise
+            if store.put_file(blob, path, deadline=deadline):  # removed meanwhile: uploaded afresh
+                return True
+            continue
+        if good:
+            return replaced
+        try:
+            store.replace_file(blob, path, deadline=deadline, if_match=etag)
+        except RemoteError as exc:
+            if exc.reason == "remote_conflict":
+                continue  # it changed since it was read: look again
+            raise RemoteError(
+                exc.reason, f"the object at the blob's content address holds other bytes (damaged) and replacing "
+                f"it failed: {exc}. A repair overwrites it with a conditional PUT (If-Match on its ETag): the bucket "
+                "policy must allow that for blobs/, or delete the object and publish again", url=where,
+            ) from exc  # fmt: skip
+        replaced = True
+    raise RemoteError(
+        "remote_conflict", "the object at the blob's content address kept changing while it was repaired "
+        "(another writer?): run it again", url=where,
     )  # fmt: skip
 
 

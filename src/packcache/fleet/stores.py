@@ -15,7 +15,7 @@ Every call takes an absolute ``deadline`` (a :func:`time.monotonic` time) and re
 problem raises :class:`~packcache.errors.RemoteError` with a reason:
 
 ==================  ==============================================================================
-``remote_absent``   no object at the key
+``remote_absent``   no object at the key (a missing bucket or store directory: ``remote_error``)
 ``remote_timeout``  the deadline passed (a silent or stalled server, a lock held too long)
 ``remote_corrupt``  the object is larger than ``max_bytes``
 ``remote_conflict`` a create-only put found an object, or ``if_match`` no longer matches (publish only)
