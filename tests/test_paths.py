@@ -302,3 +302,69 @@ def test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_targ
         )
     assert sorted(p.name for p in private.iterdir()) == ([victim.name] if before else []), "nothing beside it"
     assert os.path.islink(link) and os.readlink(link) == str(victim)
+
+
+# --------------------------------------------------------------------------- a directory renamed on the way (issue 31)
+
+
+def _swap_for_a_link(directory: Path, to: Path) -> None:
+    """``nobody`` renames root's ``directory`` aside in its world-writable (non-sticky) parent and links
+    its name to ``to``: what another user can do to any directory in such a parent, at any instant."""
+    _as_nobody("mv", str(directory), f"{directory}.moved")
+    _as_nobody("ln", "-s", str(to), str(directory))
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("writer", ["rebuild", "compact"])
+def test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_through(
+    env: Env, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """Root's cache directory lies in a world-writable parent without the sticky bit. Right after the
+    path was checked, ``nobody`` renames the directory aside and links its name to root's private
+    directory: a check by path, then a create and a rename by path, replaced root's 0600 file of the
+    same name there. The new file is made and renamed in the directory that was checked, held open."""
+    import packcache._generations as generations_mod
+    import packcache._store_write as store_write_mod
+
+    d = env.case_dir("swapped-directory")
+    shared = d / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    cache_dir = shared / "cache"
+    cache_dir.mkdir(mode=0o700)
+    path = cache_dir / "model.pcache"
+    private = d / "private"
+    private.mkdir(mode=0o700)
+    victim = private / "model.pcache"
+    victim.write_bytes(b"precious")
+    os.chmod(victim, 0o600)
+    before = os.lstat(victim)
+    if writer == "compact":
+        build(path, {"a": (1, 16 * KIB)})
+        build(path, {"a": (2, 16 * KIB)})  # a stale entry: superseded bytes to reclaim
+    module = store_write_mod if writer == "rebuild" else generations_mod
+    real_create_temp = module.create_temp
+    swapped = []
+
+    def swap_then_create(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        if not swapped:
+            _swap_for_a_link(cache_dir, private)
+            swapped.append(True)
+        return real_create_temp(*args, **kwargs)
+
+    monkeypatch.setattr(module, "create_temp", swap_then_create)
+    if writer == "rebuild":
+        with WeightCache(path) as cache:
+            with cache.session() as s:
+                assert_same(s.get_or_pack("a", lambda: packed(1), KEY), packed(1))
+    else:
+        from packcache import compact
+
+        compact(path)
+    assert swapped, "the writer never made its temp file"
+    after = os.lstat(victim)
+    assert (after.st_ino, after.st_mtime_ns, victim.read_bytes()) == (before.st_ino, before.st_mtime_ns, b"precious")
+    assert sorted(p.name for p in private.iterdir()) == ["model.pcache"], "a temp file was left beside root's file"
+    moved = Path(f"{cache_dir}.moved")
+    assert (moved / "model.pcache").is_file(), "the new file went to the directory that was checked"
+    assert not [p.name for p in moved.iterdir() if ".tmp-" in p.name]

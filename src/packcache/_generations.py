@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
-from ._paths import create_temp, fsync_dir, unlink_quietly
-from .errors import FormatError
+from ._paths import TrustedParent, create_temp, open_trusted_parent
+from .errors import FormatError, UntrustedFileError
 
 __all__ = [
     "Rewritten",
@@ -136,7 +136,31 @@ def rewrite_live(
     # pinned by tests/test_generations.py::test_compact_at_the_last_usable_generation_restarts_the_generation
     generation = previous + 1 if previous + 1 < fmt.MAX_GENERATION else 1
     mode = stat.S_IMODE(st.st_mode)
-    temp_fd, temp = create_temp(real, mode)
+    # Made and renamed within the directory held open from a walk of ``real`` (no directory renamed on the
+    # way meanwhile can send the rename elsewhere), over the entry that still is this file; pinned by
+    #   tests/test_paths.py::test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_through
+    parent = open_trusted_parent(real)
+    try:
+        here = os.stat(parent.name, dir_fd=parent.fd, follow_symlinks=False)
+        if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
+            raise UntrustedFileError(real, "it was replaced while being compacted")
+        temp_fd, temp = create_temp(real, mode, dir_fd=parent.fd)
+    except BaseException:
+        parent.close()
+        raise
+    try:
+        return _rewrite_into(fd, temp_fd, temp, parent, st, header, ordered, generation, path, atime_ns, pwrite)
+    finally:
+        parent.close()
+
+
+def _rewrite_into(
+    fd: int, temp_fd: int, temp: str, parent: TrustedParent, st: os.stat_result, header: fmt.Header,
+    ordered: list[fmt.Entry], generation: int, path: str, atime_ns: int,
+    pwrite: Callable[[int, Any, int], int],
+) -> Rewritten:  # fmt: skip
+    """:func:`rewrite_live`'s copy into the temp file ``temp_fd`` made in ``parent``, renamed over its file there."""
+    mode = stat.S_IMODE(st.st_mode)
     try:
         # pinned by tests/test_generations.py::test_compact_as_root_keeps_the_group_a_service_reads_through,
         # ::test_compact_that_cannot_keep_the_owner_leaves_the_original_and_no_temp
@@ -163,13 +187,13 @@ def rewrite_live(
             at += entry.nbytes
         os.utime(temp_fd, ns=(atime_ns, time.time_ns()))
         new_slot = write_generation(temp_fd, kept, fmt.align_up(at, header.alignment), generation, pwrite=pwrite)
-        os.rename(temp, real)
+        parent.rename_over(temp)
     except BaseException:
         os.close(temp_fd)
-        unlink_quietly(temp)
+        parent.unlink_quietly(temp)
         raise
     try:
-        fsync_dir(os.path.dirname(real))
+        os.fsync(parent.fd)
     except BaseException:
         os.close(temp_fd)
         raise

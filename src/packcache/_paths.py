@@ -56,6 +56,7 @@ from .errors import FormatError, LockTimeoutError, UntrustedFileError
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
+    "TrustedParent",
     "acquire_build_lock",
     "close_if_same",
     "create_temp",
@@ -66,6 +67,7 @@ __all__ = [
     "lock_path_for",
     "open_checked",
     "open_for_reading",
+    "open_trusted_parent",
     "parse_temp_name",
     "pread_exact",
     "pid_alive",
@@ -173,36 +175,124 @@ def resolve_trusted(path: str | os.PathLike[str], *, what: str = "cache file") -
         UntrustedFileError: a symlink on the way fails the rule (the message names it), or more than
             :data:`MAX_LINKS` symlinks.
     """
-    given = os.fspath(path)
-    pending = deque((given if given.startswith("/") else os.path.join(os.getcwd(), given)).split("/"))
-    real, links = "/", 0
-    while pending:
-        name = pending.popleft()
-        if name in ("", "."):
-            continue
-        if name == "..":
-            real = os.path.dirname(real)
-            continue
-        candidate = os.path.join(real, name)
-        try:
-            st = os.lstat(candidate)
-        except OSError:  # missing (or not a directory): nothing more to follow, as realpath
-            real = os.path.join(candidate, *[p for p in pending if p not in ("", ".")])
-            return os.path.normpath(real)
-        if not stat.S_ISLNK(st.st_mode):
-            real = candidate
-            continue
-        problem = entry_problem(os.stat(real), st.st_uid)
-        if problem is not None:
-            raise UntrustedFileError(given, f"{candidate} is a symlink {problem}", what=what)
-        links += 1
-        if links > MAX_LINKS:
-            raise UntrustedFileError(given, f"more than {MAX_LINKS} symlinks", what=what)
-        target = os.readlink(candidate)
-        if target.startswith("/"):
-            real = "/"
-        pending.extendleft(reversed(target.split("/")))
+    parent, real = _walk(os.fspath(path), what)
+    if parent is not None:
+        os.close(parent)
     return real
+
+
+class TrustedParent:
+    """The directory a file lies in (or is to be made in), held open: :func:`open_trusted_parent`.
+
+    A new file is made in it (:func:`create_temp` with ``dir_fd``) and renamed within it
+    (:meth:`rename_over`), so no rename of a directory on the way, after the walk, can send either
+    into another directory (as metricsdir and the directory store hold theirs).
+    """
+
+    __slots__ = ("fd", "name", "real")
+
+    def __init__(self, fd: int, name: str, real: str) -> None:
+        self.fd = fd  # the directory, opened component by component
+        self.name = name  # the file's name in it
+        self.real = real  # the file's resolved path (for messages, and the lock beside it)
+
+    def rename_over(self, temp: str) -> None:
+        """Rename the temp file ``temp`` (made in this directory) over the file, within this directory."""
+        os.rename(os.path.basename(temp), self.name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def unlink_quietly(self, temp: str) -> None:
+        """Remove the temp file ``temp`` made in this directory, ignoring any error."""
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.basename(temp), dir_fd=self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def open_trusted_parent(path: str | os.PathLike[str], *, what: str = "cache file") -> TrustedParent:
+    """Open the directory ``path``'s file lies in, resolving ``path`` as :func:`resolve_trusted` does but
+    one component at a time relative to the directory opened before it (``O_NOFOLLOW``, each symlink
+    judged by the directory that holds it): what is opened is what was checked, whatever another user
+    renames on the way meanwhile. The caller closes it.
+
+    Raises:
+        UntrustedFileError: a symlink on the way fails the rule.
+        FileNotFoundError: the directory does not exist. OSError: it cannot be opened.
+    """
+    given = os.fspath(path)
+    parent, real = _walk(given, what)
+    if parent is None:
+        raise FileNotFoundError(errno_mod.ENOENT, "no such directory", os.path.dirname(real))
+    return TrustedParent(parent, os.path.basename(real), real)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _walk(given: str, what: str) -> tuple[int | None, str]:
+    """Resolve ``given`` by descriptors: (the open directory of its last component or None when a
+    directory on the way is missing, the resolved path). Every symlink met passes :func:`entry_problem`
+    for the directory descriptor that holds it; each directory is opened ``O_NOFOLLOW`` relative to
+    its parent's descriptor, so a component renamed or swapped for a symlink after it was looked at
+    is refused or never reached, not followed."""
+    # A rename of a directory on the way between a check by path and a rename by path once sent a
+    # rebuild or a fetch into another directory; pinned by
+    #   tests/test_paths.py::test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_through
+    pending = deque((given if given.startswith("/") else os.path.join(os.getcwd(), given)).split("/"))
+    stack = [(os.open("/", _DIR_FLAGS), "/")]  # open directories from the root down, and their paths
+    links = 0
+    try:
+        while pending:
+            name = pending.popleft()
+            if name in ("", "."):
+                continue
+            fd, here = stack[-1]
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop()[0])
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):  # missing: nothing more to follow, as realpath
+                rest = os.path.normpath(os.path.join(here, name, *[p for p in pending if p not in ("", ".")]))
+                last = not [p for p in pending if p not in ("", ".")]
+                return (stack.pop()[0] if last else None), rest
+            if stat.S_ISLNK(st.st_mode):
+                problem = entry_problem(os.fstat(fd), st.st_uid)
+                if problem is not None:
+                    raise UntrustedFileError(given, f"{os.path.join(here, name)} is a symlink {problem}", what=what)
+                links += 1
+                if links > MAX_LINKS:
+                    raise UntrustedFileError(given, f"more than {MAX_LINKS} symlinks", what=what)
+                target = os.readlink(name, dir_fd=fd)
+                if target.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop()[0])
+                pending.extendleft(reversed(target.split("/")))
+                continue
+            if not [p for p in pending if p not in ("", ".")]:  # the last component: its directory is the answer
+                return stack.pop()[0], os.path.join(here, name)
+            if not stat.S_ISDIR(st.st_mode):
+                rest = os.path.normpath(os.path.join(here, name, *[p for p in pending if p not in ("", ".")]))
+                return None, rest
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:  # swapped for a symlink (ELOOP) or removed since the stat
+                raise UntrustedFileError(given, f"{os.path.join(here, name)} changed while it was resolved: {exc}",
+                                         what=what) from None  # fmt: skip
+            if (os.fstat(child).st_dev, os.fstat(child).st_ino) != (st.st_dev, st.st_ino):
+                os.close(child)
+                raise UntrustedFileError(given, f"{os.path.join(here, name)} changed while it was resolved", what=what)
+            stack.append((child, os.path.join(here, name)))
+        # only "", "." or ".." left: ``given`` names a directory (the root, or one popped back to)
+        here = stack[-1][1]
+        if len(stack) == 1:
+            return None, here  # the root: no directory holds it
+        os.close(stack.pop()[0])
+        return stack.pop()[0], here
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
 
 
 def replaceable(real: str) -> str | None:
@@ -567,11 +657,12 @@ def temp_prefix(path: str) -> str:
     return f".{os.path.basename(path)}.tmp-"
 
 
-def create_temp(path: str, mode: int) -> tuple[int, str]:
+def create_temp(path: str, mode: int, *, dir_fd: int | None = None) -> tuple[int, str]:
     """Create a new, empty temp file beside ``path`` with exactly ``mode``; return (fd, temp path).
 
     ``O_EXCL | O_NOFOLLOW``: a file or symlink planted at the name is never
-    opened; another random name is tried instead.
+    opened; another random name is tried instead. With ``dir_fd`` (``path``'s directory, held open:
+    :class:`TrustedParent`) the file is made in that directory, whatever its path names meanwhile.
 
     Raises:
         OSError: the file cannot be created.
@@ -582,7 +673,8 @@ def create_temp(path: str, mode: int) -> tuple[int, str]:
         temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(8)}")
         try:
             # pinned by tests/test_paths.py::test_temp_file_is_created_with_o_excl_and_never_follows_a_planted_name
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = os.open(temp if dir_fd is None else os.path.basename(temp), flags, mode, dir_fd=dir_fd)
         except FileExistsError:
             if attempt == 7:
                 raise
@@ -592,7 +684,8 @@ def create_temp(path: str, mode: int) -> tuple[int, str]:
             os.fchmod(fd, mode)  # the umask must not widen or narrow the documented mode
         except BaseException:
             os.close(fd)
-            unlink_quietly(temp)
+            with contextlib.suppress(OSError):
+                os.unlink(temp if dir_fd is None else os.path.basename(temp), dir_fd=dir_fd)
             raise
         return fd, temp
     raise AssertionError("unreachable")

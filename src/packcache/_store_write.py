@@ -18,6 +18,7 @@ Rules from the design that shape the code:
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
 import os
 import time
@@ -32,7 +33,7 @@ from . import format as fmt
 from ._faults import Fault
 from ._generations import Rewritten, pwrite_all, rewrite_live, write_generation
 from ._mapping import FileMap, Window
-from ._paths import close_if_same, create_temp, file_identity, resolve_trusted, unlink_quietly
+from ._paths import close_if_same, create_temp, file_identity, open_trusted_parent, unlink_quietly
 from ._store_lock import ensure_dir
 from ._store_state import Committed, OpenFile, StoreState, StoreStatus
 from .errors import FormatError
@@ -153,24 +154,25 @@ class FileWriter:
             # A rebuild replaces the file the path resolves to (a symlinked path keeps its symlink), never through a
             # symlink another user planted (an UntrustedFileError: ``untrusted``); pinned by
             #   tests/test_paths.py::test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept
-            target = resolve_trusted(self.path)
-            fd, temp = create_temp(target, self.file_mode)
-        try:  # not the translator alone: a failure must close and remove the temp file too
-            with faults.translating(HeapReason.OPEN_FAILED, "cannot open the directory of", self.path):
-                dir_fd = os.open(os.path.dirname(target), os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
-        except BaseException:
-            os.close(fd)
-            unlink_quietly(temp)
-            raise
-        try:  # the same, and the directory descriptor closed
+            # The directory is held open from the walk on: the temp file is made and renamed in it, so no
+            # directory renamed on the way meanwhile can send the rename elsewhere; pinned by
+            #   tests/test_paths.py::test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_through
+            parent = open_trusted_parent(self.path)
+            target, dir_fd = parent.real, parent.fd
+            try:
+                fd, temp = create_temp(target, self.file_mode, dir_fd=dir_fd)
+            except BaseException:
+                parent.close()
+                raise
+        try:  # not the translator alone: a failure must close and remove the temp file, and the directory
             with faults.translating(faults.write_reason, "cannot write to", f"{self.path} (new file {temp})"):
                 os.posix_fallocate(fd, 0, header.data_start + fmt.index_size([]))
                 self.pwrite(fd, header_bytes, 0)
                 st = os.fstat(fd)
         except BaseException:
             os.close(fd)
-            os.close(dir_fd)
-            unlink_quietly(temp)
+            parent.unlink_quietly(temp)
+            parent.close()
             raise
         self.pending = PendingWrite(
             fd=fd, temp_path=temp, target=target, header=header, base={}, added={}, append_at=header.data_start,
@@ -244,8 +246,11 @@ class FileWriter:
         try:  # not the translator alone: whatever stops the commit (an interrupt too) aborts it
             with faults.translating(faults.write_reason, "cannot commit", self._target(pending)):
                 slot = write_generation(pending.fd, live, index_at, pending.generation, pwrite=self.pwrite)
-                if pending.temp_path is not None:
-                    os.rename(pending.temp_path, pending.target)
+                if pending.temp_path is not None:  # within the directory held since the walk (new_file)
+                    assert pending.dir_fd is not None
+                    name = os.path.basename(pending.target)
+                    os.rename(os.path.basename(pending.temp_path), name, src_dir_fd=pending.dir_fd,
+                              dst_dir_fd=pending.dir_fd)  # fmt: skip
         except BaseException:
             self.abort()  # the previous generation stays, a temp file goes
             raise
@@ -283,9 +288,13 @@ class FileWriter:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.map.trim(pending.append_at)
-            pending.close()
             if pending.temp_path is not None:
-                unlink_quietly(pending.temp_path)
+                if pending.dir_fd is not None:  # the temp file's own directory, whatever its path names now
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.basename(pending.temp_path), dir_fd=pending.dir_fd)
+                else:
+                    unlink_quietly(pending.temp_path)
+            pending.close()
 
     def compact(self, fd: int, real: str) -> Rewritten:
         """Copy the live packs of the committed file open as ``fd`` into a new file renamed over ``real``
