@@ -8,17 +8,33 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import re
 import sys
 import time
 from typing import Any
 
-from .._defaults import GROUP_SIZE, GROUP_SIZES, SCHEME
+from .._defaults import GROUP_SIZE, GROUP_SIZES, REMOTE_TIMEOUT, SCHEME
 from ..errors import FormatError, RemoteError
 from ..packers import SCHEMES
-from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, mib, sanitize, seconds
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Out,
+    UsageError,
+    add_trust_options,
+    chosen_scheme,
+    days,
+    mib,
+    sanitize,
+    seconds,
+    store_url,
+)
 
 __all__ = ["add_parsers", "add_store_parsers"]
+
+#: ``fetch --deadline``'s default: the whole fetch, a long healthy download included.
+FETCH_DEADLINE = 600.0
 
 
 def _models_needed(command: str) -> Any:
@@ -140,14 +156,23 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
         return _platform_bytes(minilm, scheme, group_size)
 
     if _URL.match(args.file):
-        report = _probe_url(args, expected)
+        from ..fleet.stores import parse_store_url
+
+        try:  # checked before any store call; only the redacted form is shown
+            # pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
+            location = parse_store_url(args.file)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        shown = location.display
+        report = _probe_url(args, location, expected)
     else:
+        shown = args.file
         report = probe_file(args.file, expected_platform=expected, expected_model=args.expected_model)
     if compared:
         report = dataclasses.replace(report, reasons=[*report.reasons, *compared])
     lines = [
         f"verdict       {report.verdict.value}",
-        f"file          {sanitize(args.file)}",
+        f"file          {sanitize(shown)}",
         f"class         file {report.platform_class or '-'}, here {report.platform_class_here or '-'}",
         f"generation    {report.generation}: {report.entries} packs"
         + (
@@ -166,7 +191,7 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
+def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
     """``probe URL``: a manifest (``.../manifests/<model>/<class>.json``: its signature checked, then its
     blob probed) or a blob (``.../blobs/sha256/<hex>.pcache``, or any object), by range reads.
 
@@ -176,19 +201,29 @@ def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
     from ..fleet.fetch import load_trusted_keys
     from ..fleet.manifest import MAX_ENVELOPE_BYTES, read_envelope
     from ..fleet.probe import downgrade_unverified, probe_bytes
-    from ..fleet.stores import open_store
+    from ..fleet.stores import check_key, open_store
 
-    url = args.file.rstrip("/")
-    root, key = url.rsplit("/", 1)
+    # The key is cut from the URL's path; the store is the URL without it (its query, which may carry
+    # a token, stays with the store's raw URL and out of the key).
+    path, mark, query = location.raw.split("#", 1)[0].partition("?")
+    tail = mark + query
+    path = path.rstrip("/")
+    root, key = path.rsplit("/", 1)
     for marker in ("/manifests/", "/blobs/"):
-        if marker in url:
-            root, rest = url.rsplit(marker, 1)
+        if marker in path:
+            root, rest = path.rsplit(marker, 1)
             key = marker.strip("/") + "/" + rest
             break
+    url = location.display.rstrip("/")
     deadline = time.monotonic() + args.timeout
     unverified = None
     model, size = None, None
-    with open_store(root, timeout=args.timeout) as store:
+    try:
+        check_key(key)
+        store = open_store(root + tail, timeout=args.timeout)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    with store:
         if key.endswith(".json"):
             data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
             keys = load_trusted_keys(args.trusted_key)
@@ -212,8 +247,13 @@ def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
 
 
 def cmd_publish(args: argparse.Namespace, out: Out) -> int:
-    from ..fleet.publish import publish
+    from ..fleet.manifest import check_name
+    from ..fleet.publish import model_of, publish
 
+    try:  # the URL and --expires-days were checked by their argument types; the file's name here
+        check_name(model_of(args.file), f"model (the file's name {os.path.basename(args.file)!r} without .pcache)")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         report = publish(
             args.file, args.url, private_key=args.sign, sources=args.model, builder=args.builder,
@@ -239,10 +279,16 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
-    from ..fleet.fetch import fetch, load_trusted_keys
+    from ..fleet.fetch import check_fetch_target, fetch, load_trusted_keys
 
     if args.cache is None and args.model is None:
         raise UsageError("give the checkpoint (--model DIR, whose cache file is named by its content) or --cache FILE")
+    if args.cache is not None:
+        try:  # before anything is loaded or asked: the name must be a model's, as publish names it
+            # pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
+            check_fetch_target(args.cache)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     scheme = chosen_scheme(args)
     try:
         if args.loader == "hf":
@@ -269,7 +315,7 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
 
     report = fetch(
         args.url, path, platform=canonical_key(platform), trusted_keys=load_trusted_keys(args.trusted_key),
-        allow_unsigned=args.allow_unsigned, timeout=args.timeout,
+        allow_unsigned=args.allow_unsigned, timeout=args.timeout, total_timeout=args.deadline,
     )  # fmt: skip
     lines = [
         f"{'fetched' if report.downloaded else 'up to date'}    {sanitize(report.path)}",
@@ -292,7 +338,9 @@ def add_store_parsers(sub: Any) -> None:
         "write URL/manifests/<model>/<class>.json with a conditional put (docs/FLEET.md).",
     )
     publish.add_argument("file", help="the cache file (built by build, run or serve)")
-    publish.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
+    publish.add_argument(
+        "url", type=store_url, help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory"
+    )
     publish.add_argument("--sign", metavar="KEY.pem", help="sign the manifest with this ed25519 private key")
     publish.add_argument(
         "--model", action="append", default=[], metavar="DIR",
@@ -300,8 +348,9 @@ def add_store_parsers(sub: Any) -> None:
     )  # fmt: skip
     publish.add_argument("--builder", help="free text recorded in the manifest (default: packcache <version>)")
     publish.add_argument(
-        "--expires-days", type=float, default=30.0, help="days until the manifest expires (0: never; default 30)"
-    )
+        "--expires-days", type=days, default=30.0,
+        help="days until the manifest expires (over 0, at most 3660; 0: never; default 30)",
+    )  # fmt: skip
     publish.add_argument("--timeout", type=seconds, default=600.0, help="seconds for the whole upload (default 600)")
     publish.add_argument("--json", action="store_true", help="print one JSON object")
     publish.set_defaults(func=cmd_publish)
@@ -313,7 +362,9 @@ def add_store_parsers(sub: Any) -> None:
         "its signature, expiry and generation, download the blob beside the local file while hashing it, verify "
         "it and rename it into place. Exit 1 with the miss reason when the store cannot give it (docs/FLEET.md).",
     )
-    fetch.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
+    fetch.add_argument(
+        "url", type=store_url, help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory"
+    )
     fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
     fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
     fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
@@ -324,7 +375,17 @@ def add_store_parsers(sub: Any) -> None:
     fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default=SCHEME, help="weight scheme (default auto)")
     fetch.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
     add_trust_options(fetch)
-    fetch.add_argument("--timeout", type=seconds, default=600.0, help="seconds for the whole fetch (default 600)")
+    # pinned by tests/test_fleet_deadline.py
+    fetch.add_argument(
+        "--timeout", type=seconds, default=REMOTE_TIMEOUT, metavar="S",
+        help=f"seconds the store may go without answering: the manifest and header reads, connecting, a stalled "
+        f"download (default {REMOTE_TIMEOUT:g}: a store that accepts and never answers ends the fetch that fast)",
+    )  # fmt: skip
+    fetch.add_argument(
+        "--deadline", type=seconds, default=FETCH_DEADLINE, metavar="S",
+        help=f"seconds for the whole fetch, the download included (default {FETCH_DEADLINE:g}; a download that "
+        "keeps making progress runs until then)",
+    )  # fmt: skip
     fetch.add_argument("--json", action="store_true", help="print one JSON object")
     fetch.set_defaults(func=cmd_fetch)
 
