@@ -328,7 +328,8 @@ class WeightCache:
         self.enabled = bool(DEFAULTS["enabled"] if enabled is None else enabled) and self.path is not None
         self.verify = bool(DEFAULTS["verify"] if verify is None else verify)
         # Parsed once: a bad URL fails here, and only the fetch sees its secrets; ``remote`` is what
-        # every message shows. pinned by tests/test_fleet_redaction.py
+        # every message shows.
+        # pinned by tests/test_fleet_redaction.py::test_no_library_output_shows_a_store_secret
         self._remote_url = _check_remote(remote)
         self.remote = self._remote_url.display if self._remote_url is not None else None
         if (

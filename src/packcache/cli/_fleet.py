@@ -375,7 +375,7 @@ def add_store_parsers(sub: Any) -> None:
     fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default=SCHEME, help="weight scheme (default auto)")
     fetch.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
     add_trust_options(fetch)
-    # pinned by tests/test_fleet_deadline.py
+    # pinned by tests/test_fleet_deadline.py::test_the_init_recipe_ends_fast_against_a_silent_store
     fetch.add_argument(
         "--timeout", type=seconds, default=REMOTE_TIMEOUT, metavar="S",
         help=f"seconds the store may go without answering: the manifest and header reads, connecting, a stalled "

@@ -191,7 +191,9 @@ def _fetch_locked(
 ) -> FetchReport:  # fmt: skip
     key = manifest_key(model, cls)
     # A small read is whole within the stall bound: a store that accepts and never answers costs that,
-    # whatever the overall deadline. pinned by tests/test_fleet_deadline.py
+    # whatever the overall deadline; the download (below) has the whole deadline, its stalls cut by the store.
+    # pinned by tests/test_fleet_deadline.py::test_the_init_recipe_ends_fast_against_a_silent_store
+    # and ::test_a_slow_healthy_download_is_not_cut_by_the_stall_bound
     data, _ = store.get(key, deadline=_small(deadline, stall), max_bytes=MAX_ENVELOPE_BYTES)
     read = len(data)
     manifest, signed_by = read_envelope(data, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned)
