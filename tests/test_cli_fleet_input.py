@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import packcache
+from packcache.fleet.manifest import generate_key, public_path_for
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PLATFORM = {"packers": [{"id": "test.f32", "version": 1}], "cpu": "test"}
@@ -43,7 +44,9 @@ def setup(tmp_path: Path) -> dict[str, Path]:
     _build(good)
     spaced = tmp_path / "built" / "my model.pcache"
     _build(spaced)
-    return {"store": store, "good": good, "spaced": spaced, "home": tmp_path}
+    generate_key(tmp_path / "ci.pem")
+    return {"store": store, "good": good, "spaced": spaced, "home": tmp_path,
+            "pub": Path(public_path_for(tmp_path / "ci.pem"))}  # fmt: skip
 
 
 BAD = [
@@ -64,6 +67,13 @@ BAD = [
     ("publish a file whose name is no model", ["publish", "{spaced}", "{store}"], "my model"),
     ("publish to an unknown scheme", ["publish", "{good}", "bogus://bucket/p"], "scheme"),
     ("publish to a file URL with a host", ["publish", "{good}", "file://host{store}"], "host"),
+    ("publish with a builder too long", ["publish", "{good}", "{store}", "--builder", "b" * 300], "--builder"),
+    (
+        "publish with a control character in the builder",
+        ["publish", "{good}", "{store}", "--builder", "a\x1bb"],
+        "--builder",
+    ),
+    ("publish signed by a public key", ["publish", "{good}", "{store}", "--sign", "{pub}"], "key"),
     ("publish signed by a missing key", ["publish", "{good}", "{store}", "--sign", "{tmp}/none.pem"], "none.pem"),
     ("run with an unknown remote scheme", ["run", "--remote", "bogus://bucket/p"], "scheme"),
     ("build with a remote file URL with a host", ["build", "{tmp}", "--remote", "file://host/x"], "host"),
@@ -76,10 +86,10 @@ def test_bad_input_is_one_line_exit_2_nothing_uploaded(
     setup: dict[str, Path], name: str, argv: list[str], named: str
 ) -> None:
     values = {"store": str(setup["store"]), "good": str(setup["good"]), "spaced": str(setup["spaced"]),
-              "tmp": str(setup["home"])}  # fmt: skip
+              "tmp": str(setup["home"]), "pub": str(setup["pub"])}  # fmt: skip
     # A key that cannot be loaded is not a usage error (the file may be unreadable): exit 1, but it is
     # found before the upload.
-    expected = 1 if "{tmp}/none.pem" in argv else 2
+    expected = 1 if "{tmp}/none.pem" in argv or "{pub}" in argv else 2
     done = _cli(*(a.format(**values) for a in argv), home=setup["home"])
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == expected, (done.returncode, done.stdout, done.stderr)

@@ -124,7 +124,7 @@ def trickling_proxy(upstream: int, piece: int = 16 << 10, pause: float = 0.05) -
         listener.close()
 
 
-def test_the_init_container_recipe_without_timeout_ends_quickly_against_a_silent_store(tmp_path: Path) -> None:
+def test_the_init_recipe_ends_fast_against_a_silent_store(tmp_path: Path) -> None:
     """FLEET.md's recipe flags, no ``--timeout``: a store that accepts and never answers costs the stall
     bound (10 s), not the 600 s overall deadline."""
     checkpoint = tiny_bert(tmp_path / "ckpt", seed=1)

@@ -8,7 +8,7 @@ from typing import Any, TextIO
 
 __all__ = [
     "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "Out", "UsageError", "add_trust_options", "chosen_scheme", "mib",
-    "days", "positive", "sanitize", "seconds", "store_url",
+    "builder_text", "days", "positive", "sanitize", "seconds", "store_url",
 ]  # fmt: skip
 
 
@@ -85,6 +85,15 @@ def store_url(text: str) -> Any:
         return parse_store_url(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def builder_text(text: str) -> str:
+    """An argument type: a manifest's free-text builder, at most 256 printable characters."""
+    from ..fleet.manifest import MAX_BUILDER_CHARS
+
+    if len(text) > MAX_BUILDER_CHARS or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"give at most {MAX_BUILDER_CHARS} printable characters")
+    return text
 
 
 def days(text: str) -> float:

@@ -23,6 +23,7 @@ from ._common import (
     Out,
     UsageError,
     add_trust_options,
+    builder_text,
     chosen_scheme,
     days,
     mib,
@@ -346,7 +347,10 @@ def add_store_parsers(sub: Any) -> None:
         "--model", action="append", default=[], metavar="DIR",
         help="where the checkpoint the file was built from lies (repeatable)",
     )  # fmt: skip
-    publish.add_argument("--builder", help="free text recorded in the manifest (default: packcache <version>)")
+    publish.add_argument(
+        "--builder", type=builder_text,
+        help="free text recorded in the manifest, at most 256 printable characters (default: packcache <version>)",
+    )  # fmt: skip
     publish.add_argument(
         "--expires-days", type=days, default=30.0,
         help="days until the manifest expires (over 0, at most 3660; 0: never; default 30)",

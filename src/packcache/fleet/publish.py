@@ -187,7 +187,9 @@ def publish(
             if (os.fstat(fd).st_size, os.fstat(fd).st_mtime_ns) != (size, st.st_mtime_ns):
                 raise FormatError("the file changed while it was hashed: publish it again", path=name)
             cls = platform_class(header.platform)
-            manifest_key(model, cls)  # the class's rule too, before the upload
+            # The manifest as it will be written, but for its generation and times: every field is checked
+            # (the builder text too) before the blob is uploaded.
+            draft = _manifest(model, cls, sha256, size, 1, expires_in, builder)
             deadline = time.monotonic() + timeout
             with open_store(location, timeout=timeout) as store:
                 manifest_name = manifest_key(model, cls)
@@ -201,12 +203,7 @@ def publish(
                             f"of these {size} bytes", url=f"{location.display.rstrip('/')}/{blob}",
                         )  # fmt: skip
                 previous, etag = _current_generation(store, manifest_name, deadline)
-                now = int(time.time())
-                manifest = Manifest(
-                    model=model, platform_class=cls, blob_sha256=sha256, size=size, generation=previous + 1,
-                    created=now, expires=None if expires_in is None else now + int(expires_in),
-                    builder=builder or _default_builder(),
-                )  # fmt: skip
+                manifest = _manifest(model, cls, sha256, size, previous + 1, expires_in, draft.builder)
                 if signing_key is not None:
                     envelope = sign(manifest, signing_key)
                     signed_by: str | None = json.loads(envelope)["signatures"][0]["key"]
@@ -226,6 +223,16 @@ def publish(
 
 #: The longest expiry a manifest may have (ten years): beyond it a manifest is as good as never expiring.
 MAX_EXPIRES = 10 * 366 * 86400
+
+
+def _manifest(
+    model: str, cls: str, sha256: str, size: int, generation: int, expires_in: float | None, builder: str | None
+) -> Manifest:
+    now = int(time.time())
+    return Manifest(
+        model=model, platform_class=cls, blob_sha256=sha256, size=size, generation=generation, created=now,
+        expires=None if expires_in is None else now + int(expires_in), builder=builder or _default_builder(),
+    )  # fmt: skip
 
 
 def check_expiry(expires_in: float | None) -> None:
