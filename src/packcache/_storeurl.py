@@ -91,7 +91,7 @@ def redact_text(text: str) -> str:
     return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
 
 
-def parse_store_url(url: str) -> StoreURL:
+def parse_store_url(url: str | os.PathLike[str]) -> StoreURL:
     """``url`` (``s3://bucket/prefix``, ``file:///abs/dir``, a plain directory path, ...) as one value.
 
     Raises:
@@ -99,8 +99,10 @@ def parse_store_url(url: str) -> StoreURL:
             ``file:`` URL with a host or a relative path, a bad port, an object URL without a bucket or
             host. The message shows the redacted URL only.
     """
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
     if not isinstance(url, str):
-        raise ValueError(f"store URL: a string, not {type(url).__name__}")
+        raise ValueError(f"store URL: a string or a path, not {type(url).__name__}")
     shown = redact_url(url)
     if not url.strip():
         raise ValueError("store URL: empty (give s3://bucket/prefix, gs://..., az://..., file:///dir or a directory)")
