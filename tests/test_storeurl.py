@@ -63,6 +63,15 @@ def test_the_display_form_and_every_message_hold_no_secret() -> None:
     )
     error = RemoteError("remote_error", "at s3://k:hunter2pass@b/p?sig=sigSECRET", url="s3://k:hunter2pass@b/p?t=x")
     assert "hunter2pass" not in str(error) and "sigSECRET" not in str(error) and "hunter2pass" not in str(error.url)
+    # An AWS secret key holds '/': typed raw into the URL, it must not show either.
+    raw = "s3://AKIAEXAMPLE:wJalr/K7MDENG/bPxRfiCYsecret@bucket/p"
+    with pytest.raises(ValueError) as raised:
+        parse_store_url(raw)
+    assert "K7MDENG" not in str(raised.value) and "bPxRfiCYsecret" not in str(raised.value), raised.value
+    assert redact_text(f"at {raw}: failed") == "at s3://bucket/p: failed"
+    assert redact_text("https://host:8443/a@b and https://host/models/v1@2024/x") == (
+        "https://host:8443/a@b and https://host/models/v1@2024/x"
+    )
     assert redact_text("see abfs://container@acct.dfs.core.windows.net/p?sv=x") == (
         "see abfs://container@acct.dfs.core.windows.net/p"
     )

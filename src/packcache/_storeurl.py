@@ -79,6 +79,12 @@ def redact_url(url: str) -> str:
             return url.split("?", 1)[0].split("#", 1)[0]
         return url
     rest = _.split("#", 1)[0].split("?", 1)[0]
+    user, at, after = rest.rpartition("@")
+    # A password may hold an unencoded '/' (AWS secret keys do): user info runs to the last '@' when
+    # what precedes it starts as ``user:`` with no '/' before the ':' and is no ``host:port/``.
+    head, colon, tail = user.partition(":")
+    if at and colon and "/" not in head and not tail.split("/", 1)[0].isdigit():
+        rest = after
     netloc, slash, path = rest.partition("/")
     user, at, host = netloc.rpartition("@")
     if at and scheme.lower() in _CONTAINER_USER and ":" not in user:
