@@ -43,6 +43,7 @@ from ._faults import Fault
 from ._ledger import Held, Ledger
 from ._registry import DEFAULTS, aggregate_stats, register, unregister
 from ._store import FileStore
+from ._storeurl import StoreURL, parse_store_url, redact_text
 from .errors import PackResultError, RemoteError, SessionError
 from .options import get_instance_option, set_instance_option
 from .stats import FAILURE_REASONS, REMOTE_REASONS, CacheStats, HeapReason
@@ -199,6 +200,28 @@ class _Seat:
         self.serial = 0  # sessions started so far: each held pack records the one that served it
 
 
+def _check_remote(remote: object) -> StoreURL | None:
+    """``remote=`` parsed (:func:`packcache._storeurl.parse_store_url`), or ``None``.
+
+    Raises:
+        ValueError: it is no store URL (the message shows it redacted).
+    """
+    if remote is None or isinstance(remote, StoreURL):
+        return remote
+    value = os.fspath(remote) if isinstance(remote, (str, os.PathLike)) else remote
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"remote must be a store URL or directory, got {type(remote).__name__}")
+    try:
+        return parse_store_url(value)
+    except ValueError as exc:
+        raise ValueError(f"remote must be a store URL or directory: {exc}") from None
+
+
+def _scrub(cache: WeightCache, text: str) -> str:
+    """``text`` with no secret of the cache's store URL in it (what the statistics and logs show)."""
+    return cache._remote_url.scrub(text) if cache._remote_url is not None else redact_text(text)
+
+
 def _check_timeout(value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"lock_timeout must be a finite number of seconds >= 0, got {value!r}")
@@ -285,7 +308,7 @@ class WeightCache:
         file_mode: int = _defaults.FILE_MODE,
         dir_mode: int = _defaults.DIR_MODE,
         verify: bool | None = None,
-        remote: str | os.PathLike[str] | None = None,
+        remote: str | os.PathLike[str] | StoreURL | None = None,
         remote_timeout: float = _defaults.REMOTE_TIMEOUT,
         trusted_keys: Sequence[bytes | str | os.PathLike[str]] = (),
         allow_unsigned: bool = False,
@@ -304,9 +327,11 @@ class WeightCache:
         self.lock_timeout = _check_timeout(DEFAULTS["lock_timeout"] if lock_timeout is None else lock_timeout)
         self.enabled = bool(DEFAULTS["enabled"] if enabled is None else enabled) and self.path is not None
         self.verify = bool(DEFAULTS["verify"] if verify is None else verify)
-        self.remote = os.fspath(remote) if remote is not None else None
-        if self.remote is not None and (not isinstance(self.remote, str) or not self.remote or "\0" in self.remote):
-            raise ValueError(f"remote must be a store URL or directory, got {remote!r}")
+        # Parsed once: a bad URL fails here, and only the fetch sees its secrets; ``remote`` is what
+        # every message shows.
+        # pinned by tests/test_fleet_redaction.py::test_no_library_output_shows_a_store_secret
+        self._remote_url = _check_remote(remote)
+        self.remote = self._remote_url.display if self._remote_url is not None else None
         if (
             isinstance(remote_timeout, bool)
             or not isinstance(remote_timeout, (int, float))
@@ -991,7 +1016,8 @@ class Session:
             store = self._store
             assert store is not None
             report = fetch(
-                cache.remote, cache.path, platform=cache.platform, trusted_keys=load_trusted_keys(cache.trusted_keys),
+                cache._remote_url or cache.remote, cache.path, platform=cache.platform,
+                trusted_keys=load_trusted_keys(cache.trusted_keys),
                 allow_unsigned=cache.allow_unsigned, timeout=cache.remote_timeout, lock_timeout=cache.lock_timeout,
                 file_mode=store.file_mode, dir_mode=store.dir_mode,  # as the cache would have made the file
             )  # fmt: skip
@@ -1000,7 +1026,8 @@ class Session:
         except ImportError as exc:
             reason, err, message = "remote_error", 0, f"{exc} (remote= needs: pip install 'packcache[fleet]')"
         except Exception as exc:  # a store problem must never fail a model load
-            logger.debug("packcache: unexpected error fetching %s", cache.remote, exc_info=True)
+            logger.debug("packcache: unexpected error fetching %s: %s", cache.remote,
+                         _scrub(cache, f"{type(exc).__name__}: {exc}"))  # fmt: skip
             reason, err, message = "remote_error", getattr(exc, "errno", 0) or 0, f"{type(exc).__name__}: {exc}"
         else:
             ledger.remote_result(nbytes=report.bytes, seconds=time.perf_counter() - started)
@@ -1011,6 +1038,7 @@ class Session:
             return
         if reason not in REMOTE_REASONS:
             reason = "remote_error"
+        message = _scrub(cache, message)
         ledger.remote_result(nbytes=0, seconds=time.perf_counter() - started, miss=reason, err=err, message=message)
         if ledger.first(reason):
             name = errno.errorcode.get(err, "no errno") if err else "no errno"

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._storeurl import redact_text
+
 __all__ = [
     "FormatError",
     "LockTimeoutError",
@@ -155,8 +157,11 @@ class RemoteError(PackCacheError, OSError):
 
     def __init__(self, reason: str, message: str, *, url: str | None = None, errno: int = 0) -> None:
         self.reason = reason
+        # Every URL in what it is given is shown redacted: no place that raises one can leak a secret.
+        # pinned by tests/test_fleet_redaction.py::test_no_library_output_shows_a_store_secret
+        url = redact_text(str(url)) if url is not None else None
         self.url = url
-        super().__init__(f"{reason}: {url + ': ' if url else ''}{message}")
+        super().__init__(f"{reason}: {url + ': ' if url else ''}{redact_text(message)}")
         # After super().__init__: OSError's constructor sets errno from its arguments (to None here).
         self.errno = errno
 

@@ -8,7 +8,7 @@ from typing import Any, TextIO
 
 __all__ = [
     "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "Out", "UsageError", "add_trust_options", "chosen_scheme", "mib",
-    "positive", "sanitize", "seconds",
+    "builder_text", "days", "positive", "sanitize", "seconds", "store_url",
 ]  # fmt: skip
 
 
@@ -72,6 +72,38 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
     if not 0 < value <= 3600:  # NaN and inf fail this too
         raise argparse.ArgumentTypeError(f"{text[:40]!r}: give seconds over 0 and at most 3600")
+    return value
+
+
+def store_url(text: str) -> Any:
+    """An argument type: a store URL (``s3://bucket/prefix``, ``file:///dir``, a directory), parsed once
+    (:func:`packcache._storeurl.parse_store_url`); a bad one is a usage error naming it redacted."""
+    from .._storeurl import parse_store_url
+
+    # pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
+    try:
+        return parse_store_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def builder_text(text: str) -> str:
+    """An argument type: a manifest's free-text builder, at most 256 printable characters."""
+    from ..fleet.manifest import MAX_BUILDER_CHARS
+
+    if len(text) > MAX_BUILDER_CHARS or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"give at most {MAX_BUILDER_CHARS} printable characters")
+    return text
+
+
+def days(text: str) -> float:
+    """An argument type: days until a manifest expires, 0 for never, else over 0 and at most ten years."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of days") from None
+    if not (value == 0 or 0 < value <= 3660):  # NaN and inf fail this too
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: give days over 0 and at most 3660, or 0 for never")
     return value
 
 

@@ -8,16 +8,33 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import re
 import sys
 from typing import Any
 
-from .._defaults import GROUP_SIZE, GROUP_SIZES, SCHEME
+from .._defaults import GROUP_SIZE, GROUP_SIZES, REMOTE_TIMEOUT, SCHEME
 from ..errors import FormatError, RemoteError
 from ..packers import SCHEMES
-from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, mib, sanitize, seconds
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Out,
+    UsageError,
+    add_trust_options,
+    builder_text,
+    chosen_scheme,
+    days,
+    mib,
+    sanitize,
+    seconds,
+    store_url,
+)
 
 __all__ = ["add_parsers", "add_store_parsers"]
+
+#: ``fetch --deadline``'s default: the whole fetch, a long healthy download included.
+FETCH_DEADLINE = 600.0
 
 
 def _models_needed(command: str) -> Any:
@@ -139,14 +156,23 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
         return _platform_bytes(minilm, scheme, group_size)
 
     if _URL.match(args.file):
-        report = _probe_url(args, expected)
+        from ..fleet.stores import parse_store_url
+
+        try:  # checked before any store call; only the redacted form is shown
+            # pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
+            location = parse_store_url(args.file)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        shown = location.display
+        report = _probe_url(args, location, expected)
     else:
+        shown = args.file
         report = probe_file(args.file, expected_platform=expected, expected_model=args.expected_model)
     if compared:
         report = dataclasses.replace(report, reasons=[*report.reasons, *compared])
     lines = [
         f"verdict       {report.verdict.value}",
-        f"file          {sanitize(args.file)}",
+        f"file          {sanitize(shown)}",
         f"class         file {report.platform_class or '-'}, here {report.platform_class_here or '-'}",
         *([_manifest_line(report)] if report.manifest_generation is not None else []),
         f"generation    {report.generation}"
@@ -173,8 +199,9 @@ def _manifest_line(report: Any) -> str:
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
-    """``probe URL``: :func:`packcache.fleet.probe.probe_url` with the trusted keys given.
+def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
+    """``probe URL``: :func:`packcache.fleet.probe.probe_url` with the trusted keys given (``location``: the
+    URL parsed once; only its redacted form is shown).
 
     Raises:
         RemoteError: the store failed (exit 1 with the reason).
@@ -182,13 +209,21 @@ def _probe_url(args: argparse.Namespace, expected: Any) -> Any:
     from ..fleet.fetch import load_trusted_keys
     from ..fleet.probe import probe_url
 
-    return probe_url(args.file, expected_platform=expected, trusted_keys=load_trusted_keys(args.trusted_key),
-                     expected_model=args.expected_model, timeout=args.timeout)  # fmt: skip
+    try:
+        return probe_url(location, expected_platform=expected, trusted_keys=load_trusted_keys(args.trusted_key),
+                         expected_model=args.expected_model, timeout=args.timeout)  # fmt: skip
+    except ValueError as exc:  # the URL's key is none a store can hold
+        raise UsageError(str(exc)) from None
 
 
 def cmd_publish(args: argparse.Namespace, out: Out) -> int:
-    from ..fleet.publish import publish
+    from ..fleet.manifest import check_name
+    from ..fleet.publish import model_of, publish
 
+    try:  # the URL and --expires-days were checked by their argument types; the file's name here
+        check_name(model_of(args.file), f"model (the file's name {os.path.basename(args.file)!r} without .pcache)")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         report = publish(
             args.file, args.url, private_key=args.sign or None, sources=args.model, builder=args.builder,
@@ -220,11 +255,17 @@ def _blob_state(report: Any) -> str:
 
 
 def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
-    from ..fleet.fetch import fetch, load_trusted_keys
+    from ..fleet.fetch import check_fetch_target, fetch, load_trusted_keys
     from ..format import canonical_key
 
     if args.cache is None and args.model is None:
         raise UsageError("give the checkpoint (--model DIR, whose cache file is named by its content) or --cache FILE")
+    if args.cache is not None:
+        try:  # before anything is loaded or asked: the name must be a model's, as publish names it
+            # pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
+            check_fetch_target(args.cache)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     scheme = chosen_scheme(args)
     # No --loader: the minilm loader's file (what run/serve --model map) when it reads the checkpoint, else, or
     # when nothing is published under its name, the hf loader's (what build makes of any architecture).
@@ -267,7 +308,8 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
     for number, (loader, path, platform) in enumerate(targets):
         try:
             report = fetch(args.url, path, platform=platform, trusted_keys=trusted,
-                           allow_unsigned=args.allow_unsigned, timeout=args.timeout)  # fmt: skip
+                           allow_unsigned=args.allow_unsigned, timeout=args.timeout,
+                           total_timeout=args.deadline)  # fmt: skip
         except RemoteError as exc:
             if exc.reason != "remote_absent" or (not absent and number == len(targets) - 1):
                 raise
@@ -302,7 +344,9 @@ def add_store_parsers(sub: Any) -> None:
         "when another publisher won the race for the manifest: run it again.",
     )
     publish.add_argument("file", help="the cache file (built by build, run or serve)")
-    publish.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
+    publish.add_argument(
+        "url", type=store_url, help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory"
+    )
     publish.add_argument(
         "--sign", action="append", default=[], metavar="KEY.pem",
         help="sign the manifest with this ed25519 private key, a 0600 file of this user or root (repeatable: every "
@@ -312,10 +356,14 @@ def add_store_parsers(sub: Any) -> None:
         "--model", action="append", default=[], metavar="DIR",
         help="where the checkpoint the file was built from lies (repeatable)",
     )  # fmt: skip
-    publish.add_argument("--builder", help="free text recorded in the manifest (default: packcache <version>)")
     publish.add_argument(
-        "--expires-days", type=float, default=30.0, help="days until the manifest expires (0: never; default 30)"
-    )
+        "--builder", type=builder_text,
+        help="free text recorded in the manifest, at most 256 printable characters (default: packcache <version>)",
+    )  # fmt: skip
+    publish.add_argument(
+        "--expires-days", type=days, default=30.0,
+        help="days until the manifest expires (over 0, at most 3660; 0: never; default 30)",
+    )  # fmt: skip
     publish.add_argument("--timeout", type=seconds, default=600.0, help="seconds for the whole upload (default 600)")
     publish.add_argument("--json", action="store_true", help="print one JSON object")
     publish.set_defaults(func=cmd_publish)
@@ -329,7 +377,9 @@ def add_store_parsers(sub: Any) -> None:
         "remote_absent is nothing published; a missing bucket, container or store directory is remote_error (a "
         "plain http(s):// store cannot tell a wrong prefix from nothing published).",
     )
-    fetch.add_argument("url", help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory")
+    fetch.add_argument(
+        "url", type=store_url, help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory"
+    )
     fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
     fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
     fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
@@ -341,7 +391,17 @@ def add_store_parsers(sub: Any) -> None:
     fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default=SCHEME, help="weight scheme (default auto)")
     fetch.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
     add_trust_options(fetch)
-    fetch.add_argument("--timeout", type=seconds, default=600.0, help="seconds for the whole fetch (default 600)")
+    # pinned by tests/test_fleet_deadline.py::test_the_init_recipe_ends_fast_against_a_silent_store
+    fetch.add_argument(
+        "--timeout", type=seconds, default=REMOTE_TIMEOUT, metavar="S",
+        help=f"seconds the store may go without answering: the manifest and header reads, connecting, a stalled "
+        f"download (default {REMOTE_TIMEOUT:g}: a store that accepts and never answers ends the fetch that fast)",
+    )  # fmt: skip
+    fetch.add_argument(
+        "--deadline", type=seconds, default=FETCH_DEADLINE, metavar="S",
+        help=f"seconds for the whole fetch, the download included (default {FETCH_DEADLINE:g}; a download that "
+        "keeps making progress runs until then)",
+    )  # fmt: skip
     fetch.add_argument("--json", action="store_true", help="print one JSON object")
     fetch.set_defaults(func=cmd_fetch)
 

@@ -15,7 +15,17 @@ from typing import Any
 from .._defaults import GROUP_SIZE, GROUP_SIZES, KERNEL_PATH, REMOTE_TIMEOUT, SCHEME
 from ..errors import FormatError
 from ..packers import SCHEMES
-from ._common import EXIT_FAILED, EXIT_OK, Out, UsageError, add_trust_options, chosen_scheme, sanitize, seconds
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Out,
+    UsageError,
+    add_trust_options,
+    chosen_scheme,
+    sanitize,
+    seconds,
+    store_url,
+)
 from ._report import LoadReport, Progress, kernel_lines, remote_line
 
 __all__ = ["add_model_options", "add_parsers", "cache_file", "kernel_path_arg"]
@@ -172,7 +182,7 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
         f"embedding     {speed['texts']} texts: {speed['median_ms']:.1f} ms ({speed['texts_per_second']:.0f} texts/s), "
         f"first call {speed['first_ms']:.1f} ms",
         *loaded.lines[3:],
-        *remote_line(model.cache.stats(), args.remote),
+        *remote_line(model.cache.stats(), args.remote and args.remote.display),
         f"embeddings    {tuple(embeddings.shape)}",
         *loaded.warning_lines,
     ]
@@ -271,7 +281,7 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
         f"kernels       path {report.kernel_path} on this machine (a runtime choice: the cache serves every path)",
         *kernel_lines(report.kernels),
         *loaded.lines[3:],
-        *remote_line(stats, args.remote),
+        *remote_line(stats, args.remote and args.remote.display),
         *loaded.warning_lines,
     ]
     out.emit(data, "\n".join(lines))
@@ -301,7 +311,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> None
 def _add_remote_options(parser: argparse.ArgumentParser) -> None:
     """``--remote`` and its companions (docs/FLEET.md): on a local miss, fetch the published file first."""
     parser.add_argument(
-        "--remote", metavar="URL",
+        "--remote", metavar="URL", type=store_url,
         help="a store of published caches (s3://bucket/prefix, gs://..., file:///dir or a directory): on a local "
         "miss the cache file is fetched from it, checked, before anything is packed; a store problem is a counted "
         "remote miss and the model is packed locally (docs/FLEET.md)",

@@ -57,7 +57,8 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
         engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path,
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
         cache_dir=os.path.dirname(path) if path is not None else None,
-        remote=args.remote if path is not None else None, remote_timeout=args.remote_timeout,
+        remote=args.remote.raw if path is not None and args.remote is not None else None,
+        remote_timeout=args.remote_timeout,
         trusted_keys=tuple(args.trusted_key), allow_unsigned=args.allow_unsigned,
     )  # fmt: skip
     limits = Limits(

@@ -12,7 +12,6 @@ import secrets
 import stat
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +23,12 @@ from ._storebase import (
     GRACE,
     ObjectInfo,
     Store,
+    StoreURL,
     T,
     check_key,
     check_range,
+    parse_store_url,
     read_all,
-    redact,
     remaining,
 )
 
@@ -95,19 +95,28 @@ class DirectoryStore(Store):
     #: The sidecar file whose ``fcntl`` lock serializes compare-and-swap puts (never replaced).
     LOCK_NAME = ".packcache-store.lock"
 
-    def __init__(self, url: str) -> None:
-        """``url``: ``file:///abs/path`` (host empty or ``localhost``) or a path (made absolute)."""
-        if url.lower().startswith("file:"):
-            parts = urllib.parse.urlsplit(url)
-            if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-                raise ValueError(f"store URL {redact(url)!r}: a file URL needs an absolute path and no host")
-            root = urllib.parse.unquote(parts.path)
-        else:
-            root = os.path.abspath(url)
-        if "\0" in root:
-            raise ValueError(f"store URL {url!r}: a NUL in the path")
-        self.url = redact(url)
-        self.root = root
+    def __init__(self, url: str | StoreURL, *, timeout: float | None = None) -> None:
+        """``url``: ``file:///abs/path`` (host empty or ``localhost``) or a path (made absolute).
+
+        ``timeout``: seconds one filesystem step may take (a stalled read of a hung NFS server), within
+        each call's deadline; ``None``: the deadline alone.
+
+        Raises:
+            ValueError: not a directory store's URL (:func:`packcache._storeurl.parse_store_url`).
+        """
+        location = url if isinstance(url, StoreURL) else parse_store_url(url)
+        if location.root is None:
+            raise ValueError(f"store URL {location.display!r}: not a directory store")
+        self.location = location
+        self.url = location.display
+        self.root = location.root
+        self._stall = None if timeout is None else max(float(timeout), 0.001)
+
+    def identity(self, *, deadline: float) -> str:
+        """See :meth:`Store.identity`: ``file://`` and the root's real path (symlinks resolved, bounded by
+        ``deadline``: a hung NFS server; the lexical path if it cannot be resolved in time)."""
+        real = run_bounded(lambda: os.path.realpath(self.root), deadline)
+        return f"file://{real if real is not None else self.root}"
 
     # -- errors, at one point
 
@@ -256,7 +265,8 @@ class DirectoryStore(Store):
                 if time.monotonic() > deadline:
                     raise self._timeout(key, "download")
                 want = min(CHUNK_BYTES, size - offset)
-                chunk = self._bounded(key, "download", deadline, functools.partial(os.pread, fd, want, offset))
+                step = deadline if self._stall is None else min(deadline, time.monotonic() + self._stall)
+                chunk = self._bounded(key, "download", step, functools.partial(os.pread, fd, want, offset))
                 if not chunk:
                     raise RemoteError(
                         "remote_error", f"download {key!r}: ended after {offset} of {size} bytes", url=self.url

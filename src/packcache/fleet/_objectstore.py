@@ -8,7 +8,6 @@ import os
 import re
 import stat
 import time
-import urllib.parse
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -16,7 +15,18 @@ from typing import Any
 from packcache import _faults as faults
 from packcache.errors import RemoteError
 
-from ._storebase import CHUNK_BYTES, ObjectInfo, Store, T, check_key, check_range, read_all, redact, remaining
+from ._storebase import (
+    CHUNK_BYTES,
+    ObjectInfo,
+    Store,
+    StoreURL,
+    T,
+    check_key,
+    check_range,
+    parse_store_url,
+    read_all,
+    remaining,
+)
 
 __all__ = ["ObjectStore"]
 
@@ -87,18 +97,23 @@ class ObjectStore(Store):
     (5xx, dropped connections) within the deadline.
     """
 
-    def __init__(self, url: str, *, timeout: float = 10.0) -> None:
+    def __init__(self, url: str | StoreURL, *, timeout: float = 10.0) -> None:
         """``timeout`` (seconds) bounds connecting and a stalled read; each call's deadline bounds the whole call.
 
         Raises:
+            ValueError: not an object store's URL (:func:`packcache._storeurl.parse_store_url`).
             ModuleNotFoundError: obstore is not installed.
             RemoteError: obstore cannot make a store of ``url`` (``remote_error``).
         """
+        location = url if isinstance(url, StoreURL) else parse_store_url(url)
+        if location.root is not None:
+            raise ValueError(f"store URL {location.display!r}: a directory, not an object store")
         self._obstore = _import_obstore()
-        self.url = redact(url)
-        self._raw_url = url
+        self.location = location
+        self.url = location.display
+        self._raw_url = location.raw  # only obstore gets it: secrets stay out of every message
         self._stall = max(float(timeout), 0.001)
-        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        scheme = location.scheme
         self._allow_http = (
             scheme == "http"
             or any(os.environ.get(name, "").lower().startswith("http://") for name in _ENDPOINT_ENV.get(scheme, ()))
@@ -142,13 +157,15 @@ class ObjectStore(Store):
                 self._raw_url, client_options=client_options, retry_config=retry_config
             )
         except Exception as exc:
-            raise self._error(exc, key, doing, deadline) from exc
+            raise self._error(exc, key, doing, deadline) from None  # obstore's text holds the raw URL
         _obstore_used = _obstore_used or request
         return client
 
     def _error(self, exc: BaseException, key: str, doing: str, deadline: float) -> RemoteError:
         """The one translation of an obstore error into a :class:`RemoteError`."""
-        text = str(exc)
+        # obstore's text may spell the URL its own way (a Debug print): every secret of ours is scrubbed.
+        # pinned by tests/test_fleet_redaction.py::test_no_library_output_shows_a_store_secret
+        text = self.location.scrub(str(exc))
         first = text.split("\n", 1)[0].strip()[:400]
         status_match = _STATUS.search(text)
         code_match = _OS_CODE.search(text)
@@ -204,7 +221,7 @@ class ObjectStore(Store):
         try:
             return call(client)
         except Exception as exc:
-            raise self._error(exc, key, doing, deadline) from exc
+            raise self._error(exc, key, doing, deadline) from None  # obstore's text holds the raw URL
 
     # -- reads
 
@@ -250,7 +267,7 @@ class ObjectStore(Store):
             meta = result.meta
             stream = iter(result.stream(min_chunk_size=CHUNK_BYTES // 2))
         except Exception as exc:
-            raise self._error(exc, key, "download", deadline) from exc
+            raise self._error(exc, key, "download", deadline) from None
         size, etag = int(meta["size"]), meta.get("e_tag")
         if size > max_bytes:
             raise RemoteError("remote_corrupt", f"{key!r} holds {size} bytes (at most {max_bytes})", url=self.url)
@@ -261,7 +278,7 @@ class ObjectStore(Store):
             except StopIteration:
                 break
             except Exception as exc:
-                raise self._error(exc, key, "download", deadline) from exc
+                raise self._error(exc, key, "download", deadline) from None
             received += len(chunk)
             if received > size:
                 raise RemoteError("remote_corrupt", f"{key!r}: more than the {size} bytes announced", url=self.url)

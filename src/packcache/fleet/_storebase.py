@@ -7,10 +7,11 @@ import abc
 import dataclasses
 import os
 import time
-import urllib.parse
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
+
+from .._storeurl import StoreURL, parse_store_url
 
 __all__ = [
     "CHUNK_BYTES",
@@ -18,11 +19,12 @@ __all__ = [
     "MAX_KEY_BYTES",
     "ObjectInfo",
     "Store",
+    "StoreURL",
     "T",
     "check_key",
     "check_range",
+    "parse_store_url",
     "read_all",
-    "redact",
     "remaining",
 ]
 
@@ -90,17 +92,6 @@ def check_key(key: str) -> str:
     return key
 
 
-def redact(url: str) -> str:
-    """``url`` without user info, query or fragment (credentials and SAS tokens live there)."""
-    parts = urllib.parse.urlsplit(url)
-    if not parts.scheme or len(parts.scheme) == 1:  # a plain path (or a drive letter)
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
 def remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
@@ -112,7 +103,13 @@ class Store(abc.ABC):
     :mod:`packcache.fleet.stores`), ``ValueError`` for a bad key or range, and returns by ``deadline + 1 s``.
     """
 
-    url: str
+    url: str  #: the redacted URL (what messages show)
+    location: StoreURL  #: the parsed URL: its identity, its display form
+
+    def identity(self, *, deadline: float) -> str:
+        """The store's canonical identity (:attr:`StoreURL.identity`): what the rollback record is keyed by,
+        the same for every spelling of the URL (credentials, case, default port, ``s3a``, a trailing ``/``)."""
+        return self.location.identity
 
     @abc.abstractmethod
     def head(self, key: str, *, deadline: float) -> ObjectInfo:

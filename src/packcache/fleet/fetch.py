@@ -5,10 +5,11 @@
 
 1. read the manifest ``manifests/<model>/<class>.json`` (bounded), check its signature against
    the trusted keys, its model and class against this file's, its expiry, and its generation
-   against the last one this user accepted from that store (no rollback);
+   against the last one accepted from that store (no rollback: the records of this user and of the
+   cache's directory, :func:`accepted_generation`);
 2. read the blob's header by a range read: the platform must be this machine's;
 3. check the local path as the cache would open it (no symlink another user could have planted on its
-   way, no file there the cache would refuse: :func:`packcache._paths.resolve_trusted`,
+   way, no file there the cache would refuse: :func:`packcache._paths.open_trusted_parent`,
    :func:`packcache._paths.trust_problem`) and the free space of the cache directory;
 4. stream the blob into a temp file beside the local file while hashing it (no more bytes than
    the manifest's size are taken); check size and sha256, ``fsync``, verify every pack's checksum,
@@ -16,9 +17,11 @@
    processes mapping the old one keep it).
 
 Every problem raises :class:`~packcache.errors.RemoteError` with one of
-:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. A fetch killed
-mid-download leaves its temp file: the next holder of the build lock (a fetch, a build) removes it. All calls to
-the store share one deadline (``timeout``): a store that hangs costs at most that.
+:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. Two bounds: a
+store that makes no progress for ``timeout`` seconds (no answer to the manifest or header read, a
+stalled download) is ``remote_timeout``; ``total_timeout`` bounds the whole fetch, a long healthy
+download included. A fetch killed mid-download leaves its temp file: the next holder of the build lock
+(a fetch, a build) removes it.
 """
 
 from __future__ import annotations
@@ -38,28 +41,45 @@ from .. import _defaults
 from .. import _faults as faults
 from .. import format as fmt
 from .._paths import (
+    TrustedParent,
     acquire_build_lock,
     create_temp,
-    fsync_dir,
     lock_path_for,
     open_checked,
+    open_trusted_parent,
     read_record,
     remove_orphans,
     resolve_trusted,
     trust_problem,
-    unlink_quietly,
     user_cache_home,
     write_record,
 )
+from .._storeurl import StoreURL, parse_store_url
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from ..identity import hash_file
 from ..maintenance import verify
-from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_manifest, load_public_keys, manifest_key
+from .manifest import (
+    MAX_ENVELOPE_BYTES,
+    Manifest,
+    check_generation,
+    check_manifest,
+    check_name,
+    load_public_keys,
+    manifest_key,
+)
 from .platform import platform_class
 from .publish import model_of
 from .stores import Store, open_store
 
-__all__ = ["FetchReport", "accepted_generation", "fetch", "last_accepted", "load_trusted_keys", "state_dir"]
+__all__ = [
+    "FetchReport",
+    "accepted_generation",
+    "check_fetch_target",
+    "fetch",
+    "last_accepted",
+    "load_trusted_keys",
+    "state_dir",
+]
 
 _MARGIN = 1 << 20  # free space to leave besides the blob
 _STATE_MAX_BYTES = 4096
@@ -86,7 +106,8 @@ def load_trusted_keys(keys: Sequence[bytes | str]) -> list[bytes]:
 
 @dataclass(frozen=True)
 class FetchReport:
-    """What :func:`fetch` did. ``downloaded`` is False when the local file already was the published one."""
+    """What :func:`fetch` did. ``downloaded`` is False when the local file already was the published one.
+    ``url`` is the store's redacted URL (no credentials, query or fragment)."""
 
     url: str
     path: str
@@ -106,18 +127,33 @@ class FetchReport:
 
 def state_dir() -> str:
     """Where this user keeps the last generation accepted per (store, model, class):
-    ``$XDG_CACHE_HOME/packcache/fleet`` (or ``~/.cache/packcache/fleet``)."""
+    ``$XDG_CACHE_HOME/packcache/fleet`` (or ``~/.cache/packcache/fleet``). A second record lies beside
+    the cache file (:func:`accepted_generation`)."""
     return os.path.join(user_cache_home(), "fleet")
 
 
+def check_fetch_target(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(absolute path, model)`` of a local cache file :func:`fetch` may fill: its name must be a model's
+    (:func:`packcache.fleet.manifest.check_name`, ``.pcache`` dropped), as publish names it.
+
+    Raises:
+        ValueError: the file name names no model (e.g. a space in it).
+    """
+    name = os.path.abspath(os.fspath(path))
+    model = model_of(name)
+    check_name(model, f"model (the cache file's name {os.path.basename(name)!r} without .pcache)")
+    return name, model
+
+
 def fetch(
-    url: str,
+    url: str | StoreURL,
     path: str | os.PathLike[str],
     *,
     platform: bytes,
     trusted_keys: Sequence[bytes] = (),
     allow_unsigned: bool = False,
-    timeout: float = 10.0,
+    timeout: float = _defaults.REMOTE_TIMEOUT,
+    total_timeout: float | None = None,
     lock_timeout: float = _defaults.LOCK_TIMEOUT,
     file_mode: int = _defaults.FILE_MODE,
     dir_mode: int = _defaults.DIR_MODE,
@@ -130,17 +166,23 @@ def fetch(
             published file must have been built under the same.
         trusted_keys: ed25519 public keys (SubjectPublicKeyInfo PEM bytes); one must have
             signed the manifest, unless ``allow_unsigned``.
-        timeout: seconds for everything the store is asked (manifest, header, blob).
+        timeout: seconds the store may make no progress: the manifest and header reads (each whole),
+            connecting, a stalled download.
+        total_timeout: seconds for the whole fetch, the download included (``None``: ``timeout``).
         lock_timeout: seconds to wait for another process fetching or building the same file.
         store: an open store to use instead of opening ``url`` (kept open).
 
     Raises:
+        ValueError: ``url`` is not a store URL, or ``path``'s name names no model (before any I/O).
         RemoteError: the reason says what failed; nothing was written but the lock file.
     """
     started = time.monotonic()
-    deadline = started + timeout
-    name = os.path.abspath(os.fspath(path))
-    model = model_of(name)
+    # Every argument is checked before the first store call or file write.
+    # pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
+    location = store.location if store is not None else url if isinstance(url, StoreURL) else parse_store_url(url)
+    name, model = check_fetch_target(path)
+    stall = float(timeout)
+    deadline = started + (stall if total_timeout is None else float(total_timeout))
     cls = platform_class(platform)
     with faults.translating_into(functools.partial(_lock_error, name)):
         # The file the cache would open: never through a symlink another user planted (the cache refuses it as
@@ -157,35 +199,49 @@ def fetch(
             remove_orphans(real)
         with contextlib.ExitStack() as stack:
             if store is None:
-                store = stack.enter_context(open_store(url, timeout=timeout))
-            return _fetch_locked(store, url, name, real, model, cls, platform, trusted_keys, allow_unsigned,
-                                 deadline, started, file_mode)  # fmt: skip
+                store = stack.enter_context(open_store(location, timeout=stall))
+            return _fetch_locked(store, location.display, name, real, model, cls, platform, trusted_keys,
+                                 allow_unsigned, deadline, stall, started, file_mode)  # fmt: skip
     finally:
         os.close(lock_fd)
 
 
 def _fetch_locked(
     store: Store, url: str, name: str, real: str, model: str, cls: str, platform: bytes,
-    trusted_keys: Sequence[bytes], allow_unsigned: bool, deadline: float, started: float, file_mode: int,
+    trusted_keys: Sequence[bytes], allow_unsigned: bool, deadline: float, stall: float, started: float,
+    file_mode: int,
 ) -> FetchReport:  # fmt: skip
     key = manifest_key(model, cls)
-    data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+    # A small read is whole within the stall bound: a store that accepts and never answers costs that,
+    # whatever the overall deadline; the download (below) has the whole deadline, its stalls cut by the store.
+    # pinned by tests/test_fleet_deadline.py::test_the_init_recipe_ends_fast_against_a_silent_store
+    # and ::test_a_slow_healthy_download_is_not_cut_by_the_stall_bound
+    data, _ = store.get(key, deadline=_small(deadline, stall), max_bytes=MAX_ENVELOPE_BYTES)
     read = len(data)
-    state = _state_path(url, model, cls)
+    records = _record_paths(store.identity(deadline=_small(deadline, stall)), real, model, cls)
+    accepted = [a for a in map(accepted_generation, records) if a is not None]
     manifest, signed_by = check_manifest(
         data, model=model, platform_class=cls, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
-        accepted=accepted_generation(state), url=url,
+        accepted=max(accepted, default=None), url=url,
     )  # fmt: skip
+    for generation, sha256 in accepted:  # every trusted record, not only the newest: a same-generation other blob
+        check_generation(manifest, generation, last_blob_sha256=sha256)
     done = _local_is(real, manifest)
     if not done:
         _check_target(real, name)
-        read += _download(store, url, name, real, manifest, platform, deadline, file_mode)
-    _accept(state, manifest)
+        read += _download(store, url, name, real, manifest, platform, deadline, stall, file_mode)
+    for record in records:
+        _accept(record, manifest)
     return FetchReport(
         url=url, path=name, model=model, platform_class=cls, generation=manifest.generation,
         sha256=manifest.blob_sha256, size=manifest.size, downloaded=not done, bytes=read,
         seconds=round(time.monotonic() - started, 3), signed_by=signed_by,
     )  # fmt: skip
+
+
+def _small(deadline: float, stall: float) -> float:
+    """The deadline of one small read: the stall bound from now, within the overall deadline."""
+    return min(deadline, time.monotonic() + stall)
 
 
 def _local_is(name: str, manifest: Manifest) -> bool:
@@ -219,13 +275,13 @@ def _check_target(real: str, name: str) -> None:
 
 def _download(
     store: Store, url: str, name: str, real: str, manifest: Manifest, platform: bytes, deadline: float,
-    file_mode: int,
+    stall: float, file_mode: int,
 ) -> int:  # fmt: skip
     blob = manifest.blob_key
-    where = f"{url.rstrip('/')}/{blob}"
+    where = f"{url.rstrip('/')}/{blob}"  # url: the redacted display form
     # No HEAD first: the download refuses more bytes than the manifest's size before taking any, and
     # fewer are caught below (a HEAD costs a round trip, and on a directory store a hash of the blob).
-    head = store.get_range(blob, 0, min(fmt.HEADER_READ_SIZE, manifest.size), deadline=deadline)
+    head = store.get_range(blob, 0, min(fmt.HEADER_READ_SIZE, manifest.size), deadline=_small(deadline, stall))
     try:
         header = fmt.decode_header(head, path=where)
     except FormatError as exc:
@@ -237,7 +293,24 @@ def _download(
         )  # fmt: skip
     directory = os.path.dirname(real)  # the temp goes beside the file it replaces: one rename, one directory
     with _writing(directory):
-        vfs = os.statvfs(directory)
+        # The directory is held open from a walk of the path: the temp file is made and renamed in it, so no
+        # directory renamed on the way meanwhile can send the rename elsewhere; pinned by
+        #   tests/test_paths.py::test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_through
+        parent = open_trusted_parent(real)
+    try:
+        return _download_into(store, parent, blob, head, where, name, manifest, deadline, file_mode)
+    finally:
+        parent.close()
+
+
+def _download_into(
+    store: Store, parent: TrustedParent, blob: str, head: bytes, where: str, name: str, manifest: Manifest,
+    deadline: float, file_mode: int,
+) -> int:  # fmt: skip
+    """:func:`_download`'s part in the cache's directory, held open as ``parent``."""
+    directory = os.path.dirname(parent.real)
+    with _writing(directory):
+        vfs = os.fstatvfs(parent.fd)
     free = vfs.f_bavail * vfs.f_frsize
     if free < manifest.size + _MARGIN:
         raise RemoteError(
@@ -245,7 +318,7 @@ def _download(
             errno=errno.ENOSPC,
         )  # fmt: skip
     with _writing(directory):
-        fd, temp = create_temp(real, file_mode)
+        fd, temp = create_temp(parent.real, file_mode, dir_fd=parent.fd)
     try:
         digest = hashlib.sha256()
         written = 0
@@ -272,10 +345,10 @@ def _download(
         if not report.ok:
             raise RemoteError("remote_corrupt", f"it fails verification: {report.problems[0]}", url=where)
         with _writing(name):
-            os.rename(temp, real)
-            fsync_dir(directory)
+            parent.rename_over(temp)
+            os.fsync(parent.fd)
     except BaseException:
-        unlink_quietly(temp)
+        parent.unlink_quietly(temp)
         raise
     finally:
         os.close(fd)
@@ -309,20 +382,32 @@ def _lock_error(name: str, exc: OSError) -> RemoteError:
 # --------------------------------------------------------------------------- accepted generations
 
 
-def _state_path(url: str, model: str, cls: str) -> str:
-    digest = hashlib.sha256(f"{url.rstrip('/')}\0{model}\0{cls}".encode()).hexdigest()[:32]
-    return os.path.join(state_dir(), f"{digest}.json")
+def _record_paths(identity: str, name: str, model: str, cls: str) -> list[str]:
+    """The two accepted-generation records of (store, model, class): this user's, under :func:`state_dir`,
+    and one beside the cache file, in the cache's directory (a pod's fresh home in front of a persistent
+    cache volume still has the volume's). Keyed by the store's canonical identity (:meth:`Store.identity`):
+    every spelling of one store, credentials or none, finds the same records."""
+    # pinned by tests/test_fleet_rollback.py::test_a_replayed_manifest_is_refused_through_every_spelling_of_the_store
+    digest = hashlib.sha256(f"{identity}\0{model}\0{cls}".encode()).hexdigest()[:32]
+    directory, base = os.path.split(name)
+    return [
+        os.path.join(state_dir(), f"{digest}.json"),
+        # pinned by tests/test_fleet_rollback.py::test_a_fresh_pod_home_in_front_of_the_cache_volume_refuses_a_replay
+        os.path.join(directory, f".{base}.accepted-{digest}.json"),
+    ]
 
 
-def last_accepted(url: str, model: str, platform_class: str) -> tuple[int, str] | None:
-    """The generation and blob sha256 this user last accepted from the store at ``url`` for (model, class),
-    the record fetch checks a manifest against (probe reads it too, never writes it)."""
-    return accepted_generation(_state_path(url, model, platform_class))
+def last_accepted(store: Store, model: str, platform_class: str, *, deadline: float) -> tuple[int, str] | None:
+    """The generation and blob sha256 this user last accepted from ``store`` for (model, class): the record
+    under :func:`state_dir` fetch checks a manifest against (probe reads it, never writes it; it knows no
+    cache file, so not the record beside one)."""
+    return accepted_generation(_record_paths(store.identity(deadline=deadline), "", model, platform_class)[0])
 
 
 def accepted_generation(path: str) -> tuple[int, str] | None:
-    """The generation and blob sha256 recorded in the state file at ``path``, or None (none, or one this
-    user cannot trust: then the rollback check has nothing to compare with)."""
+    """The generation and blob sha256 recorded in the record at ``path``, or None (none, or one this user
+    cannot trust: not a regular file of this user or root, writable by another, over 4 KiB; then it
+    has nothing to compare with). A fetch checks against every trusted record of the two it keeps."""
     record, _ = read_record(path, max_bytes=_STATE_MAX_BYTES)
     if not isinstance(record, dict):
         return None
@@ -340,7 +425,10 @@ def _accept(path: str, manifest: Manifest) -> None:
     directory = os.path.dirname(path)
     data = json.dumps({"generation": manifest.generation, "sha256": manifest.blob_sha256}).encode()
     with contextlib.suppress(OSError):
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        if trust_problem(os.stat(directory), directory=True) is not None:
-            return
-        write_record(path, data)
+        if directory == state_dir():
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            if trust_problem(os.stat(directory), directory=True) is not None:
+                return
+        # The cache's directory: the record is this user's file, mode 0600, by temp + rename (read_record
+        # refuses one another user could have written).
+        write_record(path, data, prefix=".packcache-accepted.tmp-")

@@ -56,6 +56,7 @@ from ..errors import FormatError, RemoteError
 __all__ = [
     "DEFAULT_TTL_SECONDS",
     "MANIFEST_FORMAT",
+    "MAX_BUILDER_CHARS",
     "MAX_ENVELOPE_BYTES",
     "Manifest",
     "check_generation",

@@ -43,6 +43,7 @@ from typing import Any
 
 from .. import format as fmt
 from .._paths import open_for_reading
+from .._storeurl import StoreURL
 from ..errors import FormatError, RemoteError, UntrustedFileError
 from .platform import Difference, differences, platform_class
 
@@ -347,7 +348,7 @@ def probe_file(
 
 
 def probe_url(
-    url: str,
+    url: str | StoreURL,
     *,
     expected_platform: bytes | Callable[[bytes], bytes],
     trusted_keys: Sequence[bytes] = (),
@@ -370,17 +371,24 @@ def probe_url(
     """
     from .fetch import last_accepted
     from .manifest import MAX_ENVELOPE_BYTES, check_manifest, manifest_key
-    from .stores import open_store
+    from .stores import check_key, open_store, parse_store_url
 
-    url = url.rstrip("/")
-    root, key = url.rsplit("/", 1)
+    location = url if isinstance(url, StoreURL) else parse_store_url(url)
+    # The key is cut from the URL's path; the store is the URL without it (its query, which may carry a
+    # token, stays with the store's raw URL); only the redacted form is shown.
+    # pinned by tests/test_fleet_redaction.py::test_no_command_line_output_shows_a_store_secret
+    path, mark, query = location.raw.split("#", 1)[0].partition("?")
+    path = path.rstrip("/")
+    root, key = path.rsplit("/", 1)
     for marker in ("/manifests/", "/blobs/"):
-        if marker in url:
-            root, rest = url.rsplit(marker, 1)
+        if marker in path:
+            root, rest = path.rsplit(marker, 1)
             key = marker.strip("/") + "/" + rest
             break
+    url = location.display.rstrip("/")
+    check_key(key)
     deadline = time.monotonic() + timeout
-    with open_store(root, timeout=timeout) as store:
+    with open_store(root + mark + query, timeout=timeout) as store:
 
         def read(blob: str) -> Callable[[int, int], bytes]:
             return lambda start, end: store.get_range(blob, start, end, deadline=deadline)
@@ -398,7 +406,7 @@ def probe_url(
         except ValueError as exc:
             return ProbeReport(Verdict.NOT_APPLICABLE, [f"fetch never reads it: {exc}"], source=url)
         data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
-        accepted = last_accepted(root, model, cls)
+        accepted = last_accepted(store, model, cls, deadline=deadline)
 
         # pinned by tests/test_fleet_probe.py::
         #   test_probe_refuses_exactly_the_manifests_fetch_refuses_and_names_the_same_reason

@@ -43,11 +43,19 @@ from .._paths import acquire_build_lock, open_checked, still_linked
 from ..errors import FormatError, RemoteError
 from ..identity import hash_file, recorded_location
 from ..maintenance import verify
-from .manifest import MAX_ENVELOPE_BYTES, Manifest, encode_unsigned, manifest_key, sign
+from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_name, encode_unsigned, manifest_key, sign
 from .platform import platform_class
-from .stores import open_store
+from .stores import StoreURL, open_store, parse_store_url
 
-__all__ = ["DEFAULT_EXPIRES", "PublishReport", "model_of", "publish", "source_identities"]
+__all__ = [
+    "DEFAULT_EXPIRES",
+    "MAX_EXPIRES",
+    "PublishReport",
+    "check_expiry",
+    "model_of",
+    "publish",
+    "source_identities",
+]
 
 _IDENTITY = re.compile(r"sha256:([0-9a-f]{64}):([0-9]{1,20})")
 DEFAULT_EXPIRES = 30 * 86400  # a month: a fleet that stops publishing stops trusting old manifests
@@ -55,7 +63,8 @@ DEFAULT_EXPIRES = 30 * 86400  # a month: a fleet that stops publishing stops tru
 
 @dataclass(frozen=True)
 class PublishReport:
-    """What :func:`publish` did. ``uploaded`` is False when the store already held the blob."""
+    """What :func:`publish` did. ``uploaded`` is False when the store already held the blob. ``url`` is the
+    store's redacted URL (no credentials, query or fragment)."""
 
     url: str
     model: str
@@ -116,7 +125,7 @@ def _strings(value: Any) -> Iterator[str]:
 
 def publish(
     path: str | os.PathLike[str],
-    url: str,
+    url: str | StoreURL,
     *,
     private_key: str | Sequence[str] | None = None,
     sources: Sequence[str] = (),
@@ -134,10 +143,13 @@ def publish(
         sources: checkpoint directories or files to find the sources in (besides this user's
             records of where each was last hashed, and the hub cache).
         builder: free text recorded in the manifest (default: ``packcache <version>``).
-        expires_in: seconds until the manifest expires; ``None`` for never.
+        expires_in: seconds until the manifest expires (finite, over 0, at most :data:`MAX_EXPIRES`);
+            ``None`` for never.
         timeout: seconds for the whole upload (the store's calls share one deadline).
 
     Raises:
+        ValueError: ``url`` is not a store URL, the file's name names no model, ``expires_in`` is out of
+            range (all checked before any store call).
         FormatError: the file is not a valid cache, fails verification, or holds superseded bytes.
         FileNotFoundError: a source the packs name is nowhere to be found (the message names it).
         ValueError: a source found does not hold the bytes its name claims.
@@ -146,6 +158,18 @@ def publish(
     """
     started = time.monotonic()
     name = os.fspath(path)
+    # Everything the manifest needs is checked before the first store call: a bad value never costs an
+    # upload. pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
+    location = url if isinstance(url, StoreURL) else parse_store_url(url)
+    check_expiry(expires_in)
+    model = model_of(name)
+    check_name(model, f"model (the file's name {os.path.basename(name)!r} without .pcache)")
+    key_files = [private_key] if isinstance(private_key, str) else list(private_key or ())
+    signing_keys = []
+    if key_files:
+        from .manifest import load_private_key
+
+        signing_keys = [load_private_key(k) for k in key_files]
     fd, st = open_checked(name, noatime=True)
     try:
         real = os.path.realpath(name)
@@ -170,28 +194,22 @@ def publish(
             sha256 = hash_file(fd, name, os.fstat(fd))
             if (os.fstat(fd).st_size, os.fstat(fd).st_mtime_ns) != (size, st.st_mtime_ns):
                 raise FormatError("the file changed while it was hashed: publish it again", path=name)
-            model = model_of(name)
             cls = platform_class(header.platform)
+            # The manifest as it will be written, but for its generation and times: every field is checked
+            # (the builder text too) before the blob is uploaded.
+            draft = _manifest(model, cls, sha256, size, 1, expires_in, builder)
             deadline = time.monotonic() + timeout
-            with open_store(url, timeout=timeout) as store:
+            with open_store(location, timeout=timeout) as store:
                 manifest_name = manifest_key(model, cls)
                 blob = f"blobs/sha256/{sha256}.pcache"
                 uploaded = store.put_file(blob, real, deadline=deadline)
                 repaired = not uploaded and _repair_blob(store, blob, real, sha256, size, deadline)
                 previous, etag = _current_generation(store, manifest_name, deadline)
-                now = int(time.time())
-                manifest = Manifest(
-                    model=model, platform_class=cls, blob_sha256=sha256, size=size, generation=previous + 1,
-                    created=now, expires=None if expires_in is None else now + int(expires_in),
-                    builder=builder or _default_builder(),
-                )  # fmt: skip
-                key_files = [private_key] if isinstance(private_key, str) else list(private_key or ())
-                if key_files:
-                    from .manifest import load_private_key
-
+                manifest = _manifest(model, cls, sha256, size, previous + 1, expires_in, draft.builder)
+                if signing_keys:
                     # pinned by tests/test_fleet.py::
                     #   test_key_rotation_by_cli_machines_trusting_old_new_or_both_accept_the_dual_signed_manifest
-                    envelope = sign(manifest, [load_private_key(k) for k in key_files])
+                    envelope = sign(manifest, signing_keys)
                     signers = tuple(s["key"] for s in json.loads(envelope)["signatures"])
                 else:
                     envelope, signers = encode_unsigned(manifest), ()
@@ -211,7 +229,8 @@ def publish(
     finally:
         os.close(fd)
     return PublishReport(
-        url=url, model=model, platform_class=cls, blob_key=blob, manifest_key=manifest_name, sha256=sha256,
+        url=location.display, model=model, platform_class=cls, blob_key=blob, manifest_key=manifest_name,
+        sha256=sha256,
         size=size, generation=manifest.generation, uploaded=uploaded, signed_by=signers[0] if signers else None,
         sources_checked=checked, expires=manifest.expires, seconds=round(time.monotonic() - started, 3),
         signers=signers, repaired=repaired,
@@ -276,6 +295,34 @@ def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadl
         "remote_conflict", "the object at the blob's content address kept changing while it was repaired "
         "(another writer?): run it again", url=where,
     )  # fmt: skip
+
+
+#: The longest expiry a manifest may have (ten years): beyond it a manifest is as good as never expiring.
+MAX_EXPIRES = 10 * 366 * 86400
+
+
+def _manifest(
+    model: str, cls: str, sha256: str, size: int, generation: int, expires_in: float | None, builder: str | None
+) -> Manifest:
+    now = int(time.time())
+    return Manifest(
+        model=model, platform_class=cls, blob_sha256=sha256, size=size, generation=generation, created=now,
+        expires=None if expires_in is None else now + int(expires_in), builder=builder or _default_builder(),
+    )  # fmt: skip
+
+
+def check_expiry(expires_in: float | None) -> None:
+    """``expires_in`` if :func:`publish` can write it: ``None``, or finite seconds over 0 and at most
+    :data:`MAX_EXPIRES`.
+
+    Raises:
+        ValueError: naming the value and the range.
+    """
+    if expires_in is None:
+        return
+    if isinstance(expires_in, bool) or not isinstance(expires_in, (int, float)) or not 0 < expires_in <= MAX_EXPIRES:
+        raise ValueError(f"expires_in {expires_in!r}: give seconds over 0 and at most {MAX_EXPIRES} (ten years), "
+                         "or None for never")  # fmt: skip
 
 
 def _default_builder() -> str:

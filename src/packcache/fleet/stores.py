@@ -38,11 +38,9 @@ packcache.errors.RemoteError: remote_absent: ...: no object at 'manifests/none.j
 
 from __future__ import annotations
 
-import urllib.parse
-
 from ._dirstore import DirectoryStore
 from ._objectstore import ObjectStore
-from ._storebase import CHUNK_BYTES, MAX_KEY_BYTES, ObjectInfo, Store, check_key, redact
+from ._storebase import CHUNK_BYTES, MAX_KEY_BYTES, ObjectInfo, Store, StoreURL, check_key, parse_store_url
 
 __all__ = [
     "CHUNK_BYTES",
@@ -51,31 +49,28 @@ __all__ = [
     "ObjectInfo",
     "ObjectStore",
     "Store",
+    "StoreURL",
     "check_key",
     "open_store",
+    "parse_store_url",
 ]
 
 
-def open_store(url: str, *, timeout: float = 10.0) -> Store:
+def open_store(url: str | StoreURL, *, timeout: float = 10.0) -> Store:
     """The store for ``url``.
 
     ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix`` (and the other forms
     ``obstore`` knows), ``http(s)://…``: an :class:`ObjectStore`, whose ``timeout`` bounds connecting
-    and a stalled read. ``file:///abs/path`` or a plain path: a :class:`DirectoryStore`.
+    and a stalled read. ``file:///abs/path`` or a plain path: a :class:`DirectoryStore`, whose
+    ``timeout`` bounds each filesystem step of a download.
 
     Raises:
-        ValueError: an unknown URL scheme, or a ``file:`` URL with a host or a relative path.
+        ValueError: not a usable store URL (:func:`parse_store_url`: an unknown scheme, a ``file:`` URL
+            with a host or a relative path, a bad port, ...); the message shows the redacted URL.
         ModuleNotFoundError: an object store URL without the ``fleet`` extra (the message says what to install).
         RemoteError: the object store cannot be configured from ``url`` (``remote_error``).
     """
-    scheme = urllib.parse.urlsplit(url).scheme.lower() if "://" in url else ""
-    if not scheme:
-        return DirectoryStore(url)
-    if scheme == "file":
-        return DirectoryStore(url)
-    if scheme in _OBJECT_SCHEMES:
-        return ObjectStore(url, timeout=timeout)
-    raise ValueError(f"store URL {redact(url)!r}: unknown scheme {scheme!r} (s3, gs, az, http, https, file)")
-
-
-_OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https"})
+    location = url if isinstance(url, StoreURL) else parse_store_url(url)
+    if location.root is not None:
+        return DirectoryStore(location, timeout=timeout)
+    return ObjectStore(location, timeout=timeout)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,7 +65,7 @@ class EngineSpec:
     torch_threads: int = 1
     prefault: bool = False
     cache_dir: str | None = None
-    remote: str | None = None
+    remote: str | None = field(default=None, repr=False)  # the raw URL (a token in it): never in a repr
     remote_timeout: float = _defaults.REMOTE_TIMEOUT
     trusted_keys: tuple[str, ...] = ()
     allow_unsigned: bool = False
