@@ -369,4 +369,77 @@ def test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes(
         assert (stats.remote_hits, stats.stored, stats.hits) == (1, 0, len(arrays)), stats
     assert local.read_bytes() == built.read_bytes()
     assert temps() == [], "the killed fetch's temp file is still there"
-    assert sorted(p.name for p in local.parent.iterdir()) == ["model-x.pcache", "model-x.pcache.lock"]
+    names = sorted(p.name for p in local.parent.iterdir())
+    records = [n for n in names if n.startswith(".model-x.pcache.accepted-") and n.endswith(".json")]
+    assert len(records) == 1, names  # the rollback record kept beside the file (docs/FLEET.md)
+    assert sorted(set(names) - set(records)) == ["model-x.pcache", "model-x.pcache.lock"]
+
+
+def test_a_directory_swapped_for_a_symlink_during_a_fetch_is_never_written_through(
+    tmp_path: Path, keys: dict[str, Path], shared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root's cache directory lies in a world-writable parent without the sticky bit. Once fetch has
+    checked the path, ``nobody`` renames the directory aside and links its name to root's private
+    directory: a temp file made and renamed by path replaced root's 0600 file of the same name there.
+    The download is made and renamed in the directory that was checked, held open."""
+    store, _ = _published(tmp_path, keys)
+    parent = shared / "world-writable"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    cache_dir = parent / "cache"
+    cache_dir.mkdir(mode=0o700)
+    path = cache_dir / "model-x.pcache"
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    victim = private / "model-x.pcache"
+    victim.write_bytes(b"precious")
+    os.chmod(victim, 0o600)
+    before = os.lstat(victim)
+    real_create_temp = fleet_fetch.create_temp
+    swapped = []
+
+    def swap_then_create(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        if not swapped:
+            as_nobody(f"mv '{cache_dir}' '{cache_dir}.moved' && ln -s '{private}' '{cache_dir}'")
+            swapped.append(True)
+        return real_create_temp(*args, **kwargs)
+
+    monkeypatch.setattr(fleet_fetch, "create_temp", swap_then_create)
+    report = _fetch(store, path, keys["ci.pub"])
+    assert swapped and report.downloaded
+    after = os.lstat(victim)
+    assert (after.st_ino, after.st_mtime_ns, victim.read_bytes()) == (before.st_ino, before.st_mtime_ns, b"precious")
+    assert sorted(p.name for p in private.iterdir()) == ["model-x.pcache"], "a temp file was left beside root's file"
+    moved = Path(f"{cache_dir}.moved")
+    assert packcache.verify(moved / "model-x.pcache").ok, "the fetched file went to the directory that was checked"
+    assert [p.name for p in moved.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_record_temp_a_killed_fetch_left_beside_the_cache_is_removed_by_the_next_fetch(
+    tmp_path: Path, keys: dict[str, Path]
+) -> None:
+    """A real fetch process killed while it writes the rollback record beside the cache file (the blob is in
+    place) leaves the record's temp file. It has the cache file's temp shape, so the next fetch, holding the
+    lock the killed one held, removes it (a name of its own was never swept, not even by ``gc``)."""
+    store, built = _published(tmp_path, keys)
+    local = tmp_path / "b" / "model-x.pcache"
+    code = (
+        "import os, signal\n"
+        "real = os.rename\n"
+        "def rename(src, dst, *args, **kwargs):\n"
+        "    if '.accepted-' in str(dst):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)  # between the record's temp file and its rename\n"
+        "    return real(src, dst, *args, **kwargs)\n"
+        "os.rename = rename\n"
+        "from packcache.fleet.fetch import fetch\n"
+        "from packcache.format import canonical_key\n"
+        f"fetch({store!r}, {str(local)!r}, platform=canonical_key({PLATFORM!r}), "
+        f"trusted_keys=[open({str(keys['ci.pub'])!r}, 'rb').read()], timeout=60)\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    assert local.read_bytes() == built.read_bytes()
+    left = sorted(p.name for p in local.parent.iterdir() if ".tmp-" in p.name)
+    assert len(left) == 1 and left[0].startswith(".model-x.pcache.tmp-"), left
+    assert not _fetch(store, local, keys["ci.pub"]).downloaded
+    assert sorted(p.name for p in local.parent.iterdir() if ".tmp-" in p.name) == []

@@ -63,7 +63,6 @@ __all__ = [
     "default_cache_dir",
     "entry_problem",
     "file_identity",
-    "fsync_dir",
     "lock_path_for",
     "open_checked",
     "open_for_reading",
@@ -747,15 +746,6 @@ def remove_orphans(path: str) -> list[str]:
                 os.unlink(candidate)
                 removed.append(candidate)
     return removed
-
-
-def fsync_dir(directory: str) -> None:
-    """``fsync`` a directory, so a rename in it is durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def unlink_quietly(path: str) -> None:

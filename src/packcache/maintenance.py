@@ -61,6 +61,7 @@ __all__ = [
     "gc",
     "inspect",
     "verify",
+    "verify_open",
 ]
 
 _UNTRUSTED = "WeightCache refuses this file (heap reason 'untrusted')"
@@ -131,31 +132,37 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
     except UntrustedFileError as exc:
         return VerifyReport(name, 0, 0, 0, (VerifyProblem(None, 0, f"untrusted: {exc.reason}"),), exc.reason)
     try:
-        problems = [VerifyProblem(None, 0, f"untrusted: {verdict}; {_UNTRUSTED}")] if verdict else []
-        try:
-            _, slot, entries = read_committed(fd, path=name)
-        except FormatError as exc:
-            problems.append(VerifyProblem(None, exc.offset or 0, str(exc)))
-            return VerifyReport(name, 0, 0, 0, tuple(problems), verdict)
-        problems += _newer_generations_broken(fd, name, slot)
-        checked = 0
-        ordered = sorted(entries.values(), key=lambda e: e.offset)
-        buffer = chunk_buffer(ordered)
-        for entry in ordered:
-            crc = 0
-            try:
-                for chunk in read_chunks(fd, entry.offset, entry.nbytes, buffer, name):
-                    crc = fmt.crc32(chunk, crc)
-            except FormatError as exc:
-                problems.append(VerifyProblem(entry.name, entry.offset, str(exc)))
-                continue
-            checked += entry.nbytes
-            if entry.nbytes and crc != entry.crc32:
-                message = f"checksum {crc:08x} != stored {entry.crc32:08x} over {entry.nbytes} bytes"
-                problems.append(VerifyProblem(entry.name, entry.offset, message))
-        return VerifyReport(name, slot.generation if slot else 0, len(entries), checked, tuple(problems), verdict)
+        return verify_open(fd, name, verdict)
     finally:
         os.close(fd)
+
+
+def verify_open(fd: int, name: str, verdict: str | None = None) -> VerifyReport:
+    """:func:`verify` of the cache file open as ``fd`` (``name`` for messages; ``verdict``: why the file would
+    be refused, if it would): the file written, whatever its name resolves to meanwhile (a fetch's temp file)."""
+    problems = [VerifyProblem(None, 0, f"untrusted: {verdict}; {_UNTRUSTED}")] if verdict else []
+    try:
+        _, slot, entries = read_committed(fd, path=name)
+    except FormatError as exc:
+        problems.append(VerifyProblem(None, exc.offset or 0, str(exc)))
+        return VerifyReport(name, 0, 0, 0, tuple(problems), verdict)
+    problems += _newer_generations_broken(fd, name, slot)
+    checked = 0
+    ordered = sorted(entries.values(), key=lambda e: e.offset)
+    buffer = chunk_buffer(ordered)
+    for entry in ordered:
+        crc = 0
+        try:
+            for chunk in read_chunks(fd, entry.offset, entry.nbytes, buffer, name):
+                crc = fmt.crc32(chunk, crc)
+        except FormatError as exc:
+            problems.append(VerifyProblem(entry.name, entry.offset, str(exc)))
+            continue
+        checked += entry.nbytes
+        if entry.nbytes and crc != entry.crc32:
+            message = f"checksum {crc:08x} != stored {entry.crc32:08x} over {entry.nbytes} bytes"
+            problems.append(VerifyProblem(entry.name, entry.offset, message))
+    return VerifyReport(name, slot.generation if slot else 0, len(entries), checked, tuple(problems), verdict)
 
 
 def _newer_generations_broken(fd: int, name: str, used: fmt.Slot | None) -> list[VerifyProblem]:

@@ -50,6 +50,7 @@ from .._paths import (
     read_record,
     remove_orphans,
     resolve_trusted,
+    temp_prefix,
     trust_problem,
     user_cache_home,
     write_record,
@@ -57,7 +58,7 @@ from .._paths import (
 from .._storeurl import StoreURL, parse_store_url
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from ..identity import hash_file
-from ..maintenance import verify
+from ..maintenance import verify_open
 from .manifest import (
     MAX_ENVELOPE_BYTES,
     Manifest,
@@ -192,6 +193,15 @@ def fetch(
         os.makedirs(os.path.dirname(real), mode=dir_mode, exist_ok=True)
         real = resolve_trusted(name)  # again: what the directories made resolve to
         lock_fd = acquire_build_lock(real, lock_timeout, file_mode)  # as FileStore opens it
+        try:
+            # The cache's directory, held open from a walk of the path: the record beside the file and the
+            # download are made and renamed in it, so no directory renamed on the way meanwhile sends them
+            # elsewhere; pinned by tests/test_fleet_trust.py::
+            #   test_a_directory_swapped_for_a_symlink_during_a_fetch_is_never_written_through
+            parent = open_trusted_parent(real)
+        except BaseException:
+            os.close(lock_fd)
+            raise
     try:
         # Every temp of this file was left by a writer killed holding this lock: pinned by
         #   tests/test_fleet_trust.py::test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes
@@ -200,14 +210,15 @@ def fetch(
         with contextlib.ExitStack() as stack:
             if store is None:
                 store = stack.enter_context(open_store(location, timeout=stall))
-            return _fetch_locked(store, location.display, name, real, model, cls, platform, trusted_keys,
+            return _fetch_locked(store, location.display, name, parent, model, cls, platform, trusted_keys,
                                  allow_unsigned, deadline, stall, started, file_mode)  # fmt: skip
     finally:
+        parent.close()
         os.close(lock_fd)
 
 
 def _fetch_locked(
-    store: Store, url: str, name: str, real: str, model: str, cls: str, platform: bytes,
+    store: Store, url: str, name: str, parent: TrustedParent, model: str, cls: str, platform: bytes,
     trusted_keys: Sequence[bytes], allow_unsigned: bool, deadline: float, stall: float, started: float,
     file_mode: int,
 ) -> FetchReport:  # fmt: skip
@@ -218,8 +229,9 @@ def _fetch_locked(
     # and ::test_a_slow_healthy_download_is_not_cut_by_the_stall_bound
     data, _ = store.get(key, deadline=_small(deadline, stall), max_bytes=MAX_ENVELOPE_BYTES)
     read = len(data)
-    records = _record_paths(store.identity(deadline=_small(deadline, stall)), real, model, cls)
-    accepted = [a for a in map(accepted_generation, records) if a is not None]
+    real = parent.real
+    records = _records(store.identity(deadline=_small(deadline, stall)), parent, model, cls)
+    accepted = [a for a in (accepted_generation(path, dir_fd=fd) for path, fd in records) if a is not None]
     manifest, signed_by = check_manifest(
         data, model=model, platform_class=cls, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
         accepted=max(accepted, default=None), url=url,
@@ -229,9 +241,12 @@ def _fetch_locked(
     done = _local_is(real, manifest)
     if not done:
         _check_target(real, name)
-        read += _download(store, url, name, real, manifest, platform, deadline, stall, file_mode)
-    for record in records:
-        _accept(record, manifest)
+        read += _download(store, url, name, parent, manifest, platform, deadline, stall, file_mode)
+    for path, fd in records:
+        # The record's temp file has the cache file's temp shape: a fetch killed while writing it leaves one the
+        # next holder of the lock (or gc) removes; pinned by tests/test_fleet_trust.py::
+        #   test_a_record_temp_a_killed_fetch_left_beside_the_cache_is_removed_by_the_next_fetch
+        _accept(path, manifest, dir_fd=fd, temp=temp_prefix(parent.real) if fd is not None else None)
     return FetchReport(
         url=url, path=name, model=model, platform_class=cls, generation=manifest.generation,
         sha256=manifest.blob_sha256, size=manifest.size, downloaded=not done, bytes=read,
@@ -274,7 +289,7 @@ def _check_target(real: str, name: str) -> None:
 
 
 def _download(
-    store: Store, url: str, name: str, real: str, manifest: Manifest, platform: bytes, deadline: float,
+    store: Store, url: str, name: str, parent: TrustedParent, manifest: Manifest, platform: bytes, deadline: float,
     stall: float, file_mode: int,
 ) -> int:  # fmt: skip
     blob = manifest.blob_key
@@ -291,23 +306,7 @@ def _download(
             "remote_incompatible", "its header names another platform than this machine's (the manifest's class "
             "does not match its blob)", url=where,
         )  # fmt: skip
-    directory = os.path.dirname(real)  # the temp goes beside the file it replaces: one rename, one directory
-    with _writing(directory):
-        # The directory is held open from a walk of the path: the temp file is made and renamed in it, so no
-        # directory renamed on the way meanwhile can send the rename elsewhere; pinned by
-        #   tests/test_paths.py::test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_through
-        parent = open_trusted_parent(real)
-    try:
-        return _download_into(store, parent, blob, head, where, name, manifest, deadline, file_mode)
-    finally:
-        parent.close()
-
-
-def _download_into(
-    store: Store, parent: TrustedParent, blob: str, head: bytes, where: str, name: str, manifest: Manifest,
-    deadline: float, file_mode: int,
-) -> int:  # fmt: skip
-    """:func:`_download`'s part in the cache's directory, held open as ``parent``."""
+    # The temp goes beside the file it replaces, in the directory held open: one rename, one directory.
     directory = os.path.dirname(parent.real)
     with _writing(directory):
         vfs = os.fstatvfs(parent.fd)
@@ -341,7 +340,7 @@ def _download_into(
             )  # fmt: skip
         with _writing(temp):
             os.fsync(fd)
-        report = verify(temp)
+        report = verify_open(fd, temp)  # the file written, whatever its name resolves to now
         if not report.ok:
             raise RemoteError("remote_corrupt", f"it fails verification: {report.problems[0]}", url=where)
         with _writing(name):
@@ -382,18 +381,22 @@ def _lock_error(name: str, exc: OSError) -> RemoteError:
 # --------------------------------------------------------------------------- accepted generations
 
 
-def _record_paths(identity: str, name: str, model: str, cls: str) -> list[str]:
-    """The two accepted-generation records of (store, model, class): this user's, under :func:`state_dir`,
-    and one beside the cache file, in the cache's directory (a pod's fresh home in front of a persistent
-    cache volume still has the volume's). Keyed by the store's canonical identity (:meth:`Store.identity`):
-    every spelling of one store, credentials or none, finds the same records."""
+def _digest(identity: str, model: str, cls: str) -> str:
     # pinned by tests/test_fleet_rollback.py::test_a_replayed_manifest_is_refused_through_every_spelling_of_the_store
-    digest = hashlib.sha256(f"{identity}\0{model}\0{cls}".encode()).hexdigest()[:32]
-    directory, base = os.path.split(name)
+    return hashlib.sha256(f"{identity}\0{model}\0{cls}".encode()).hexdigest()[:32]
+
+
+def _records(identity: str, parent: TrustedParent, model: str, cls: str) -> list[tuple[str, int | None]]:
+    """The two accepted-generation records of (store, model, class), each a (path, directory descriptor it
+    is relative to): this user's, under :func:`state_dir`, and one beside the cache file, in the cache's
+    directory held open (a pod's fresh home in front of a persistent cache volume still has the volume's).
+    Keyed by the store's canonical identity (:meth:`Store.identity`): every spelling of one store,
+    credentials or none, finds the same records."""
+    digest = _digest(identity, model, cls)
     return [
-        os.path.join(state_dir(), f"{digest}.json"),
+        (os.path.join(state_dir(), f"{digest}.json"), None),
         # pinned by tests/test_fleet_rollback.py::test_a_fresh_pod_home_in_front_of_the_cache_volume_refuses_a_replay
-        os.path.join(directory, f".{base}.accepted-{digest}.json"),
+        (f".{parent.name}.accepted-{digest}.json", parent.fd),
     ]
 
 
@@ -401,14 +404,16 @@ def last_accepted(store: Store, model: str, platform_class: str, *, deadline: fl
     """The generation and blob sha256 this user last accepted from ``store`` for (model, class): the record
     under :func:`state_dir` fetch checks a manifest against (probe reads it, never writes it; it knows no
     cache file, so not the record beside one)."""
-    return accepted_generation(_record_paths(store.identity(deadline=deadline), "", model, platform_class)[0])
+    digest = _digest(store.identity(deadline=deadline), model, platform_class)
+    return accepted_generation(os.path.join(state_dir(), f"{digest}.json"))
 
 
-def accepted_generation(path: str) -> tuple[int, str] | None:
+def accepted_generation(path: str, *, dir_fd: int | None = None) -> tuple[int, str] | None:
     """The generation and blob sha256 recorded in the record at ``path``, or None (none, or one this user
     cannot trust: not a regular file of this user or root, writable by another, over 4 KiB; then it
-    has nothing to compare with). A fetch checks against every trusted record of the two it keeps."""
-    record, _ = read_record(path, max_bytes=_STATE_MAX_BYTES)
+    has nothing to compare with). A fetch checks against every trusted record of the two it keeps.
+    ``dir_fd``: the directory ``path`` is relative to."""
+    record, _ = read_record(path, dir_fd=dir_fd, max_bytes=_STATE_MAX_BYTES)
     if not isinstance(record, dict):
         return None
     generation, sha256 = record.get("generation"), record.get("sha256")
@@ -417,18 +422,20 @@ def accepted_generation(path: str) -> tuple[int, str] | None:
     return generation, sha256
 
 
-def _accept(path: str, manifest: Manifest) -> None:
-    """Record ``manifest``'s generation as accepted (temp + rename; a failure only weakens the rollback check)."""
-    accepted = accepted_generation(path)
+def _accept(path: str, manifest: Manifest, *, dir_fd: int | None = None, temp: str | None = None) -> None:
+    """Record ``manifest``'s generation as accepted (temp + rename; a failure only weakens the rollback check).
+    ``dir_fd``: the cache's directory ``path`` is relative to; ``None``: this user's record under :func:`state_dir`.
+    ``temp``: the temp file's name prefix (default ``.packcache-accepted.tmp-``)."""
+    accepted = accepted_generation(path, dir_fd=dir_fd)
     if accepted is not None and accepted[0] >= manifest.generation:
         return
     directory = os.path.dirname(path)
     data = json.dumps({"generation": manifest.generation, "sha256": manifest.blob_sha256}).encode()
     with contextlib.suppress(OSError):
-        if directory == state_dir():
+        if dir_fd is None:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             if trust_problem(os.stat(directory), directory=True) is not None:
                 return
         # The cache's directory: the record is this user's file, mode 0600, by temp + rename (read_record
         # refuses one another user could have written).
-        write_record(path, data, prefix=".packcache-accepted.tmp-")
+        write_record(path, data, dir_fd=dir_fd, prefix=temp or ".packcache-accepted.tmp-")
