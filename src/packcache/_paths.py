@@ -165,7 +165,9 @@ MAX_LINKS = 40
 def resolve_trusted(path: str | os.PathLike[str], *, what: str = "cache file") -> str:
     """``os.path.realpath(path)``, following only symlinks no other user can have planted or re-pointed
     (:func:`entry_problem`: the link and its directory this user's or root's, the directory writable by
-    no one else or sticky). A missing component ends the walk: the rest is taken as written.
+    no one else or sticky). A missing component ends the walk: the rest is taken as written. It holds no
+    descriptor (a cache opened with one descriptor left still opens); a writer that must land where it
+    checked uses :func:`open_trusted_parent`.
 
     >>> resolve_trusted("/tmp/../tmp/m.pcache")
     '/tmp/m.pcache'
@@ -174,10 +176,7 @@ def resolve_trusted(path: str | os.PathLike[str], *, what: str = "cache file") -
         UntrustedFileError: a symlink on the way fails the rule (the message names it), or more than
             :data:`MAX_LINKS` symlinks.
     """
-    parent, real = _walk(os.fspath(path), what)
-    if parent is not None:
-        os.close(parent)
-    return real
+    return _walk(os.fspath(path), what, hold=False)[1]
 
 
 class TrustedParent:
@@ -219,7 +218,7 @@ def open_trusted_parent(path: str | os.PathLike[str], *, what: str = "cache file
         FileNotFoundError: the directory does not exist. OSError: it cannot be opened.
     """
     given = os.fspath(path)
-    parent, real = _walk(given, what)
+    parent, real = _walk(given, what, hold=True)
     if parent is None:
         raise FileNotFoundError(errno_mod.ENOENT, "no such directory", os.path.dirname(real))
     return TrustedParent(parent, os.path.basename(real), real)
@@ -228,69 +227,92 @@ def open_trusted_parent(path: str | os.PathLike[str], *, what: str = "cache file
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _walk(given: str, what: str) -> tuple[int | None, str]:
-    """Resolve ``given`` by descriptors: (the open directory of its last component or None when a
-    directory on the way is missing, the resolved path). Every symlink met passes :func:`entry_problem`
-    for the directory descriptor that holds it; each directory is opened ``O_NOFOLLOW`` relative to
-    its parent's descriptor, so a component renamed or swapped for a symlink after it was looked at
-    is refused or never reached, not followed."""
+def _walk(given: str, what: str, *, hold: bool) -> tuple[int | None, str]:
+    """Resolve ``given`` as :func:`resolve_trusted` says: (the open directory holding its last component, or
+    None; the resolved path). Every symlink met must pass :func:`entry_problem` for the directory holding it.
+
+    ``hold``: walk by descriptors, each directory opened ``O_NOFOLLOW`` relative to the one before (at most
+    two open at once), so a component renamed or swapped for a symlink after it was looked at is refused or
+    never reached, not followed; the directory of the last component is returned open (None when a directory
+    on the way is missing). Else walk by path, holding no descriptor (and return None).
+    """
     # A rename of a directory on the way between a check by path and a rename by path once sent a
     # rebuild or a fetch into another directory; pinned by
     #   tests/test_paths.py::test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_through
     pending = deque((given if given.startswith("/") else os.path.join(os.getcwd(), given)).split("/"))
-    stack = [(os.open("/", _DIR_FLAGS), "/")]  # open directories from the root down, and their paths
-    links = 0
+    here, links = "/", 0
+    fd = os.open("/", _DIR_FLAGS) if hold else None
+
+    def at(name: str) -> str:
+        return name if fd is not None else os.path.join(here, name)
+
+    def rest_of(name: str) -> str:
+        return os.path.normpath(os.path.join(here, name, *[p for p in pending if p not in ("", ".")]))
+
     try:
         while pending:
             name = pending.popleft()
             if name in ("", "."):
                 continue
-            fd, here = stack[-1]
             if name == "..":
-                if len(stack) > 1:
-                    os.close(stack.pop()[0])
+                if here != "/":
+                    if fd is not None:
+                        up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                        os.close(fd)
+                        fd = up
+                    here = os.path.dirname(here)
                 continue
+            last = not [p for p in pending if p not in ("", ".")]
             try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                st = os.stat(at(name), dir_fd=fd, follow_symlinks=False)
             except (FileNotFoundError, NotADirectoryError):  # missing: nothing more to follow, as realpath
-                rest = os.path.normpath(os.path.join(here, name, *[p for p in pending if p not in ("", ".")]))
-                last = not [p for p in pending if p not in ("", ".")]
-                return (stack.pop()[0] if last else None), rest
+                if last:
+                    held, fd = fd, None
+                    return held, rest_of(name)
+                return None, rest_of(name)
             if stat.S_ISLNK(st.st_mode):
-                problem = entry_problem(os.fstat(fd), st.st_uid)
+                problem = entry_problem(os.fstat(fd) if fd is not None else os.stat(here), st.st_uid)
                 if problem is not None:
                     raise UntrustedFileError(given, f"{os.path.join(here, name)} is a symlink {problem}", what=what)
                 links += 1
                 if links > MAX_LINKS:
                     raise UntrustedFileError(given, f"more than {MAX_LINKS} symlinks", what=what)
-                target = os.readlink(name, dir_fd=fd)
+                target = os.readlink(at(name), dir_fd=fd)
                 if target.startswith("/"):
-                    while len(stack) > 1:
-                        os.close(stack.pop()[0])
+                    here = "/"
+                    if fd is not None:
+                        root = os.open("/", _DIR_FLAGS)
+                        os.close(fd)
+                        fd = root
                 pending.extendleft(reversed(target.split("/")))
                 continue
-            if not [p for p in pending if p not in ("", ".")]:  # the last component: its directory is the answer
-                return stack.pop()[0], os.path.join(here, name)
+            if last:  # the last component: its directory is the answer
+                held, fd = fd, None
+                return held, os.path.join(here, name)
             if not stat.S_ISDIR(st.st_mode):
-                rest = os.path.normpath(os.path.join(here, name, *[p for p in pending if p not in ("", ".")]))
-                return None, rest
-            try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:  # swapped for a symlink (ELOOP) or removed since the stat
-                raise UntrustedFileError(given, f"{os.path.join(here, name)} changed while it was resolved: {exc}",
-                                         what=what) from None  # fmt: skip
-            if (os.fstat(child).st_dev, os.fstat(child).st_ino) != (st.st_dev, st.st_ino):
-                os.close(child)
-                raise UntrustedFileError(given, f"{os.path.join(here, name)} changed while it was resolved", what=what)
-            stack.append((child, os.path.join(here, name)))
-        # only "", "." or ".." left: ``given`` names a directory (the root, or one popped back to)
-        here = stack[-1][1]
-        if len(stack) == 1:
-            return None, here  # the root: no directory holds it
-        os.close(stack.pop()[0])
-        return stack.pop()[0], here
+                return None, rest_of(name)
+            if fd is not None:
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno not in (errno_mod.ELOOP, errno_mod.ENOENT, errno_mod.ENOTDIR):
+                        raise  # EMFILE, EACCES, ...: the caller's fault to translate
+                    raise UntrustedFileError(given, f"{os.path.join(here, name)} changed while it was resolved",
+                                             what=what) from None  # fmt: skip
+                opened = os.fstat(child)
+                os.close(fd)
+                fd = child
+                if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                    raise UntrustedFileError(given, f"{os.path.join(here, name)} changed while it was resolved",
+                                             what=what)  # fmt: skip
+            here = os.path.join(here, name)
+        # only "", "." or ".." were left: ``given`` names the directory walked to
+        if fd is None or here == "/":
+            return None, here
+        up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+        return up, here
     finally:
-        for fd, _ in stack:
+        if fd is not None:
             os.close(fd)
 
 
