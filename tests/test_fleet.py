@@ -19,9 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +29,9 @@ import pytest
 import packcache
 from harness import read_only_bind, require_root, tmpfs
 from harness.checkpoints import tiny_bert
+from harness.keys import make_keys
+from harness.tcp import silent_server
 from packcache.fleet import fetch as fleet_fetch
-from packcache.fleet.manifest import generate_key, public_path_for
 from packcache.fleet.platform import platform_class
 from packcache.fleet.publish import publish
 from packcache.format import canonical_key
@@ -51,13 +50,7 @@ def private_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    directory = tmp_path_factory.mktemp("keys")
-    made = {}
-    for name in ("ci", "other"):
-        generate_key(directory / f"{name}.pem")
-        made[name] = directory / f"{name}.pem"
-        made[f"{name}.pub"] = Path(public_path_for(directory / f"{name}.pem"))
-    return made
+    return make_keys(tmp_path_factory.mktemp("keys"), "ci", "other")
 
 
 def build(path: Path, seed: int = 0, platform: dict[str, Any] = PLATFORM, count: int = 4) -> dict[str, np.ndarray]:
@@ -287,33 +280,6 @@ def test_a_full_disk_is_remote_no_space_and_a_read_only_directory_remote_write_f
         assert misses(stats) == {"remote_write_failed": 1}, stats.remote_error
         assert stats.remote_errno == errno.EROFS, stats
         assert stats.heap_bytes_by_reason["open_failed"] > 0 or stats.heap_bytes_by_reason["read_only"] > 0
-
-
-@contextlib.contextmanager
-def silent_server() -> Iterator[int]:
-    """A TCP server on 127.0.0.1 that accepts connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                held.append(listener.accept()[0])
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join()
-        for conn in held:
-            conn.close()
-        listener.close()
 
 
 def test_a_hung_store_costs_at_most_remote_timeout_and_a_refused_one_is_remote_error(

@@ -26,6 +26,7 @@ import pytest
 import packcache
 from harness.checkpoints import tiny_bert
 from harness.s3server import S3Server
+from harness.tcp import silent_server
 from packcache._defaults import REMOTE_TIMEOUT
 from packcache.fleet.fetch import fetch
 from packcache.fleet.manifest import generate_key, public_path_for
@@ -43,33 +44,6 @@ def _cli(*args: str, env: dict[str, str], timeout: float) -> tuple[subprocess.Co
         env={**os.environ, "PYTHONPATH": str(SRC), **env}, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     return done, time.monotonic() - began
-
-
-@contextlib.contextmanager
-def silent_server() -> Iterator[int]:
-    """A TCP server on 127.0.0.1 that accepts connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                held.append(listener.accept()[0])
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join()
-        for conn in held:
-            conn.close()
-        listener.close()
 
 
 @contextlib.contextmanager

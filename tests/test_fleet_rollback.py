@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import packcache
+from harness.keys import make_keys
 from harness.s3server import S3Server
 from packcache.errors import RemoteError
 from packcache.fleet import fetch as fleet_fetch
-from packcache.fleet.manifest import generate_key, public_path_for
 from packcache.fleet.platform import platform_class
 from packcache.fleet.publish import publish
 from packcache.fleet.stores import open_store
@@ -43,9 +43,7 @@ def private_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    directory = tmp_path_factory.mktemp("keys")
-    generate_key(directory / "ci.pem")
-    return {"ci": directory / "ci.pem", "ci.pub": Path(public_path_for(directory / "ci.pem"))}
+    return make_keys(tmp_path_factory.mktemp("keys"), "ci")
 
 
 def build(path: Path, seed: int) -> None:

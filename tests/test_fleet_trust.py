@@ -28,9 +28,10 @@ import pytest
 
 import packcache
 from harness import require_root
+from harness.keys import make_keys
 from packcache.errors import RemoteError, UntrustedFileError
 from packcache.fleet import fetch as fleet_fetch
-from packcache.fleet.manifest import generate_key, load_private_key, public_path_for
+from packcache.fleet.manifest import load_private_key
 from packcache.fleet.publish import publish
 from packcache.format import canonical_key
 
@@ -52,13 +53,7 @@ def private_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two key pairs in a private directory: ``ci`` (the fleet's) and ``other`` (an attacker's)."""
-    directory = tmp_path_factory.mktemp("keys")
-    made = {}
-    for name in ("ci", "other"):
-        generate_key(directory / f"{name}.pem")
-        made[name] = directory / f"{name}.pem"
-        made[f"{name}.pub"] = Path(public_path_for(directory / f"{name}.pem"))
-    return made
+    return make_keys(tmp_path_factory.mktemp("keys"), "ci", "other")
 
 
 @pytest.fixture

@@ -296,44 +296,30 @@ class ObjectStore(Store):
         is sent). Larger: a multipart upload after a HEAD finds no object; two publishers racing on the
         same key may then both write (blob keys are content hashes: the same bytes)."""
         check_key(key)
-        obs = self._obstore
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(errno_mod.EINVAL, "not a regular file", path)
-            try:
-                self.head(key, deadline=deadline)
+            self.head(key, deadline=deadline)
+            return False
+        except RemoteError as exc:
+            if exc.reason != "remote_absent":
+                raise
+        try:
+            self._upload(key, path, "put_file", deadline, "create")
+        except RemoteError as exc:
+            if exc.reason == "remote_conflict":
                 return False
-            except RemoteError as exc:
-                if exc.reason != "remote_absent":
-                    raise
-            if st.st_size <= _SINGLE_PUT_MAX:
-                data = read_all(fd, st.st_size)
-                if len(data) != st.st_size:
-                    raise OSError(errno_mod.EIO, f"{path} changed while it was read")
-                try:
-                    self._call(
-                        key, "put_file", deadline, lambda c: obs.put(c, key, data, mode="create", use_multipart=False)
-                    )
-                except RemoteError as exc:
-                    if exc.reason == "remote_conflict":
-                        return False
-                    raise
-                return True
-            with open(os.dup(fd), "rb", closefd=True) as source:
-                self._call(
-                    key, "put_file", deadline, lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4)
-                )
-            return True
-        finally:
-            os.close(fd)
+            raise
+        return True
 
     def replace_file(self, key: str, path: str, *, deadline: float, if_match: str | None) -> None:
         """See :meth:`Store.replace_file`. Up to 1 GiB: one PUT with ``If-Match`` (or none when ``if_match`` is
         None). Larger: a multipart upload, which carries no condition (obstore sends conditional headers only
         on single PUTs): the object is replaced whatever it holds then."""
         check_key(key)
+        self._upload(key, path, "replace_file", deadline, "overwrite" if if_match is None else {"e_tag": if_match})
+
+    def _upload(self, key: str, path: str, what: str, deadline: float, mode: Any) -> None:
+        """PUT the regular file at ``path`` to ``key``: up to 1 GiB in one PUT under ``mode`` (held in memory
+        while it is sent), larger as a multipart upload (no condition: obstore sends none on those)."""
         obs = self._obstore
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
@@ -344,16 +330,12 @@ class ObjectStore(Store):
                 data = read_all(fd, st.st_size)
                 if len(data) != st.st_size:
                     raise OSError(errno_mod.EIO, f"{path} changed while it was read")
-                mode: Any = "overwrite" if if_match is None else {"e_tag": if_match}
-                self._call(
-                    key, "replace_file", deadline, lambda c: obs.put(c, key, data, mode=mode, use_multipart=False)
-                )
+                self._call(key, what, deadline, lambda c: obs.put(c, key, data, mode=mode, use_multipart=False))
                 return
             with open(os.dup(fd), "rb", closefd=True) as source:
                 self._call(
-                    key, "replace_file", deadline,
-                    lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4),
-                )  # fmt: skip
+                    key, what, deadline, lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4)
+                )
         finally:
             os.close(fd)
 

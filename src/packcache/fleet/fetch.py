@@ -189,9 +189,8 @@ def fetch(
         # The file the cache would open: never through a symlink another user planted (the cache refuses it as
         # untrusted; renaming over its target destroyed a root-owned file); pinned by
         #   tests/test_fleet_trust.py::test_fetch_through_a_symlink_nobody_planted_is_refused_and_its_target_kept
-        real = resolve_trusted(name)
-        os.makedirs(os.path.dirname(real), mode=dir_mode, exist_ok=True)
-        real = resolve_trusted(name)  # again: what the directories made resolve to
+        os.makedirs(resolve_trusted(os.path.dirname(name)), mode=dir_mode, exist_ok=True)  # as the cache makes them
+        real = resolve_trusted(name)  # what the directories made resolve to
         lock_fd = acquire_build_lock(real, lock_timeout, file_mode)  # as FileStore opens it
         try:
             # The cache's directory, held open from a walk of the path: the record beside the file and the
