@@ -79,7 +79,6 @@ __all__ = [
     "still_linked",
     "temp_prefix",
     "trust_problem",
-    "unlink_quietly",
     "user_cache_home",
     "wait_for_flock",
     "write_record",
@@ -768,12 +767,6 @@ def remove_orphans(path: str) -> list[str]:
                 os.unlink(candidate)
                 removed.append(candidate)
     return removed
-
-
-def unlink_quietly(path: str) -> None:
-    """``unlink``, ignoring any error (the file may be gone already)."""
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
 
 # --------------------------------------------------------------------------- small records of this user's

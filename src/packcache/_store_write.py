@@ -18,7 +18,6 @@ Rules from the design that shape the code:
 
 from __future__ import annotations
 
-import contextlib
 import errno as errno_mod
 import os
 import time
@@ -33,7 +32,7 @@ from . import format as fmt
 from ._faults import Fault
 from ._generations import Rewritten, pwrite_all, rewrite_live, write_generation
 from ._mapping import FileMap, Window
-from ._paths import close_if_same, create_temp, file_identity, open_trusted_parent, unlink_quietly
+from ._paths import TrustedParent, close_if_same, create_temp, file_identity, open_trusted_parent
 from ._store_lock import ensure_dir
 from ._store_state import Committed, OpenFile, StoreState, StoreStatus
 from .errors import FormatError
@@ -74,7 +73,7 @@ class PendingWrite:
     generation: int
     map: FileMap
     identity: tuple[int, int]  # (st_dev, st_ino) of the file written
-    dir_fd: int | None = None  # a new file's directory, opened before the rename (no EMFILE after it)
+    parent: TrustedParent | None = None  # a new file's directory, held from the walk (no EMFILE at the rename)
     dir_identity: tuple[int, int] | None = None
     merged: dict[str, fmt.Entry] = field(default_factory=dict)  # base overlaid with added
     index_bytes: int = 0  # encoded size of an index listing ``merged``
@@ -100,8 +99,9 @@ class PendingWrite:
         return sorted(self.merged.values(), key=lambda e: e.offset)
 
     def close(self) -> None:
-        close_if_same(self.dir_fd, self.dir_identity)
-        self.dir_fd = None
+        if self.parent is not None:
+            close_if_same(self.parent.fd, self.dir_identity)
+            self.parent = None
         if self.temp_path is not None:
             close_if_same(self.fd, self.identity)
 
@@ -158,9 +158,8 @@ class FileWriter:
             # directory renamed on the way meanwhile can send the rename elsewhere; pinned by
             #   tests/test_paths.py::test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_through
             parent = open_trusted_parent(self.path)
-            target, dir_fd = parent.real, parent.fd
             try:
-                fd, temp = create_temp(target, self.file_mode, dir_fd=dir_fd)
+                fd, temp = create_temp(parent.real, self.file_mode, dir_fd=parent.fd)
             except BaseException:
                 parent.close()
                 raise
@@ -175,9 +174,9 @@ class FileWriter:
             parent.close()
             raise
         self.pending = PendingWrite(
-            fd=fd, temp_path=temp, target=target, header=header, base={}, added={}, append_at=header.data_start,
-            generation=1, map=FileMap(fd), identity=(st.st_dev, st.st_ino), dir_fd=dir_fd,
-            dir_identity=file_identity(dir_fd),
+            fd=fd, temp_path=temp, target=parent.real, header=header, base={}, added={},
+            append_at=header.data_start, generation=1, map=FileMap(fd), identity=(st.st_dev, st.st_ino), parent=parent,
+            dir_identity=file_identity(parent.fd),
         )  # fmt: skip
         return self.pending
 
@@ -247,10 +246,8 @@ class FileWriter:
             with faults.translating(faults.write_reason, "cannot commit", self._target(pending)):
                 slot = write_generation(pending.fd, live, index_at, pending.generation, pwrite=self.pwrite)
                 if pending.temp_path is not None:  # within the directory held since the walk (new_file)
-                    assert pending.dir_fd is not None
-                    name = os.path.basename(pending.target)
-                    os.rename(os.path.basename(pending.temp_path), name, src_dir_fd=pending.dir_fd,
-                              dst_dir_fd=pending.dir_fd)  # fmt: skip
+                    assert pending.parent is not None
+                    pending.parent.rename_over(pending.temp_path)
         except BaseException:
             self.abort()  # the previous generation stays, a temp file goes
             raise
@@ -259,8 +256,8 @@ class FileWriter:
             return
         try:
             with faults.translating(HeapReason.WRITE_FAILED, "cannot sync the directory of", self.path):
-                assert pending.dir_fd is not None
-                os.fsync(pending.dir_fd)
+                assert pending.parent is not None
+                os.fsync(pending.parent.fd)
         finally:  # the new file is in place and its data synced; only the rename's durability may be in doubt
             self._adopted(pending, slot, live, status, become)
 
@@ -269,8 +266,9 @@ class FileWriter:
         become: Callable[[StoreStatus], None],
     ) -> None:  # fmt: skip
         self.pending = None
-        close_if_same(pending.dir_fd, pending.dir_identity)
-        pending.dir_fd = None
+        if pending.parent is not None:
+            close_if_same(pending.parent.fd, pending.dir_identity)
+            pending.parent = None
         entries = {e.name: e for e in live}
         size = max(os.fstat(pending.fd).st_size, slot.committed_end)
         if pending.temp_path is None:  # appended in place: the same file, and what was learned of its bytes
@@ -288,12 +286,8 @@ class FileWriter:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.map.trim(pending.append_at)
-            if pending.temp_path is not None:
-                if pending.dir_fd is not None:  # the temp file's own directory, whatever its path names now
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.basename(pending.temp_path), dir_fd=pending.dir_fd)
-                else:
-                    unlink_quietly(pending.temp_path)
+            if pending.temp_path is not None and pending.parent is not None:  # whatever its path names now
+                pending.parent.unlink_quietly(pending.temp_path)
             pending.close()
 
     def compact(self, fd: int, real: str) -> Rewritten:
