@@ -97,14 +97,17 @@ def redact_text(text: str) -> str:
     return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
 
 
-def parse_store_url(url: str | os.PathLike[str]) -> StoreURL:
-    """``url`` (``s3://bucket/prefix``, ``file:///abs/dir``, a plain directory path, ...) as one value.
+def parse_store_url(url: str | os.PathLike[str] | StoreURL) -> StoreURL:
+    """``url`` (``s3://bucket/prefix``, ``file:///abs/dir``, a plain directory path, ...) as one value
+    (a :class:`StoreURL` already parsed is returned as it is).
 
     Raises:
         ValueError: not a usable store URL: empty, a NUL or control character, an unknown scheme, a
             ``file:`` URL with a host or a relative path, a bad port, an object URL without a bucket or
             host. The message shows the redacted URL only.
     """
+    if isinstance(url, StoreURL):
+        return url
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str):

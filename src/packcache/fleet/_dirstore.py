@@ -104,7 +104,7 @@ class DirectoryStore(Store):
         Raises:
             ValueError: not a directory store's URL (:func:`packcache._storeurl.parse_store_url`).
         """
-        location = url if isinstance(url, StoreURL) else parse_store_url(url)
+        location = parse_store_url(url)
         if location.root is None:
             raise ValueError(f"store URL {location.display!r}: not a directory store")
         self.location = location

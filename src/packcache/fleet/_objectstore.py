@@ -105,7 +105,7 @@ class ObjectStore(Store):
             ModuleNotFoundError: obstore is not installed.
             RemoteError: obstore cannot make a store of ``url`` (``remote_error``).
         """
-        location = url if isinstance(url, StoreURL) else parse_store_url(url)
+        location = parse_store_url(url)
         if location.root is not None:
             raise ValueError(f"store URL {location.display!r}: a directory, not an object store")
         self._obstore = _import_obstore()
@@ -296,48 +296,48 @@ class ObjectStore(Store):
         is sent). Larger: a multipart upload after a HEAD finds no object; two publishers racing on the
         same key may then both write (blob keys are content hashes: the same bytes)."""
         check_key(key)
+        fd, size = _open_source(path)
         try:
-            self.head(key, deadline=deadline)
-            return False
-        except RemoteError as exc:
-            if exc.reason != "remote_absent":
-                raise
-        try:
-            self._upload(key, path, "put_file", deadline, "create")
-        except RemoteError as exc:
-            if exc.reason == "remote_conflict":
+            try:
+                self.head(key, deadline=deadline)
                 return False
-            raise
-        return True
+            except RemoteError as exc:
+                if exc.reason != "remote_absent":
+                    raise
+            try:
+                self._upload(key, fd, size, path, "put_file", deadline, "create")
+            except RemoteError as exc:
+                if exc.reason == "remote_conflict":
+                    return False
+                raise
+            return True
+        finally:
+            os.close(fd)
 
     def replace_file(self, key: str, path: str, *, deadline: float, if_match: str | None) -> None:
         """See :meth:`Store.replace_file`. Up to 1 GiB: one PUT with ``If-Match`` (or none when ``if_match`` is
         None). Larger: a multipart upload, which carries no condition (obstore sends conditional headers only
         on single PUTs): the object is replaced whatever it holds then."""
         check_key(key)
-        self._upload(key, path, "replace_file", deadline, "overwrite" if if_match is None else {"e_tag": if_match})
-
-    def _upload(self, key: str, path: str, what: str, deadline: float, mode: Any) -> None:
-        """PUT the regular file at ``path`` to ``key``: up to 1 GiB in one PUT under ``mode`` (held in memory
-        while it is sent), larger as a multipart upload (no condition: obstore sends none on those)."""
-        obs = self._obstore
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, size = _open_source(path)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(errno_mod.EINVAL, "not a regular file", path)
-            if st.st_size <= _SINGLE_PUT_MAX:
-                data = read_all(fd, st.st_size)
-                if len(data) != st.st_size:
-                    raise OSError(errno_mod.EIO, f"{path} changed while it was read")
-                self._call(key, what, deadline, lambda c: obs.put(c, key, data, mode=mode, use_multipart=False))
-                return
-            with open(os.dup(fd), "rb", closefd=True) as source:
-                self._call(
-                    key, what, deadline, lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4)
-                )
+            mode = "overwrite" if if_match is None else {"e_tag": if_match}
+            self._upload(key, fd, size, path, "replace_file", deadline, mode)
         finally:
             os.close(fd)
+
+    def _upload(self, key: str, fd: int, size: int, path: str, what: str, deadline: float, mode: Any) -> None:
+        """PUT the ``size`` bytes of the file open at ``fd`` to ``key``: up to 1 GiB in one PUT under ``mode``
+        (held in memory while it is sent), larger as a multipart upload (no condition: obstore sends none on those)."""
+        obs = self._obstore
+        if size <= _SINGLE_PUT_MAX:
+            data = read_all(fd, size)
+            if len(data) != size:
+                raise OSError(errno_mod.EIO, f"{path} changed while it was read")
+            self._call(key, what, deadline, lambda c: obs.put(c, key, data, mode=mode, use_multipart=False))
+            return
+        with open(os.dup(fd), "rb", closefd=True) as source:
+            self._call(key, what, deadline, lambda c: obs.put(c, key, source, use_multipart=True, max_concurrency=4))
 
     def put_bytes(self, key: str, data: bytes, *, deadline: float, if_match: str | None) -> str:
         """See :meth:`Store.put_bytes`."""
@@ -357,3 +357,20 @@ class ObjectStore(Store):
     def close(self) -> None:
         """See :meth:`Store.close`: every call has its own client, so nothing stays open."""
         self._closed = True
+
+
+def _open_source(path: str) -> tuple[int, int]:
+    """The local file an upload sends, opened (never blocking on a FIFO): (descriptor, size).
+
+    Raises:
+        OSError: it cannot be opened, or is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno_mod.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size

@@ -373,7 +373,7 @@ def probe_url(
     from .manifest import MAX_ENVELOPE_BYTES, check_manifest, manifest_key
     from .stores import check_key, open_store, parse_store_url
 
-    location = url if isinstance(url, StoreURL) else parse_store_url(url)
+    location = parse_store_url(url)
     # The key is cut from the URL's path; the store is the URL without it (its query, which may carry a
     # token, stays with the store's raw URL); only the redacted form is shown.
     # pinned by tests/test_fleet_redaction.py::test_no_command_line_output_shows_a_store_secret

@@ -52,6 +52,7 @@ __all__ = [
     "MAX_EXPIRES",
     "PublishReport",
     "check_expiry",
+    "check_publish_target",
     "model_of",
     "publish",
     "source_identities",
@@ -160,10 +161,9 @@ def publish(
     name = os.fspath(path)
     # Everything the manifest needs is checked before the first store call: a bad value never costs an
     # upload. pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
-    location = url if isinstance(url, StoreURL) else parse_store_url(url)
+    location = parse_store_url(url)
     check_expiry(expires_in)
-    model = model_of(name)
-    check_name(model, f"model (the file's name {os.path.basename(name)!r} without .pcache)")
+    model = check_publish_target(name)
     key_files = [private_key] if isinstance(private_key, str) else list(private_key or ())
     signing_keys = []
     if key_files:
@@ -230,10 +230,9 @@ def publish(
         os.close(fd)
     return PublishReport(
         url=location.display, model=model, platform_class=cls, blob_key=blob, manifest_key=manifest_name,
-        sha256=sha256,
-        size=size, generation=manifest.generation, uploaded=uploaded, signed_by=signers[0] if signers else None,
-        sources_checked=checked, expires=manifest.expires, seconds=round(time.monotonic() - started, 3),
-        signers=signers, repaired=repaired,
+        sha256=sha256, size=size, generation=manifest.generation, uploaded=uploaded,
+        signed_by=signers[0] if signers else None, sources_checked=checked, expires=manifest.expires,
+        seconds=round(time.monotonic() - started, 3), signers=signers, repaired=repaired,
     )  # fmt: skip
 
 
@@ -295,6 +294,19 @@ def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadl
         "remote_conflict", "the object at the blob's content address kept changing while it was repaired "
         "(another writer?): run it again", url=where,
     )  # fmt: skip
+
+
+def check_publish_target(path: str | os.PathLike[str]) -> str:
+    """The model a cache file at ``path`` is published as: its name without ``.pcache``, which must be a
+    model's name (:func:`packcache.fleet.manifest.check_name`), as fetch names the file it fills.
+
+    Raises:
+        ValueError: the file's name names no model (a space in it, say).
+    """
+    name = os.fspath(path)
+    model = model_of(name)
+    check_name(model, f"model (the file's name {os.path.basename(name)!r} without .pcache)")
+    return model
 
 
 #: The longest expiry a manifest may have (ten years): beyond it a manifest is as good as never expiring.

@@ -70,7 +70,7 @@ def open_store(url: str | StoreURL, *, timeout: float = 10.0) -> Store:
         ModuleNotFoundError: an object store URL without the ``fleet`` extra (the message says what to install).
         RemoteError: the object store cannot be configured from ``url`` (``remote_error``).
     """
-    location = url if isinstance(url, StoreURL) else parse_store_url(url)
+    location = parse_store_url(url)
     if location.root is not None:
         return DirectoryStore(location, timeout=timeout)
     return ObjectStore(location, timeout=timeout)
