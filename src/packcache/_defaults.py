@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "ALIGNMENT",
     "DIR_MODE",
+    "FETCH_DEADLINE",
     "FILE_MODE",
     "GROUP_SIZE",
     "GROUP_SIZES",
@@ -74,3 +75,7 @@ DIR_MODE = 0o700
 
 #: Seconds for everything one fetch from a store asks it (``remote=``, ``--remote-timeout``).
 REMOTE_TIMEOUT = 10.0
+
+#: Seconds ``packcache fetch`` gives the whole fetch, a long healthy download included (``--deadline``); a
+#: store that stops answering ends it after :data:`REMOTE_TIMEOUT` (``--timeout``).
+FETCH_DEADLINE = 600.0

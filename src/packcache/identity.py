@@ -252,7 +252,7 @@ def _hub_blob(path: str, st: os.stat_result) -> str | None:
     no other user can have put other bytes under (module docstring, rule 1)."""
     # Believed only in a hub layout, reached from the repository's own snapshots, through trusted symlinks, and
     # only if neither the blob nor a directory above it is another user's to write or replace; pinned by
-    #   tests/test_identity_hub.py::test_another_users_blob_named_like_the_real_model_is_hashed_never_packed_as_it
+    #   tests/test_identity.py::test_another_users_blob_named_like_the_real_model_is_hashed_never_packed_as_it
     try:
         real = resolve_trusted(path, what="source file")
         blobs = os.path.dirname(real)

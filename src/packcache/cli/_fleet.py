@@ -8,12 +8,11 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
 import re
 import sys
 from typing import Any
 
-from .._defaults import GROUP_SIZE, GROUP_SIZES, REMOTE_TIMEOUT, SCHEME
+from .._defaults import FETCH_DEADLINE, GROUP_SIZE, GROUP_SIZES, REMOTE_TIMEOUT, SCHEME
 from ..errors import FormatError, RemoteError
 from ..packers import SCHEMES
 from ._common import (
@@ -32,9 +31,6 @@ from ._common import (
 )
 
 __all__ = ["add_parsers", "add_store_parsers"]
-
-#: ``fetch --deadline``'s default: the whole fetch, a long healthy download included.
-FETCH_DEADLINE = 600.0
 
 
 def _models_needed(command: str) -> Any:
@@ -217,11 +213,10 @@ def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
 
 
 def cmd_publish(args: argparse.Namespace, out: Out) -> int:
-    from ..fleet.manifest import check_name
-    from ..fleet.publish import model_of, publish
+    from ..fleet.publish import check_publish_target, publish
 
     try:  # the URL and --expires-days were checked by their argument types; the file's name here
-        check_name(model_of(args.file), f"model (the file's name {os.path.basename(args.file)!r} without .pcache)")
+        check_publish_target(args.file)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:

@@ -64,12 +64,11 @@ from .manifest import (
     Manifest,
     check_generation,
     check_manifest,
-    check_name,
     load_public_keys,
     manifest_key,
 )
 from .platform import platform_class
-from .publish import model_of
+from .publish import check_publish_target
 from .stores import Store, open_store
 
 __all__ = [
@@ -141,9 +140,7 @@ def check_fetch_target(path: str | os.PathLike[str]) -> tuple[str, str]:
         ValueError: the file name names no model (e.g. a space in it).
     """
     name = os.path.abspath(os.fspath(path))
-    model = model_of(name)
-    check_name(model, f"model (the cache file's name {os.path.basename(name)!r} without .pcache)")
-    return name, model
+    return name, check_publish_target(name)  # the one rule: the name publish gives the file
 
 
 def fetch(
@@ -180,7 +177,7 @@ def fetch(
     started = time.monotonic()
     # Every argument is checked before the first store call or file write.
     # pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
-    location = store.location if store is not None else url if isinstance(url, StoreURL) else parse_store_url(url)
+    location = store.location if store is not None else parse_store_url(url)
     name, model = check_fetch_target(path)
     stall = float(timeout)
     deadline = started + (stall if total_timeout is None else float(total_timeout))
@@ -239,7 +236,7 @@ def _fetch_locked(
         check_generation(manifest, generation, last_blob_sha256=sha256)
     done = _local_is(real, manifest)
     if not done:
-        _check_target(real, name)
+        _check_target(parent, name)
         read += _download(store, url, name, parent, manifest, platform, deadline, stall, file_mode)
     for path, fd in records:
         # The record's temp file has the cache file's temp shape: a fetch killed while writing it leaves one the
@@ -272,11 +269,13 @@ def _local_is(name: str, manifest: Manifest) -> bool:
         os.close(fd)
 
 
-def _check_target(real: str, name: str) -> None:
-    """What the cache would refuse at ``real`` (``name`` resolved), fetch never renames over: a FIFO, a directory,
-    another user's file, one others can write (the cache's rule, :func:`packcache._paths.trust_problem`)."""
+def _check_target(parent: TrustedParent, name: str) -> None:
+    """What the cache would refuse at ``name``'s file in the directory ``parent`` holds (the entry the download is
+    renamed over), fetch never renames over: a FIFO, a directory, another user's file, one others can write (the
+    cache's rule, :func:`packcache._paths.trust_problem`)."""
+    real = parent.real
     try:
-        st = os.lstat(real)
+        st = os.stat(parent.name, dir_fd=parent.fd, follow_symlinks=False)
     except FileNotFoundError:
         return
     except OSError as exc:

@@ -250,11 +250,9 @@ def sign(manifest: Manifest, private_key_pem: bytes | Sequence[bytes]) -> bytes:
     signatures: dict[str, dict[str, str]] = {}  # a key given twice signs once
     for pem in keys:
         key = _private_key(pem, where="private key")
-        raw_public = _raw_public(key.public_key())
-        signatures.setdefault(
-            _id_of(raw_public),
-            {"alg": "ed25519", "key": _id_of(raw_public), "sig": base64.b64encode(key.sign(message)).decode("ascii")},
-        )
+        key_id = _id_of(_raw_public(key.public_key()))
+        if key_id not in signatures:
+            signatures[key_id] = {"alg": "ed25519", "key": key_id, "sig": base64.b64encode(key.sign(message)).decode()}
     return _encode(manifest, list(signatures.values()))
 
 
