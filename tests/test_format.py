@@ -71,7 +71,7 @@ def rejects(match: str, func: Callable[..., Any], *args: Any, offset: int | None
 def raw_header(
     *,
     magic: bytes = MAGIC,
-    version: int = 1,
+    version: int = 2,
     alignment: int = 64,
     data_start: int = 4096,
     platform: bytes = PLATFORM,
@@ -180,8 +180,8 @@ def decode(index: bytes, *, count: int | None = None, index_offset: int = INDEX_
 # --------------------------------------------------------------------------- golden bytes
 
 GOLDEN_PREAMBLE = bytes.fromhex(
-    "89504b430d0a1a0a" "01000000" "40000000" "00100000" "07000000" "afac1b56"
-    "0000000000000000000000000000000000000000000000000000000000000000" "94a69d6b"
+    "89504b430d0a1a0a" "02000000" "40000000" "00100000" "07000000" "afac1b56"
+    "0000000000000000000000000000000000000000000000000000000000000000" "83a2c8d1"
     "7b2261223a317d"
 )  # fmt: skip
 
@@ -203,7 +203,7 @@ def test_golden_header_bytes() -> None:
     assert header == GOLDEN_PREAMBLE.ljust(4096, b"\0")
     assert header == raw_header()
     assert header[0:8] == MAGIC
-    assert struct.unpack_from("<IIIII", header, 8) == (1, 64, 4096, 7, zlib.crc32(PLATFORM))
+    assert struct.unpack_from("<IIIII", header, 8) == (2, 64, 4096, 7, zlib.crc32(PLATFORM))
     assert header[28:60] == bytes(32)
     assert struct.unpack_from("<I", header, 60)[0] == zlib.crc32(header[:60])
     assert header[64:71] == PLATFORM
@@ -380,7 +380,7 @@ def test_dtype_codes_are_little_endian_numpy_dtypes(code: str) -> None:
 
 
 def test_fixed_offsets() -> None:
-    assert fmt.MAGIC == MAGIC and fmt.FORMAT_VERSION == 1 and fmt.HEADER_READ_SIZE == 4096
+    assert fmt.MAGIC == MAGIC and fmt.FORMAT_VERSION == 2 and fmt.HEADER_READ_SIZE == 4096
     assert (fmt.slot_offset(0), fmt.slot_offset(1)) == (2048, 3072)
     assert [fmt.data_start_for(a) for a in (64, 4096, 8192, 1 << 20)] == [4096, 4096, 8192, 1 << 20]
     assert set(fmt.DTYPE_CODES) == {c.decode() for c in ITEMSIZE}
@@ -408,7 +408,7 @@ def test_reject_preamble_crc_mismatch() -> None:
     rejects("preamble checksum mismatch", fmt.decode_header, good[:12] + b"\x80" + good[13:], offset=60)
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFFFFFF])
+@pytest.mark.parametrize("version", [0, 1, 3, 0xFFFFFFFF])
 def test_reject_unsupported_format_version(version: int) -> None:
     rejects(f"format version {version} is not supported", fmt.decode_header, raw_header(version=version), offset=8)
 
@@ -1260,6 +1260,81 @@ def test_compacted_size_is_the_size_of_the_layout_compaction_writes() -> None:
             expected = laid_out(entries, header, index_bytes)
             assert fmt.compacted_size(entries, header, index_bytes) == expected
             assert fmt.compacted_size(iter(entries), header, index_bytes) == expected
+
+
+# --------------------------------------------------------------------------- R47-R50: embedded entries (issue 32)
+
+FILE_KEY = fmt.embedded_key("file", b"{}")
+MODEL_KEY = fmt.embedded_key("model", b"{}")
+
+
+def embedded(name: bytes, key: bytes, *, dtype: bytes = b"u1", shape: tuple[int, ...] = (2,)) -> bytes:
+    return raw_index(raw_entry(name=name, key=key, dtype=dtype, shape=shape))
+
+
+def test_embedded_entries_of_every_kind_are_accepted() -> None:
+    index = raw_index(
+        raw_entry(name=b"packcache.model", key=MODEL_KEY, dtype=b"u1", shape=(2,)),
+        raw_entry(name=b"packcache.file/1_Pooling/config.json", key=FILE_KEY, dtype=b"u1", shape=(2,), offset=4160),
+        raw_entry(name=b"packcache.other", key=b"{}", offset=4224),  # only the two kinds are reserved
+    )
+    assert set(decode(index)) == {"packcache.model", "packcache.file/1_Pooling/config.json", "packcache.other"}
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "dtype", "shape"),
+    [
+        (b"packcache.model", MODEL_KEY, b"f4", (2,)),
+        (b"packcache.file/a.json", FILE_KEY, b"u1", (1, 2)),
+        (b"packcache.file/a.json", FILE_KEY, b"u1", ()),
+    ],
+)
+def test_reject_embedded_entry_that_is_not_bytes(name: bytes, key: bytes, dtype: bytes, shape: tuple[int, ...]) -> None:
+    rejects(r"not u1 bytes \(R47\)", decode, embedded(name, key, dtype=dtype, shape=shape), offset=INDEX_AT)
+
+
+@pytest.mark.parametrize(("name", "key", "cap"), [(b"packcache.model", MODEL_KEY, fmt.MAX_MODEL_BYTES),
+                                                  (b"packcache.file/t.json", FILE_KEY, fmt.MAX_FILE_BYTES)])  # fmt: skip
+def test_reject_embedded_entry_over_its_cap(name: bytes, key: bytes, cap: int) -> None:
+    index = embedded(name, key, shape=(cap + 1,))
+    rejects(r"over its cap .* \(R47\)", decode, index, index_offset=1 << 30)
+    index = embedded(name, key, shape=(cap,))
+    assert decode(index, index_offset=1 << 30)[name.decode()].nbytes == cap
+
+
+@pytest.mark.parametrize(
+    "path", [b"", b"/etc/passwd", b"../x", b"a/../b", b"a//b", b"./a", b"a/", b"a\\b", b"a\x01b", b"x" * 256]
+)
+def test_reject_embedded_file_path_that_is_not_plain(path: bytes) -> None:
+    rejects(r"\(R48\)", decode, embedded(b"packcache.file/" + path, FILE_KEY), offset=INDEX_AT)
+    with pytest.raises(ValueError, match="cannot embed"):
+        fmt.file_entry_name(path.decode())
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        (b"packcache.model", b"{}"),
+        (b"packcache.model", FILE_KEY),  # another kind's key
+        (b"packcache.file/a", MODEL_KEY),
+        (b"packcache.file/a", FILE_KEY.replace(b'"sha256":"', b'"sha256":"A')[:-2] + b'"}'),  # upper-case hex
+        (b"packcache.file/a", FILE_KEY[:-1] + b',"x":1}'),  # another member
+        (b"packcache.file/a", FILE_KEY.replace(b":", b": ")),  # not canonical
+    ],
+)
+def test_reject_embedded_entry_whose_key_is_not_kind_and_sha256(name: bytes, key: bytes) -> None:
+    rejects(r"\(R49\)", decode, embedded(name, key), offset=INDEX_AT)
+
+
+def test_reject_embedded_bytes_other_than_the_key_names() -> None:
+    data = b'{"a":1}'
+    entry = fmt.Entry("packcache.file/c.json", fmt.embedded_key("file", data), bytes(32), "u1", (7,), 4096, 7,
+                      fmt.crc32(data))  # fmt: skip
+    fmt.check_embedded(entry, data)
+    rejects(r"checksum mismatch \(R50\)", fmt.check_embedded, entry, b'{"a":2}', offset=4096)
+    rejects(r"checksum mismatch \(R50\)", fmt.check_embedded, entry, data[:-1], offset=4096)
+    forged = entry._replace(crc32=fmt.crc32(b'{"a":2}'))  # a crc made for the other bytes: the sha256 still differs
+    rejects(r"not the sha256 its key names \(R50\)", fmt.check_embedded, forged, b'{"a":2}', offset=4096)
 
 
 # --------------------------------------------------------------------------- R46 end to end (issue 10)

@@ -141,7 +141,13 @@ def _request_key(name: object, key: Mapping[str, Any] | PackKey | None) -> bytes
             raise TypeError(f"name must be a non-empty str or None, got {name!r}")
         if len(name.encode("utf-8")) > fmt.MAX_NAME_BYTES:
             raise ValueError(f"name is longer than {fmt.MAX_NAME_BYTES} UTF-8 bytes: {name[:40]!r}...")
-    return key.canonical if type(key) is PackKey else _encoded(key)
+    canonical = key.canonical if type(key) is PackKey else _encoded(key)
+    if name is not None and name.startswith("packcache.") and fmt.embedded_kind(name):
+        # pinned by tests/test_bundle.py::test_a_session_refuses_an_embedded_entry_readers_would_reject
+        problem = fmt.embedded_problem(fmt.Entry(name, canonical, b"", "u1", (0,), 0, 0, 0))
+        if problem:
+            raise ValueError(problem)
+    return canonical
 
 
 #: One request of :meth:`Session.get_many`: ``(name, pack, key)`` as :meth:`Session.get_or_pack` takes them.
@@ -509,6 +515,23 @@ def _validated(result: object) -> tuple[np.ndarray[Any, Any], bool]:
     if array.flags.c_contiguous:
         return array, False
     return array.copy(order="C"), True  # not np.ascontiguousarray: it turns a 0-d array into a 1-d one
+
+
+def _check_embedded_pack(name: str, key: bytes, array: np.ndarray[Any, Any]) -> None:
+    """An embedded entry's pack (docs/FORMAT.md R47-R50) before it is stored: ``u1`` bytes within the cap, the
+    sha256 its key names. A file readers would reject is never written (W6).
+
+    Raises:
+        PackResultError: it is not.
+    """
+    if not fmt.embedded_kind(name):
+        return
+    entry = fmt.Entry(name, key, b"", array.dtype.str[1:], array.shape, 0, array.nbytes, 0)
+    problem = fmt.embedded_problem(entry)
+    if problem is None and fmt.embedded_key(fmt.embedded_kind(name) or "file", array.data) != key:
+        problem = f"embedded entry {name!r}: pack() returned bytes other than the sha256 its key names (R50)"
+    if problem:
+        raise PackResultError(problem)
 
 
 def _owns_memory(array: np.ndarray[Any, Any]) -> bool:
@@ -918,6 +941,8 @@ class Session:
                         self._take_build_lock()
                     continue
                 array, owned = self._packed(pack)
+                if name.startswith("packcache."):
+                    _check_embedded_pack(name, key, array)
                 with self._mutex:
                     if isinstance(route, _Route):
                         return self._serve_heap(name, key, array, owned, route)

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 import struct
 import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -32,18 +33,22 @@ from .errors import FormatError
 
 __all__ = [
     "DTYPE_CODES",
+    "FILE_PREFIX",
     "FORMAT_VERSION",
     "HEADER_READ_SIZE",
     "MAGIC",
     "MAX_ALIGNMENT",
     "MAX_DIM",
     "MAX_ENTRIES",
+    "MAX_FILE_BYTES",
     "MAX_GENERATION",
     "MAX_INDEX_BYTES",
     "MAX_KEY_BYTES",
+    "MAX_MODEL_BYTES",
     "MAX_NAME_BYTES",
     "MAX_NDIM",
     "MIN_ALIGNMENT",
+    "MODEL_ENTRY",
     "PLATFORM_MAX",
     "SLOT",
     "Entry",
@@ -52,6 +57,7 @@ __all__ = [
     "align_up",
     "canonical_key",
     "canonical_value",
+    "check_embedded",
     "check_new_file",
     "choose_slot",
     "compacted_size",
@@ -60,11 +66,15 @@ __all__ = [
     "decode_header",
     "decode_index",
     "decode_slot",
+    "embedded_key",
+    "embedded_kind",
+    "embedded_problem",
     "encode_entry",
     "encode_header",
     "encode_index",
     "encode_slot",
     "entry_record_size",
+    "file_entry_name",
     "index_size",
     "key_digest",
     "numpy_dtype_str",
@@ -75,7 +85,7 @@ __all__ = [
 ]
 
 MAGIC = b"\x89PKC\r\n\x1a\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a file may hold the model itself (docs/FORMAT.md "Embedded entries")
 
 PREAMBLE = struct.Struct(
     "<8sIIIII32sI"
@@ -100,6 +110,13 @@ MAX_ENTRIES = 1_000_000
 MAX_INDEX_BYTES = 256 << 20
 MAX_DIM = (1 << 63) - 1
 MAX_GENERATION = (1 << 64) - 1  # reserved, never valid: see decode_slot
+#: The entry holding the model record (docs/FORMAT.md "Embedded entries"), and the prefix of embedded files' entries.
+MODEL_ENTRY = "packcache.model"
+FILE_PREFIX = "packcache.file/"
+MAX_MODEL_BYTES = 16 << 20  # a record lists every source tensor: a 1 T-parameter model's is a few MiB
+MAX_FILE_BYTES = 64 << 20  # the largest tokenizer.json known is ~35 MB
+MAX_FILE_COMPONENT = 255
+_EMBEDDED_KEY = re.compile(rb'\{"kind":"packcache\.(model|file)","sha256":"[0-9a-f]{64}"\}')
 
 #: dtype codes the format can hold: kind letter and item size, always little-endian.
 DTYPE_CODES = (
@@ -481,8 +498,8 @@ def decode_index(buf: bytes | memoryview, slot: Slot, header: Header, *, path: s
     if count >= _AT_ONCE_FROM:
         entries = _entries_at_once(data, count, header, slot.index_offset)
         if entries is not None:
-            return entries
-    return _entries_one_by_one(data, count, header, slot.index_offset, fail)
+            return _check_embedded_entries(entries, fail)
+    return _check_embedded_entries(_entries_one_by_one(data, count, header, slot.index_offset, fail), fail)
 
 
 #: From this many entries an index is checked as arrays: below it, numpy's per-call cost outweighs the loop's.
@@ -678,6 +695,112 @@ def _entries_one_by_one(
     for (_, prev_end, prev_name), (start, _, name) in itertools.pairwise(spans):
         if start < prev_end:
             raise fail(f"entries {prev_name!r} and {name!r} overlap at file offset {start}", 0)
+    return entries
+
+
+# --------------------------------------------------------------------------- embedded entries
+
+
+def embedded_kind(name: str) -> str | None:
+    """``"model"`` for the model record's entry, ``"file"`` for an embedded file's, else ``None`` (a pack).
+
+    >>> embedded_kind("packcache.model"), embedded_kind("packcache.file/config.json"), embedded_kind("w")
+    ('model', 'file', None)
+    """
+    if name == MODEL_ENTRY:
+        return "model"
+    if name.startswith(FILE_PREFIX):
+        return "file"
+    return None
+
+
+def file_entry_name(path: str) -> str:
+    """The entry name of an embedded file at relative POSIX ``path`` (``1_Pooling/config.json``).
+
+    >>> file_entry_name("1_Pooling/config.json")
+    'packcache.file/1_Pooling/config.json'
+
+    Raises:
+        ValueError: ``path`` breaks R48 (not a relative path of plain components) or makes a name over R29's cap.
+    """
+    problem = _file_path_problem(path)
+    if problem:
+        raise ValueError(f"cannot embed {path!r}: {problem}")
+    name = FILE_PREFIX + path
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+        raise ValueError(f"cannot embed {path[:60]!r}...: the entry name would be over {MAX_NAME_BYTES} bytes")
+    return name
+
+
+def _file_path_problem(path: str) -> str | None:
+    """Why ``path`` is not a relative path of plain components (R48), or ``None``."""
+    if not path:
+        return "an empty path"
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            return "not a relative path of plain components (empty, '.' or '..' component, or a leading '/')"
+        if "\\" in part or "\0" in part or any(ord(c) < 32 for c in part):
+            return "a component holds a backslash, NUL or control character"
+        if len(part.encode("utf-8")) > MAX_FILE_COMPONENT:
+            return f"a component is over {MAX_FILE_COMPONENT} bytes"
+    return None
+
+
+def embedded_key(kind: str, data: bytes | memoryview) -> bytes:
+    """The canonical key of an embedded entry of ``kind`` (``"model"`` or ``"file"``) holding ``data``: its kind
+    and the sha256 of its bytes (R49), so an entry of other bytes is another key.
+
+    >>> embedded_key("file", b"{}")[:40]
+    b'{"kind":"packcache.file","sha256":"44136'
+    """
+    if kind not in ("model", "file"):
+        raise ValueError(f"no embedded entry kind {kind!r}")
+    return canonical_key({"kind": f"packcache.{kind}", "sha256": hashlib.sha256(data).hexdigest()})
+
+
+def embedded_problem(entry: Entry) -> str | None:
+    """Why an embedded entry breaks R47-R49 (checked from the index alone), or ``None`` (also for a pack).
+    Writers check what they are about to store with it (W6)."""
+    kind = embedded_kind(entry.name)
+    if kind is None:
+        return None
+    cap = MAX_MODEL_BYTES if kind == "model" else MAX_FILE_BYTES
+    if entry.dtype != "u1" or len(entry.shape) != 1:
+        return f"embedded entry {entry.name!r} is {entry.dtype} of shape {entry.shape}, not u1 bytes (R47)"
+    if entry.nbytes > cap:
+        return f"embedded entry {entry.name!r} is {entry.nbytes} bytes, over its cap of {cap} (R47)"
+    if kind == "file":
+        problem = _file_path_problem(entry.name[len(FILE_PREFIX) :])
+        if problem:
+            return f"embedded file {entry.name!r}: {problem} (R48)"
+    match = _EMBEDDED_KEY.fullmatch(entry.key)
+    if match is None or match.group(1).decode() != kind:
+        return f"embedded entry {entry.name!r}: its key is not {{kind: packcache.{kind}, sha256}} (R49)"
+    return None
+
+
+def check_embedded(entry: Entry, data: bytes | memoryview, *, path: str | None = None) -> None:
+    """Check the bytes read for an embedded entry (R50): its ``data_crc`` and the sha256 its key names.
+
+    Raises:
+        FormatError: the bytes are not the ones the index describes.
+    """
+    if len(data) != entry.nbytes or crc32(data) != entry.crc32:
+        raise FormatError(f"embedded entry {entry.name!r}: checksum mismatch (R50)", path=path, offset=entry.offset)
+    if embedded_key(embedded_kind(entry.name) or "file", data) != entry.key:
+        raise FormatError(
+            f"embedded entry {entry.name!r}: its bytes are not the sha256 its key names (R50)",
+            path=path, offset=entry.offset,
+        )  # fmt: skip
+
+
+def _check_embedded_entries(entries: dict[str, Entry], fail: Callable[[str, int], FormatError]) -> dict[str, Entry]:
+    """R47-R49 over a decoded index (a prefix test per name; the rest only for the few embedded entries)."""
+    for name, entry in entries.items():
+        if name.startswith("packcache."):
+            problem = embedded_problem(entry)
+            if problem:
+                raise fail(problem, 0)
     return entries
 
 

@@ -39,9 +39,9 @@ Example (run by ``tests/test_hf.py``, not as a doctest: it needs a checkpoint)::
 
 from __future__ import annotations
 
-import contextlib
 import os
 import reprlib
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -57,10 +57,22 @@ from transformers.pytorch_utils import Conv1D
 from . import _boundedjson as boundedjson
 from ._defaults import GROUP_SIZE
 from ._paths import default_cache_dir
-from .cache import PackKey, Request, Session, WeightCache
+from .bundle import (
+    ST_TRANSFORMER_REFS,
+    Bundle,
+    ModelRecord,
+    RecordSource,
+    collect_files,
+    is_cache_file,
+    open_bundle,
+    record_requests,
+    tensor_table,
+    transformer_folder,
+)
+from .cache import PackKey, Request, WeightCache
 from .errors import FormatError
 from .identity import model_cache_name
-from .loader import Recipe, open_cache, resolve
+from .loader import Recipe, open_cache, open_model_file, resolve
 from .packers import SCHEMES, to_float32
 from .safetensors import SafetensorsFile, TensorMeta
 from .torch import ConversionReport, convert, count_packs, parameter_groups
@@ -163,24 +175,16 @@ class Checkpoint:
         Raises:
             FormatError: not a JSON object, or no known ``model_type``. UntrustedFileError, OSError: as the reader.
         """
-        settings = _read_json(self.config_path, "config")
-        model_type = settings.get("model_type") if isinstance(settings, dict) else None
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        return _config_from(_read_json(self.config_path, "config"), str(self.config_path), os.fspath(self.directory))
 
-        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-            raise FormatError(
-                f"model_type {_short(model_type)} is not one transformers {transformers.__version__} knows",
-                path=str(self.config_path),
-            )  # fmt: skip
-        try:
-            config = CONFIG_MAPPING[model_type].from_dict(settings)
-        except Exception as exc:  # transformers checks fields its own ways (TypeError, ValueError, ...)
-            raise FormatError(
-                f"transformers {transformers.__version__} cannot read it as a {model_type} config: {_clip(exc)}",
-                path=str(self.config_path),
-            ) from exc
-        config._name_or_path = os.fspath(self.directory)
-        return config
+    def generation_settings(self) -> Any:
+        """``generation_config.json`` read as :func:`_read_json` reads, or ``None`` when there is none."""
+        generation = self.directory / "generation_config.json"
+        return _read_json(generation, "generation config") if os.path.lexists(generation) else None
+
+    def source_bytes(self) -> int:
+        """The size of every weights file: what the model's own buffers may take at most (:data:`MIN_BUFFER_CAP`)."""
+        return sum(file.size for file in self.files)
 
     def _shard_names(self) -> list[str]:
         single, index = self.directory / SINGLE_FILE, self.directory / INDEX_FILE
@@ -249,11 +253,65 @@ def _read_index(index: Path) -> list[str]:
     return shards
 
 
+def _config_from(settings: Any, where: str, name_or_path: str) -> Any:
+    """A ``transformers`` config from the mapping ``config.json`` holds: the class its ``model_type`` names, never
+    remote code.
+
+    Raises:
+        FormatError: not a JSON object, no known ``model_type``, or fields transformers refuses (naming ``where``).
+    """
+    model_type = settings.get("model_type") if isinstance(settings, dict) else None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise FormatError(
+            f"model_type {_short(model_type)} is not one transformers {transformers.__version__} knows", path=where
+        )  # fmt: skip
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(settings)
+    except Exception as exc:  # transformers checks fields its own ways (TypeError, ValueError, ...)
+        raise FormatError(
+            f"transformers {transformers.__version__} cannot read it as a {model_type} config: {_clip(exc)}",
+            path=where,
+        ) from exc
+    config._name_or_path = name_or_path
+    return config
+
+
+class _Bundled(RecordSource):
+    """A cache file seen as the checkpoint it was built from (:class:`Checkpoint`'s interface): tensor names,
+    shapes, dtypes and content identities from its model record, config and generation config from its embedded
+    files. It holds no tensor bytes: every pack must be in the file already (:meth:`read` raises)."""
+
+    def __init__(self, bundle: Bundle, folder: str = "") -> None:
+        super().__init__(bundle)
+        self.directory = Path(bundle.path)
+        self.prefix = f"{folder}/" if folder else ""
+        self.config_path = Path(f"{bundle.path}::{self.prefix}config.json")
+
+    def config(self) -> Any:
+        """The config embedded in the file (see :meth:`Checkpoint.config`)."""
+        settings = self.bundle.read_json(f"{self.prefix}config.json")
+        return _config_from(settings, str(self.config_path), self.bundle.path)
+
+    def generation_settings(self) -> Any:
+        """The embedded ``generation_config.json``, or ``None``."""
+        name = f"{self.prefix}generation_config.json"
+        return self.bundle.read_json(name) if self.bundle.has_file(name) else None
+
+    def source_bytes(self) -> int:
+        return sum(int(source.rpartition(":")[2]) for source in self.record.sources)
+
+
+#: Where a load's tensors and config come from: a checkpoint directory, or a cache file that holds the model.
+_Source = Checkpoint | _Bundled
+
+
 class _Renamed:
     """A checkpoint seen under the model's parameter names (a base model's checkpoint in a head
     model, or the reverse: ``transformers`` adds or strips ``base_model_prefix`` the same way)."""
 
-    def __init__(self, checkpoint: Checkpoint, add: str, strip: str) -> None:
+    def __init__(self, checkpoint: _Source, add: str, strip: str) -> None:
         self.checkpoint, self.add, self.strip = checkpoint, add, strip
 
     def name(self, model_name: str) -> str:
@@ -268,7 +326,7 @@ class _Renamed:
         return self.checkpoint.read(self.name(name))
 
 
-def _renaming(model: nn.Module, groups: list[list[str]], checkpoint: Checkpoint) -> _Renamed:
+def _renaming(model: nn.Module, groups: list[list[str]], checkpoint: _Source) -> _Renamed:
     """The prefix mapping under which the checkpoint holds the most of the model's parameters (``groups``)."""
     names = [name for group in groups for name in group]
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -291,7 +349,7 @@ def _model_class(auto_class: str | type, config: Any) -> type[Any]:
     return model_class
 
 
-def _checked_skeleton(checkpoint: Checkpoint, model_class: type[Any], config: Any) -> Any:
+def _checked_skeleton(checkpoint: _Source, model_class: type[Any], config: Any) -> Any:
     """:func:`_skeleton`, bounded by the checkpoint and with one kind of error: no field of :data:`COUNT_FIELDS`
     (in the config or a sub-config) counts more modules than the checkpoint has tensors, the non-persistent
     buffers take at most the checkpoint's size (or :data:`MIN_BUFFER_CAP`), and whatever transformers raises
@@ -309,7 +367,7 @@ def _checked_skeleton(checkpoint: Checkpoint, model_class: type[Any], config: An
             raise FormatError(
                 f"{field} is {value}, but the checkpoint holds {tensors} tensors: not that many modules", path=where
             )
-    cap = max(MIN_BUFFER_CAP, sum(file.size for file in checkpoint.files))
+    cap = max(MIN_BUFFER_CAP, checkpoint.source_bytes())
     try:
         return _skeleton(model_class, config, max_buffer_bytes=cap)
     except Exception as exc:
@@ -460,6 +518,13 @@ class _Loaded:
     cache: WeightCache
     owns_cache: bool
     report: ConversionReport
+    checkpoint: _Source
+    recipe: Recipe
+    auto_class: str
+
+
+def _auto_name(auto_class: str | type) -> str:
+    return auto_class if isinstance(auto_class, str) else auto_class.__name__
 
 
 def _load(
@@ -469,64 +534,115 @@ def _load(
     *,
     auto_class: str | type,
     config: Any,
-    group_size: int,
+    group_size: int | None,
     kernel_path: str | None,
+    bundle: Bundle | None = None,
+    folder: str = "",
+    embed: tuple[str | os.PathLike[str], str | None] | None = None,
 ) -> _Loaded:
-    recipe = resolve(scheme, group_size)
+    """Load a model from a checkpoint directory, or (``bundle``) from the cache file that holds it. ``embed``:
+    ``(root, sentence-transformers folder)`` of the files to store in the cache with the model record
+    (:func:`_model_requests`), in the session that packs the model."""
+    checkpoint: _Source
+    if bundle is not None:
+        if bundle.record.loader != "hf":
+            raise ValueError(
+                f"{bundle.path} holds {bundle.record.scheme} packs calibrated by packcache.models.minilm: "
+                "load it with minilm.load(model_path=...), or build a file for this loader (packcache build)"
+            )
+        recipe, weight_cache = open_model_file(bundle, cache, scheme, group_size)
+        owns_cache = True
+        checkpoint = _Bundled(bundle, folder)
+    else:
+        recipe = resolve(scheme, GROUP_SIZE if group_size is None else group_size)
+        checkpoint = Checkpoint(directory)
     linear_packer, other_packer = recipe.packers
-    path = linear_packer.kernel_path(kernel_path)
-    checkpoint = Checkpoint(directory)
-    if config is None:
-        config = checkpoint.config()
-    model_class = _model_class(auto_class, config)
-    weight_cache, owns_cache = open_cache(
-        cache, recipe.platform(),
-        suggested_name=lambda: _cache_name(checkpoint, str(config.model_type), recipe),
-        remedy=recipe.remedy("packcache.hf"),
-    )  # fmt: skip
+    try:
+        path = linear_packer.kernel_path(kernel_path)
+        if config is None:
+            config = checkpoint.config()
+        model_class = _model_class(auto_class, config)
+    except BaseException:
+        if bundle is not None:
+            weight_cache.close()
+        raise
+    if bundle is None:
+        assert isinstance(checkpoint, Checkpoint)
+        local = checkpoint
+        weight_cache, owns_cache = open_cache(
+            cache, recipe.platform(),
+            suggested_name=lambda: _cache_name(local, str(config.model_type), recipe),
+            remedy=recipe.remedy("packcache.hf"),
+        )  # fmt: skip
     try:
         model = _checked_skeleton(checkpoint, model_class, config)
         source = _renaming(model, parameter_groups(model), checkpoint)
-        with contextlib.ExitStack() as stack:
-            sessions: list[Session] = []  # opened at the first comparison: most checkpoints need none
+        with weight_cache.session() as session:  # one session, one generation: a fresh file has nothing superseded
 
             def equal(a: str, b: str) -> bool:
-                if not sessions:
-                    sessions.append(stack.enter_context(weight_cache.session()))
-                return bool(sessions[0].get_many([_tie_check(source, a, b)])[0][0])
+                return bool(session.get_many([_tie_check(source, a, b)])[0][0])
 
             _tie(model, source, equal)
-        groups = parameter_groups(model)
-        missing = _missing(groups, source)
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise ValueError(
-                f"{checkpoint.directory}: the checkpoint lacks {len(missing)} tensor(s) that {model_class.__name__} "
-                f"needs: {shown} (packcache does not initialise missing weights or rename legacy keys)"
-            )
-        report = convert(
-            model, weight_cache, linear_packer, source=source, other=other_packer, kernel_path=path,
-            transposed=TRANSPOSED_LINEARS,
-        )  # fmt: skip
-        left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-        if left:
-            raise ValueError(f"{model_class.__name__}: packcache cannot serve {', '.join(left)} (persistent buffers)")
-        generation = checkpoint.directory / "generation_config.json"
-        if model.can_generate() and os.path.lexists(generation):
-            settings = _read_json(generation, "generation config")
+            groups = parameter_groups(model)
+            missing = _missing(groups, source)
+            if missing:
+                shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                raise ValueError(
+                    f"{checkpoint.directory}: the checkpoint lacks {len(missing)} tensor(s) that "
+                    f"{model_class.__name__} needs: {shown} (packcache does not initialise missing weights or rename "
+                    "legacy keys)"
+                )
+            report = convert(
+                model, weight_cache, linear_packer, source=source, other=other_packer, kernel_path=path,
+                transposed=TRANSPOSED_LINEARS, session=session,
+            )  # fmt: skip
+            left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+            if left:
+                raise ValueError(
+                    f"{model_class.__name__}: packcache cannot serve {', '.join(left)} (persistent buffers)"
+                )
+            if embed is not None and isinstance(checkpoint, Checkpoint) and weight_cache.path is not None:
+                session.get_many(_model_requests(checkpoint, recipe, model, _auto_name(auto_class), *embed))
+        settings = checkpoint.generation_settings() if model.can_generate() else None
+        if settings is not None:
+            where = f"{checkpoint.directory}/generation_config.json"
             if not isinstance(settings, dict):
-                raise FormatError("the generation config is not a JSON object", path=str(generation))
+                raise FormatError("the generation config is not a JSON object", path=where)
             try:
                 model.generation_config = transformers.GenerationConfig.from_dict(settings)
             except Exception as exc:  # transformers validates generation settings with ValueError, TypeError, ...
-                raise FormatError(f"not a generation config: {_clip(exc)}", path=str(generation)) from exc
+                raise FormatError(f"not a generation config: {_clip(exc)}", path=where) from exc
     except BaseException:
         if owns_cache:
             weight_cache.close()
         raise
     model.eval()
     model.config._name_or_path = os.fspath(directory)
-    return _Loaded(model, weight_cache, owns_cache, report)
+    return _Loaded(model, weight_cache, owns_cache, report, checkpoint, recipe, _auto_name(auto_class))
+
+
+def _model_requests(
+    checkpoint: Checkpoint,
+    recipe: Recipe,
+    model: Any,
+    auto_class: str,
+    root: str | os.PathLike[str],
+    sentence_transformers: str | None,
+) -> list[Request]:
+    """The requests that store the model record and the checkpoint's files (:func:`packcache.bundle.collect_files`
+    of ``root``), so the cache file alone is the model (docs/FORMAT.md "Embedded entries"); a warm launch finds them.
+
+    Raises:
+        FormatError: a file to embed names remote code, or is malformed. UntrustedFileError, OSError: as the reader.
+    """
+    files = collect_files(root, sentence_transformers=sentence_transformers)
+    sources, tensors = tensor_table(checkpoint, checkpoint.names())
+    record = ModelRecord(
+        loader="hf", scheme=recipe.scheme, group_size=recipe.group_size, model_type=str(model.config.model_type),
+        auto_class=auto_class, sentence_transformers=sentence_transformers, sources=sources, tensors=tensors,
+        files={},
+    )  # fmt: skip
+    return record_requests(record, files)
 
 
 def default_cache_path(
@@ -576,24 +692,30 @@ def from_pretrained(
     scheme: str | None = None,
     cache: WeightCache | str | os.PathLike[str] | None = None,
     *,
-    auto_class: str | type = "AutoModel",
-    group_size: int = GROUP_SIZE,
+    auto_class: str | type | None = None,
+    group_size: int | None = None,
     kernel_path: str | None = None,
 ) -> Any:
-    """Load a local ``transformers`` checkpoint with its linear layers packed by ``scheme``, weights from ``cache``.
+    """Load a ``transformers`` model with its linear layers packed by ``scheme``, weights from ``cache``; or load
+    the model a cache file holds, with no checkpoint.
 
     Args:
-        path: a directory written by ``save_pretrained``: ``config.json`` and ``model.safetensors``
-            or a sharded ``model.safetensors.index.json``. Nothing is fetched from a hub.
+        path: a directory written by ``save_pretrained`` (``config.json`` and ``model.safetensors`` or a sharded
+            ``model.safetensors.index.json``; nothing is fetched from a hub), or a cache file (``*.pcache``) that
+            ``packcache build`` or a load with ``cache=`` made: it holds the config and every pack, so no
+            checkpoint is read (docs/HF.md, "A cache file is the model").
         scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``, the packer of the linear layers
-            (:func:`packcache.loader.scheme_packer`); every other parameter is float32. ``None`` or
-            ``"auto"`` (the default): the scheme fast on this CPU (:func:`packcache.loader.resolve_scheme`:
-            ``int8`` with torch's vectorised kernels, else ``fp32``), as ``packcache build`` chooses it.
-        cache: a cache file path (created if missing), a :class:`~packcache.WeightCache` made with
-            ``platform=packcache.hf.platform(scheme, group_size)``, or ``None`` (caching off: packed to heap).
-        auto_class: the ``transformers`` auto class (name or class) that picks the model class,
-            e.g. ``"AutoModelForCausalLM"``.
-        group_size: int4 group size (32, 64 or 128); ignored by the other schemes.
+            (:func:`packcache.loader.scheme_packer`). ``None`` or ``"auto"`` (the default): for a checkpoint the
+            scheme fast on this CPU (:func:`packcache.loader.resolve_scheme`), as ``packcache build`` chooses it;
+            for a cache file the one it holds (another scheme raises).
+        cache: for a checkpoint, a cache file path (created if missing), a :class:`~packcache.WeightCache` made with
+            ``platform=packcache.hf.platform(scheme, group_size)``, or ``None`` (caching off: packed to heap). The
+            cache file then also holds the model's config, generation config and tokenizer files, so it can be
+            loaded alone. For a cache file ``path``: ``None`` (the file is its own cache, opened read-only).
+        auto_class: the ``transformers`` auto class (name or class) that picks the model class, e.g.
+            ``"AutoModelForCausalLM"``. ``None``: ``"AutoModel"`` for a checkpoint, the one a cache file was built
+            with.
+        group_size: int4 group size (32, 64 or 128; ``None``: 32, or a cache file's); ignored by the other schemes.
         kernel_path: ``"bf16"``, ``"fp32"`` or ``None``/``"auto"`` (:mod:`packcache.kernels`).
 
     Returns:
@@ -602,16 +724,29 @@ def from_pretrained(
         ``model.packcache_report`` (the :class:`~packcache.torch.ConversionReport`).
 
     Raises:
-        FileNotFoundError: no checkpoint directory, ``config.json`` or safetensors weights.
-        FormatError: a malformed safetensors header or index (naming file and offset).
+        FileNotFoundError: no checkpoint directory, ``config.json`` or safetensors weights; no cache file.
+        FormatError: a malformed safetensors header or index (naming file and offset); a cache file that is not
+            one, holds no model record, or whose record or embedded files are malformed; a config naming remote
+            code (``auto_map``), which is never stored nor run.
+        UntrustedFileError: a cache file another user could have written.
         ValueError: unknown scheme or auto class, no model of that class for the checkpoint's
             config, a tensor the model needs missing from the checkpoint (all named), or a shape
-            mismatch. Cache problems never raise: they are reported in ``model.packcache.stats()``.
+            mismatch; a cache file packed for another platform, or asked for another scheme. Cache problems of a
+            checkpoint load never raise: they are reported in ``model.packcache.stats()``.
     """
-    loaded = _load(
-        path, scheme, cache, auto_class=auto_class, config=None, group_size=group_size,
-        kernel_path=kernel_path,
-    )  # fmt: skip
+    if is_cache_file(path):
+        with open_bundle(path) as bundle:
+            loaded = _load(
+                path, scheme, cache, auto_class=auto_class or bundle.record.auto_class or "AutoModel",
+                config=None, group_size=group_size, kernel_path=kernel_path, bundle=bundle,
+                folder=bundle.record.sentence_transformers or "",
+            )  # fmt: skip
+    else:
+        folder = transformer_folder(path) if os.path.isdir(path) else None
+        loaded = _load(
+            path, scheme, cache, auto_class=auto_class or "AutoModel", config=None, group_size=group_size,
+            kernel_path=kernel_path, embed=(path, folder),
+        )  # fmt: skip
     _attach(loaded.model, loaded)
     return loaded.model
 
@@ -636,8 +771,11 @@ def pack_count(
     *,
     auto_class: str | type = "AutoModel",
     group_size: int = GROUP_SIZE,
+    sentence_transformers: str | None = None,
 ) -> int:
-    """How many cache entries :func:`from_pretrained` requests for this checkpoint: a progress total.
+    """How many cache entries :func:`from_pretrained` requests for this checkpoint: a progress total (the packs, and
+    the model record and embedded files; for a sentence-transformers model, give its Transformer module's folder
+    as ``sentence_transformers`` and its root as ``path``).
 
     Reads ``config.json`` and the safetensors headers and builds the model on ``meta``; no tensor is read, but
     the two of a tie the checkpoint holds both of (rare: transformers saves one), compared as a load compares them.
@@ -646,22 +784,14 @@ def pack_count(
         As :func:`from_pretrained` for a missing or malformed checkpoint, scheme or auto class.
     """
     linear_packer = resolve(scheme, group_size).linear
-    checkpoint = Checkpoint(path)
+    folder = os.path.join(os.fspath(path), sentence_transformers or "")
+    checkpoint = Checkpoint(folder)
     config = checkpoint.config()  # a missing or malformed checkpoint fails here, naming the file
     model = _checked_skeleton(checkpoint, _model_class(auto_class, config), config)
     source = _renaming(model, parameter_groups(model), checkpoint)
     checks = _tie(model, source, lambda a, b: _same_values(source, a, b))
-    return checks + count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS)
-
-
-#: ``modules.json`` type names of sentence-transformers' Transformer module (old and new spellings).
-_ST_TRANSFORMER_REFS = (
-    "sentence_transformers.models.Transformer",
-    "sentence_transformers.models.transformer.Transformer",
-    "sentence_transformers.base.modules.Transformer",
-    "sentence_transformers.base.modules.transformer.Transformer",
-    "sentence_transformers.sentence_transformer.modules.Transformer",
-)
+    embedded = len(collect_files(path, sentence_transformers=sentence_transformers)) + 1
+    return checks + count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS) + embedded
 
 
 def sentence_transformer(
@@ -669,17 +799,21 @@ def sentence_transformer(
     scheme: str | None = None,
     cache: WeightCache | str | os.PathLike[str] | None = None,
     *,
-    group_size: int = GROUP_SIZE,
+    group_size: int | None = None,
     kernel_path: str | None = None,
     **kwargs: Any,
 ) -> SentenceTransformer:
-    """Load a local sentence-transformers model with its Transformer module's weights packed from ``cache``.
+    """Load a sentence-transformers model with its Transformer module's weights packed from ``cache``; or the one a
+    cache file holds, with no checkpoint.
 
     ``path`` is a directory written by ``SentenceTransformer.save`` (``modules.json``, the
-    Transformer module's checkpoint, pooling and normalisation). sentence-transformers loads
+    Transformer module's checkpoint, pooling and normalisation), or a cache file (``*.pcache``) a load of one with
+    ``cache=`` (or ``packcache build``) made: it holds every module's configuration and small weights, the
+    tokenizer and the packs. sentence-transformers loads
     every module itself (tokenizer, pooling, its configuration files), except that the
     Transformer module's model comes from :func:`from_pretrained`'s loader; modules with
-    weights of their own (``Dense``) are loaded by sentence-transformers, unpacked.
+    weights of their own (``Dense``) are loaded by sentence-transformers, unpacked (from a cache file: from the
+    copies it holds, written to a private temporary directory for the load and removed after it).
     ``kwargs`` go to ``SentenceTransformer`` (``device`` defaults to ``"cpu"``;
     ``local_files_only`` is always on).
 
@@ -689,13 +823,34 @@ def sentence_transformer(
 
     Raises:
         ValueError: the model has no Transformer module, or more than one; a backend other
-            than torch, or a PEFT adapter. Otherwise as :func:`from_pretrained`.
+            than torch, or a PEFT adapter; a cache file of a model that is not a sentence-transformers one.
+            Otherwise as :func:`from_pretrained`.
     """
+    if not is_cache_file(path):
+        return _sentence_transformer(os.fspath(path), scheme, cache, group_size, kernel_path, None, kwargs)
+    with open_bundle(path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-st-") as files:
+        if bundle.record.sentence_transformers is None:
+            raise ValueError(
+                f"{os.fspath(path)} holds a {bundle.record.model_type} model, not a sentence-transformers one: "
+                "load it with packcache.hf.from_pretrained"
+            )
+        bundle.extract(files)
+        return _sentence_transformer(files, scheme, cache, group_size, kernel_path, bundle, kwargs)
+
+
+def _sentence_transformer(
+    base: str,
+    scheme: str | None,
+    cache: WeightCache | str | os.PathLike[str] | None,
+    group_size: int | None,
+    kernel_path: str | None,
+    bundle: Bundle | None,
+    kwargs: dict[str, Any],
+) -> SentenceTransformer:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_TO_AUTO_MODEL, Transformer
 
-    loads: list[_Loaded] = []
-    base = os.fspath(path)
+    loads: list[tuple[_Loaded, str]] = []
 
     class PackedTransformer(Transformer):
         """sentence-transformers' Transformer whose model comes from the cache (its class is reset after loading)."""
@@ -709,27 +864,30 @@ def sentence_transformer(
             if loads:
                 raise ValueError(f"{base}: more than one Transformer module; packcache packs one per model")
             directory = os.path.join(model_name_or_path, model_kwargs.get("subfolder") or "")
+            folder = os.path.relpath(directory, base)
+            folder = "" if folder == "." else folder.replace(os.sep, "/")
             loaded = _load(
                 directory, scheme, cache, config=config, group_size=group_size,
                 kernel_path=kernel_path, auto_class=TRANSFORMER_TASK_TO_AUTO_MODEL[transformer_task],
+                bundle=bundle, folder=folder, embed=(base, folder),
             )  # fmt: skip
-            loads.append(loaded)
+            loads.append((loaded, folder))
             return loaded.model
 
     kwargs.setdefault("device", "cpu")
     kwargs["local_files_only"] = True
-    classes = dict.fromkeys(_ST_TRANSFORMER_REFS, PackedTransformer)
+    classes = dict.fromkeys(ST_TRANSFORMER_REFS, PackedTransformer)
     try:
         st = SentenceTransformer._load_with_module_classes(base, classes, **kwargs)
+        if not loads:
+            raise ValueError(f"{base}: modules.json has no sentence-transformers Transformer module to pack")
     except BaseException:
-        for loaded in loads:
+        for loaded, _ in loads:
             if loaded.owns_cache:
                 loaded.cache.close()
         raise
-    if not loads:
-        raise ValueError(f"{base}: modules.json has no sentence-transformers Transformer module to pack")
     for module in st.modules():
         if type(module) is PackedTransformer:
             module.__class__ = Transformer  # exactly sentence-transformers' class from here on
-    _attach(st, loads[0])
+    _attach(st, loads[0][0])
     return st

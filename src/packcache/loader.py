@@ -29,12 +29,14 @@ from typing import Any
 
 from . import _defaults
 from . import format as fmt
+from .bundle import Bundle
 from .cache import WeightCache
+from .fleet.platform import differences
 from .kernels import default_scheme
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
 
-__all__ = ["Recipe", "open_cache", "resolve", "resolve_scheme", "scheme_packer"]
+__all__ = ["Recipe", "open_cache", "open_model_file", "resolve", "resolve_scheme", "scheme_packer"]
 
 
 def resolve_scheme(scheme: str | None = None) -> str:
@@ -155,3 +157,43 @@ def open_cache(
             f"{os.path.join(os.fspath(cache), suggested_name())!r}"
         )
     return WeightCache(cache, platform=platform), True
+
+
+def open_model_file(
+    bundle: Bundle, cache: object, scheme: str | None, group_size: int | None
+) -> tuple[Recipe, WeightCache]:
+    """The recipe a cache file that holds its model (:func:`packcache.bundle.open_bundle`) was built with, and the
+    cache that maps it: read-only (a load never changes the file it runs from), opened once its platform is checked
+    to be this machine's. A file another machine packs differently is refused, naming what differs, never rebuilt:
+    with no checkpoint there is nothing to rebuild it from.
+
+    Raises:
+        ValueError: ``cache`` given (the file is its own cache: ``None`` or its own path only), a scheme or group
+            size other than the file's, or a file packed for another platform.
+    """
+    record = bundle.record
+    if cache is not None and not (isinstance(cache, (str, os.PathLike)) and _same_file(cache, bundle)):
+        raise ValueError(f"{bundle.path} is a cache file: it is its own cache, so pass cache=None")
+    if scheme not in (None, "auto", record.scheme) or group_size not in (None, record.group_size):
+        raise ValueError(
+            f"{bundle.path} holds the {record.scheme} scheme (group size {record.group_size}); "
+            f"it cannot be loaded as {scheme} (group size {group_size})"
+        )
+    recipe = resolve(record.scheme, record.group_size)
+    here = fmt.canonical_key(recipe.platform())
+    if bundle.platform != here:
+        found = differences(bundle.platform, here)
+        shown = "; ".join(f"{d.field}: file {d.file!r}, here {d.here!r}" for d in found[:4]) or "the fingerprint"
+        raise ValueError(
+            f"{bundle.path} was packed for another platform ({shown}): this machine would pack those weights "
+            "differently; fetch or build the file of this machine's platform class (`packcache platform`)"
+        )
+    return recipe, WeightCache(bundle.path, platform=recipe.platform(), read_only=True)
+
+
+def _same_file(path: str | os.PathLike[str], bundle: Bundle) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == bundle.identity

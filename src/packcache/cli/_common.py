@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any, TextIO
 
 __all__ = [
@@ -50,9 +51,21 @@ class UsageError(Exception):
 
 def chosen_scheme(args: argparse.Namespace) -> str:
     """``--scheme``, with ``auto`` (the default) resolved for this CPU as every loader resolves it:
-    int8 where torch has its vectorised int8/int4 kernels, else fp32 (:func:`packcache.loader.resolve_scheme`)."""
+    int8 where torch has its vectorised int8/int4 kernels, else fp32 (:func:`packcache.loader.resolve_scheme`);
+    for a ``--model`` cache file, the scheme it holds.
+
+    Raises:
+        FormatError, UntrustedFileError, OSError: a ``--model`` cache file that cannot be read (as
+            :func:`packcache.bundle.open_bundle`).
+    """
     from ..loader import resolve_scheme  # imports torch: only for a command that loads a model
 
+    model = getattr(args, "model", None)
+    if args.scheme == "auto" and model is not None and os.fspath(model).endswith(".pcache"):
+        from ..bundle import open_bundle
+
+        with open_bundle(model) as bundle:  # a cache file holds one scheme: auto means that one
+            return bundle.record.scheme
     return resolve_scheme(args.scheme)
 
 

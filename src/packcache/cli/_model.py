@@ -88,10 +88,18 @@ def cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     Raises:
         As :func:`packcache.models.minilm.default_cache_path` for a missing or malformed checkpoint.
     """
+    if _model_file(args):
+        return str(args.model)  # a cache file is its own cache, whatever --no-cache and --cache-dir say
     if args.no_cache:
         return None
     minilm: Any = importlib.import_module("packcache.models.minilm")
     return str(minilm.default_cache_path(scheme, model_path=args.model, cache_dir=args.cache_dir))
+
+
+def _model_file(args: argparse.Namespace) -> bool:
+    """Whether ``--model`` names a cache file (``*.pcache``) that holds the model, rather than a checkpoint."""
+    model = getattr(args, "model", None)
+    return model is not None and os.fspath(model).endswith(".pcache")
 
 
 def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
@@ -130,8 +138,8 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
     from ..kernels import cpu_kernels
     from ..memory import release_free_heap, smaps_rollup
 
-    scheme = chosen_scheme(args)
     try:
+        scheme = chosen_scheme(args)
         path = cache_file(args, scheme)
         # The tokenizer first, so the memory figures below are those of the weights.
         tokenizer = minilm.load_tokenizer(args.model)
@@ -232,13 +240,48 @@ def _build_with_minilm(args: argparse.Namespace, scheme: str) -> tuple[str, int,
     return path, total, load
 
 
+def _build_from_file(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any]:
+    """``build FILE.pcache``: load the model the file holds (no checkpoint) with the loader that built it, so the
+    exit status says whether the file alone holds the whole model; it is opened read-only, never changed."""
+    from ..bundle import open_bundle
+
+    with open_bundle(args.checkpoint) as bundle:
+        record, total = bundle.record, bundle.entries
+    args.loader = record.loader
+    args.auto_class = record.auto_class or args.auto_class
+    if record.loader == "minilm":
+        minilm: Any = importlib.import_module("packcache.models.minilm")
+
+        def load() -> _Built:
+            model = minilm.load(scheme, model_path=args.checkpoint)
+            return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, from the file")
+
+        return args.checkpoint, total, load
+    hf: Any = importlib.import_module("packcache.hf")
+
+    def load_hf() -> _Built:
+        model = hf.from_pretrained(args.checkpoint, scheme)
+        return _Built(model.packcache, hf.load_report(model), type(model).__name__, f"{args.auto_class}, from the file")
+
+    return args.checkpoint, total, load_hf
+
+
 def cmd_build(args: argparse.Namespace, out: Out) -> int:
     from ..memory import release_free_heap, smaps_rollup
 
     kernel_path_arg(args)  # build has no --kernel-path, but its load reads the variable: check it at startup
-    scheme = chosen_scheme(args)
+    if args.model is not None:
+        if args.checkpoint is not None:
+            raise UsageError("give the checkpoint or --model, not both")
+        args.checkpoint = args.model
+    if args.checkpoint is None:
+        raise UsageError("give a checkpoint directory (or --model DIR or FILE.pcache)")
     try:
-        path, total, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
+        scheme = chosen_scheme(argparse.Namespace(scheme=args.scheme, model=args.checkpoint))
+        if args.checkpoint.endswith(".pcache"):
+            path, total, load = _build_from_file(args, scheme)
+        else:
+            path, total, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
         release_free_heap()
         before = smaps_rollup()
         started = time.perf_counter()
@@ -304,7 +347,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> None
     )  # fmt: skip
     parser.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
     parser.add_argument("--no-cache", action="store_true", help=no_cache)
-    parser.add_argument("--model", help="a local safetensors BERT-family checkpoint of the same architecture")
+    parser.add_argument(
+        "--model",
+        help="a local safetensors BERT-family checkpoint of the same architecture, or a cache file (*.pcache) that "
+        "holds one (packcache build made it): the file alone is the model, no checkpoint is read",
+    )
     _add_remote_options(parser)
 
 
@@ -326,7 +373,7 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
 def _cache_arg(args: argparse.Namespace, path: str | None, platform: Any) -> Any:
     """What a loader's ``cache=`` gets: the path, or with ``--remote`` a WeightCache that fetches on a miss
     (made with the loader's own platform mapping, as the loader would make it)."""
-    if path is None or getattr(args, "remote", None) is None:
+    if path is None or getattr(args, "remote", None) is None or _model_file(args):
         return path
     from ..cache import WeightCache
 
@@ -352,7 +399,12 @@ def add_parsers(sub: Any) -> None:
         description="Load CHECKPOINT (a save_pretrained directory) through its cache file, packing what the file "
         "lacks, and report as 'run' does. Exit 1 unless the file then holds the whole model.",
     )
-    build.add_argument("checkpoint", help="a local save_pretrained directory (config.json, *.safetensors)")
+    build.add_argument(
+        "checkpoint", nargs="?",
+        help="a local save_pretrained directory (config.json, *.safetensors); or a cache file (*.pcache) that holds "
+        "its model: it is loaded alone, read-only, and the exit status says whether it holds the whole model",
+    )  # fmt: skip
+    build.add_argument("--model", help="the same as CHECKPOINT (as run and serve take it)")
     build.add_argument(
         "--loader", choices=("hf", "minilm"), default="hf",
         help="hf (default): packcache.hf, what hf.from_pretrained maps (any transformers model); minilm: the "

