@@ -41,7 +41,7 @@ import hashlib
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ from ._generations import read_committed
 from ._paths import open_checked, pread_exact, read_bounded
 from .cache import PackKey, Request
 from .errors import FormatError, UntrustedFileError
+from .identity import digest_path
 from .safetensors import DTYPES, MAX_NDIM, TensorMeta
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "Bundle",
     "ModelRecord",
     "RecordSource",
+    "SourceFile",
     "check_no_remote_code",
     "collect_files",
     "is_cache_file",
@@ -218,27 +220,65 @@ def _plain(path: str) -> bool:
     return True
 
 
-def record_requests(record: ModelRecord, files: Mapping[str, bytes]) -> list[Request]:
-    """The cache requests that store ``record`` and ``files`` (relative path -> bytes): one entry each, keyed by
-    its sha256 (docs/FORMAT.md R49). ``record.files`` is made to list exactly ``files``.
+@dataclass(frozen=True)
+class SourceFile:
+    """A checkpoint file to embed (:func:`collect_files`), known by its digest: a warm launch finds the digest
+    without reading the file (:func:`packcache.identity.digest_path`), so only a file the cache lacks is read."""
+
+    relative: str
+    path: str
+    sha256: str
+    size: int
+
+    def read(self) -> bytes:
+        """The file's bytes, read as every checkpoint file is, checked: the digest it was named by, bounded JSON
+        for a ``*.json`` file, and no remote code (:func:`check_no_remote_code`).
+
+        Raises:
+            FormatError: it changed since it was hashed, malformed JSON, remote code. UntrustedFileError, OSError.
+        """
+        data = read_bounded(self.path, what=self.relative, max_bytes=fmt.MAX_FILE_BYTES)
+        if hashlib.sha256(data).hexdigest() != self.sha256:
+            raise FormatError("changed while the model was being loaded: load it again", path=self.path)
+        if self.relative.endswith(".json"):
+            check_no_remote_code(self.relative, _json(data, self.path), path=self.path)
+        return data
+
+
+def record_requests(record: ModelRecord, files: Mapping[str, bytes | SourceFile]) -> list[Request]:
+    """The cache requests that store ``record`` and ``files`` (relative path -> bytes, or a :class:`SourceFile` read
+    only if the cache lacks it): one entry each, keyed by its sha256 (docs/FORMAT.md R49). ``record.files`` is made
+    to list exactly ``files``.
 
     Raises:
         ValueError: a path that cannot be embedded, or a file over the 64 MiB cap.
     """
-    listed = {path: hashlib.sha256(data).hexdigest() for path, data in sorted(files.items())}
-    record = dataclasses.replace(record, files=listed)
+    listed: dict[str, str] = {}
     requests: list[Request] = []
-    for path, data in sorted(files.items()):
-        if len(data) > fmt.MAX_FILE_BYTES:
-            raise ValueError(f"cannot embed {path!r}: {len(data)} bytes, over the {fmt.MAX_FILE_BYTES}-byte cap")
-        requests.append(_request(fmt.file_entry_name(path), "file", data))
+    for path, file in sorted(files.items()):
+        size = file.size if isinstance(file, SourceFile) else len(file)
+        if size > fmt.MAX_FILE_BYTES:
+            raise ValueError(f"cannot embed {path!r}: {size} bytes, over the {fmt.MAX_FILE_BYTES}-byte cap")
+        name = fmt.file_entry_name(path)
+        if isinstance(file, SourceFile):
+            listed[path] = file.sha256
+            key = fmt.canonical_key({"kind": "packcache.file", "sha256": file.sha256})
+            requests.append((name, _reader(file.read), PackKey.from_canonical(key)))
+        else:
+            listed[path] = hashlib.sha256(file).hexdigest()
+            requests.append(_request(name, "file", file))
+    record = dataclasses.replace(record, files=listed)
     requests.append(_request(fmt.MODEL_ENTRY, "model", record.encode()))
     return requests
 
 
+def _reader(read: Callable[[], bytes]) -> Callable[[], np.ndarray[Any, Any]]:
+    return lambda: np.frombuffer(read(), dtype=np.uint8).copy()
+
+
 def _request(name: str, kind: str, data: bytes) -> Request:
     key = PackKey.from_canonical(fmt.embedded_key(kind, data))
-    return name, lambda: np.frombuffer(data, dtype=np.uint8).copy(), key
+    return name, _reader(lambda: data), key
 
 
 def check_no_remote_code(name: str, settings: Any, *, path: str | None = None) -> None:
@@ -270,27 +310,31 @@ def check_no_remote_code(name: str, settings: Any, *, path: str | None = None) -
                 )  # fmt: skip
 
 
-def collect_files(directory: str | os.PathLike[str], *, sentence_transformers: str | None = None) -> dict[str, bytes]:
-    """The files of a checkpoint to embed: relative path -> bytes. Those of :data:`MODEL_FILES` found in the
-    model's folder (``directory``, or its ``sentence_transformers`` subfolder), and for a sentence-transformers
+def collect_files(
+    directory: str | os.PathLike[str], *, sentence_transformers: str | None = None
+) -> dict[str, SourceFile]:
+    """The files of a checkpoint to embed: relative path -> :class:`SourceFile`. Those of :data:`MODEL_FILES` found in
+    the model's folder (``directory``, or its ``sentence_transformers`` subfolder), and for a sentence-transformers
     model (``sentence_transformers`` not ``None``) :data:`ST_FILES` and the configs and small weights of its other
-    modules (``modules.json`` paths). Each is read as every checkpoint file is (no FIFO hang, a regular file,
-    capped); every JSON file is parsed bounded and checked for remote code.
+    modules (``modules.json`` paths). Each is known by its digest (found without reading it on a warm launch); its
+    bytes are read, and its JSON checked, only when the cache lacks it (:meth:`SourceFile.read`).
 
     Raises:
-        FormatError: a file over the cap, malformed JSON, remote code. UntrustedFileError, OSError: as the reader.
+        FormatError: a file over the cap, a malformed ``modules.json`` or one naming a module class of the model's
+            own. UntrustedFileError, OSError: a file cannot be opened (a FIFO is refused, never waited on).
     """
     root = os.fspath(directory)
-    found: dict[str, bytes] = {}
+    found: dict[str, SourceFile] = {}
 
     def take(relative: str) -> None:
         full = os.path.join(root, relative)
         if relative in found or not os.path.lexists(full):
             return
-        data = read_bounded(full, what=relative, max_bytes=fmt.MAX_FILE_BYTES)
-        if relative.endswith(".json"):
-            check_no_remote_code(relative, _json(data, full), path=full)
-        found[relative] = data
+        digest = digest_path(full)
+        if digest.size > fmt.MAX_FILE_BYTES:
+            raise FormatError(f"{digest.size} bytes, past the {fmt.MAX_FILE_BYTES}-byte cap of a file to embed",
+                              path=full)  # fmt: skip
+        found[relative] = SourceFile(relative, full, digest.sha256, digest.size)
 
     folder = sentence_transformers or ""
     for name in MODEL_FILES:
@@ -298,8 +342,9 @@ def collect_files(directory: str | os.PathLike[str], *, sentence_transformers: s
     if sentence_transformers is not None:
         for name in ST_FILES:
             take(name)
-        modules = found.get("modules.json")
-        for module in _json(modules, os.path.join(root, "modules.json")) if modules is not None else []:
+        listing = found.get("modules.json")
+        modules = _json(listing.read(), listing.path) if listing is not None else []
+        for module in modules if isinstance(modules, list) else []:
             sub = module.get("path") if isinstance(module, dict) else None
             if not isinstance(sub, str) or sub in ("", folder) or not _plain(sub):
                 continue
@@ -371,15 +416,17 @@ class Bundle:
         """An embedded JSON file, parsed bounded (see :meth:`read_file`)."""
         return _json(self.read_file(relative), f"{self.path}::{relative}")
 
-    def extract(self, directory: str | os.PathLike[str]) -> None:
-        """Write every embedded file under ``directory`` (which must exist, empty and private: a fresh
-        ``tempfile.mkdtemp()``), each checked as :meth:`read_file` checks it, ``0600``, never following a symlink.
+    def extract(self, directory: str | os.PathLike[str], only: Iterable[str] | None = None) -> None:
+        """Write every embedded file (or those of ``only`` the file holds) under ``directory`` (which must exist,
+        empty and private: a fresh ``tempfile.mkdtemp()``), each checked as :meth:`read_file` checks it, ``0600``,
+        never following a symlink.
 
         Raises:
             FormatError: a file fails its checks.
         """
         root = os.fspath(directory)
-        for relative in sorted(self.record.files):
+        wanted = sorted(self.record.files) if only is None else sorted(set(only) & set(self.record.files))
+        for relative in wanted:
             data = self.read_file(relative)
             parts = relative.split("/")
             dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

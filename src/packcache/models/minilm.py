@@ -626,7 +626,12 @@ def load(
     """
     if model_path is not None and is_cache_file(model_path):
         with open_bundle(model_path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-minilm-") as files:
-            bundle.extract(files)  # config, tokenizer, sentence-transformers settings: read as a checkpoint's are
+            # Read as a checkpoint's are. The tokenizer only when it is to be loaded, or named by the int4 packs'
+            # calibration: a warm launch given one does not parse a 700 KB JSON file it would throw away.
+            needed = ["config.json", "sentence_bert_config.json"]
+            if tokenizer is None or bundle.record.loader == "minilm":
+                needed.append("tokenizer.json")
+            bundle.extract(files, only=needed)
             return _load(scheme, cache, files, group_size, tokenizer, kernel_path, bundle)
     return _load(scheme, cache, model_path, group_size, tokenizer, kernel_path, None)
 
