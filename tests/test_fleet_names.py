@@ -521,3 +521,41 @@ def test_cli_publish_and_fetch_refuse_a_bad_name_with_exit_2(tmp_path: Path, arg
     assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr)
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert list(store.iterdir()) == [] and not (tmp_path / "xdg" / "packcache").exists()
+
+
+def test_workers_that_waited_for_the_download_map_it_without_hashing_it(tmp_path: Path, keys: dict[str, Path]) -> None:
+    """Four processes fetch the name at once: one downloads (hashing as it streams), the three that waited for the
+    build lock find the record the downloader wrote beside the file and hash nothing (issue 32, item 4)."""
+    built = tmp_path / "ci" / "m.pcache"
+    build(built)
+    store = tmp_path / "store"
+    store.mkdir()
+    publish(built, str(store), name=NAME, private_key=str(keys["ci"]))
+    code = (
+        "import json, sys\n"
+        "from packcache.fleet import fetch as f\n"
+        "from packcache.fleet.names import fetch_name\n"
+        "real = f.hash_file\n"
+        "def counting(*a):\n"
+        "    print('hashed', file=sys.stderr)\n"
+        "    return real(*a)\n"
+        "f.hash_file = counting\n"
+        f"r = fetch_name({str(store)!r}, {NAME!r}, cache_dir={str(tmp_path / 'node')!r}, "
+        f"trusted_keys=[{str(keys['ci.pub'])!r}], timeout=60, total_timeout=120)\n"
+        "print(json.dumps(r.to_json()))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(4)
+    ]
+    results, hashed = [], 0
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+        hashed += err.count("hashed")
+    assert sorted(r["downloaded"] for r in results) == [False, False, False, True]
+    assert hashed == 0

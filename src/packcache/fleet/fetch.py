@@ -285,6 +285,7 @@ def _local_is(name: str, manifest: Manifest, records: Sequence[tuple[str, int]] 
         if st.st_size != manifest.size:
             return False
         # pinned by tests/test_fleet_names.py::test_a_warm_fetch_by_name_reads_only_the_manifest_and_hashes_nothing
+        # and ::test_workers_that_waited_for_the_download_map_it_without_hashing_it
         here = file_identity(st)
         for path, dir_fd in records:
             record = _read_accepted(path, dir_fd=dir_fd)
