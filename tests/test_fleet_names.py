@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -559,3 +560,27 @@ def test_workers_that_waited_for_the_download_map_it_without_hashing_it(tmp_path
         hashed += err.count("hashed")
     assert sorted(r["downloaded"] for r in results) == [False, False, False, True]
     assert hashed == 0
+
+
+def test_a_silent_store_costs_the_stall_bound_once_and_serves_the_file_accepted_before(
+    tmp_path: Path, keys: dict[str, Path], moto_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same bucket behind an endpoint that accepts and never answers: one manifest read times out (not one per
+    class tried), and the file accepted from that store before is used (the record is keyed by bucket and prefix)."""
+    from harness.tcp import silent_server
+
+    built = tmp_path / "ci" / "m.pcache"
+    arrays = build(built)
+    url = f"{moto_env.url}/{uuid.uuid4().hex}"
+    publish(built, url, name=NAME, private_key=str(keys["ci"]))
+    got = fetch_name(url, NAME, cache_dir=tmp_path / "node", trusted_keys=[keys["ci.pub"]])
+    with silent_server() as port:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as caught:  # nothing accepted in this directory: the timeout, once
+            fetch_name(url, "org/other", cache_dir=tmp_path / "node", trusted_keys=[keys["ci.pub"]], timeout=1)
+        assert caught.value.reason == "remote_timeout" and time.monotonic() - started < 8, caught.value
+        warm = fetch_name(url, NAME, cache_dir=tmp_path / "node", trusted_keys=[keys["ci.pub"]], timeout=1)
+    assert (warm.reached, warm.path, warm.generation) == (False, got.path, 1), warm
+    assert warm.store_error is not None and warm.store_error.startswith("remote_timeout")
+    mapped(warm.path, arrays)
