@@ -213,16 +213,19 @@ def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
 
 
 def cmd_publish(args: argparse.Namespace, out: Out) -> int:
+    from ..fleet.manifest import check_published_name
     from ..fleet.publish import check_publish_target, publish
 
-    try:  # the URL and --expires-days were checked by their argument types; the file's name here
-        check_publish_target(args.file)
+    try:  # the URL and --expires-days were checked by their argument types; the file's name (or --name) here
+        # pinned by tests/test_fleet_names.py::test_cli_publish_and_fetch_refuse_a_bad_name_with_exit_2
+        check_publish_target(args.file) if args.name is None else check_published_name(args.name)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
         report = publish(
             args.file, args.url, private_key=args.sign or None, sources=args.model, builder=args.builder,
             expires_in=None if args.expires_days == 0 else args.expires_days * 86400.0, timeout=args.timeout,
+            name=args.name,
         )  # fmt: skip
     except ImportError as exc:
         print(f"packcache publish needs the fleet extra ({exc}): pip install 'packcache[fleet]'", file=sys.stderr)
@@ -237,8 +240,10 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
         f"blob          {report.blob_key} ({mib(report.size)}, {_blob_state(report)})",
         f"manifest      {report.manifest_key}, generation {report.generation}, "
         + (f"signed by {', '.join(report.signers)}" if report.signers else "UNSIGNED (machines need --allow-unsigned)"),
+        *([f"pinned        {report.generation_key} (fetch --name {report.model}@{report.generation})"]
+          if report.generation_key else []),
         f"sources       {report.sources_checked} hashed again and found as the packs name them",
-    ]
+    ]  # fmt: skip
     out.emit(data, "\n".join(lines))
     return EXIT_OK
 
@@ -253,6 +258,8 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
     from ..fleet.fetch import check_fetch_target, fetch, load_trusted_keys
     from ..format import canonical_key
 
+    if args.name is not None:
+        return _fetch_name(args, out)
     if args.cache is None and args.model is None:
         raise UsageError("give the checkpoint (--model DIR, whose cache file is named by its content) or --cache FILE")
     if args.cache is not None:
@@ -325,6 +332,37 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def _fetch_name(args: argparse.Namespace, out: Out) -> int:
+    """``fetch URL --name NAME[@G]``: :func:`packcache.fleet.names.fetch_name`, no checkpoint needed."""
+    from ..fleet.names import fetch_name, local_path, parse_name
+
+    if args.model is not None or args.cache is not None:
+        raise UsageError("--name fetches a published name: give it without --model and --cache (--cache-dir says "
+                         "where its file goes)")  # fmt: skip
+    try:  # before anything is loaded or asked
+        # pinned by tests/test_fleet_names.py::test_cli_publish_and_fetch_refuse_a_bad_name_with_exit_2
+        model, pinned = parse_name(args.name)
+        local_path(model, pinned, cache_dir=args.cache_dir)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    report = fetch_name(args.url, args.name, cache_dir=args.cache_dir, trusted_keys=args.trusted_key,
+                        allow_unsigned=args.allow_unsigned, timeout=args.timeout, total_timeout=args.deadline,
+                        scheme=args.scheme, group_size=args.group_size)  # fmt: skip
+    state = "offline" if not report.reached else "fetched" if report.downloaded else "up to date"
+    lines = [
+        f"{state:<14}{sanitize(report.path)}",
+        f"from          {sanitize(report.url)}: {report.name}, class {report.platform_class}, "
+        f"generation {report.generation}" + (f", signed by {report.signed_by}" if report.signed_by else "")
+        + ("" if report.signed_by or not report.reached else ", unsigned"),
+        f"scheme        {report.scheme}" + (f" (group size {report.group_size})" if report.scheme == "int4" else ""),
+        *([f"store         not reached ({sanitize(report.store_error or '')}): the file accepted before is used"]
+          if not report.reached else []),
+        f"read          {mib(report.bytes)} in {report.seconds:.2f} s",
+    ]  # fmt: skip
+    out.emit(report.to_json(), "\n".join(lines))
+    return EXIT_OK
+
+
 def add_store_parsers(sub: Any) -> None:
     """``publish`` and ``fetch``."""
     publish = sub.add_parser(
@@ -339,6 +377,11 @@ def add_store_parsers(sub: Any) -> None:
         "when another publisher won the race for the manifest: run it again.",
     )
     publish.add_argument("file", help="the cache file (built by build, run or serve)")
+    publish.add_argument(
+        "--name", metavar="NAME",
+        help="publish under this name (org/model-int8: [A-Za-z0-9._-] segments, single '/' between) instead of the "
+        "file's name; every generation also keeps an immutable copy, fetched with --name NAME@G",
+    )  # fmt: skip
     publish.add_argument(
         "url", type=store_url, help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory"
     )
@@ -377,13 +420,22 @@ def add_store_parsers(sub: Any) -> None:
     )
     fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
     fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
+    fetch.add_argument(
+        "--name", metavar="NAME[@G]",
+        help="fetch a published name (publish --name), no checkpoint needed, into --cache-dir/<NAME with / as "
+        "-->.pcache (NAME@G: that generation, into ...@G.pcache); prints the local path",
+    )  # fmt: skip
     fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
     fetch.add_argument(
         "--loader", choices=("minilm", "hf"), default=None,
         help="whose cache file: minilm (run/serve --model, build --loader minilm) or hf (build's default). Default: "
         "minilm when it reads the checkpoint and a file is published under its name, else hf (the output says which)",
     )  # fmt: skip
-    fetch.add_argument("--scheme", choices=("auto", *SCHEMES), default=SCHEME, help="weight scheme (default auto)")
+    fetch.add_argument(
+        "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
+        help="weight scheme (default auto; with --name, auto looks under auto's scheme first, then int8, int4, bf16, "
+        "fp32: the first class published under the name is taken)",
+    )  # fmt: skip
     fetch.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
     add_trust_options(fetch)
     # pinned by tests/test_fleet_deadline.py::test_the_init_recipe_ends_fast_against_a_silent_store

@@ -64,6 +64,7 @@ from .manifest import (
     Manifest,
     check_generation,
     check_manifest,
+    check_model,
     load_public_keys,
     manifest_key,
 )
@@ -73,8 +74,10 @@ from .stores import Store, open_store
 
 __all__ = [
     "FetchReport",
+    "accepted_file",
     "accepted_generation",
     "check_fetch_target",
+    "file_identity",
     "fetch",
     "last_accepted",
     "load_trusted_keys",
@@ -156,6 +159,8 @@ def fetch(
     file_mode: int = _defaults.FILE_MODE,
     dir_mode: int = _defaults.DIR_MODE,
     store: Store | None = None,
+    model: str | None = None,
+    generation: int | None = None,
 ) -> FetchReport:
     """Make ``path`` the cache file published at ``url`` for its model and this platform.
 
@@ -169,19 +174,28 @@ def fetch(
         total_timeout: seconds for the whole fetch, the download included (``None``: ``timeout``).
         lock_timeout: seconds to wait for another process fetching or building the same file.
         store: an open store to use instead of opening ``url`` (kept open).
+        model: the model whose manifest names the file, when ``path``'s name is not it: a published name
+            (:func:`packcache.fleet.manifest.check_model`, e.g. ``org/model-int8``; :mod:`packcache.fleet.names`).
+        generation: fetch that generation's immutable copy (``manifests/<model>/<class>@<G>.json``, which a
+            publish by name leaves) instead of the current manifest; the rollback record is never lowered.
 
     Raises:
-        ValueError: ``url`` is not a store URL, or ``path``'s name names no model (before any I/O).
+        ValueError: ``url`` is not a store URL, or ``path``'s name names no model, or ``model`` or ``generation``
+            is none a store key can hold (before any I/O).
         RemoteError: the reason says what failed; nothing was written but the lock file.
     """
     started = time.monotonic()
     # Every argument is checked before the first store call or file write.
     # pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
     location = store.location if store is not None else parse_store_url(url)
-    name, model = check_fetch_target(path)
+    if model is None:
+        name, model = check_fetch_target(path)
+    else:
+        name = os.path.abspath(os.fspath(path))
     stall = float(timeout)
     deadline = started + (stall if total_timeout is None else float(total_timeout))
     cls = platform_class(platform)
+    manifest_key(check_model(model), cls, generation)  # a bad model or generation: ValueError, before any I/O
     with faults.translating_into(functools.partial(_lock_error, name)):
         # The file the cache would open: never through a symlink another user planted (the cache refuses it as
         # untrusted; renaming over its target destroyed a root-owned file); pinned by
@@ -207,7 +221,7 @@ def fetch(
             if store is None:
                 store = stack.enter_context(open_store(location, timeout=stall))
             return _fetch_locked(store, location.display, name, parent, model, cls, platform, trusted_keys,
-                                 allow_unsigned, deadline, stall, started, file_mode)  # fmt: skip
+                                 allow_unsigned, deadline, stall, started, file_mode, generation)  # fmt: skip
     finally:
         parent.close()
         os.close(lock_fd)
@@ -216,9 +230,9 @@ def fetch(
 def _fetch_locked(
     store: Store, url: str, name: str, parent: TrustedParent, model: str, cls: str, platform: bytes,
     trusted_keys: Sequence[bytes], allow_unsigned: bool, deadline: float, stall: float, started: float,
-    file_mode: int,
+    file_mode: int, pinned: int | None = None,
 ) -> FetchReport:  # fmt: skip
-    key = manifest_key(model, cls)
+    key = manifest_key(model, cls, pinned)
     # A small read is whole within the stall bound: a store that accepts and never answers costs that,
     # whatever the overall deadline; the download (below) has the whole deadline, its stalls cut by the store.
     # pinned by tests/test_fleet_deadline.py::test_the_init_recipe_ends_fast_against_a_silent_store
@@ -228,21 +242,25 @@ def _fetch_locked(
     real = parent.real
     records = _records(store.identity(deadline=_small(deadline, stall)), parent, model, cls)
     accepted = [a for a in (accepted_generation(path, dir_fd=fd) for path, fd in records) if a is not None]
+    if pinned is not None:  # an older generation asked for by number is no rollback; another blob for it is
+        accepted = [a for a in accepted if a[0] == pinned]
     manifest, signed_by = check_manifest(
         data, model=model, platform_class=cls, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
-        accepted=max(accepted, default=None), url=url,
+        accepted=max(accepted, default=None), url=url, pinned=pinned,
     )  # fmt: skip
     for generation, sha256 in accepted:  # every trusted record, not only the newest: a same-generation other blob
         check_generation(manifest, generation, last_blob_sha256=sha256)
-    done = _local_is(real, manifest)
+    done = _local_is(real, manifest, [(path, fd) for path, fd in records if fd is not None])
     if not done:
         _check_target(parent, name)
         read += _download(store, url, name, parent, manifest, platform, deadline, stall, file_mode)
+    landed = _identity_at(parent)
     for path, fd in records:
         # The record's temp file has the cache file's temp shape: a fetch killed while writing it leaves one the
         # next holder of the lock (or gc) removes; pinned by tests/test_fleet_trust.py::
         #   test_a_record_temp_a_killed_fetch_left_beside_the_cache_is_removed_by_the_next_fetch
-        _accept(path, manifest, dir_fd=fd, temp=temp_prefix(parent.real) if fd is not None else None)
+        _accept(path, manifest, dir_fd=fd, temp=temp_prefix(parent.real) if fd is not None else None,
+                file_id=landed if fd is not None else None)  # fmt: skip
     return FetchReport(
         url=url, path=name, model=model, platform_class=cls, generation=manifest.generation,
         sha256=manifest.blob_sha256, size=manifest.size, downloaded=not done, bytes=read,
@@ -255,14 +273,25 @@ def _small(deadline: float, stall: float) -> float:
     return min(deadline, time.monotonic() + stall)
 
 
-def _local_is(name: str, manifest: Manifest) -> bool:
-    """Whether the local file already holds exactly the published blob (then nothing is downloaded)."""
+def _local_is(name: str, manifest: Manifest, records: Sequence[tuple[str, int]] = ()) -> bool:
+    """Whether the local file already holds exactly the published blob (then nothing is downloaded). A record
+    beside the file (``records``: (name, directory descriptor)) that accepted this blob for the very file there
+    now (:func:`file_identity`) says so without reading it: a warm start of a 2 GB file hashes nothing."""
     try:
         fd, st = open_checked(name)
     except (OSError, UntrustedFileError):
         return False
     try:
-        return st.st_size == manifest.size and hash_file(fd, name, st) == manifest.blob_sha256
+        if st.st_size != manifest.size:
+            return False
+        # pinned by tests/test_fleet_names.py::test_a_warm_fetch_by_name_reads_only_the_manifest_and_hashes_nothing
+        # and ::test_workers_that_waited_for_the_download_map_it_without_hashing_it
+        here = file_identity(st)
+        for path, dir_fd in records:
+            record = _read_accepted(path, dir_fd=dir_fd)
+            if record is not None and record[1:] == (manifest.blob_sha256, here):
+                return True
+        return hash_file(fd, name, st) == manifest.blob_sha256
     except (OSError, FormatError):  # unreadable, or changing under us: not the published bytes
         return False
     finally:
@@ -411,24 +440,77 @@ def accepted_generation(path: str, *, dir_fd: int | None = None) -> tuple[int, s
     cannot trust: not a regular file of this user or root, writable by another, over 4 KiB; then it
     has nothing to compare with). A fetch checks against every trusted record of the two it keeps.
     ``dir_fd``: the directory ``path`` is relative to."""
+    record = _read_accepted(path, dir_fd=dir_fd)
+    return None if record is None else record[:2]
+
+
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What says a file is still the one a record accepted: device, inode, size, mtime and ctime (ns). Any
+    write, truncation, ``utime`` or rename over it changes one of them (ctime cannot be set back)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _read_accepted(path: str, *, dir_fd: int | None = None) -> tuple[int, str, tuple[int, ...] | None] | None:
+    """(generation, sha256, :func:`file_identity` of the file accepted or None) of the record at ``path``."""
     record, _ = read_record(path, dir_fd=dir_fd, max_bytes=_STATE_MAX_BYTES)
     if not isinstance(record, dict):
         return None
-    generation, sha256 = record.get("generation"), record.get("sha256")
+    generation, sha256, file = record.get("generation"), record.get("sha256"), record.get("file")
     if type(generation) is not int or generation < 0 or not isinstance(sha256, str):
         return None
-    return generation, sha256
+    if isinstance(file, list) and len(file) == 5 and all(type(v) is int for v in file):
+        return generation, sha256, tuple(file)
+    return generation, sha256, None
 
 
-def _accept(path: str, manifest: Manifest, *, dir_fd: int | None = None, temp: str | None = None) -> None:
+def accepted_file(
+    identity: str, path: str | os.PathLike[str], model: str, platform_class: str
+) -> tuple[int, str] | None:
+    """The generation and blob sha256 of ``model`` / ``platform_class`` that the record beside the cache file at
+    ``path`` says a fetch from the store of canonical ``identity`` (:meth:`Store.identity`) accepted, when the
+    file there is still the very file accepted (:func:`file_identity`) and one the cache would open
+    (:func:`packcache._paths.open_checked`); else None. Reads no store and hashes nothing: what a warm start
+    with the store away may map (:func:`packcache.fleet.names.fetch_name`)."""
+    try:
+        real = resolve_trusted(os.path.abspath(os.fspath(path)))
+        fd, st = open_checked(real)
+    except (OSError, UntrustedFileError):
+        return None
+    os.close(fd)
+    digest = _digest(identity, model, platform_class)
+    record = _read_accepted(os.path.join(os.path.dirname(real), f".{os.path.basename(real)}.accepted-{digest}.json"))
+    if record is None or record[2] != file_identity(st):
+        return None
+    return record[0], record[1]
+
+
+def _identity_at(parent: TrustedParent) -> tuple[int, ...] | None:
+    """:func:`file_identity` of the file at ``parent``'s entry now (after a download landed, or as it was)."""
+    try:
+        return file_identity(os.stat(parent.name, dir_fd=parent.fd, follow_symlinks=False))
+    except OSError:
+        return None
+
+
+def _accept(
+    path: str, manifest: Manifest, *, dir_fd: int | None = None, temp: str | None = None,
+    file_id: tuple[int, ...] | None = None,
+) -> None:  # fmt: skip
     """Record ``manifest``'s generation as accepted (temp + rename; a failure only weakens the rollback check).
     ``dir_fd``: the cache's directory ``path`` is relative to; ``None``: this user's record under :func:`state_dir`.
-    ``temp``: the temp file's name prefix (default ``.packcache-accepted.tmp-``)."""
-    accepted = accepted_generation(path, dir_fd=dir_fd)
-    if accepted is not None and accepted[0] >= manifest.generation:
+    ``temp``: the temp file's name prefix (default ``.packcache-accepted.tmp-``). ``file_id``: the
+    :func:`file_identity` of the cache file that holds the blob (the record beside it), so the next fetch and a
+    start with the store away know it without hashing it."""
+    accepted = _read_accepted(path, dir_fd=dir_fd)
+    if accepted is not None and (
+        accepted[0] > manifest.generation or (accepted[0] == manifest.generation and accepted[2] == file_id)
+    ):
         return
     directory = os.path.dirname(path)
-    data = json.dumps({"generation": manifest.generation, "sha256": manifest.blob_sha256}).encode()
+    fields: dict[str, Any] = {"generation": manifest.generation, "sha256": manifest.blob_sha256}
+    if file_id is not None:
+        fields["file"] = list(file_id)
+    data = json.dumps(fields).encode()
     with contextlib.suppress(OSError):
         if dir_fd is None:
             os.makedirs(directory, mode=0o700, exist_ok=True)

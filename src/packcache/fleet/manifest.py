@@ -61,7 +61,9 @@ __all__ = [
     "Manifest",
     "check_generation",
     "check_manifest",
+    "check_model",
     "check_name",
+    "check_published_name",
     "encode_unsigned",
     "generate_key",
     "key_id",
@@ -109,13 +111,69 @@ def check_name(text: object, what: str) -> str:
     return text
 
 
-def manifest_key(model: str, platform_class: str) -> str:
-    """The store key of the manifest of ``(model, platform_class)``: ``manifests/<model>/<class>.json``.
+def check_model(text: object, what: str = "model") -> str:
+    """``text`` if it may name a model in a store key: one or more :func:`check_name` segments joined by single
+    ``/`` (a published name such as ``org/model-int8``; a file's name is one segment), at most 200 characters in all.
 
     Raises:
-        ValueError: either name breaks :func:`check_name`'s rule.
+        ValueError: naming ``what`` and the rule.
+
+    >>> check_model("org/model-int8")
+    'org/model-int8'
     """
-    return f"manifests/{check_name(model, 'model')}/{check_name(platform_class, 'platform class')}.json"
+    if not isinstance(text, str) or not 1 <= len(text) <= MAX_NAME_CHARS:
+        raise ValueError(f"{what} {repr(text)[:80]} is not 1-{MAX_NAME_CHARS} characters")
+    for segment in text.split("/"):
+        if not segment:
+            raise ValueError(f"{what} {text[:80]!r} has an empty segment ('//', or a leading or trailing '/')")
+        check_name(segment, f"{what} {text[:80]!r}: segment")
+    return text
+
+
+#: The most ``/``-separated segments a published name has (its local file name, ``/`` as ``--``, stays under 255 bytes).
+MAX_NAME_SEGMENTS = 16
+
+
+def check_published_name(text: object) -> str:
+    """``text`` if a cache file may be published under it by name (``packcache publish --name``): a
+    :func:`check_model` (``[A-Za-z0-9._-]`` segments, single ``/`` between, at most 200 characters, no segment
+    starting with a dot), at most 16 segments, and none of ``..`` and ``--`` anywhere (a name's local file is the
+    name with ``/`` as ``--``: ``a/b`` and ``a--b`` would share one), no segment ending in ``.json`` (manifests
+    lie beside the segments) and no name ending in ``.pcache`` (``--model`` takes it for a cache file).
+
+    Raises:
+        ValueError: naming the name and the rule it breaks.
+
+    >>> check_published_name("org/model-int8")
+    'org/model-int8'
+    """
+    shown = repr(text)[:80]
+    if isinstance(text, str) and text.count("/") >= MAX_NAME_SEGMENTS:
+        raise ValueError(f"name {shown} has more than {MAX_NAME_SEGMENTS} '/'-separated segments")
+    check_model(text, "name")
+    assert isinstance(text, str)
+    for bad, why in (("..", "'..'"), ("--", "'--' (the local file name writes '/' as '--')")):
+        if bad in text:
+            raise ValueError(f"name {shown} holds {why}")
+    if any(segment.endswith(".json") for segment in text.split("/")):
+        raise ValueError(f"name {shown}: a segment ends in .json (manifest files lie beside the segments)")
+    if text.endswith(".pcache"):
+        raise ValueError(f"name {shown} ends in .pcache: that reads as a cache file's path, not a name")
+    return text
+
+
+def manifest_key(model: str, platform_class: str, generation: int | None = None) -> str:
+    """The store key of the manifest of ``(model, platform_class)``: ``manifests/<model>/<class>.json``, or with
+    ``generation`` the immutable copy a publish by name leaves of that generation:
+    ``manifests/<model>/<class>@<G>.json``.
+
+    Raises:
+        ValueError: either name breaks :func:`check_model`'s or :func:`check_name`'s rule, or a generation under 1.
+    """
+    key = f"manifests/{check_model(model)}/{check_name(platform_class, 'platform class')}"
+    if generation is None:
+        return key + ".json"
+    return f"{key}@{_int_field(generation, 'generation', 1)}.json"
 
 
 def _int_field(value: object, name: str, low: int) -> int:
@@ -126,7 +184,8 @@ def _int_field(value: object, name: str, low: int) -> int:
 
 @dataclass(frozen=True)
 class Manifest:
-    """One published cache file: ``model`` (its file name without ``.pcache``), ``platform_class``
+    """One published cache file: ``model`` (its file name without ``.pcache``, or a published name such as
+    ``org/model-int8``: :func:`check_model`), ``platform_class``
     (:func:`packcache.fleet.platform.platform_class`), the blob's ``blob_sha256`` (64 lowercase hex)
     and ``size`` in bytes, a ``generation`` >= 1 that each publish of the (model, class) raises,
     ``created`` and ``expires`` in unix seconds (``expires`` None: never; only when asked for), and a
@@ -149,7 +208,7 @@ class Manifest:
     def __post_init__(self) -> None:
         if self.format != MANIFEST_FORMAT:
             raise ValueError(f"manifest format {repr(self.format)[:60]} is not {MANIFEST_FORMAT!r}")
-        check_name(self.model, "model")
+        check_model(self.model)
         check_name(self.platform_class, "platform class")
         if not isinstance(self.blob_sha256, str) or not _HEX64.fullmatch(self.blob_sha256):
             raise ValueError(
@@ -404,6 +463,7 @@ def check_manifest(
     accepted: tuple[int, str] | None,
     now: float | None = None,
     url: str | None = None,
+    pinned: int | None = None,
 ) -> tuple[Manifest, str | None]:
     """Every check a manifest read from ``manifests/<model>/<platform_class>.json`` must pass before its
     blob is read: :func:`read_envelope` (bounds, fields, signatures, expiry), its ``model`` and
@@ -411,9 +471,14 @@ def check_manifest(
     :func:`check_generation` against ``accepted`` (the generation and blob sha256 this user last
     accepted from the store, or None). Fetch and probe both call it, so they cannot disagree.
 
+    ``pinned``: the manifest was read from the immutable copy of that generation
+    (``manifests/<model>/<class>@<G>.json``, a fetch of ``NAME@G``): its generation must be ``G``, and an older
+    one than ``accepted`` is no rollback (the operator asked for it); the same generation naming another blob
+    than ``accepted``'s still is.
+
     Raises:
-        RemoteError: as :func:`read_envelope`; ``remote_incompatible`` (another model or class than
-            the key's); ``remote_stale`` (a rollback).
+        RemoteError: as :func:`read_envelope`; ``remote_incompatible`` (another model, class or pinned
+            generation than the key's); ``remote_stale`` (a rollback).
     """
     manifest, signer = read_envelope(data, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned, now=now, url=url)
     # pinned by tests/test_fleet_probe.py::
@@ -423,6 +488,15 @@ def check_manifest(
             "remote_incompatible", f"the manifest at {manifest_key(model, platform_class)} is for {manifest.model} / "
             f"{manifest.platform_class}, not {model} / {platform_class}", url=url,
         )  # fmt: skip
+    if pinned is not None:
+        # pinned by tests/test_fleet_names.py::test_a_pinned_copy_naming_another_generation_is_refused
+        if manifest.generation != pinned:
+            raise RemoteError(
+                "remote_incompatible", f"the manifest at {manifest_key(model, platform_class, pinned)} is of "
+                f"generation {manifest.generation}, not {pinned}", url=url,
+            )  # fmt: skip
+        if accepted is None or accepted[0] != pinned:
+            return manifest, signer
     check_generation(manifest, accepted[0] if accepted else None, last_blob_sha256=accepted[1] if accepted else None)
     return manifest, signer
 

@@ -356,7 +356,8 @@ def probe_url(
     timeout: float = 30.0,
 ) -> ProbeReport:
     """The verdict on a published file, by range reads: ``url`` is a manifest's
-    (``<store>/manifests/<model>/<class>.json``) or a blob's (``<store>/blobs/sha256/<hex>.pcache``, or any object).
+    (``<store>/manifests/<model>/<class>.json``, where a published name's model has segments, or a generation's
+    immutable copy ``.../<class>@<G>.json``) or a blob's (``<store>/blobs/sha256/<hex>.pcache``, or any object).
 
     A manifest is checked by :func:`packcache.fleet.manifest.check_manifest`, the function fetch checks
     it with, against the same trusted keys and the generation this user last accepted from the store:
@@ -398,11 +399,18 @@ def probe_url(
             return probe_bytes(read(key), expected_platform=expected_platform, expected_model=expected_model,
                                size=size, source=url)  # fmt: skip
         parts = key.split("/")
+        pinned: int | None = None
         try:
-            if len(parts) != 3 or parts[0] != "manifests":
+            if len(parts) < 3 or parts[0] != "manifests":
                 raise ValueError(f"{key!r} is not a manifest's key (manifests/<model>/<class>.json)")
-            model, cls = parts[1], parts[2][: -len(".json")]
-            manifest_key(model, cls)
+            # a published name has segments; a generation's immutable copy is <class>@<G>.json
+            # pinned by tests/test_fleet_names.py::test_probe_of_a_name_and_of_a_pinned_generation
+            model, (cls, at, number) = "/".join(parts[1:-1]), parts[-1][: -len(".json")].partition("@")
+            if at:
+                if not number.isdigit() or number.startswith("0"):
+                    raise ValueError(f"{key!r}: the generation after '@' is no positive integer")
+                pinned = int(number)
+            manifest_key(model, cls, pinned)
         except ValueError as exc:
             return ProbeReport(Verdict.NOT_APPLICABLE, [f"fetch never reads it: {exc}"], source=url)
         data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
@@ -420,14 +428,16 @@ def probe_url(
 
         try:
             manifest, signer = check_manifest(data, model=model, platform_class=cls, trusted_keys=trusted_keys,
-                                              allow_unsigned=False, accepted=accepted, url=url)  # fmt: skip
+                                              allow_unsigned=False, accepted=accepted, url=url,
+                                              pinned=pinned)  # fmt: skip
         except RemoteError as exc:
             if exc.reason != "remote_untrusted":
                 return refused(exc)
             unverified = exc
             try:  # what else fetch would refuse, were unsigned manifests allowed (a tampered one: again)
                 manifest, signer = check_manifest(data, model=model, platform_class=cls, trusted_keys=trusted_keys,
-                                                  allow_unsigned=True, accepted=accepted, url=url)  # fmt: skip
+                                                  allow_unsigned=True, accepted=accepted, url=url,
+                                                  pinned=pinned)  # fmt: skip
             except RemoteError as again:
                 return refused(again)
         figures: dict[str, Any] = {"manifest_generation": manifest.generation, "signer": signer}

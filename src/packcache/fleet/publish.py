@@ -20,6 +20,11 @@
    or replaced only if it is still the one read (its ETag), with the next generation. Of two
    publishers racing, one wins; the other gets ``RemoteError("remote_conflict")`` saying another
    publisher won and to run it again.
+
+Published by *name* (``name="org/model-int8"``, ``packcache publish --name``), the model is the name instead of
+the file's, and the winner of step 4 then writes an immutable copy of its manifest,
+``manifests/<name>/<class>@<G>.json`` (create-only), so ``NAME@G`` can be fetched later: the name moves, each of
+its generations and the blobs they name stay (docs/FLEET.md, "Published names").
 """
 
 from __future__ import annotations
@@ -43,7 +48,15 @@ from .._paths import acquire_build_lock, open_checked, still_linked
 from ..errors import FormatError, RemoteError
 from ..identity import hash_file, recorded_location
 from ..maintenance import verify
-from .manifest import MAX_ENVELOPE_BYTES, Manifest, check_name, encode_unsigned, manifest_key, sign
+from .manifest import (
+    MAX_ENVELOPE_BYTES,
+    Manifest,
+    check_name,
+    check_published_name,
+    encode_unsigned,
+    manifest_key,
+    sign,
+)
 from .platform import platform_class
 from .stores import StoreURL, open_store, parse_store_url
 
@@ -82,6 +95,7 @@ class PublishReport:
     seconds: float
     signers: tuple[str, ...] = ()  #: the id of every key that signed the manifest, in the order given
     repaired: bool = False  #: an object at the blob's content address held other bytes and was replaced
+    generation_key: str | None = None  #: (by name) the immutable copy of this generation's manifest
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,6 +148,7 @@ def publish(
     expires_in: float | None = DEFAULT_EXPIRES,
     timeout: float = 600.0,
     lock_timeout: float = _defaults.LOCK_TIMEOUT,
+    name: str | None = None,
 ) -> PublishReport:
     """Publish the cache file at ``path`` to the store at ``url`` (module docstring).
 
@@ -147,10 +162,12 @@ def publish(
         expires_in: seconds until the manifest expires (finite, over 0, at most :data:`MAX_EXPIRES`);
             ``None`` for never.
         timeout: seconds for the whole upload (the store's calls share one deadline).
+        name: publish under this name (``org/model-int8``: :func:`packcache.fleet.manifest.check_published_name`)
+            instead of the file's name, and keep an immutable copy of each generation's manifest.
 
     Raises:
-        ValueError: ``url`` is not a store URL, the file's name names no model, ``expires_in`` is out of
-            range (all checked before any store call).
+        ValueError: ``url`` is not a store URL, the file's name names no model, ``name`` is no name, ``expires_in``
+            is out of range (all checked before any store call).
         FormatError: the file is not a valid cache, fails verification, or holds superseded bytes.
         FileNotFoundError: a source the packs name is nowhere to be found (the message names it).
         ValueError: a source found does not hold the bytes its name claims.
@@ -158,12 +175,13 @@ def publish(
         UntrustedFileError, LockTimeoutError, OSError: opening or locking the file.
     """
     started = time.monotonic()
-    name = os.fspath(path)
+    published_as, name = name, os.fspath(path)
     # Everything the manifest needs is checked before the first store call: a bad value never costs an
     # upload. pinned by tests/test_cli_fleet_input.py::test_bad_input_is_one_line_exit_2_nothing_uploaded
     location = parse_store_url(url)
     check_expiry(expires_in)
-    model = check_publish_target(name)
+    # pinned by tests/test_fleet_names.py::test_bad_names_are_refused_before_any_store_call
+    model = check_publish_target(name) if published_as is None else check_published_name(published_as)
     key_files = [private_key] if isinstance(private_key, str) else list(private_key or ())
     signing_keys = []
     if key_files:
@@ -224,6 +242,10 @@ def publish(
                         f"{f'its generation {previous}' if etag else 'that there was none'} (the blob is in place); "
                         "run it again: it publishes the next generation over the winner's", url=store.url,
                     ) from exc  # fmt: skip
+                generation_key = None
+                if published_as is not None:
+                    generation_key = manifest_key(model, cls, manifest.generation)
+                    _keep_generation(store, generation_key, envelope, deadline)
         finally:
             os.close(lock_fd)
     finally:
@@ -233,7 +255,27 @@ def publish(
         sha256=sha256, size=size, generation=manifest.generation, uploaded=uploaded,
         signed_by=signers[0] if signers else None, sources_checked=checked, expires=manifest.expires,
         seconds=round(time.monotonic() - started, 3), signers=signers, repaired=repaired,
+        generation_key=generation_key,
     )  # fmt: skip
+
+
+def _keep_generation(store: Any, key: str, envelope: bytes, deadline: float) -> None:
+    """Write the immutable copy of a generation's manifest at ``key``, create-only, after its publisher won the
+    compare-and-swap of the current manifest (so no other publisher has that generation). One there already with
+    the same bytes is kept (a republish that failed after it); other bytes there (a writer that bypassed the
+    compare-and-swap) fail ``remote_conflict``: fetchers of ``NAME@G`` check its signature and generation."""
+    try:
+        store.put_bytes(key, envelope, deadline=deadline, if_match=None)
+    except RemoteError as exc:
+        if exc.reason != "remote_conflict":
+            raise
+        there, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+        if there != envelope:
+            raise RemoteError(
+                "remote_conflict", f"the current manifest was published, but another object already lies at {key}, "
+                "this generation's immutable copy (a writer that bypassed the compare-and-swap?): the generation "
+                "cannot be fetched by number; remove it and publish again", url=store.url,
+            ) from exc  # fmt: skip
 
 
 def _holds(store: Any, blob: str, sha256: str, size: int, deadline: float) -> tuple[bool, str | None]:
