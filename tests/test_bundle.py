@@ -239,3 +239,99 @@ def test_a_malformed_record_is_a_format_error_naming_the_member(tmp_path: Path) 
             ModelRecord.decode(json.dumps({**value, member: bad}).encode())
     with pytest.raises(FormatError):
         ModelRecord.decode(b"[" * 10000)
+
+
+# --------------------------------------------------------------------------- a published name, no checkpoint
+
+
+def _published(tmp_path: Path) -> tuple[Path, Path, dict[str, Path], torch.Tensor]:
+    """A tiny Llama's cache file published under ``org/llama-int8`` to a directory store, signed; the checkpoint
+    deleted. Returns the store, the file, the keys and the model's logits."""
+    from harness.keys import make_keys
+    from packcache.fleet.publish import publish
+
+    keys = make_keys(tmp_path, "ci", "other")
+    checkpoint = save_tiny("llama", tmp_path / "ckpt")
+    path = tmp_path / "built" / "m.pcache"
+    path.parent.mkdir()
+    model = hf.from_pretrained(checkpoint, "int8", path, auto_class=CAUSAL)
+    logits = outputs(model, ids_for())
+    model.packcache.close()
+    store = tmp_path / "store"
+    store.mkdir()
+    publish(path, str(store), private_key=str(keys["ci"]), sources=[str(checkpoint)], name="org/llama-int8")
+    shutil.rmtree(checkpoint)
+    return store, path, keys, logits
+
+
+LOAD_NAME = """
+import sys, torch
+from packcache import hf
+from packcache.errors import RemoteError
+from test_hf import ids_for, outputs
+try:
+    model = hf.from_pretrained("org/llama-int8", remote=sys.argv[1], trusted_keys=[sys.argv[2]], allow_unsigned=False,
+                               cache_dir=sys.argv[3])
+except RemoteError as exc:
+    report(error=exc.reason)
+else:
+    torch.save(outputs(model, ids_for()), sys.argv[4])
+    fetch = model.packcache_fetch
+    report(cls=type(model).__name__, state=model.packcache.stats().state, downloaded=fetch.downloaded,
+           path=fetch.path, generation=fetch.generation)
+"""
+
+
+def test_a_published_name_loads_on_a_node_with_no_checkpoint(tmp_path: Path) -> None:
+    store, _, keys, logits = _published(tmp_path)
+    node = tmp_path / "node"
+    argv = [str(store), str(keys["ci.pub"]), str(node), str(tmp_path / "out.pt")]
+    first = run_child(LOAD_NAME, *argv)
+    assert first.pop("records") == []
+    assert first == {"cls": "LlamaForCausalLM", "state": "mapped", "downloaded": True, "generation": 1,
+                     "path": str(node / "org--llama-int8.pcache")}  # fmt: skip
+    assert torch.equal(torch.load(tmp_path / "out.pt"), logits)
+    second = run_child(LOAD_NAME, *argv)  # warm: the file there is the published one, nothing downloaded
+    assert second["downloaded"] is False and second["state"] == "mapped"
+    untrusted = run_child(LOAD_NAME, str(store), str(keys["other.pub"]), str(tmp_path / "node2"), "x")
+    assert untrusted["error"] == "remote_untrusted" and not (tmp_path / "node2" / "org--llama-int8.pcache").exists()
+
+
+def test_an_embedded_file_changed_in_the_store_is_remote_corrupt_and_nothing_is_loaded(tmp_path: Path) -> None:
+    store, path, keys, _ = _published(tmp_path)
+    (blob,) = (store / "blobs" / "sha256").iterdir()
+    entry = _entry(path, "packcache.file/config.json")
+    data = bytearray(blob.read_bytes())
+    raw = bytes(data[entry.offset : entry.offset + entry.nbytes])
+    forged = raw.replace(b'"llama"', b'"bert" ')
+    data[entry.offset : entry.offset + entry.nbytes] = forged
+    # Well-formed: the index and crc made for the forged bytes would still fail the sha256 the manifest names.
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(data))
+    node = tmp_path / "node"
+    result = run_child(LOAD_NAME, str(store), str(keys["ci.pub"]), str(node), "x")
+    assert result["error"] == "remote_corrupt"
+    assert not (node / "org--llama-int8.pcache").exists()
+
+
+def test_the_cli_runs_a_published_name_and_a_local_path_is_never_a_name(tmp_path: Path) -> None:
+    from harness.keys import make_keys
+    from packcache.fleet.publish import publish
+
+    keys = make_keys(tmp_path, "ci")
+    path = tmp_path / "bert.pcache"
+    minilm.load("int8", cache=path).close()
+    store = tmp_path / "store"
+    store.mkdir()
+    publish(path, str(store), private_key=str(keys["ci"]), sources=[str(MINILM)], name="org/minilm")
+    cli = [sys.executable, "-m", "packcache", "run"]
+    node = tmp_path / "node"
+    argv = [*cli, "--model", "org/minilm", "--remote", str(store), "--trusted-key", str(keys["ci.pub"])]
+    done = subprocess.run([*argv, "--cache-dir", str(node), "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["stats"]["state"] == "mapped" and data["cache_file"] == str(node / "org--minilm.pcache")
+    done = subprocess.run([*cli, "--model", "org/minilm"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "give --remote URL" in done.stderr, done.stderr
+    with pytest.raises(ValueError, match="is a local path: remote options are for a published name"):
+        hf.from_pretrained(path, remote=str(store))

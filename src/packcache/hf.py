@@ -55,7 +55,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import _boundedjson as boundedjson
-from ._defaults import GROUP_SIZE
+from ._defaults import FETCH_DEADLINE, GROUP_SIZE, REMOTE_TIMEOUT
 from ._paths import default_cache_dir
 from .bundle import (
     ST_TRANSFORMER_REFS,
@@ -695,9 +695,15 @@ def from_pretrained(
     auto_class: str | type | None = None,
     group_size: int | None = None,
     kernel_path: str | None = None,
+    remote: str | None = None,
+    trusted_keys: Any = (),
+    allow_unsigned: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    remote_timeout: float | None = None,
+    fetch_timeout: float | None = None,
 ) -> Any:
     """Load a ``transformers`` model with its linear layers packed by ``scheme``, weights from ``cache``; or load
-    the model a cache file holds, with no checkpoint.
+    the model a cache file holds, or a published name names, with no checkpoint.
 
     Args:
         path: a directory written by ``save_pretrained`` (``config.json`` and ``model.safetensors`` or a sharded
@@ -717,6 +723,14 @@ def from_pretrained(
             with.
         group_size: int4 group size (32, 64 or 128; ``None``: 32, or a cache file's); ignored by the other schemes.
         kernel_path: ``"bf16"``, ``"fp32"`` or ``None``/``"auto"`` (:mod:`packcache.kernels`).
+        remote: for a published name as ``path`` (``org/model-int8``, optionally ``@GENERATION``; anything that is
+            not a local path, :func:`packcache.fleet.names.is_local_path`): ``remote=URL`` (the store),
+            ``trusted_keys=[PUB, ...]`` (PEM bytes or ``.pub.pem`` paths), ``allow_unsigned=False``,
+            ``cache_dir=`` (where the file lands; default :func:`packcache._paths.default_cache_dir`),
+            ``remote_timeout=`` (seconds the store may make no progress) and ``fetch_timeout=`` (the whole fetch).
+            The file is fetched and checked (:func:`packcache.fleet.names.fetch_name`: signature, generation,
+            sha256, every pack) unless the one there already is the published one, then loaded as a cache file;
+            ``model.packcache_fetch`` is the fetch's report.
 
     Returns:
         The model, of exactly the class ``auto_class.from_pretrained`` returns, in eval mode, with
@@ -731,9 +745,17 @@ def from_pretrained(
         UntrustedFileError: a cache file another user could have written.
         ValueError: unknown scheme or auto class, no model of that class for the checkpoint's
             config, a tensor the model needs missing from the checkpoint (all named), or a shape
-            mismatch; a cache file packed for another platform, or asked for another scheme. Cache problems of a
+            mismatch; a cache file packed for another platform, or asked for another scheme; ``remote`` options
+            with a local path, or a name that is malformed. Cache problems of a
             checkpoint load never raise: they are reported in ``model.packcache.stats()``.
+        RemoteError: a published name could not be fetched (its reason says why: ``remote_untrusted``,
+            ``remote_corrupt``, ``remote_absent``, ...); nothing was loaded.
     """
+    given = {"remote": remote, "trusted_keys": trusted_keys, "allow_unsigned": allow_unsigned, "cache_dir": cache_dir,
+             "remote_timeout": remote_timeout, "fetch_timeout": fetch_timeout}  # fmt: skip
+    path, fetched = _named(path, scheme, group_size, given)
+    if fetched is not None:
+        scheme = group_size = None  # the file's
     if is_cache_file(path):
         with open_bundle(path) as bundle:
             loaded = _load(
@@ -748,7 +770,44 @@ def from_pretrained(
             kernel_path=kernel_path, embed=(path, folder),
         )  # fmt: skip
     _attach(loaded.model, loaded)
+    if fetched is not None:
+        loaded.model.packcache_fetch = fetched
     return loaded.model
+
+
+def _named(
+    path: str | os.PathLike[str], scheme: str | None, group_size: int | None, options: dict[str, Any]
+) -> tuple[str | os.PathLike[str], Any]:
+    """``(path, None)`` for a local path; for a published name with ``remote=``, the local cache file it names once
+    fetched (:func:`packcache.fleet.names.fetch_name`) and the fetch's report. ``options``: the remote keywords as
+    given (``None``, ``()`` and ``False`` are "not given").
+
+    Raises:
+        ValueError: remote options with a local path, a name without ``remote=``, or a malformed name or URL.
+        RemoteError: the fetch failed.
+    """
+    options = {k: v for k, v in options.items() if v not in (None, (), [], False)}
+    from .fleet.names import fetch_name, is_local_path
+
+    if is_local_path(path):
+        if options:
+            raise ValueError(
+                f"{os.fspath(path)!r} is a local path: remote options are for a published name (for a cache that "
+                "fetches on a miss, pass cache=WeightCache(path, remote=URL, ...))"
+            )
+        return path, None
+    if options.get("remote") is None:
+        raise ValueError(
+            f"{os.fspath(path)!r} is neither a local checkpoint or cache file nor, without remote=URL, a name "
+            "packcache can fetch (nothing is fetched from a model hub)"
+        )
+    report = fetch_name(
+        options["remote"], os.fspath(path), cache_dir=options.get("cache_dir"),
+        trusted_keys=options.get("trusted_keys", ()), allow_unsigned=bool(options.get("allow_unsigned", False)),
+        timeout=options.get("remote_timeout") or REMOTE_TIMEOUT,
+        total_timeout=options.get("fetch_timeout") or FETCH_DEADLINE, scheme=scheme, group_size=group_size,
+    )  # fmt: skip
+    return report.path, report
 
 
 def _attach(target: Any, loaded: _Loaded) -> None:
@@ -801,6 +860,12 @@ def sentence_transformer(
     *,
     group_size: int | None = None,
     kernel_path: str | None = None,
+    remote: str | None = None,
+    trusted_keys: Any = (),
+    allow_unsigned: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    remote_timeout: float | None = None,
+    fetch_timeout: float | None = None,
     **kwargs: Any,
 ) -> SentenceTransformer:
     """Load a sentence-transformers model with its Transformer module's weights packed from ``cache``; or the one a
@@ -815,7 +880,8 @@ def sentence_transformer(
     weights of their own (``Dense``) are loaded by sentence-transformers, unpacked (from a cache file: from the
     copies it holds, written to a private temporary directory for the load and removed after it).
     ``kwargs`` go to ``SentenceTransformer`` (``device`` defaults to ``"cpu"``;
-    ``local_files_only`` is always on).
+    ``local_files_only`` is always on). A published name with ``remote=`` and its options is fetched and loaded as
+    its cache file, as :func:`from_pretrained` does (``st.packcache_fetch``: the fetch's report).
 
     Returns:
         A ``sentence_transformers.SentenceTransformer`` (its Transformer module is exactly
@@ -826,6 +892,13 @@ def sentence_transformer(
             than torch, or a PEFT adapter; a cache file of a model that is not a sentence-transformers one.
             Otherwise as :func:`from_pretrained`.
     """
+    given = {"remote": remote, "trusted_keys": trusted_keys, "allow_unsigned": allow_unsigned, "cache_dir": cache_dir,
+             "remote_timeout": remote_timeout, "fetch_timeout": fetch_timeout}  # fmt: skip
+    path, fetched = _named(path, scheme, group_size, given)
+    if fetched is not None:
+        st = sentence_transformer(path, kernel_path=kernel_path, **kwargs)
+        st.packcache_fetch = fetched
+        return st
     if not is_cache_file(path):
         return _sentence_transformer(os.fspath(path), scheme, cache, group_size, kernel_path, None, kwargs)
     with open_bundle(path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-st-") as files:

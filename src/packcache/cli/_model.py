@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .._defaults import GROUP_SIZE, GROUP_SIZES, KERNEL_PATH, REMOTE_TIMEOUT, SCHEME
-from ..errors import FormatError
+from ..errors import FormatError, RemoteError
 from ..packers import SCHEMES
 from ._common import (
     EXIT_FAILED,
@@ -28,7 +28,7 @@ from ._common import (
 )
 from ._report import LoadReport, Progress, kernel_lines, remote_line
 
-__all__ = ["add_model_options", "add_parsers", "cache_file", "kernel_path_arg"]
+__all__ = ["add_model_options", "add_parsers", "cache_file", "fetch_named_model", "kernel_path_arg"]
 
 
 #: What ``run`` embeds without ``--text`` (the empty text included: it must embed too).
@@ -96,6 +96,41 @@ def cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     return str(minilm.default_cache_path(scheme, model_path=args.model, cache_dir=args.cache_dir))
 
 
+def fetch_named_model(args: argparse.Namespace, command: str) -> str | None:
+    """``--model NAME --remote URL``: fetch the cache file the store publishes under the name (docs/FLEET.md,
+    "Published names"), checked, into ``--cache-dir``, and make ``--model`` that file (read-only from there: the
+    store is not asked again). Returns a line for the report, or ``None`` when ``--model`` is a local path.
+
+    Raises:
+        UsageError: a name without ``--remote``, or a malformed name. RemoteError: the fetch failed.
+    """
+    model = getattr(args, "model", None)
+    if model is None:
+        return None
+    from ..fleet.names import fetch_name, is_local_path
+
+    if is_local_path(model):
+        return None
+    if args.remote is None:
+        raise UsageError(
+            f"{command}: --model {model!r} is neither a local checkpoint nor a cache file; to fetch it as a published "
+            "name give --remote URL (and --trusted-key PUB.pem)"
+        )
+    try:
+        report = fetch_name(
+            args.remote, model, cache_dir=args.cache_dir, trusted_keys=args.trusted_key,
+            allow_unsigned=args.allow_unsigned, timeout=args.remote_timeout,
+            scheme=None if args.scheme == "auto" else args.scheme,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"{command}: {exc}") from None
+    args.model, args.remote = report.path, None
+    how = f"{report.bytes / 1e6:.1f} MB fetched" if report.downloaded else "already here"
+    if not report.reached:
+        how = f"store not reached ({report.store_error}); the file accepted before"
+    return f"fetched       {model} generation {report.generation} from {sanitize(report.url)}: {how}"
+
+
 def _model_file(args: argparse.Namespace) -> bool:
     """Whether ``--model`` names a cache file (``*.pcache``) that holds the model, rather than a checkpoint."""
     model = getattr(args, "model", None)
@@ -125,6 +160,11 @@ def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
 
 def cmd_run(args: argparse.Namespace, out: Out) -> int:
     kernel_path = kernel_path_arg(args)  # before the model's modules are imported: a bad variable fails at once
+    try:
+        fetched = fetch_named_model(args, "packcache run")
+    except RemoteError as exc:
+        print(f"packcache run: cannot fetch the model: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         # Imported by name so the core type-checks and runs without the model extras.
         minilm: Any = importlib.import_module("packcache.models.minilm")
@@ -191,6 +231,7 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
         f"first call {speed['first_ms']:.1f} ms",
         *loaded.lines[3:],
         *remote_line(model.cache.stats(), args.remote and args.remote.display),
+        *([fetched] if fetched else []),
         f"embeddings    {tuple(embeddings.shape)}",
         *loaded.warning_lines,
     ]

@@ -9,9 +9,9 @@ import os
 import sys
 from typing import Any
 
-from ..errors import FormatError
+from ..errors import FormatError, RemoteError
 from ._common import EXIT_FAILED, EXIT_OK, Out, chosen_scheme, positive, sanitize, seconds
-from ._model import add_model_options, cache_file, kernel_path_arg
+from ._model import add_model_options, cache_file, fetch_named_model, kernel_path_arg
 
 __all__ = ["add_parser"]
 
@@ -46,11 +46,15 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
     scheme, path = "fp32", None
     if args.engine == "packcache":
         try:
+            # in the master, once: the workers map the file it fetched
+            fetched = fetch_named_model(args, "packcache serve")
+            if fetched:
+                print(fetched, file=sys.stderr)
             scheme = chosen_scheme(args)
             # Named here, in the master, by content: the workers open one file (and find the digest it took).
             path = cache_file(args, scheme)
             _check_model(args, scheme)
-        except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
+        except (ValueError, ModuleNotFoundError, FormatError, OSError, RemoteError) as exc:
             print(f"packcache serve: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
     engine = EngineSpec(
