@@ -248,6 +248,10 @@ def _loader(spec: dict[str, Any]) -> Callable[[], Any]:
         return lambda: SentenceTransformer(path, device="cpu")
     if method == "packcache sentence-transformers":
         return lambda: hf.sentence_transformer(path, spec["scheme"], spec["cache"])
+    if method == "packcache file":  # the cache file alone: no checkpoint read (issue 32)
+        return lambda: hf.from_pretrained(spec["cache"])
+    if method == "packcache sentence-transformers file":
+        return lambda: hf.sentence_transformer(spec["cache"])
     raise ValueError(method)
 
 
@@ -437,11 +441,14 @@ def _methods(model: dict[str, Any], directory: str, st: bool) -> dict[str, dict[
         return {
             "sentence-transformers": {**base, "method": "sentence-transformers"},
             "packcache int8": {**base, "method": "packcache sentence-transformers", "scheme": "int8", "cache": cache},
+            "packcache int8 file": {**base, "method": "packcache sentence-transformers file", "cache": cache},
         }
     out = {"transformers": {**base, "method": "transformers"}}
     for scheme in SCHEMES:
         cache = os.path.join(directory, f"{model['label']}-{scheme}.pcache")
         out[f"packcache {scheme}"] = {**base, "method": "packcache", "scheme": scheme, "cache": cache}
+    int8 = os.path.join(directory, f"{model['label']}-int8.pcache")
+    out["packcache int8 file"] = {**base, "method": "packcache file", "scheme": "int8", "cache": int8}
     return out
 
 
@@ -449,7 +456,11 @@ def bench_load(model: dict[str, Any], directory: str, repeat: int, st: bool) -> 
     """Cold launch per packcache method (builds the cache), then interleaved warm and baseline launches."""
     before = loadavg()
     methods = _methods(model, directory, st)
-    cold = {name: launch("load", {**spec, "expect": "stored"}) for name, spec in methods.items() if "cache" in spec}
+    cold = {
+        name: launch("load", {**spec, "expect": "stored"})
+        for name, spec in methods.items()
+        if "cache" in spec and not spec["method"].endswith(" file")  # a file method maps what another built
+    }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
     names = list(methods)
     for round_ in range(repeat):
@@ -479,7 +490,7 @@ def bench_load(model: dict[str, Any], directory: str, repeat: int, st: bool) -> 
             packed = found[0]["mapped_bytes"] + found[0]["heap_bytes"]
             phase_names = sorted({k for r in found for k in r["phases"]})
             row["phases_median_s"] = {k: median([r["phases"].get(k, 0.0) for r in found]) for k in phase_names}
-            row["cold_phases_s"] = cold[name]["phases"]
+            row["cold_phases_s"] = cold[name]["phases"] if name in cold else {}
             row.update(
                 packed_bytes=packed,
                 states=sorted({r["state"] for r in found}),
@@ -487,8 +498,8 @@ def bench_load(model: dict[str, Any], directory: str, repeat: int, st: bool) -> 
                 hits=found[0]["hits"],
                 anon_pct_of_packed_median=100 * median(row["anon_growth_bytes"]) / packed,
                 anon_pct_of_packed_max=100 * max(row["anon_growth_bytes"]) / packed,
-                cold_load_s=cold[name]["load_s"],
-                cold_state=cold[name]["state"],
+                cold_load_s=cold[name]["load_s"] if name in cold else None,
+                cold_state=cold[name]["state"] if name in cold else None,
                 load_ratio=row["load"]["median_s"] / base_load["median_s"],
                 load_plus_first_ratio=(row["load_plus_first"]["median_s"]
                                        / summary([r["load_s"] + r["first_call_s"] for r in base])["median_s"]),

@@ -394,6 +394,15 @@ class Bundle:
         fmt.check_embedded(entry, data, path=self.path)
         return data
 
+    def identity_of(self, relative: str) -> str:
+        """``sha256:<hex>:<size>`` of an embedded file, from the record and the index (its bytes are not read): what
+        :func:`packcache.identity.digest_path` names the same file by.
+
+        Raises:
+            KeyError: no such file.
+        """
+        return f"sha256:{self.record.files[relative]}:{self._entries[fmt.file_entry_name(relative)].nbytes}"
+
     def has_file(self, relative: str) -> bool:
         """Whether the file holds an embedded file at ``relative``."""
         return relative in self.record.files

@@ -25,7 +25,7 @@ import os
 import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -123,7 +123,15 @@ class BertConfig:
             UntrustedFileError: not a regular file. OSError: it cannot be read.
         """
         name = os.fspath(path)
-        raw = boundedjson.load_file(name, what="config", max_bytes=MAX_CONFIG_BYTES)
+        return cls.from_settings(boundedjson.load_file(name, what="config", max_bytes=MAX_CONFIG_BYTES), name)
+
+    @classmethod
+    def from_settings(cls, raw: Any, name: str) -> BertConfig:
+        """:meth:`from_file` of ``config.json`` already parsed (``name`` in messages): a cache file's embedded one.
+
+        Raises:
+            FormatError: as :meth:`from_file`.
+        """
         if not isinstance(raw, dict):
             raise FormatError(f"not a JSON object of settings (a JSON {_json_kind(raw)})", path=name)
         fields = {field: raw[field] for field in cls.__dataclass_fields__ if field in raw}

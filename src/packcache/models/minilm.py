@@ -47,7 +47,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -276,6 +275,28 @@ class _Files:
     config: Path
     tokenizer: Path
     max_seq_length: int | None
+    #: The content identities of config and tokenizer when they are known without reading them (a cache file's).
+    identities: tuple[str, str] | None = None
+
+
+def _bundle_files(bundle: Bundle) -> tuple[_Files, BertConfig]:
+    """The files of the checkpoint a cache file was built from, as the file holds them (names ``FILE::config.json``
+    in messages), and its config: read from the file, checked as a checkpoint's are; nothing written anywhere.
+
+    Raises:
+        FormatError: an embedded file is missing or malformed (naming the file and the entry).
+    """
+    where = {name: f"{bundle.path}::{name}" for name in ("config.json", "tokenizer.json", "sentence_bert_config.json")}
+    missing = [name for name in ("config.json", "tokenizer.json") if not bundle.has_file(name)]
+    if missing:
+        raise FormatError(f"holds no {' nor '.join(missing)}: not a file of a BERT model", path=bundle.path)
+    config = BertConfig.from_settings(bundle.read_json("config.json"), where["config.json"])
+    limit = None
+    if bundle.has_file("sentence_bert_config.json"):
+        limit = _max_seq_length_of(bundle.read_json("sentence_bert_config.json"), where["sentence_bert_config.json"])
+    identities = (bundle.identity_of("config.json"), bundle.identity_of("tokenizer.json"))
+    files = _Files(Path(bundle.path), Path(where["config.json"]), Path(where["tokenizer.json"]), limit, identities)
+    return files, config
 
 
 def _default_truncation(files: _Files, config: BertConfig) -> dict[str, Any]:
@@ -311,6 +332,11 @@ def _max_seq_length(path: Path) -> int | None:
         settings = boundedjson.load_file(name, what="sentence-transformers config", max_bytes=MAX_CONFIG_BYTES)
     except FileNotFoundError:
         return None  # optional: a plain transformers checkpoint has none
+    return _max_seq_length_of(settings, name)
+
+
+def _max_seq_length_of(settings: Any, name: str) -> int | None:
+    """:func:`_max_seq_length` of the settings already parsed (``name`` in messages)."""
     if not isinstance(settings, dict):
         raise FormatError("not a JSON object of settings", path=name)
     value = settings.get("max_seq_length")
@@ -372,14 +398,15 @@ def load_tokenizer(
     if max_seq_length is not None and (type(max_seq_length) is not int or max_seq_length < 0):
         raise ValueError(f"max_seq_length must be a non-negative integer, got {_short(max_seq_length)}")
     if model_path is not None and is_cache_file(model_path):
-        with open_bundle(model_path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-minilm-") as extracted:
-            bundle.extract(extracted)
-            return load_tokenizer(extracted, max_seq_length)
-    files = _files(model_path)
-    config = BertConfig.from_file(files.config)
+        with open_bundle(model_path) as bundle:
+            files, config = _bundle_files(bundle)
+            tokenizer = _tokenizer_of(bundle.read_file("tokenizer.json"), str(files.tokenizer))
+    else:
+        files = _files(model_path)
+        config = BertConfig.from_file(files.config)
+        tokenizer = _read_tokenizer(files.tokenizer)
     if max_seq_length:
         files = dataclasses.replace(files, max_seq_length=max_seq_length)
-    tokenizer = _read_tokenizer(files.tokenizer)
     tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     # pinned by tests/test_minilm.py::test_malformed_model_files_end_in_one_line_naming_the_file_and_the_field
     if tokens > config.vocab_size:
@@ -397,7 +424,15 @@ def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
     ``tokenizers`` library opens a path with a plain blocking ``open`` (a FIFO would hang it)."""
     name = os.fspath(path)
     # pinned by tests/test_minilm.py::test_a_fifo_in_the_model_directory_is_refused_at_once
-    raw = read_bounded(name, what="tokenizer", max_bytes=MAX_TOKENIZER_BYTES)
+    return _tokenizer_of(read_bounded(name, what="tokenizer", max_bytes=MAX_TOKENIZER_BYTES), name)
+
+
+def _tokenizer_of(raw: bytes, name: str) -> tokenizers.Tokenizer:
+    """A ``tokenizer.json``'s bytes parsed (``name`` in messages).
+
+    Raises:
+        FormatError: not a tokenizer the ``tokenizers`` library reads.
+    """
     try:
         return tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # the library raises a bare Exception for any malformed file; UTF-8 a ValueError
@@ -506,8 +541,8 @@ def _calibration_identity(files: _Files, truncation: dict[str, Any] | None) -> s
         "texts": _calibration_texts(),
         "truncation": truncation,
         "procedure": "minilm-calibration/5",
-        "config": digest_path(files.config).identity,
-        "tokenizer": digest_path(files.tokenizer).identity,
+        "config": files.identities[0] if files.identities else digest_path(files.config).identity,
+        "tokenizer": files.identities[1] if files.identities else digest_path(files.tokenizer).identity,
     }
     return "sha256:" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
@@ -625,14 +660,8 @@ def load(
             Cache problems never raise.
     """
     if model_path is not None and is_cache_file(model_path):
-        with open_bundle(model_path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-minilm-") as files:
-            # Read as a checkpoint's are. The tokenizer only when it is to be loaded, or named by the int4 packs'
-            # calibration: a warm launch given one does not parse a 700 KB JSON file it would throw away.
-            needed = ["config.json", "sentence_bert_config.json"]
-            if tokenizer is None or bundle.record.loader == "minilm":
-                needed.append("tokenizer.json")
-            bundle.extract(files, only=needed)
-            return _load(scheme, cache, files, group_size, tokenizer, kernel_path, bundle)
+        with open_bundle(model_path) as bundle:
+            return _load(scheme, cache, model_path, group_size, tokenizer, kernel_path, bundle)
     return _load(scheme, cache, model_path, group_size, tokenizer, kernel_path, None)
 
 
@@ -655,8 +684,11 @@ def _load(
     try:
         path = linear_packer.kernel_path(kernel_path)
         expected = recipe.platform()
-        files = _files(model_path)
-        config = BertConfig.from_file(files.config)
+        if bundle is not None:  # the files the file holds, read from it (the tokenizer only if none was given)
+            files, config = _bundle_files(bundle)
+        else:
+            files = _files(model_path)
+            config = BertConfig.from_file(files.config)
         if tokenizer is None:
             tokenizer = load_tokenizer(model_path)
         started = time.perf_counter()
