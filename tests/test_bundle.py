@@ -335,3 +335,20 @@ def test_the_cli_runs_a_published_name_and_a_local_path_is_never_a_name(tmp_path
     assert done.returncode == 2 and "give --remote URL" in done.stderr, done.stderr
     with pytest.raises(ValueError, match="is a local path: remote options are for a published name"):
         hf.from_pretrained(path, remote=str(store))
+
+
+def test_a_json_bomb_in_an_embedded_file_is_a_format_error(tmp_path: Path) -> None:
+    from packcache.bundle import ModelRecord
+
+    checkpoint = save_tiny("llama", tmp_path / "ckpt")
+    path = tmp_path / "m.pcache"
+    hf.from_pretrained(checkpoint, "int8", path, auto_class=CAUSAL).packcache.close()
+    with open_bundle(path) as bundle:
+        record = bundle.record
+        files = {name: bundle.read_file(name) for name in record.files}
+    files["config.json"] = b"[" * 100_000 + b"]" * 100_000  # valid JSON, 100,000 levels deep
+    record = ModelRecord(**{**record.__dict__, "files": {}})
+    with WeightCache(path, platform=hf.platform("int8")) as cache, cache.session() as session:
+        session.get_many(record_requests(record, files))
+    with pytest.raises(FormatError, match=r"config\.json"):
+        hf.from_pretrained(path)
