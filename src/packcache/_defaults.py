@@ -24,6 +24,8 @@ __all__ = [
     "ALIGNMENT",
     "DIR_MODE",
     "FETCH_DEADLINE",
+    "FETCH_PART_BYTES",
+    "FETCH_STREAMS",
     "FILE_MODE",
     "GROUP_SIZE",
     "GROUP_SIZES",
@@ -79,3 +81,8 @@ REMOTE_TIMEOUT = 10.0
 #: Seconds ``packcache fetch`` gives the whole fetch, a long healthy download included (``--deadline``); a
 #: store that stops answering ends it after :data:`REMOTE_TIMEOUT` (``--timeout``).
 FETCH_DEADLINE = 600.0
+
+#: Range reads a fetch runs at once, and the bytes of each (benchmarks/fetch_speed.py chose them: 8 streams of
+#: 32 MiB reach the server's speed on loopback; memory in flight is 8 chunks of 256 KiB, not the parts).
+FETCH_STREAMS = 8
+FETCH_PART_BYTES = 32 << 20

@@ -133,6 +133,19 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
+    def download_range(
+        self, key: str, start: int, end: int, sink: Callable[[int, memoryview], None], *, deadline: float
+    ) -> int:
+        """Stream bytes ``[start, end)`` of the object at ``key`` to ``sink(offset, chunk)``, in order, in chunks of
+        at most :data:`CHUNK_BYTES`; returns the object's whole size as the store says it. Several calls may run
+        at once from several threads (a fetch's concurrent range reads).
+
+        ``sink`` runs in the calling thread; what it raises propagates unchanged. ``remote_corrupt`` if the
+        object ends before ``end`` or the store sends another range than asked; ``remote_error`` if the
+        transfer ends early.
+        """
+
+    @abc.abstractmethod
     def put_file(self, key: str, path: str, *, deadline: float) -> bool:
         """Upload the local file ``path`` to ``key``, create-only.
 

@@ -31,6 +31,7 @@ import errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ from .._storeurl import StoreURL, parse_store_url
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from ..identity import hash_file
 from ..maintenance import verify_open
+from ._download import download_into
 from .manifest import (
     MAX_ENVELOPE_BYTES,
     Manifest,
@@ -83,6 +85,8 @@ __all__ = [
     "load_trusted_keys",
     "state_dir",
 ]
+
+logger = logging.getLogger("packcache")
 
 _MARGIN = 1 << 20  # free space to leave besides the blob
 _STATE_MAX_BYTES = 4096
@@ -123,6 +127,8 @@ class FetchReport:
     bytes: int  # bytes read from the store (manifest, header and blob)
     seconds: float
     signed_by: str | None
+    download_seconds: float = 0.0  # the blob's download: range reads, written in place and hashed (0 when none)
+    download_mbps: float = 0.0  # the blob's bytes over ``download_seconds``, in MB/s (10**6 bytes); 0 when none
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -251,9 +257,11 @@ def _fetch_locked(
     for generation, sha256 in accepted:  # every trusted record, not only the newest: a same-generation other blob
         check_generation(manifest, generation, last_blob_sha256=sha256)
     done = _local_is(real, manifest, [(path, fd) for path, fd in records if fd is not None])
+    download_seconds = 0.0
     if not done:
         _check_target(parent, name)
-        read += _download(store, url, name, parent, manifest, platform, deadline, stall, file_mode)
+        blob, download_seconds = _download(store, url, name, parent, manifest, platform, deadline, stall, file_mode)
+        read += blob
     landed = _identity_at(parent)
     for path, fd in records:
         # The record's temp file has the cache file's temp shape: a fetch killed while writing it leaves one the
@@ -264,13 +272,18 @@ def _fetch_locked(
     return FetchReport(
         url=url, path=name, model=model, platform_class=cls, generation=manifest.generation,
         sha256=manifest.blob_sha256, size=manifest.size, downloaded=not done, bytes=read,
-        seconds=round(time.monotonic() - started, 3), signed_by=signed_by,
+        seconds=round(time.monotonic() - started, 3), signed_by=signed_by, download_seconds=round(download_seconds, 3),
+        download_mbps=_mbps(manifest.size if not done else 0, download_seconds),
     )  # fmt: skip
 
 
 def _small(deadline: float, stall: float) -> float:
     """The deadline of one small read: the stall bound from now, within the overall deadline."""
     return min(deadline, time.monotonic() + stall)
+
+
+def _mbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e6, 1) if nbytes and seconds > 0 else 0.0
 
 
 def _local_is(name: str, manifest: Manifest, records: Sequence[tuple[str, int]] = ()) -> bool:
@@ -285,12 +298,15 @@ def _local_is(name: str, manifest: Manifest, records: Sequence[tuple[str, int]] 
         if st.st_size != manifest.size:
             return False
         # pinned by tests/test_fleet_names.py::test_a_warm_fetch_by_name_reads_only_the_manifest_and_hashes_nothing
-        # and ::test_workers_that_waited_for_the_download_map_it_without_hashing_it
+        # and ::test_workers_that_waited_for_the_download_map_it_without_hashing_it, and by
+        #   tests/test_fleet_download.py::test_processes_that_waited_for_a_fetch_map_it_without_hashing_it_again
         here = file_identity(st)
         for path, dir_fd in records:
             record = _read_accepted(path, dir_fd=dir_fd)
             if record is not None and record[1:] == (manifest.blob_sha256, here):
+                logger.info("packcache: %s was accepted by the fetch that landed it; not hashed again", name)
                 return True
+        logger.info("packcache: hashing %s to compare it with the published blob", name)
         return hash_file(fd, name, st) == manifest.blob_sha256
     except (OSError, FormatError):  # unreadable, or changing under us: not the published bytes
         return False
@@ -318,7 +334,8 @@ def _check_target(parent: TrustedParent, name: str) -> None:
 def _download(
     store: Store, url: str, name: str, parent: TrustedParent, manifest: Manifest, platform: bytes, deadline: float,
     stall: float, file_mode: int,
-) -> int:  # fmt: skip
+) -> tuple[int, float]:  # fmt: skip
+    """Download the published blob beside ``name`` and rename it over it; returns (bytes read, download seconds)."""
     blob = manifest.blob_key
     where = f"{url.rstrip('/')}/{blob}"  # url: the redacted display form
     # No HEAD first: the download refuses more bytes than the manifest's size before taking any, and
@@ -346,24 +363,20 @@ def _download(
     with _writing(directory):
         fd, temp = create_temp(parent.real, file_mode, dir_fd=parent.fd)
     try:
-        digest = hashlib.sha256()
-        written = 0
-
-        def sink(chunk: memoryview) -> None:
-            nonlocal written
-            digest.update(chunk)
-            view = chunk
-            with _writing(temp):  # around the chunk (8 MiB), not each write
-                while view:
-                    count = os.write(fd, view)
-                    view = view[count:]
-                    written += count
-
-        store.download(blob, sink, deadline=deadline, max_bytes=manifest.size)
-        if written != manifest.size or digest.hexdigest() != manifest.blob_sha256:
+        _preallocate(fd, manifest.size, temp)
+        began = time.monotonic()
+        # Concurrent range reads written in place, hashed in order as they land (fleet/_download.py); no more
+        # bytes than the manifest's size are ever asked for. pinned by
+        #   tests/test_fleet_download.py::test_parts_land_at_their_offsets_in_a_blob_of_several_uneven_parts
+        sha256 = download_into(
+            store, blob, fd, manifest.size, deadline=deadline, stall=stall, streams=_defaults.FETCH_STREAMS,
+            part_bytes=_defaults.FETCH_PART_BYTES, where=where, write_error=functools.partial(_write_error, where=temp),
+        )  # fmt: skip
+        seconds = time.monotonic() - began
+        if sha256 != manifest.blob_sha256:
             raise RemoteError(
-                "remote_corrupt", f"{written} bytes with sha256 {digest.hexdigest()[:16]}..., the manifest says "
-                f"{manifest.size} bytes, {manifest.blob_sha256[:16]}...", url=where,
+                "remote_corrupt", f"{manifest.size} bytes with sha256 {sha256[:16]}..., the manifest says "
+                f"{manifest.blob_sha256[:16]}...", url=where,
             )  # fmt: skip
         with _writing(temp):
             os.fsync(fd)
@@ -378,7 +391,18 @@ def _download(
         raise
     finally:
         os.close(fd)
-    return written + len(head)
+    return manifest.size + len(head), seconds
+
+
+def _preallocate(fd: int, size: int, temp: str) -> None:
+    """Reserve the blob's blocks before the parts are written out of order: a full disk is found at once
+    (``remote_no_space``), not by a worker half way through, and the file is not fragmented by the holes."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # a filesystem without it: the writes find a full disk instead
+        raise _write_error(exc, temp) from None
 
 
 def _write_reason(err: int) -> str:
