@@ -131,7 +131,7 @@ def _fetch_part(
         nonlocal offset
         if stop.is_set():
             raise _Stopped
-        # pinned by tests/test_fleet_download.py::test_a_store_that_sends_another_range_is_remote_corrupt
+        # pinned by tests/test_fleet_download.py::test_a_store_that_sends_a_short_or_wrong_range_is_remote_corrupt
         if at != offset or at + len(chunk) > end:
             raise RemoteError(
                 "remote_corrupt", f"bytes [{at}, {at + len(chunk)}) came for the range [{start}, {end})", url=where
