@@ -141,3 +141,44 @@ def test_reclaimable_bytes_reach_the_stats_the_options_and_both_exporters(tmp_pa
     finally:
         cache.close()
         provider.shutdown()
+
+
+def test_the_last_downloads_throughput_reaches_the_stats_the_options_and_both_exporters(tmp_path: Path) -> None:
+    """A cache that got its file from a store reports the download's MB/s in CacheStats, the options channel,
+    Prometheus and OpenTelemetry (the field ``packcache fetch`` prints)."""
+    from packcache.fleet.publish import publish
+
+    platform = {"packers": [{"id": "test.f32", "version": 1}], "cpu": "test"}
+    built = tmp_path / "a" / "model-x.pcache"
+    with packcache.WeightCache(built, platform=platform) as c, c.session() as s:
+        s.get_or_pack("w", lambda: np.ones(1 << 20, np.float32), {"packer": "test.f32", "version": 1})
+    (tmp_path / "store").mkdir()
+    publish(built, str(tmp_path / "store"))
+    registry = CollectorRegistry()
+    prometheus.register(registry)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    otel.register(provider)
+    cache = packcache.WeightCache(
+        tmp_path / "b" / "model-x.pcache", platform=platform, remote=str(tmp_path / "store"), allow_unsigned=True
+    )
+    try:
+        with cache.session() as s:
+            s.get_or_pack("w", lambda: pytest.fail("the fetched file holds it"), {"packer": "test.f32", "version": 1})
+        mbps = cache.stats().remote_download_mbps
+        assert cache.stats().remote_hits == 1 and mbps > 0
+        assert cache.get_option("packed_cache_remote_download_mbps") == mbps
+        total = packcache.aggregate_stats().remote_download_mbps
+        assert total >= mbps
+        from prometheus_client import generate_latest
+
+        scraped = {
+            s.name: s.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in family.samples
+        }
+        assert scraped["packcache_remote_download_mbps"] == total
+        assert otel_points(reader)["packcache.remote_download_mbps"][0].value == total
+    finally:
+        cache.close()
+        provider.shutdown()

@@ -78,6 +78,7 @@ class Ledger:
         self.commit_fault: Fault | None = None  # the last commit failed
         self.remote = {"hits": 0, "bytes": 0}
         self.remote_seconds = 0.0
+        self.remote_download_mbps = 0.0
         self.remote_misses = zero_remote_reasons()
         self.remote_errno = 0
         self.remote_error = ""
@@ -255,14 +256,17 @@ class Ledger:
             logger.debug("packcache: %s: packs go to heap (%s)", reason.value, message)
 
     def remote_result(self, *, nbytes: int, seconds: float, miss: str | None = None, err: int = 0,
-                      message: str = "") -> None:  # fmt: skip
+                      message: str = "", download_mbps: float = 0.0) -> None:  # fmt: skip
         """Count one fetch from the store: a hit (``miss`` None) or a miss for reason ``miss``
-        (one of :data:`packcache.stats.REMOTE_REASONS`), with its errno and message."""
+        (one of :data:`packcache.stats.REMOTE_REASONS`), with its errno and message. ``download_mbps``: the
+        throughput of its download, kept as the last one's when it downloaded (> 0)."""
         start = self.seq
         try:
             self.seq = start + 1
             self.remote["bytes"] += nbytes
             self.remote_seconds += seconds
+            if download_mbps > 0:
+                self.remote_download_mbps = download_mbps
             if miss is None:
                 self.remote["hits"] += 1
             else:
@@ -326,6 +330,7 @@ class Ledger:
             remote_hits=self.remote["hits"],
             remote_bytes=self.remote["bytes"],
             remote_seconds=self.remote_seconds,
+            remote_download_mbps=self.remote_download_mbps,
             remote_misses_by_reason=dict(self.remote_misses),
             remote_errno=self.remote_errno,
             remote_error=self.remote_error,

@@ -1055,10 +1055,13 @@ class Session:
                          _scrub(cache, f"{type(exc).__name__}: {exc}"))  # fmt: skip
             reason, err, message = "remote_error", getattr(exc, "errno", 0) or 0, f"{type(exc).__name__}: {exc}"
         else:
-            ledger.remote_result(nbytes=report.bytes, seconds=time.perf_counter() - started)
+            ledger.remote_result(
+                nbytes=report.bytes, seconds=time.perf_counter() - started, download_mbps=report.download_mbps
+            )
             logger.info(
-                "packcache: %s %s from %s (generation %d, %d bytes read)", "fetched" if report.downloaded else "found",
-                cache.path, cache.remote, report.generation, report.bytes,
+                "packcache: %s %s from %s (generation %d, %d bytes read, %.0f MB/s)",
+                "fetched" if report.downloaded else "found", cache.path, cache.remote, report.generation, report.bytes,
+                report.download_mbps,
             )  # fmt: skip
             return
         if reason not in REMOTE_REASONS:

@@ -75,6 +75,9 @@ _KEYS: dict[str, _Key] = {
     "packed_cache_remote_hits": _stat("remote_hits", "cache files got from the store (remote=) instead of packed"),
     "packed_cache_remote_bytes": _stat("remote_bytes", "bytes read from the store"),
     "packed_cache_remote_seconds": _stat("remote_seconds", "seconds spent asking the store", float),
+    "packed_cache_remote_download_mbps": _stat(
+        "remote_download_mbps", "throughput of the last download from the store, MB/s (0 if none)", float
+    ),
     "packed_cache_remote_misses": _stat(
         "remote_misses_by_reason", "fetches that did not give the cache its file, by reason (a dict)", dict
     ),

@@ -176,6 +176,9 @@ class CacheStats:
     remote_hits: int = 0
     remote_bytes: int = 0  #: bytes read from the store (manifests, headers, blobs)
     remote_seconds: float = 0.0  #: time spent asking the store, waiting included
+    #: throughput of the last blob download, MB/s (10**6 bytes; range reads written in place and hashed), 0 if
+    #: none; an aggregate gives the highest of its caches
+    remote_download_mbps: float = 0.0
     #: fetches that did not give this cache its file, by reason (every reason present; docs/FLEET.md)
     remote_misses_by_reason: dict[str, int] = field(default_factory=zero_remote_reasons)
     remote_errno: int = 0  #: errno of the latest remote miss, 0 if none (or an HTTP failure)
@@ -268,6 +271,7 @@ def sum_stats(snapshots: Iterable[CacheStats]) -> CacheStats:
         remote_hits=sum(s.remote_hits for s in items),
         remote_bytes=sum(s.remote_bytes for s in items),
         remote_seconds=sum(s.remote_seconds for s in items),
+        remote_download_mbps=max((s.remote_download_mbps for s in items), default=0.0),
         remote_misses_by_reason={r: sum(s.remote_misses_by_reason.get(r, 0) for s in items) for r in REMOTE_REASONS},
         remote_errno=next((s.remote_errno for s in items if s.remote_error), 0),
         remote_error=next((s.remote_error for s in items if s.remote_error), ""),

@@ -320,13 +320,14 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
                 raise RemoteError("remote_absent", "nothing published for " + "; nor for ".join(absent)) from None
             continue
         break
+    speed = f" (download {report.download_mbps:.0f} MB/s, {report.download_seconds:.2f} s)" if report.downloaded else ""
     why = "as --loader says" if args.loader else "; ".join([*refused, *absent]) or "it reads the checkpoint"
     lines = [
         f"{'fetched' if report.downloaded else 'up to date'}    {sanitize(report.path)}",
         f"from          {sanitize(report.url)}: {report.model}, class {report.platform_class}, "
         f"generation {report.generation}" + (f", signed by {report.signed_by}" if report.signed_by else ", unsigned"),
         f"loader        {loader} ({why})",
-        f"read          {mib(report.bytes)} in {report.seconds:.2f} s",
+        f"read          {mib(report.bytes)} in {report.seconds:.2f} s{speed}",
     ]
     out.emit({**report.to_json(), "loader": loader}, "\n".join(lines))
     return EXIT_OK

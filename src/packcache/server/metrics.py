@@ -28,6 +28,7 @@ series when the worker's pid is marked dead):
 ``packcache_packs{outcome}``                 requests that ended ``hit``, ``stored``, ``heap``
 ``packcache_remote_hits``                    cache files got from the store (``--remote``)
 ``packcache_remote_bytes``                   bytes read from the store
+``packcache_remote_download_mbps``           throughput of the last download, MB/s (0 if none)
 ``packcache_remote_misses{reason}``          fetches that did not give the cache its file, by
                                              reason (every reason of docs/FLEET.md, 0 included)
 ``packcache_load_seconds``                   the worker's model load (cache open, map or pack)
@@ -119,6 +120,7 @@ class WorkerMetrics:
                 _gauge("packcache_packs", "Pack requests by outcome (hit, stored, heap)", ("outcome",)),
                 _gauge("packcache_remote_hits", "Cache files got from the store instead of packed"),
                 _gauge("packcache_remote_bytes", "Bytes read from the store"),
+                _gauge("packcache_remote_download_mbps", "Throughput of the last download from the store, MB/s"),
                 _gauge("packcache_remote_misses", "Fetches that did not give the file, by reason", ("reason",)),
             )
         return self._cache
@@ -143,7 +145,7 @@ class WorkerMetrics:
         key = (
             stats.state, stats.heap_reason, tuple(sorted(stats.heap_bytes_by_reason.items())), stats.mapped_bytes,
             stats.file_bytes, stats.reclaimable_bytes, stats.written_bytes, stats.errno, stats.hits, stats.stored,
-            stats.heap_packs, stats.remote_hits, stats.remote_bytes,
+            stats.heap_packs, stats.remote_hits, stats.remote_bytes, stats.remote_download_mbps,
             tuple(sorted(stats.remote_misses_by_reason.items())),
         )  # fmt: skip
         if key == self._published:
@@ -163,9 +165,10 @@ class WorkerMetrics:
         packs.labels("hit").set(stats.hits)
         packs.labels("stored").set(stats.stored)
         packs.labels("heap").set(stats.heap_packs)
-        remote_hits, remote_bytes, remote_misses = remote
+        remote_hits, remote_bytes, remote_download_mbps, remote_misses = remote
         remote_hits.set(stats.remote_hits)
         remote_bytes.set(stats.remote_bytes)
+        remote_download_mbps.set(stats.remote_download_mbps)
         for name in REMOTE_REASONS:
             remote_misses.labels(name).set(stats.remote_misses_by_reason.get(name, 0))
         self._published = key

@@ -47,6 +47,10 @@ def _remote_bytes(options: CallbackOptions) -> Iterable[Observation]:
     return [Observation(aggregate_stats().remote_bytes)]
 
 
+def _remote_download_mbps(options: CallbackOptions) -> Iterable[Observation]:
+    return [Observation(aggregate_stats().remote_download_mbps)]
+
+
 def _remote_misses(options: CallbackOptions) -> Iterable[Observation]:
     by_reason = aggregate_stats().remote_misses_by_reason
     return [Observation(by_reason.get(r, 0), {"reason": r}) for r in REMOTE_REASONS]
@@ -62,8 +66,9 @@ def register(meter_provider: MeterProvider | None = None) -> list[ObservableGaug
 
     Gauges: ``packcache.heap_bytes`` (attribute ``reason``), ``packcache.mapped_bytes``,
     ``packcache.file_bytes``, ``packcache.reclaimable_bytes``, ``packcache.state`` (0 off, 1 mapped, 2 stored, 3 heap,
-    4 degraded; attribute ``state``), ``packcache.remote_hits``, ``packcache.remote_bytes`` and
-    ``packcache.remote_misses`` (attribute ``reason``: every reason of docs/FLEET.md). Values are
+    4 degraded; attribute ``state``), ``packcache.remote_hits``, ``packcache.remote_bytes``,
+    ``packcache.remote_download_mbps`` (the last download's throughput, MB/s: the highest of the live caches') and
+    ``packcache.remote_misses`` (attribute ``reason``: every reason of docs/FLEET.md). Other values are
     summed over every live cache.
     """
     meter = (meter_provider or get_meter_provider()).get_meter("packcache")
@@ -86,6 +91,12 @@ def register(meter_provider: MeterProvider | None = None) -> list[ObservableGaug
         ),
         meter.create_observable_gauge(
             "packcache.remote_bytes", [_remote_bytes], unit="By", description="bytes read from the store"
+        ),
+        meter.create_observable_gauge(
+            "packcache.remote_download_mbps",
+            [_remote_download_mbps],
+            unit="MBy/s",
+            description="throughput of the last download from the store",
         ),
         meter.create_observable_gauge(
             "packcache.remote_misses",

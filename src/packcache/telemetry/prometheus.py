@@ -41,6 +41,10 @@ class PackCacheCollector(Collector):
         yield GaugeMetricFamily("packcache_errno", "errno of the latest failure, 0 if none", s.errno)
         yield GaugeMetricFamily("packcache_remote_hits", "Cache files got from the store, not packed", s.remote_hits)
         yield GaugeMetricFamily("packcache_remote_bytes", "Bytes read from the store", s.remote_bytes)
+        yield GaugeMetricFamily(
+            "packcache_remote_download_mbps", "Throughput of the last download from the store, MB/s",
+            s.remote_download_mbps,
+        )  # fmt: skip
         misses = GaugeMetricFamily(
             "packcache_remote_misses", "Fetches from the store that did not give a cache its file, by reason",
             labels=["reason"],
