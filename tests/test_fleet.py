@@ -736,9 +736,11 @@ def test_fetch_without_loader_picks_the_loader_that_reads_the_checkpoint_of_an_h
     assert fetched.returncode == 0, fetched.stderr
     report = json.loads(fetched.stdout)
     assert report["downloaded"] is True and report["loader"] == "hf", report
+    assert report["download_mbps"] > 0 and report["download_seconds"] > 0, report  # the download's throughput
     assert Path(report["path"]).name == Path(json.loads(built.stdout)["cache_file"]).name
-    text = _cli("fetch", str(store), *common, "--cache-dir", str(tmp_path / "b" / "cache"), env=other)
+    text = _cli("fetch", str(store), *common, "--cache-dir", str(tmp_path / "c" / "cache"), env=other)
     assert text.returncode == 0 and "loader        hf" in text.stdout and "minilm" in text.stdout, text.stdout
+    assert " MB/s, " in text.stdout, text.stdout  # "read ... (download N MB/s, S s)"
     explicit = _cli("fetch", str(store), *common, "--loader", "minilm", "--cache-dir", str(tmp_path / "c"), env=other)
     assert explicit.returncode == 1 and "--loader hf" in explicit.stderr, explicit.stderr
     assert "Traceback" not in explicit.stderr
