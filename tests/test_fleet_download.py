@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 
 import packcache
+from harness import require_root
 from harness.keys import make_keys
 from harness.s3server import S3Server
 from packcache import _defaults
@@ -351,3 +353,26 @@ def test_processes_that_waited_for_a_fetch_map_it_without_hashing_it_again(
     # ...and recorded: the next process trusts what that hash found.
     ((report, log),) = _fetchers(store, local, keys, 1)
     assert not report["downloaded"] and "not hashed again" in log and "hashing" not in log, log
+
+
+def test_a_verified_record_another_user_could_have_written_is_ignored_and_the_file_hashed(
+    tmp_path: Path, keys: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The record names the file's exact stat and the published sha256, but another user owns it, or others may
+    write it: it is no proof, so the waiter hashes the file."""
+    require_root()
+    store, _ = published(tmp_path, keys)
+    local = tmp_path / "b" / "model-x.pcache"
+    assert do_fetch(store, local, keys).downloaded
+    record = local.parent / ".model-x.pcache.verified.json"
+    exact = record.read_text()
+    assert json.loads(exact)["ino"] == local.stat().st_ino
+    caplog.set_level(logging.INFO, logger="packcache")
+    for owner, mode, trusted in ((0, 0o600, True), (65534, 0o600, False), (0, 0o666, False)):
+        record.write_text(exact)
+        os.chown(record, owner, owner)
+        os.chmod(record, mode)
+        caplog.clear()
+        assert not do_fetch(store, local, keys).downloaded
+        hashed = "hashing" in caplog.text and "not hashed again" not in caplog.text
+        assert hashed != trusted, (owner, oct(mode), caplog.text)

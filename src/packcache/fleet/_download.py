@@ -62,7 +62,7 @@ def download_into(
             stop.set()
             state.notify_all()
 
-    def work() -> None:
+    def work(own: int) -> None:
         try:
             while not stop.is_set():
                 with state:
@@ -70,7 +70,7 @@ def download_into(
                         return
                     index = next_part[0]
                     next_part[0] += 1
-                _fetch_part(store, key, fd, parts[index], size, deadline, where, write_error, stop, progress)
+                _fetch_part(store, key, own, parts[index], size, deadline, where, write_error, stop, progress)
                 with state:
                     done[index] = True
                     state.notify_all()
@@ -78,10 +78,15 @@ def download_into(
             pass
         except BaseException as exc:  # handed to the calling thread, which raises it
             fail(exc)
+        finally:
+            os.close(own)
 
+    # Each worker writes through its own descriptor of the temp file: one still running when an interrupt cut the
+    # join short can never write into whatever file reuses the caller's descriptor number once it is closed.
+    owns = [os.dup(fd) for _ in range(max(1, min(streams, len(parts))))]
     workers = [
-        threading.Thread(target=work, name=f"packcache-fetch-{i}", daemon=True)
-        for i in range(max(1, min(streams, len(parts))))
+        threading.Thread(target=work, args=(own,), name=f"packcache-fetch-{i}", daemon=True)
+        for i, own in enumerate(owns)
     ]
     digest = hashlib.sha256()
     buffer = bytearray(_HASH_BYTES)
@@ -115,8 +120,11 @@ def download_into(
         # A worker inside a store call ends within that call's own bounds (the stall and the deadline); joined
         # so no thread of this fetch outlives it. pinned by
         #   tests/test_fleet_download.py::test_no_thread_outlives_a_failed_fetch
-        for worker in workers:
-            worker.join(max(0.0, deadline - time.monotonic()) + GRACE)
+        for worker, own in zip(workers, owns, strict=True):
+            if worker.ident is None:  # never started: its descriptor is still this thread's to close
+                os.close(own)
+            else:
+                worker.join(max(0.0, deadline - time.monotonic()) + GRACE)
     return digest.hexdigest()
 
 
