@@ -11,10 +11,12 @@
 3. check the local path as the cache would open it (no symlink another user could have planted on its
    way, no file there the cache would refuse: :func:`packcache._paths.open_trusted_parent`,
    :func:`packcache._paths.trust_problem`) and the free space of the cache directory;
-4. stream the blob into a temp file beside the local file while hashing it (no more bytes than
-   the manifest's size are taken); check size and sha256, ``fsync``, verify every pack's checksum,
+4. download the blob into a preallocated temp file beside the local file by concurrent range reads written
+   in place, hashed in order as the parts land (:mod:`packcache.fleet._download`; no byte past the manifest's
+   size is asked for); check size and sha256, ``fsync``, verify every pack's checksum,
    and only then rename it over the local path (a mapped file is never truncated or rewritten:
-   processes mapping the old one keep it).
+   processes mapping the old one keep it), and record the stat it was verified at: a process that waited
+   for the lock maps that file without hashing it again (:func:`_local_is`).
 
 Every problem raises :class:`~packcache.errors.RemoteError` with one of
 :data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. Two bounds: a
