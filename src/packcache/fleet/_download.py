@@ -17,6 +17,7 @@ Every worker is joined before it returns or raises.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import os
 import sys
@@ -137,7 +138,7 @@ def download_into(
                 while hashed < end:  # the written bytes, read back from the page cache
                     got = os.preadv(fd, [view[: min(_HASH_BYTES, end - hashed)]], hashed)
                     if not got:
-                        raise write_error(OSError(5, "the temp file is shorter than what was written"))
+                        raise write_error(OSError(errno.EIO, "the temp file is shorter than what was written"))
                     digest.update(view[:got])
                     hashed += got
                 _start_writeback(fd, start, end - start)
