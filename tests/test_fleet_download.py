@@ -334,8 +334,8 @@ def test_processes_that_waited_for_a_fetch_map_it_without_hashing_it_again(
     tmp_path: Path, keys: dict[str, Path]
 ) -> None:
     """4 processes fetch one file at once: one downloads (and hashes as it downloads); the 3 that waited for its
-    lock find the record of the stat it verified and hash nothing. A file changed after that (its ctime moves) is
-    hashed again."""
+    lock find the record it wrote (the blob and the landed file's identity) and hash nothing. A file changed
+    after that (its ctime moves) is hashed again."""
     store, built = published(tmp_path, keys, count=16)  # 4 MiB
     local = tmp_path / "b" / "model-x.pcache"
     results = _fetchers(store, local, keys, 4)
@@ -355,7 +355,7 @@ def test_processes_that_waited_for_a_fetch_map_it_without_hashing_it_again(
     assert not report["downloaded"] and "not hashed again" in log and "hashing" not in log, log
 
 
-def test_a_verified_record_another_user_could_have_written_is_ignored_and_the_file_hashed(
+def test_a_record_another_user_could_have_written_is_ignored_and_the_file_hashed(
     tmp_path: Path, keys: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     """The record names the file's exact stat and the published sha256, but another user owns it, or others may
@@ -364,9 +364,8 @@ def test_a_verified_record_another_user_could_have_written_is_ignored_and_the_fi
     store, _ = published(tmp_path, keys)
     local = tmp_path / "b" / "model-x.pcache"
     assert do_fetch(store, local, keys).downloaded
-    record = local.parent / ".model-x.pcache.verified.json"
+    (record,) = local.parent.glob(".model-x.pcache.accepted-*.json")  # names the blob and this very file
     exact = record.read_text()
-    assert json.loads(exact)["ino"] == local.stat().st_ino
     caplog.set_level(logging.INFO, logger="packcache")
     for owner, mode, trusted in ((0, 0o600, True), (65534, 0o600, False), (0, 0o666, False)):
         record.write_text(exact)
