@@ -318,11 +318,11 @@ def test_a_read_error_propagates_and_a_short_read_is_a_truncated_file() -> None:
 
 def test_another_format_version_is_incompatible_naming_it() -> None:
     head = bytearray(fmt.encode_header(64, b"{}"))
-    head[8:12] = (2).to_bytes(4, "little")
+    head[8:12] = (1).to_bytes(4, "little")  # the version before this one
     head[60:64] = fmt.crc32(bytes(head[:60])).to_bytes(4, "little")
     report = probe_bytes(lambda start, end: bytes(head[start:end]), expected_platform=b"{}")
     assert report.verdict is Verdict.INCOMPATIBLE
-    assert report.differences == [{"field": "format_version", "file": 2, "here": 1}]
+    assert report.differences == [{"field": "format_version", "file": 1, "here": 2}]
 
 
 @pytest.fixture(scope="module")

@@ -1171,7 +1171,10 @@ BREAKS: list[tuple[str, Callable[[bytearray, int], None]]] = [
     ("offset past the index", lambda b, at: struct.pack_into("<Q", b, at + 32, INDEX_AT + 64)),
     ("offset near 2**64", lambda b, at: struct.pack_into("<Q", b, at + 32, (1 << 64) - 64)),
     ("nbytes near 2**64", lambda b, at: struct.pack_into("<Q", b, at + 40, (1 << 64) - 1)),
-    ("nbytes off by one", lambda b, at: struct.pack_into("<Q", b, at + 40, 1 + struct.unpack_from("<Q", b, at + 40)[0])),  # noqa: E501
+    (
+        "nbytes off by one",
+        lambda b, at: struct.pack_into("<Q", b, at + 40, 1 + struct.unpack_from("<Q", b, at + 40)[0]),
+    ),  # noqa: E501
 ]
 
 
@@ -1293,8 +1296,10 @@ def test_reject_embedded_entry_that_is_not_bytes(name: bytes, key: bytes, dtype:
     rejects(r"not u1 bytes \(R47\)", decode, embedded(name, key, dtype=dtype, shape=shape), offset=INDEX_AT)
 
 
-@pytest.mark.parametrize(("name", "key", "cap"), [(b"packcache.model", MODEL_KEY, fmt.MAX_MODEL_BYTES),
-                                                  (b"packcache.file/t.json", FILE_KEY, fmt.MAX_FILE_BYTES)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "key", "cap"),
+    [(b"packcache.model", MODEL_KEY, fmt.MAX_MODEL_BYTES), (b"packcache.file/t.json", FILE_KEY, fmt.MAX_FILE_BYTES)],
+)
 def test_reject_embedded_entry_over_its_cap(name: bytes, key: bytes, cap: int) -> None:
     index = embedded(name, key, shape=(cap + 1,))
     rejects(r"over its cap .* \(R47\)", decode, index, index_offset=1 << 30)

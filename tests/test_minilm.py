@@ -43,6 +43,12 @@ SENTENCES: list[str] = REFERENCE["sentences"]
 MIN_COSINE_VS_FP32 = {"bf16": 0.999, "int8": 0.995, "int4": 0.95}
 
 
+def _beside_the_encoder(path: Path) -> int:
+    """Bytes a load with a cache maps besides the encoder's packs: the pooler (packed for packcache.hf's BertModel;
+    not calibrated int4), the model record and the embedded files."""
+    return sum(e.nbytes for e in packcache.inspect(path).entries if e.name.startswith(("packcache.", "pooler.")))
+
+
 def _cosines(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     result: np.ndarray[Any, Any] = (a64 * b64).sum(1) / (np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1))
@@ -96,7 +102,9 @@ def test_cold_warm_and_heap_launches_give_bit_identical_embeddings(
     cold, warm, heap = runs["cold_stats"], runs["warm_stats"], runs["heap_stats"]
     assert (cold.state, cold.heap_bytes, cold.stored > 0) == ("stored", 0, True)
     assert (warm.state, warm.heap_bytes, warm.stored, warm.written_bytes) == ("mapped", 0, 0, 0)
-    assert warm.mapped_bytes == runs["warm_packed"] == runs["cold_packed"]
+    # Mapped besides the encoder's packs: the pooler hf's BertModel has, the model record and the embedded files.
+    assert warm.mapped_bytes == runs["warm_packed"] + _beside_the_encoder(runs["path"])
+    assert runs["warm_packed"] == runs["cold_packed"] == runs["heap_packed"]
     assert (heap.state, heap.heap_bytes_by_reason["disabled"]) == ("off", runs["heap_packed"])
 
 
@@ -123,7 +131,7 @@ def test_both_kernel_paths_agree_within_the_schemes_tolerance(launches: dict[str
 def test_pack_count_is_what_a_load_requests(launches: dict[str, dict[str, Any]], scheme: str) -> None:
     runs = launches[scheme]
     assert minilm.pack_count(scheme) == runs["cold_stats"].stored == runs["warm_stats"].hits
-    assert minilm.pack_count(scheme) == runs["heap_stats"].heap_packs
+    assert minilm.pack_count(scheme, cache=False) == runs["heap_stats"].heap_packs
 
 
 def test_fp32_runs_the_fp32_path_only(launches: dict[str, dict[str, Any]]) -> None:
@@ -297,7 +305,8 @@ def _run_once(scheme: str, path: Path | None) -> dict[str, Any]:
 def test_warm_launch_adds_almost_no_anonymous_memory(launches: dict[str, dict[str, Any]], scheme: str) -> None:
     warm = _run_once(scheme, launches[scheme]["path"])
     assert (warm["state"], warm["heap_bytes"]) == ("mapped", 0)
-    assert warm["mapped_bytes"] == warm["packed_bytes"] > 50 * 2**20
+    assert warm["mapped_bytes"] == warm["packed_bytes"] + _beside_the_encoder(launches[scheme]["path"])
+    assert warm["packed_bytes"] > 50 * 2**20
     assert warm["anonymous_growth"] < 0.01 * warm["packed_bytes"], warm
     # The same measurement does see weights on heap: a heap launch grows by about the packed size.
     heap = _run_once(scheme, None)

@@ -245,11 +245,18 @@ def default_scheme() -> str:
 
 
 def pack_count(
-    scheme: str | None = None, *, model_path: str | os.PathLike[str] | None = None, group_size: int = GROUP_SIZE
+    scheme: str | None = None,
+    *,
+    model_path: str | os.PathLike[str] | None = None,
+    group_size: int = GROUP_SIZE,
+    cache: bool = True,
 ) -> int:
     """How many cache entries a :func:`load` of ``scheme`` requests (hits, stores and heap packs
     together): a progress total. Reads the checkpoint's ``config.json`` and safetensors header (checked
     against each other before the skeleton is built, as :func:`load` does), and finds the weights' digest.
+    With a cache a load also requests the pooler (uncalibrated schemes: :func:`_pooler`), the model record and
+    the checkpoint's files; ``cache=False`` counts a load with caching off, which requests the encoder's only.
+    For a cache file (``model_path`` ``*.pcache``): at most its entries.
 
     Raises:
         ValueError: unknown scheme. FormatError: a bad ``config.json`` or ``sentence_bert_config.json``,
@@ -264,7 +271,10 @@ def pack_count(
     source, prefix = _checked_weights(files, config)
     with torch.device("meta"):
         skeleton = BertEncoder(config)
-    pooler = 0 if linear_packer.uses_stats or f"{prefix}pooler.dense.weight" not in source else 2
+    if not cache:
+        return count_packs(skeleton, linear_packer)
+    pooled = not linear_packer.uses_stats and f"{prefix}pooler.dense.weight" in source
+    pooler = count_packs(_pooler(config), linear_packer) if pooled else 0
     embedded = len(collect_files(files.config.parent, sentence_transformers=transformer_folder(files.config.parent)))
     return count_packs(skeleton, linear_packer) + pooler + embedded + 1
 
@@ -720,7 +730,8 @@ def _load(
                 encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
                 calibration=calibration, kernel_path=path, session=session,
             )  # fmt: skip
-            if not linear_packer.uses_stats and f"{prefix}pooler.dense.weight" in source:
+            pooled = weight_cache.path is not None and not linear_packer.uses_stats
+            if pooled and f"{prefix}pooler.dense.weight" in source:
                 convert(
                     _pooler(config), weight_cache, linear_packer, source=source, source_prefix=prefix,
                     other=other_packer, kernel_path=path, session=session,
