@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -226,16 +227,21 @@ def launch(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     proc = subprocess.Popen([sys.executable, CHILD, json.dumps(spec)], stdout=subprocess.PIPE, stderr=errors,
                             text=True, env=env)  # fmt: skip
     assert proc.stdout is not None
+    watchdog = threading.Timer(CHILD_TIMEOUT, proc.kill)  # a hung child ends, and says so below
+    watchdog.start()
     first = None
     lines = []
-    for line in proc.stdout:
-        if line.strip() == "FIRST" and first is None:
-            first = time.perf_counter() - started
-        lines.append(line)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "FIRST" and first is None:
+                first = time.perf_counter() - started
+            lines.append(line)
+    finally:
+        watchdog.cancel()
     errors.seek(0)
     err = errors.read()
     errors.close()
-    code = proc.wait(CHILD_TIMEOUT)
+    code = proc.wait()
     if code == 3 and lines and lines[-1].startswith("NOTAVAILABLE"):
         return {"not_available": lines[-1][len("NOTAVAILABLE ") :].strip()}
     if code != 0 or first is None:
