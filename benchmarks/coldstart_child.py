@@ -186,8 +186,8 @@ def packcache_row(spec: dict[str, Any], marks: dict[str, float]) -> dict[str, An
         out["dim"] = int(model.encode([spec["sentence"]]).shape[-1])
     else:
         tokenizer = getattr(hf, "tokenizer", None)
-        if tokenizer is not None:
-            ids = tokenizer(spec["name"], **common)(spec["prompt"], return_tensors="pt").input_ids
+        if tokenizer is not None:  # from the file the load fetched: no second manifest read
+            ids = tokenizer(model.packcache_fetch.path)(spec["prompt"], return_tensors="pt").input_ids
         else:  # no tokenizer call in packcache.hf yet: the ids the peers' tokenizer gives
             ids = torch.tensor([spec["ids"]])
             out["ids_given"] = True

@@ -352,3 +352,20 @@ def test_a_json_bomb_in_an_embedded_file_is_a_format_error(tmp_path: Path) -> No
         session.get_many(record_requests(record, files))
     with pytest.raises(FormatError, match=r"config\.json"):
         hf.from_pretrained(path)
+
+
+def test_the_tokenizer_comes_from_the_file_alone(tmp_path: Path) -> None:
+    import transformers
+
+    checkpoint = shutil.copytree(MINILM, tmp_path / "minilm")
+    path = tmp_path / "m.pcache"
+    hf.from_pretrained(checkpoint, "int8", path).packcache.close()
+    expected = transformers.AutoTokenizer.from_pretrained(checkpoint)(TEXTS).input_ids
+    shutil.rmtree(checkpoint)
+    code = """
+import sys
+from packcache import hf
+from test_hf import TEXTS
+report(ids=hf.tokenizer(sys.argv[1])(TEXTS).input_ids)
+"""
+    assert run_child(code, str(path))["ids"] == expected

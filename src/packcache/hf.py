@@ -90,6 +90,7 @@ __all__ = [
     "pack_count",
     "platform",
     "sentence_transformer",
+    "tokenizer",
 ]
 
 #: Module classes computing ``x @ weight + bias`` with ``weight`` stored ``[in, out]``: packed transposed.
@@ -808,6 +809,51 @@ def _named(
         total_timeout=options.get("fetch_timeout") or FETCH_DEADLINE, scheme=scheme, group_size=group_size,
     )  # fmt: skip
     return report.path, report
+
+
+#: Files a tokenizer may read: the tokenizer files, and the config (``AutoTokenizer`` reads the model type from it).
+_TOKENIZER_FILES = frozenset({
+    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+    "chat_template.jinja", "chat_template.json",
+})  # fmt: skip
+
+
+def tokenizer(
+    path: str | os.PathLike[str],
+    *,
+    remote: str | None = None,
+    trusted_keys: Any = (),
+    allow_unsigned: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    remote_timeout: float | None = None,
+    fetch_timeout: float | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The model's ``transformers`` tokenizer (``AutoTokenizer``, loaded into memory) from a checkpoint directory,
+    a cache file (``*.pcache``: the tokenizer files it holds, checked, written to a private temporary directory
+    for the load and removed after it), or a published name with ``remote=`` (as :func:`from_pretrained`; the file
+    is fetched once, a later call finds it there). ``kwargs`` go to ``AutoTokenizer.from_pretrained``
+    (``local_files_only`` is always on; ``trust_remote_code`` is never).
+
+    Raises:
+        FormatError: a cache file with no model record, or whose tokenizer files fail their checks or name remote
+            code. ValueError, RemoteError: as :func:`from_pretrained` for a name.
+    """
+    given = {"remote": remote, "trusted_keys": trusted_keys, "allow_unsigned": allow_unsigned, "cache_dir": cache_dir,
+             "remote_timeout": remote_timeout, "fetch_timeout": fetch_timeout}  # fmt: skip
+    path, _ = _named(path, None, None, given)
+    kwargs["local_files_only"] = True
+    kwargs.pop("trust_remote_code", None)
+    if not is_cache_file(path):
+        return transformers.AutoTokenizer.from_pretrained(os.fspath(path), **kwargs)
+    with open_bundle(path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-tokenizer-") as files:
+        folder = bundle.record.sentence_transformers or ""
+        prefix = f"{folder}/" if folder else ""
+        wanted = [name for name in bundle.record.files if name.startswith(prefix)]
+        wanted = [name for name in wanted if name[len(prefix) :] in _TOKENIZER_FILES]
+        bundle.extract(files, only=wanted)
+        return transformers.AutoTokenizer.from_pretrained(os.path.join(files, folder), **kwargs)
 
 
 def _attach(target: Any, loaded: _Loaded) -> None:
