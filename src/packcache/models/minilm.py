@@ -9,12 +9,13 @@ checkpoint of the same shape of files (``model_path``); tokenisation uses the
 ``tokenizers`` package with the shipped ``tokenizer.json``. Nothing is downloaded.
 
 The skeleton is built on the ``meta`` device, so no weight is materialised from
-the checkpoint: every linear layer is packed by the scheme's packer and every
-other weight (embeddings, layer norms, biases) is stored as float32, all through
+the checkpoint: every linear layer is packed by the scheme's packer, the embedding
+tables in the scheme's form (bf16; int8 rows with per-row scales for int8 and int4;
+float32 for fp32) and every other weight (layer norms, biases) as float32, all through
 the cache, and all served as zero-copy tensors over its mapping. A warm launch
 reads only the safetensors header (for shapes and dtypes), never a tensor byte.
 
-Schemes (the packer of the linear layers):
+Schemes (the packer of the linear layers; the embedding tables as the module docstring says):
 
 =========  =================================================================
 ``fp32``   float32 weights, ``torch.nn.functional.linear``
@@ -243,13 +244,13 @@ def pack_count(
         ValueError: unknown scheme. FormatError: a bad ``config.json`` or ``sentence_bert_config.json``,
         or a config the weights do not match. UntrustedFileError, OSError: a file cannot be read.
     """
-    linear_packer = resolve(scheme, group_size).linear
+    recipe = resolve(scheme, group_size)
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     _checked_weights(files, config)
     with torch.device("meta"):
         skeleton = BertEncoder(config)
-    return count_packs(skeleton, linear_packer)
+    return count_packs(skeleton, recipe.linear, embedding=recipe.embedding)
 
 
 @dataclass(frozen=True)
@@ -593,7 +594,7 @@ def load(
             Cache problems never raise.
     """
     recipe = resolve(scheme, group_size)
-    linear_packer, other_packer = recipe.packers
+    linear_packer = recipe.linear
     path = linear_packer.kernel_path(kernel_path)
     expected = recipe.platform()
     files = _files(model_path)
@@ -614,7 +615,8 @@ def load(
         identity = _calibration_identity(files, tokenizer.truncation)
         calibration = _calibration(config, tokenizer, source, prefix, identity)
     report = convert(
-        encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
+        encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=recipe.other,
+        embedding=recipe.embedding,
         calibration=calibration, kernel_path=path,
     )  # fmt: skip
     if calibration is not None and calibration.recorded:
