@@ -896,7 +896,7 @@ def _convert(
             report.embeddings.append(paths[0])
         assert shared is not None
         table_parts[table.names[0]] = parts, shared
-        head_names = {f"{layer.name}.weight" for layer in table.heads}
+        head_names = {f"{name}.weight" for name, tie in plan.table_ties.items() if tie == table.names[0]}
         rest = [n for n in table.names[1:] if n not in head_names]
         if rest:  # embedding modules sharing the table (T5's shared and embed_tokens); a head is a packed tie
             report.tied[table.names[0]] = rest
@@ -1039,7 +1039,7 @@ def _plan_tables(
     float32 (``plan.float_embeddings``). A linear layer over a table's tensor (a tied output head) reads the
     table's pack when ``linear`` packs as ``packer`` does (int8, bf16: one stored tensor); with another linear
     packer (int4) it is packed by ``linear`` from the same source tensor and saves the table's weight
-    (``plan.table_ties``): an int4 head ran 1.6-3x faster per token than an int8 one (``docs/TORCH.md``)."""
+    (``plan.table_ties``): an int4 head ran 2.7-3x faster per decoded token than an int8 one (``docs/TORCH.md``)."""
     shares = linear._identity() == packer._identity()
     paths: dict[int, list[str]] = {}
     found: dict[int, nn.Embedding] = {}
