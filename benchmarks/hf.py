@@ -618,7 +618,8 @@ def print_results(results: list[dict[str, Any]]) -> None:
                         row["method"], ms(row["load"]), f"{row['load_ratio']:.3f}",
                         verdict(row["load_ratio"] <= (LOAD_GOAL if from_pretrained else ST_GOAL)),
                         ", ".join(f"{v * 1e3:.1f} ms" for v in row["phases_median_s"].values()),
-                        f"{row['cold_load_s'] * 1e3:.0f} ms", ms(row["first_call"]),
+                        f"{row['cold_load_s'] * 1e3:.0f} ms" if row["cold_load_s"] is not None else "(the file above)",
+                        ms(row["first_call"]),
                         f"{ms(row['load_plus_first'])} ({row['load_plus_first_ratio']:.3f})", f"{growth} = {share}",
                     ]  # fmt: skip
                 print(f"| {r['model']} | " + " | ".join(cells) + " |")

@@ -101,7 +101,9 @@ def test_the_platform_class_is_byte_identical_across_paths_users_hosts_ranks_and
     assert report["class"] == platform_class(fmt.canonical_key(minilm.platform("int4")))
     assert fields["cpu_capability"] == HERE_CAPABILITY and fields["format_version"] == fmt.FORMAT_VERSION
     assert fields["torch"] == torch.__version__ and fields["packcache.packers"] == 1
-    assert sorted(p["id"] for p in fields["packers"]) == ["np.f32", "torch.int4wo"]
+    # int4 stores its embedding tables as int8 rows (torch.int8wo, issue 32); the platform says which packer does.
+    assert sorted(p["id"] for p in fields["packers"]) == ["np.f32", "torch.int4wo", "torch.int8wo"]
+    assert fields["embeddings"] == {"id": "torch.int8wo", "version": 2, "params": {}}
     # Nothing of where or who it ran: no path, user, host or rank appears anywhere in it.
     text = json.dumps(
         {**fields, "packers": [{k: v for k, v in p.items() if k != "fingerprint"} for p in fields["packers"]]}
@@ -138,7 +140,7 @@ def test_another_scheme_group_size_or_cpu_capability_is_another_class_naming_the
     group_class, group = _class_and_fields(platform_run(shared / "a", extra=("--group-size", "64")))
     cpu_class, cpu = _class_and_fields(platform_run(shared / "a", env={"ATEN_CPU_CAPABILITY": OTHER_CAPABILITY}))
     assert len({here_class, int8_class, group_class, cpu_class}) == 4
-    assert _differing(here, int8) == ["packers[torch.int4wo]", "packers[torch.int8wo]"]
+    assert _differing(here, int8) == ["packers[torch.int4wo]"]  # both pack their tables with torch.int8wo
     assert _differing(here, group) == [
         "packers[torch.int4wo].fingerprint", "packers[torch.int4wo].params.group_size"
     ]  # fmt: skip

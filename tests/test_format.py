@@ -1174,7 +1174,7 @@ BREAKS: list[tuple[str, Callable[[bytearray, int], None]]] = [
     (
         "nbytes off by one",
         lambda b, at: struct.pack_into("<Q", b, at + 40, 1 + struct.unpack_from("<Q", b, at + 40)[0]),
-    ),  # noqa: E501
+    ),
 ]
 
 

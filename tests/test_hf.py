@@ -30,7 +30,7 @@ from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 from harness import run_child
 from packcache import FormatError, WeightCache, hf, identity, inspect
 from packcache.models import minilm
-from packcache.torch import PackedLinear
+from packcache.torch import PackedEmbedding, PackedLinear
 
 THRESHOLDS = {"fp32": 0.99999, "bf16": 0.999, "int8": 0.99, "int4": 0.95}
 CAUSAL = "AutoModelForCausalLM"
@@ -150,12 +150,14 @@ def test_cold_warm_and_heap_loads_are_bit_identical(
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
-def test_a_tied_head_is_packed_from_the_one_source_tensor_and_the_embedding_stays_float32(
+def test_a_tied_head_and_its_embedding_read_one_int8_pack_of_the_one_source_tensor(
     checkpoints: dict[str, Path], tmp_path: Path, arch: str
 ) -> None:
-    """Issue 22: a float32 head read whole at every token cost a quarter of a 1 B model's decode. The head is
-    packed by the scheme from the tie's one source tensor (the checkpoint holds it once, under the embedding's
-    name); the embedding lookup keeps it as float32, stored once; the head's state_dict entry is that tensor."""
+    """Issue 22: a float32 head read whole at every token cost a quarter of a 1 B model's decode; the head was
+    packed by the scheme from the tie's one source tensor while the embeddings kept it as float32. Issue 32: per-row
+    int8 *is* per-output-channel int8, so the embedding lookup and the head read one int8 pack (the checkpoint
+    holds the tensor once, under the embedding's name), and no float32 copy is stored. The head's state_dict
+    entry is the embeddings' float32 weight, one tensor, so a saved model is still tied."""
     path = tmp_path / "c.pcache"
     model = hf.from_pretrained(checkpoints[arch], "int8", path, auto_class=CAUSAL)
     embeddings = model.get_input_embeddings().weight
@@ -166,12 +168,40 @@ def test_a_tied_head_is_packed_from_the_one_source_tensor_and_the_embedding_stay
     assert report.packed_ties == {"lm_head": [embedding_name]}
     assert "_weight_int8pack_mm" in report.kernels["lm_head"]  # reported per layer kind, the head among them
     assert model.lm_head.tied_weight is embeddings and embeddings.dtype == torch.float32
-    assert torch.equal(model.state_dict()["lm_head.weight"], embeddings)
+    table = model.get_input_embeddings()
+    assert isinstance(table, PackedEmbedding)
+    for part in ("weight", "scales"):  # the head's operands are the table's parts (``.weight`` is the float table)
+        assert model.lm_head._buffers[part].data_ptr() == table._buffers[part].data_ptr(), part
+    state = model.state_dict()
+    assert torch.equal(state["lm_head.weight"], embeddings) and state["lm_head.weight"] is state[embedding_name]
     model.packcache.close()
     names = [entry.name for entry in inspect(path).entries]
     assert not [n for n in names if n.startswith("lm_head")], names  # the checkpoint's one tensor, not a copy
-    parts = ("np.f32:weight", "torch.int8wo:scales", "torch.int8wo:weight")
+    parts = ("torch.int8wo:scales", "torch.int8wo:weight")
     assert sorted(n for n in names if n.startswith(embedding_name)) == [f"{embedding_name}:{p}" for p in parts], names
+
+
+def test_with_int4_a_tied_head_keeps_its_int4_pack_beside_the_int8_table_and_saves_the_table(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Issue 32: the int4 scheme stores the embeddings as int8 rows; its tied head keeps an int4 pack of the same
+    source tensor (an int8 head of Llama-3.2-1B's shape took 3x as long per decode step, docs/TORCH.md). Nothing
+    float32 of the tie is stored, and the head saves the table's float32 weight, so a saved model is still tied."""
+    path = tmp_path / "c.pcache"
+    model = hf.from_pretrained(checkpoints["qwen2"], "int4", path, auto_class=CAUSAL)
+    report = hf.load_report(model)
+    table = model.get_input_embeddings()
+    assert isinstance(table, PackedEmbedding) and type(table.packer).__name__ == "Int8WeightOnly"
+    assert isinstance(model.lm_head, PackedLinear) and type(model.lm_head.packer).__name__ == "Int4WeightOnly"
+    assert report.packed_ties == {"lm_head": ["model.embed_tokens.weight"]} and report.tied == {}
+    state = model.state_dict()
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    assert torch.equal(state["lm_head.weight"], table.float_weight())
+    model.packcache.close()
+    names = sorted(entry.name for entry in inspect(path).entries if entry.name.startswith("model.embed_tokens"))
+    expected = [f"model.embed_tokens.weight:torch.int4wo:{p}" for p in ("input_scales", "scales_and_zeros", "weight")]
+    expected += [f"model.embed_tokens.weight:torch.int8wo:{p}" for p in ("scales", "weight")]
+    assert names == expected, names
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])

@@ -314,11 +314,13 @@ def test_keys_of_the_previous_release_are_repacked_once_then_mapped(
     config = minilm.BertConfig.from_file(models["a"] / "config.json")
     from packcache.loader import resolve
 
-    packer, other = resolve("int8", 32).packers
+    recipe = resolve("int8", 32)
     with torch.device("meta"):
         skeleton = minilm.BertEncoder(config)
     with without_build_compaction(), packcache.WeightCache(path, platform=minilm.platform("int8")) as cache:
-        convert(skeleton, cache, packer, source=PreviousRelease(), other=other)
+        convert(
+            skeleton, cache, recipe.linear, source=PreviousRelease(), other=recipe.other, embedding=recipe.embedding
+        )
         assert cache.stats().stored > 0
     states = []
     for _ in range(3):

@@ -60,17 +60,30 @@ def test_the_other_schemes_ignore_the_group_size() -> None:
 def test_each_scheme_packs_its_linear_layers_with_its_packer_and_the_rest_as_float32(scheme: str, packer: type) -> None:
     recipe = loader.resolve(scheme)
     assert type(recipe.linear) is packer and type(recipe.other) is Float32
-    assert recipe.packers == (recipe.linear, recipe.other)
+    # Issue 32: embedding tables in the scheme's form (bf16; int8 rows with per-row scales for int8 and int4).
+    embedding = {"fp32": None, "bf16": LinearBFloat16, "int8": Int8WeightOnly, "int4": Int8WeightOnly}[scheme]
+    assert (type(recipe.embedding) if recipe.embedding is not None else None) is embedding
+    expected = (recipe.linear, recipe.other) if embedding is None else (recipe.linear, recipe.embedding, recipe.other)
+    assert recipe.packers == expected
     assert (recipe.scheme, recipe.group_size) == (scheme, _defaults.GROUP_SIZE)
     assert type(loader.scheme_packer(scheme)) is packer
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_the_platform_of_each_scheme_lists_its_two_packers(scheme: str) -> None:
-    platform = loader.resolve(scheme).platform()
-    assert platform == platform_for([loader.scheme_packer(scheme), Float32()])
+def test_the_platform_of_each_scheme_lists_its_packers_and_which_packs_the_embeddings(scheme: str) -> None:
+    recipe = loader.resolve(scheme)
+    platform = recipe.platform()
+    embeddings = platform.pop("embeddings", None)
+    assert platform == platform_for(recipe.packers)
     ids = sorted(p["id"] for p in platform["packers"])
-    assert ids == sorted({loader.scheme_packer(scheme).id, Float32.id})
+    assert ids == sorted({p.id for p in recipe.packers})
+    # int8 packs its linear layers and its embeddings with one packer: the platform says which role is which.
+    assert embeddings == (
+        None
+        if recipe.embedding is None
+        else {"id": recipe.embedding.id, "version": recipe.embedding.version, "params": {}}
+    )
+    assert (embeddings is None) == (scheme == "fp32")
     assert all("fingerprint" in p for p in platform["packers"]), "a behavioural fingerprint of every packer"
 
 

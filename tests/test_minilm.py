@@ -41,6 +41,8 @@ from packcache.safetensors import SafetensorsFile
 REFERENCE = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text(encoding="utf-8"))
 SENTENCES: list[str] = REFERENCE["sentences"]
 MIN_COSINE_VS_FP32 = {"bf16": 0.999, "int8": 0.995, "int4": 0.95}
+#: What a warm launch may add to a process's anonymous memory: its own objects, never a copy of the weights.
+ANONYMOUS_SLACK = 1 << 20
 
 
 def _beside_the_encoder(path: Path) -> int:
@@ -305,9 +307,12 @@ def _run_once(scheme: str, path: Path | None) -> dict[str, Any]:
 def test_warm_launch_adds_almost_no_anonymous_memory(launches: dict[str, dict[str, Any]], scheme: str) -> None:
     warm = _run_once(scheme, launches[scheme]["path"])
     assert (warm["state"], warm["heap_bytes"]) == ("mapped", 0)
+    # Issue 32 stores the embedding tables in the scheme's form: the int4 file is 19 MB, the int8 one 23 MB.
     assert warm["mapped_bytes"] == warm["packed_bytes"] + _beside_the_encoder(launches[scheme]["path"])
-    assert warm["packed_bytes"] > 50 * 2**20
-    assert warm["anonymous_growth"] < 0.01 * warm["packed_bytes"], warm
+    assert warm["packed_bytes"] > 15 * 2**20
+    # The load's own objects (modules, keys, tensors over the mapping: ~0.3 MiB), never the weights: 1% of the file
+    # held them before issue 32 shrank the file; the heap launch below grows by the whole file, 19-90 MB.
+    assert warm["anonymous_growth"] < ANONYMOUS_SLACK, warm
     # The same measurement does see weights on heap: a heap launch grows by about the packed size.
     heap = _run_once(scheme, None)
     assert heap["state"] == "off" and heap["heap_bytes"] == heap["packed_bytes"]
@@ -341,7 +346,7 @@ def test_four_workers_share_one_copy_of_the_packed_weights(tmp_path: Path) -> No
         assert (report["state"], report["heap_bytes"]) == ("mapped", 0)
         assert kib["Rss"] >= 0.99 * packed_kib  # every packed page resident in this worker...
         assert 0.22 * kib["Rss"] <= kib["Pss"] <= 0.28 * kib["Rss"], kib  # ...and a quarter of it charged to it
-        assert report["anonymous_growth"] < 0.01 * report["packed_bytes"], report
+        assert report["anonymous_growth"] < ANONYMOUS_SLACK, report
     for report, kib in zip(heap_reports, private, strict=True):
         assert report["state"] == "off" and kib["Rss"] == kib["Pss"] == 0  # no mapping at all
         assert report["anonymous_growth"] > 0.9 * report["packed_bytes"], report  # each pays the full size

@@ -83,3 +83,28 @@ def test_tensors_that_are_not_self_contained_bytes_are_refused() -> None:
         tensor_to_numpy(torch.nn.Parameter(base), "w")
     bits = tensor_to_numpy(base.to(torch.bfloat16), "w")
     assert bits.dtype == np.uint16 and to_float32(bits, "BF16").tolist() == base.tolist()
+
+
+def test_packers_of_embedding_tables_look_up_exactly_the_rows_of_their_dequantised_table() -> None:
+    """Issue 32: a table in the scheme's form (bf16; int8 rows with per-row scales) is looked up row by row, each
+    row bit for bit the row of the whole dequantised table, and that table is the weight the packer intends."""
+    import torch
+
+    from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, as_tensor
+
+    table = fingerprint_input((96, 64)) * np.float32(0.1)
+    ids = torch.tensor([[0, 95, 7], [7, 7, 31]])
+    for packer in (LinearFloat32(), LinearBFloat16(), Int8WeightOnly()):
+        assert packer.embeds
+        dtypes = packer.part_dtypes()
+        operands = {p: as_tensor(a, dtypes.get(p)) for p, a in packer.pack(table, "F32").items()}
+        whole = packer.dequantized(operands)
+        assert whole.dtype == torch.float32
+        assert torch.equal(whole, torch.from_numpy(packer.intended(table, "F32"))), packer
+        rows = packer.rows(operands, ids)
+        assert rows.dtype == torch.float32 and rows.shape == (2, 3, 64)
+        assert torch.equal(rows, whole[ids]), packer
+    int4 = Int4WeightOnly(32)
+    assert not int4.embeds
+    with pytest.raises(NotImplementedError, match=r"torch\.int4wo does not pack embedding tables"):
+        int4.rows({}, ids)

@@ -42,6 +42,9 @@ from harness.serve import (
 from packcache.memory import MappingUsage, file_mapping_usage, smaps_rollup
 from test_minilm import fifo, variant
 
+#: What a heap worker may hold besides its packed weights: what packing them freed and glibc kept (~7 MB).
+HEAP_SLACK = 8 << 20
+
 
 def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identical_embeddings(
     tmp_path: Path, reference: np.ndarray[Any, Any]
@@ -62,7 +65,8 @@ def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identic
                               "cache_file": str(path)}  # fmt: skip
             assert sorted(w.state) == sorted(STATES) and sum(w.state.values()) == 1
             assert_no_heap(w)
-            assert w.values["mapped_bytes"] > 50 << 20 and w.values["file_bytes"] == path.stat().st_size
+            # > 15 MiB: the int8 MiniLM file is 23 MB since its embedding tables are int8 rows (issue 32).
+            assert w.values["mapped_bytes"] > 15 << 20 and w.values["file_bytes"] == path.stat().st_size
             assert w.values["reclaimable_bytes"] == 0  # exported per worker; one build, nothing superseded
             assert w.values["load_seconds"] > 0
             if w is builder:
@@ -122,11 +126,14 @@ def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_wor
     median = {mode: {k: float(np.median([r[k] for r, _ in figures[mode].values()])) for k in ("Anonymous", "Pss")}
               for mode in figures}  # fmt: skip
     # A heap worker holds the packed weights as its own anonymous memory; a cache worker does not.
+    # Above it: what packing the heap worker's weights freed and glibc kept (measured 29.7 MB saved for 22.9 MB
+    # packed, int8, after issue 32 shrank the file from 58 MB, whose 15 % had held it): HEAP_SLACK.
     anonymous_saved = median["heap"]["Anonymous"] - median["cache"]["Anonymous"]
-    assert 0.85 * packed <= anonymous_saved <= 1.15 * packed, (anonymous_saved, packed)
+    assert 0.85 * packed <= anonymous_saved <= 1.15 * packed + HEAP_SLACK, (anonymous_saved, packed)
     # Its PSS saves the packed bytes less the quarter each cache worker is charged for the mapping.
     pss_saved = median["heap"]["Pss"] - median["cache"]["Pss"]
-    assert 0.85 * (packed - packed / 4) <= pss_saved <= 1.15 * (packed - packed / 4), (pss_saved, packed)
+    low, high = 0.85 * (packed - packed / 4), 1.15 * (packed - packed / 4) + HEAP_SLACK
+    assert low <= pss_saved <= high, (pss_saved, packed)
 
 
 def _new_model_version(model: Path) -> None:

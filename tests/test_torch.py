@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 import packcache
+import packcache.loader
+import packcache.memory
 from harness import run_child, save_safetensors
 from harness.checkpoints import tiny_bert
 from harness.cli_child import run_cli_cases
@@ -42,7 +44,7 @@ from packcache.models import minilm
 from packcache.packers import SCHEMES, Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.safetensors import SafetensorsFile
-from packcache.torch import PackedLinear, as_tensor, convert, scheme_packer
+from packcache.torch import PackedEmbedding, PackedLinear, as_tensor, convert, scheme_packer
 
 
 class Toy(nn.Module):
@@ -583,3 +585,147 @@ def test_serve_workers_boot_and_serve_from_heap_with_a_directory_at_the_cache_fi
         assert health["state"] == "heap" and health["heap_reason"] == "open_failed"
         assert_embeddings(embed(srv, list(TEXTS))[1], reference)
         assert set(srv.workers()) == set(scrape.workers), "no worker died or was replaced"
+
+
+# ---------------------------------------------------------------- embedding tables in the scheme's form (issue 32)
+
+
+class TinyLM(nn.Module):
+    """An embedding table, a norm and an output head tied to the table (like a tied causal LM)."""
+
+    def __init__(self, vocab: int = 96, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=0)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids)))
+
+
+def _tiny_lm(tmp_path: Path) -> tuple[Path, TinyLM]:
+    torch.manual_seed(3)
+    model = TinyLM()
+    with torch.no_grad():
+        model.embed.weight.normal_(0.0, 0.5)
+    return save_safetensors(model, tmp_path / "lm.safetensors"), model
+
+
+def _tiny_lm_skeleton() -> TinyLM:
+    with torch.device("meta"):
+        return TinyLM()
+
+
+IDS = torch.tensor([[0, 5, 95, 5], [17, 3, 2, 64]])
+EMBEDDING_SCHEMES = {"bf16": LinearBFloat16, "int8": Int8WeightOnly, "int4": Int8WeightOnly}
+
+
+@pytest.mark.parametrize("scheme", list(EMBEDDING_SCHEMES))
+def test_a_packed_table_looks_up_exactly_its_dequantised_rows_and_saves_them_as_float32(
+    tmp_path: Path, scheme: str
+) -> None:
+    source, reference = _tiny_lm(tmp_path)
+    recipe = packcache.loader.resolve(scheme, 32)
+    assert type(recipe.embedding) is EMBEDDING_SCHEMES[scheme]
+    path = tmp_path / "lm.pcache"
+    for launch in ("stored", "mapped"):
+        model = _tiny_lm_skeleton()
+        cache = packcache.WeightCache(path, platform=recipe.platform())
+        report = convert(
+            model, cache, recipe.linear, source=SafetensorsFile(source), embedding=recipe.embedding, other=recipe.other
+        )
+        assert report.stats.state == launch and report.stats.heap_bytes == 0
+        table = model.embed
+        assert isinstance(table, PackedEmbedding) and report.embeddings == ["embed"]
+        assert (table.num_embeddings, table.embedding_dim, table.padding_idx) == (96, 64, 0)
+        weight = table.float_weight()
+        assert weight.dtype == torch.float32 and weight.shape == (96, 64)
+        with torch.inference_mode():
+            rows = table(IDS)
+        assert rows.dtype == torch.float32 and rows.shape == (2, 4, 64)
+        assert torch.equal(rows, weight[IDS]), "a lookup is bit for bit the dequantised table's rows"
+        tolerance = {"bf16": 0.004, "int8": 0.02, "int4": 0.02}[scheme]
+        assert float((rows - reference.embed.weight.detach()[IDS]).abs().max()) < tolerance
+        # Saving writes the float32 table under the source's name, and the tied head the same tensor.
+        state = model.state_dict()
+        assert torch.equal(state["embed.weight"], weight) and state["head.weight"] is state["embed.weight"]
+        assert model.head.tied_weight is table.weight
+        with pytest.raises(RuntimeError, match="read-only file mapping"):
+            model.load_state_dict(reference.state_dict())
+        plain = TinyLM()
+        plain.load_state_dict(state)  # a float model of the same class takes it
+        with torch.inference_mode():
+            assert torch.equal(plain.embed(IDS), rows)
+        cache.close()
+    names = sorted(entry.name for entry in packcache.inspect(path).entries)
+    parts = sorted(f"embed.weight:{recipe.embedding.id}:{p}" for p in recipe.embedding.parts)
+    if scheme == "int4":  # the int4 head: its own int4 pack of the one source tensor (faster per token, docs/TORCH.md)
+        parts += [f"embed.weight:torch.int4wo:{p}" for p in Int4WeightOnly.parts]
+        assert report.kernels["head"].startswith("_weight_int4pack_mm") or "int4" in report.kernels["head"]
+    # One stored table: no float32 copy, and for bf16 and int8 the head reads the table's own pack.
+    assert names == sorted([*parts, "norm.bias:np.f32:weight", "norm.weight:np.f32:weight"]), names
+    assert report.packed_ties == {"head": ["embed.weight"]}
+
+
+def test_the_fp32_scheme_keeps_its_tables_float32_parameters(tmp_path: Path) -> None:
+    source, _ = _tiny_lm(tmp_path)
+    recipe = packcache.loader.resolve("fp32")
+    assert recipe.embedding is None
+    model = _tiny_lm_skeleton()
+    report = convert(model, packcache.WeightCache(None), recipe.linear, source=SafetensorsFile(source))
+    assert type(model.embed) is nn.Embedding and model.head.weight is model.embed.weight
+    assert report.embeddings == [] and "head" in report.ineligible
+
+
+def test_a_table_is_mapped_and_a_lookup_dequantises_only_the_rows_it_reads(tmp_path: Path) -> None:
+    """A 131072 x 256 table: 128 MiB as float32, 32 MiB as int8. A warm load maps it and lookups widen only their
+    rows: the process's anonymous memory grows by far less than the float32 table (it would, by 128 MiB, had the
+    load or a lookup dequantised it)."""
+    vocab, width = 131072, 256
+    from safetensors.numpy import save_file
+
+    table = np.random.default_rng(0).standard_normal((vocab, width), dtype=np.float32)
+    save_file({"weight": table}, str(tmp_path / "table.safetensors"))
+    del table
+    packer = Int8WeightOnly()
+    platform = packcache.loader.resolve("int8").platform()
+    path = tmp_path / "table.pcache"
+
+    # The source's names: the module "0" holds "0.weight"; the file holds "weight".
+    class Renamed:
+        def __init__(self, file: SafetensorsFile) -> None:
+            self.file = file
+
+        def meta(self, name: str) -> Any:
+            return self.file.meta(name.removeprefix("0."))
+
+        def read(self, name: str) -> np.ndarray[Any, Any]:
+            return self.file.read(name.removeprefix("0."))
+
+    def load_renamed() -> tuple[nn.Module, packcache.WeightCache]:
+        with torch.device("meta"):
+            holder = nn.Sequential(nn.Embedding(vocab, width))
+        cache = packcache.WeightCache(path, platform=platform)
+        source = Renamed(SafetensorsFile(tmp_path / "table.safetensors"))
+        convert(holder, cache, packer, source=source, embedding=packer)
+        return holder, cache
+
+    _, cold = load_renamed()
+    assert cold.stats().state == "stored"
+    cold.close()
+    before = packcache.memory.smaps_rollup()["Anonymous"]
+    holder, warm = load_renamed()
+    assert warm.stats().state == "mapped" and isinstance(holder[0], PackedEmbedding)
+    loaded = packcache.memory.smaps_rollup()["Anonymous"]
+    ids = torch.randint(0, vocab, (8, 512), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        rows = holder[0](ids)
+    looked_up = packcache.memory.smaps_rollup()["Anonymous"]
+    float_bytes = vocab * width * 4
+    assert loaded - before < float_bytes // 16, f"the load grew anonymous memory by {loaded - before} bytes"
+    # The rows themselves (8 x 512 x 256 float32: 4 MiB) and their codes; never the table.
+    assert looked_up - loaded < rows.nbytes * 3 + (8 << 20), f"lookups grew it by {looked_up - loaded} bytes"
+    file_usage = packcache.memory.file_mapping_usage(path)
+    assert file_usage.anonymous == 0
+    warm.close()

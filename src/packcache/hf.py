@@ -3,9 +3,10 @@
 :func:`from_pretrained` returns exactly the ``transformers`` class that
 ``AutoModel*.from_pretrained`` returns for a local checkpoint, with every eligible
 linear layer (``nn.Linear``, and GPT-2's ``Conv1D``, whose weight is stored transposed)
-replaced by a :class:`~packcache.torch.PackedLinear` and every other parameter a
-zero-copy float32 tensor over the cache's mapping. :func:`sentence_transformer`
-returns a real ``sentence_transformers.SentenceTransformer`` whose Transformer
+replaced by a :class:`~packcache.torch.PackedLinear`, every ``nn.Embedding`` by a
+:class:`~packcache.torch.PackedEmbedding` in the scheme's form (bf16; int8 rows with per-row scales for int8 and
+int4; float32 for fp32), and every other parameter a zero-copy float32 tensor over the cache's mapping.
+:func:`sentence_transformer` returns a real ``sentence_transformers.SentenceTransformer`` whose Transformer
 module holds such a model.
 
 The model is built on the ``meta`` device the way ``transformers`` builds it before
@@ -15,8 +16,9 @@ materialised. The checkpoint is read for its config and safetensors headers only
 tensor bytes are read only to pack a miss, which a warm launch never has. Weights are tied
 exactly as transformers' ``from_pretrained`` ties them for that checkpoint (:func:`_tie`): what the
 config ties, unless the checkpoint holds both tensors of a pair with different values. A head tied
-to the input embeddings is packed from the tie's one source tensor; the embeddings keep it as
-float32, stored once.
+to the input embeddings comes from the tie's one source tensor: with int8 and bf16 the head and the
+embedding read one pack of it (one stored tensor); with int4 the head keeps an int4 pack beside the int8
+table (faster per token); with fp32 both are the one float32 tensor.
 
 Saving such a model (``save_pretrained``, ``SentenceTransformer.save``, ``state_dict``) writes a
 complete float32 checkpoint that plain transformers and sentence-transformers load: each packed
@@ -557,7 +559,7 @@ def _load(
     else:
         recipe = resolve(scheme, GROUP_SIZE if group_size is None else group_size)
         checkpoint = Checkpoint(directory)
-    linear_packer, other_packer = recipe.packers
+    linear_packer = recipe.linear
     try:
         path = linear_packer.kernel_path(kernel_path)
         if config is None:
@@ -594,8 +596,8 @@ def _load(
                     "legacy keys)"
                 )
             report = convert(
-                model, weight_cache, linear_packer, source=source, other=other_packer, kernel_path=path,
-                transposed=TRANSPOSED_LINEARS, session=session,
+                model, weight_cache, linear_packer, source=source, other=recipe.other, embedding=recipe.embedding,
+                kernel_path=path, transposed=TRANSPOSED_LINEARS, session=session,
             )  # fmt: skip
             left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
             if left:
@@ -712,9 +714,10 @@ def from_pretrained(
             ``packcache build`` or a load with ``cache=`` made: it holds the config and every pack, so no
             checkpoint is read (docs/HF.md, "A cache file is the model").
         scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``, the packer of the linear layers
-            (:func:`packcache.loader.scheme_packer`). ``None`` or ``"auto"`` (the default): for a checkpoint the
-            scheme fast on this CPU (:func:`packcache.loader.resolve_scheme`), as ``packcache build`` chooses it;
-            for a cache file the one it holds (another scheme raises).
+            (:func:`packcache.loader.scheme_packer`) and of the embedding tables
+            (:data:`packcache.loader.EMBEDDING_PACKERS`); every other parameter is float32. ``None`` or ``"auto"``
+            (the default): for a checkpoint the scheme fast on this CPU (:func:`packcache.loader.resolve_scheme`),
+            as ``packcache build`` chooses it; for a cache file the one it holds (another scheme raises).
         cache: for a checkpoint, a cache file path (created if missing), a :class:`~packcache.WeightCache` made with
             ``platform=packcache.hf.platform(scheme, group_size)``, or ``None`` (caching off: packed to heap). The
             cache file then also holds the model's config, generation config and tokenizer files, so it can be
@@ -888,7 +891,7 @@ def pack_count(
     Raises:
         As :func:`from_pretrained` for a missing or malformed checkpoint, scheme or auto class.
     """
-    linear_packer = resolve(scheme, group_size).linear
+    recipe = resolve(scheme, group_size)
     folder = os.path.join(os.fspath(path), sentence_transformers or "")
     checkpoint = Checkpoint(folder)
     config = checkpoint.config()  # a missing or malformed checkpoint fails here, naming the file
@@ -896,7 +899,8 @@ def pack_count(
     source = _renaming(model, parameter_groups(model), checkpoint)
     checks = _tie(model, source, lambda a, b: _same_values(source, a, b))
     embedded = len(collect_files(path, sentence_transformers=sentence_transformers)) + 1
-    return checks + count_packs(model, linear_packer, transposed=TRANSPOSED_LINEARS) + embedded
+    packs = count_packs(model, recipe.linear, transposed=TRANSPOSED_LINEARS, embedding=recipe.embedding)
+    return checks + packs + embedded
 
 
 def sentence_transformer(

@@ -7,15 +7,16 @@ here now:
 1. :func:`resolve_scheme`: a scheme name, or ``None``/``"auto"`` (the default,
    :data:`packcache._defaults.SCHEME`) for the one fast on this CPU (:func:`packcache.kernels.default_scheme`).
    A cache file named after its scheme is named after this resolved scheme, never ``auto``.
-2. :func:`resolve`: the :class:`Recipe` of a scheme: the packer of its linear layers (:func:`scheme_packer`)
-   and of every other parameter (float32), the int4 group size, and the cache's ``platform=`` mapping.
+2. :func:`resolve`: the :class:`Recipe` of a scheme: the packer of its linear layers (:func:`scheme_packer`),
+   of its embedding tables (:data:`EMBEDDING_PACKERS`: the scheme's form, ``None`` for fp32) and of every other
+   parameter (float32), the int4 group size, and the cache's ``platform=`` mapping.
 3. :func:`open_cache`: the :class:`~packcache.WeightCache` a load uses, from what the caller gave as ``cache=``.
 
 Imports torch (the packers' kernels); ``import packcache`` does not import this module.
 
 >>> recipe = resolve("int4", 64)
->>> recipe.scheme, recipe.group_size, recipe.linear.params["group_size"], recipe.other.id
-('int4', 64, 64, 'np.f32')
+>>> recipe.scheme, recipe.group_size, recipe.linear.params["group_size"], recipe.embedding.id, recipe.other.id
+('int4', 64, 64, 'torch.int8wo', 'np.f32')
 >>> resolve().scheme == resolve_scheme("auto") == resolve_scheme(None)
 True
 """
@@ -36,7 +37,7 @@ from .kernels import default_scheme
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
 
-__all__ = ["Recipe", "open_cache", "open_model_file", "resolve", "resolve_scheme", "scheme_packer"]
+__all__ = ["EMBEDDING_PACKERS", "Recipe", "open_cache", "open_model_file", "resolve", "resolve_scheme", "scheme_packer"]
 
 
 def resolve_scheme(scheme: str | None = None) -> str:
@@ -83,25 +84,48 @@ _SCHEME_PACKERS: Mapping[str, Callable[[int], TorchPacker]] = {
 }
 
 
+#: Scheme name -> the packer of its embedding tables (``nn.Embedding`` weights), or ``None``: float32, as every
+#: other parameter. bf16 stores them as bf16; int8 and int4 as int8 rows with per-row scales, which *is*
+#: per-output-channel int8 (:class:`~packcache.packers_torch.Int8WeightOnly`), so a head tied to the embeddings
+#: is packed once and both read that one pack (int4 too: its tied head runs the int8 kernel, ``docs/TORCH.md``).
+EMBEDDING_PACKERS: Mapping[str, Callable[[], TorchPacker] | None] = {
+    "fp32": None,
+    "bf16": LinearBFloat16,
+    "int8": Int8WeightOnly,
+    "int4": Int8WeightOnly,
+}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A resolved scheme and the packers a model loader packs with: :attr:`linear` for the linear
-    layers, :attr:`other` (float32) for every other parameter. Make it with :func:`resolve`."""
+    layers, :attr:`embedding` for the embedding tables (``None``: float32, like the rest) and
+    :attr:`other` (float32) for every other parameter. Make it with :func:`resolve`."""
 
     scheme: str
     group_size: int
     linear: TorchPacker
     other: Packer
+    embedding: TorchPacker | None = None
 
     @property
-    def packers(self) -> tuple[TorchPacker, Packer]:
-        """``(linear, other)``: what a cache file of this recipe holds packs of (its name counts them)."""
-        return self.linear, self.other
+    def packers(self) -> tuple[Packer, ...]:
+        """The packer of each role, ``(linear, embedding, other)`` (``(linear, other)`` without an embedding
+        packer): what a cache file of this recipe holds packs of (its name counts them)."""
+        if self.embedding is None:
+            return self.linear, self.other
+        return self.linear, self.embedding, self.other
 
     def platform(self) -> dict[str, Any]:
         """The ``platform=`` mapping of a cache of this recipe: its packers' identities and fingerprints,
-        the torch version and the CPU capability (:func:`packcache.packers.platform_for`)."""
-        return platform_for(self.packers)
+        the torch version and the CPU capability (:func:`packcache.packers.platform_for`), and with an
+        embedding packer, which packer that is (``"embeddings"``: its id, version and params), since
+        the int8 scheme packs its linear layers and its embeddings with one packer."""
+        mapping = platform_for(self.packers)
+        if self.embedding is not None:
+            embedding = self.embedding
+            mapping["embeddings"] = {"id": embedding.id, "version": embedding.version, "params": embedding.params}
+        return mapping
 
     def remedy(self, module: str) -> str:
         """What to tell the caller who passed a ``WeightCache`` made for another platform: the
@@ -116,7 +140,10 @@ def resolve(scheme: str | None = None, group_size: int = _defaults.GROUP_SIZE) -
         ValueError: an unknown scheme, or an int4 group size that is not one of 32, 64, 128.
     """
     name = resolve_scheme(scheme)
-    return Recipe(name, group_size, _SCHEME_PACKERS[name](group_size), Float32())
+    embedding = EMBEDDING_PACKERS[name]
+    return Recipe(
+        name, group_size, _SCHEME_PACKERS[name](group_size), Float32(), embedding() if embedding is not None else None
+    )
 
 
 def open_cache(

@@ -264,6 +264,30 @@ class TorchPacker(Packer):
         """The dtype of the activations when they reach that op (what a test observes at dispatch)."""
         return activation_dtype(path)
 
+    # ------------------------------------------------------------------ embedding tables
+
+    #: Whether a pack of this packer can also be an embedding table (:meth:`rows`, :meth:`dequantized`): a weight
+    #: ``[num, dim]`` whose rows are looked up one token at a time (:class:`packcache.torch.PackedEmbedding`).
+    embeds: ClassVar[bool] = False
+
+    def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows ``ids`` (any shape of indices; result ``[*ids.shape, dim]``) of the weight a pack stands
+        for, bit for bit the rows of :meth:`dequantized`: only those rows are read (``F.embedding`` over the packed
+        parts) and widened, never the whole table.
+
+        Raises:
+            NotImplementedError: this packer's packs are not embedding tables (:attr:`embeds` is False).
+        """
+        raise NotImplementedError(f"packer {self.id} does not pack embedding tables")
+
+    def dequantized(self, operands: Operands) -> torch.Tensor:
+        """The whole float32 ``[out, in]`` weight a pack stands for (for saving; a lookup reads :meth:`rows`).
+
+        Raises:
+            NotImplementedError: this packer's packs are not embedding tables (:attr:`embeds` is False).
+        """
+        raise NotImplementedError(f"packer {self.id} does not pack embedding tables")
+
     def kernels(self, path: str) -> str:
         """Every op this packer runs on ``path``, with the row ranges: e.g. for ``repr``."""
         small, large = self.kernel(path, 1), self.kernel(path, 1 << 30)
@@ -346,6 +370,14 @@ class LinearFloat32(TorchPacker):
     def kernel(self, path: str, rows: int) -> str:
         return "linear(float32)"
 
+    embeds = True
+
+    def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, _tensor(operands, "weight"))
+
+    def dequantized(self, operands: Operands) -> torch.Tensor:
+        return _tensor(operands, "weight")
+
 
 class LinearBFloat16(TorchPacker):
     """bfloat16 weight ``[out, in]`` (round to nearest even) for ``linear`` on bfloat16 activations, on
@@ -398,6 +430,14 @@ class LinearBFloat16(TorchPacker):
 
     def kernel(self, path: str, rows: int) -> str:
         return "linear(bfloat16)" if path == "bf16" else "activations to bfloat16 + linear(bfloat16)"
+
+    embeds = True
+
+    def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, _tensor(operands, "weight")).float()  # bf16 -> float32 is exact
+
+    def dequantized(self, operands: Operands) -> torch.Tensor:
+        return _tensor(operands, "weight").float()
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
         return torch.bfloat16
@@ -477,6 +517,16 @@ class Int8WeightOnly(TorchPacker):
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
         return torch.bfloat16 if self._fused(path, rows, 16) else activation_dtype(path)
+
+    embeds = True
+
+    def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
+        # Per-row int8 is per-output-channel int8: the rows of a [num, dim] table, each with its scale.
+        codes = F.embedding(ids, _tensor(operands, "weight")).float()
+        return codes.mul_(F.embedding(ids, _tensor(operands, "scales")[:, None]))
+
+    def dequantized(self, operands: Operands) -> torch.Tensor:
+        return _tensor(operands, "weight").float().mul_(_tensor(operands, "scales")[:, None])
 
 
 #: The most bytes of a weight converted to the activations' dtype at once: a larger weight is converted and

@@ -2,9 +2,10 @@
 
 :func:`convert` walks a module, replaces every eligible ``nn.Linear`` by a
 :class:`PackedLinear` whose operands are tensors over the cache's read-only
-mapping (``torch.frombuffer``, no copy), and gives every other parameter the
-same treatment (as float32). Ineligible layers (shapes the kernel cannot take)
-stay ``nn.Linear`` and are listed in the :class:`ConversionReport`.
+mapping (``torch.frombuffer``, no copy), given an ``embedding`` packer every ``nn.Embedding``
+by a :class:`PackedEmbedding` over its table in that packer's form (bf16, or int8 rows with
+per-row scales), and gives every other parameter the same treatment (as float32). Ineligible
+layers (shapes the kernel cannot take) stay ``nn.Linear`` and are listed in the :class:`ConversionReport`.
 
 Sources are lazy. The pack keys come from names, shapes, dtypes, the packer's
 identity and the source's identity (:class:`packcache.safetensors.SafetensorsFile`:
@@ -42,6 +43,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -62,6 +64,7 @@ __all__ = [
     "Calibration",
     "ConversionReport",
     "ModuleSource",
+    "PackedEmbedding",
     "PackedLinear",
     "TensorSource",
     "as_tensor",
@@ -141,8 +144,8 @@ class PackedLinear(nn.Module):
 
     Its ``state_dict`` is the layer it replaced: ``weight`` (:meth:`float_weight`, float32,
     ``[out, in]``, or ``[in, out]`` when ``transposed``) and ``bias``, never the packed operands,
-    which are non-persistent buffers in a kernel's layout no float model reads; a layer tied to a
-    float32 parameter (:attr:`tied_weight`) writes that tensor, as the tied layer it replaced did.
+    which are non-persistent buffers in a kernel's layout no float model reads; a layer tied to the
+    input embeddings (:attr:`tied_weight`) writes the tie's one tensor, as the tied layer it replaced did.
     ``load_state_dict`` into it raises ``RuntimeError``: its operands are read-only.
     """
 
@@ -153,7 +156,7 @@ class PackedLinear(nn.Module):
         # Plain attributes, set without nn.Module.__setattr__'s checks: this runs per layer on every warm load.
         self.__dict__.update(
             packer=packer, in_features=in_features, out_features=out_features, kernel_path=kernel_path,
-            transposed=transposed, _dtype=activation_dtype(kernel_path), _prepared=None, tied_weight=None,
+            transposed=transposed, _dtype=activation_dtype(kernel_path), _prepared=None, _tie=None,
             training=False,  # inference only: its operands are read-only views of a file mapping
         )  # fmt: skip
         self.packer: TorchPacker
@@ -164,9 +167,16 @@ class PackedLinear(nn.Module):
         self.transposed: bool
         self._dtype: torch.dtype
         self._prepared: dict[str, torch.Tensor | None] | None
-        #: The float32 tensor this layer's weight is tied to (:func:`convert` sets it for a tied output head):
-        #: what ``state_dict`` writes as its weight, so a saved model keeps the tie; ``None``: :meth:`float_weight`.
-        self.tied_weight: torch.Tensor | None
+        self._tie: torch.Tensor | _SharedFloat | None
+
+    @property
+    def tied_weight(self) -> torch.Tensor | None:
+        """The float32 tensor this layer's weight is tied to (:func:`convert` ties a tied output head): the
+        embeddings' float32 parameter (fp32 embeddings), or the float32 weight of the :class:`PackedEmbedding`
+        whose pack this layer reads (``.weight``, the same tensor while anyone holds it). What ``state_dict``
+        writes as its weight, so a saved model keeps the tie; ``None``: :meth:`float_weight`."""
+        tie = self._tie
+        return tie() if isinstance(tie, _SharedFloat) else tie
 
     @classmethod
     def from_parts(
@@ -256,7 +266,8 @@ class PackedLinear(nn.Module):
         # What the replaced layer saved, so a checkpoint of a packed model is a float model's (issue 20, item 4):
         # the packed operands are non-persistent buffers, and saving only them dropped every linear weight.
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        weight = self.tied_weight if self.tied_weight is not None else self.float_weight()
+        tied = self.tied_weight
+        weight = tied if tied is not None else self.float_weight()
         destination[prefix + "weight"] = weight.t().contiguous() if self.transposed else weight
         bias = self._buffers["bias"]
         if bias is not None:
@@ -305,6 +316,120 @@ def check_kernels(module: nn.Module) -> int:
     for layer in layers:
         layer.packer.check_path(layer.kernel_path)
     return len(layers)
+
+
+class _SharedFloat:
+    """The float32 weight of one packed embedding table, made when first asked and the same tensor while anyone
+    holds it (a weak reference): what every module of a tie writes in ``state_dict``, so ``save_pretrained`` sees
+    one tensor under each of the tie's names (as a float tied model has), and nothing is kept after saving."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor]) -> None:
+        self._compute = compute
+        self._ref: weakref.ref[torch.Tensor] | None = None
+
+    def __call__(self) -> torch.Tensor:
+        tensor = self._ref() if self._ref is not None else None
+        if tensor is None:
+            with torch.no_grad():
+                tensor = self._compute()
+            self._ref = weakref.ref(tensor)
+        return tensor
+
+    def __getstate__(self) -> dict[str, Any]:  # a weak reference cannot be pickled or deep-copied
+        return {"_compute": self._compute, "_ref": None}
+
+
+class PackedEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose table ``[num_embeddings, embedding_dim]`` is stored in the scheme's form: bf16, or
+    int8 rows with per-row scales (:data:`packcache.loader.EMBEDDING_PACKERS`), zero-copy over the cache mapping.
+
+    A lookup returns float32 rows, what the model's float32 forward expects: it gathers only the rows it reads
+    from the packed parts and widens (and scales) only those (:meth:`TorchPacker.rows
+    <packcache.packers_torch.TorchPacker.rows>`), bit for bit the rows of :meth:`float_weight`; no dequantised
+    table is ever made, at load or per call. ``num_embeddings``, ``embedding_dim`` and ``padding_idx`` are the
+    replaced module's (``padding_idx`` only matters to training, which a read-only table does not do).
+
+    ``weight`` is the whole table in float32 (:meth:`float_weight`, made when read and kept while anyone holds it):
+    for code that reads it, such as saving. Its ``state_dict`` is the module it replaced: ``weight``, float32,
+    under the source's name (a tied output head writes the same tensor). ``load_state_dict`` into it raises
+    ``RuntimeError``: its parts are read-only.
+    """
+
+    def __init__(self, packer: TorchPacker, num_embeddings: int, embedding_dim: int, padding_idx: int | None) -> None:
+        super().__init__()
+        self.__dict__.update(
+            packer=packer, num_embeddings=num_embeddings, embedding_dim=embedding_dim, padding_idx=padding_idx,
+            max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False, training=False,
+            _shared=_SharedFloat(self.float_weight),
+        )  # fmt: skip
+        self.packer: TorchPacker
+        self.num_embeddings: int
+        self.embedding_dim: int
+        self.padding_idx: int | None
+        self._shared: _SharedFloat
+
+    @classmethod
+    def from_parts(cls, packer: Packer, parts: Parts, *, padding_idx: int | None = None) -> PackedEmbedding:
+        """A table over ``parts`` (a pack of ``packer``, whose packs are embedding tables); tensors are zero-copy views.
+
+        Raises:
+            TypeError: ``packer`` does not pack embedding tables (:attr:`TorchPacker.embeds
+                <packcache.packers_torch.TorchPacker.embeds>`).
+        """
+        if not isinstance(packer, TorchPacker) or not packer.embeds:
+            raise TypeError(f"PackedEmbedding cannot look up rows of packer {packer!r}")
+        num_embeddings, embedding_dim = packer.dims(parts)
+        table = cls(packer, num_embeddings, embedding_dim, padding_idx)
+        dtypes = packer.part_dtypes()
+        buffers = table._buffers
+        for part, array in parts.items():
+            buffers[part] = as_tensor(array, dtypes.get(part))
+        table._non_persistent_buffers_set.update(buffers)
+        return table
+
+    def _operands(self) -> dict[str, torch.Tensor | None]:
+        return {name: self._buffers[name] for name in self.packer.parts}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows ``ids`` (``[*ids.shape, embedding_dim]``), dequantised one read row at a time."""
+        return self.packer.rows(self._operands(), ids)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table in float32 (:meth:`float_weight`), the same tensor while anyone holds it (or a tied
+        head's ``tied_weight``). It costs a dequantised copy of the table: a lookup never reads it."""
+        return self._shared()
+
+    def float_weight(self) -> torch.Tensor:
+        """The float32 ``[num_embeddings, embedding_dim]`` table this module looks rows up in: a new tensor (with
+        a float32 pack, the read-only view itself)."""
+        with torch.no_grad():
+            return self.packer.dequantized(self._operands())
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        _refuse_read_only(state_dict, prefix, ("weight",))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )  # fmt: skip
+        if strict:
+            missing_keys.append(prefix + "weight")
+
+    def extra_repr(self) -> str:
+        padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{padding}, packer={self.packer!r}"
 
 
 def _float_weight(layer: PackedLinear) -> torch.Tensor:
@@ -530,10 +655,13 @@ class ConversionReport:
         ineligible: name → reason for ``nn.Linear`` modules the packer cannot take;
             they stay ``nn.Linear`` (their weights come from the cache as float32).
         parameters: names of the other parameters now served from the cache as float32.
+        embeddings: names of the ``nn.Embedding`` modules now :class:`PackedEmbedding` (their tables in the
+            ``embedding`` packer's form); ``float_embeddings``: name -> why one stayed float32.
         tied: name served → the other names of the same (tied) parameter, which share its tensor.
-        packed_ties: packed layer → the names of the float32 parameter its weight is tied to (an output
-            head tied to the input embeddings): both come from the one source tensor, the layer packed, the
-            others served as float32; its ``state_dict`` writes that float32 tensor, so the tie stays.
+        packed_ties: packed layer → the other names of the tensor its weight is tied to (an output head
+            tied to the input embeddings): both come from the one source tensor. With an ``embedding`` packer
+            the head and the embeddings read one pack; without one the layer is packed and the embeddings
+            served as float32. Its ``state_dict`` writes the embeddings' float32 tensor, so the tie stays.
         packed_bytes: bytes of every array served from the cache for this module.
         stats: the cache's statistics when the conversion ended.
         kernel_path: the kernel path of the packed layers (:mod:`packcache.kernels`).
@@ -545,6 +673,8 @@ class ConversionReport:
     converted: list[str] = field(default_factory=list)
     ineligible: dict[str, str] = field(default_factory=dict)
     parameters: list[str] = field(default_factory=list)
+    embeddings: list[str] = field(default_factory=list)
+    float_embeddings: dict[str, str] = field(default_factory=dict)
     tied: dict[str, list[str]] = field(default_factory=dict)
     packed_ties: dict[str, list[str]] = field(default_factory=dict)
     packed_bytes: int = 0
@@ -595,6 +725,7 @@ def convert(
     model_id: str | None = None,
     source_prefix: str = "",
     other: Packer | None = None,
+    embedding: TorchPacker | None = None,
     calibration: Calibration | None = None,
     kernel_path: str | None = None,
     transposed: tuple[type[nn.Module], ...] = (),
@@ -616,6 +747,12 @@ def convert(
         model_id: with ``source=None``, the identity of the module's weights (see :class:`ModuleSource`).
         source_prefix: prepended to a parameter's name to find it in ``source``.
         other: packer of every other parameter (default float32, :class:`~packcache.packers.Float32`).
+        embedding: packer of the ``nn.Embedding`` tables (one whose packs are tables,
+            :attr:`~packcache.packers_torch.TorchPacker.embeds`: ``LinearBFloat16``, ``Int8WeightOnly``,
+            what :data:`packcache.loader.EMBEDDING_PACKERS` names per scheme); each such module becomes a
+            :class:`PackedEmbedding`. ``None`` (the default): tables are float32 parameters like the rest.
+            A subclass of ``nn.Embedding`` (its own forward), one with ``max_norm``, or a table whose
+            tensor another kind of module shares stays float32 (``report.float_embeddings`` says why).
         calibration: input statistics for a packer that uses them (activation-aware int4);
             recorded only if such a pack misses. Without it that packer packs weight-only.
         kernel_path: the kernel path of every :class:`PackedLinear` (``"bf16"``, ``"fp32"``,
@@ -629,11 +766,12 @@ def convert(
     the input embeddings) is fetched once, under the first of its names the source holds,
     and the one float32 tensor is given to every owner; the other names are listed in
     ``report.tied``. A linear layer among the owners (an output head tied to the input embeddings)
-    is packed by ``packer`` from that same source tensor, while the other owners keep it as float32
-    (an embedding lookup reads a row per token; the head reads all of it per token): listed in
-    ``report.packed_ties``, and its ``state_dict`` writes the float32 tensor, so a saved model is
-    still tied. With the float32 scheme the head stays a float32 layer over the one tensor (listed in
-    ``report.ineligible``): packing it would store the same bytes twice.
+    is listed in ``report.packed_ties`` and its ``state_dict`` writes the embeddings' float32 tensor, so a
+    saved model is still tied. With an ``embedding`` packer, the embeddings and the head read one pack of
+    that packer (per-row int8 *is* per-output-channel int8): the head runs that packer's kernel, whatever
+    ``packer`` is. Without one, the head is packed by ``packer`` from that same source tensor, while the
+    embeddings keep it as float32; and with the float32 scheme the head stays a float32 layer over the one
+    tensor (listed in ``report.ineligible``): packing it would store the same bytes twice.
 
     Returns:
         A :class:`ConversionReport`; ``report.stats`` is the cache's state afterwards and
@@ -647,6 +785,8 @@ def convert(
     """
     if not isinstance(packer, TorchPacker):
         raise TypeError(f"convert() needs a packcache.packers_torch packer for the linear layers, got {packer!r}")
+    if embedding is not None and (not isinstance(embedding, TorchPacker) or not embedding.embeds):
+        raise TypeError(f"convert() needs a packer of embedding tables (TorchPacker.embeds), got {embedding!r}")
     path = packer.kernel_path(kernel_path)  # before any pack: a bad path fails fast
     other = other if other is not None else Float32()
     if source is None:
@@ -655,9 +795,9 @@ def convert(
     try:
         if session is None:
             with cache.session() as own:
-                _convert(module, own, packer, other, source, source_prefix, calibration, report, transposed)
+                _convert(module, own, packer, other, embedding, source, source_prefix, calibration, report, transposed)
         else:
-            _convert(module, session, packer, other, source, source_prefix, calibration, report, transposed)
+            _convert(module, session, packer, other, embedding, source, source_prefix, calibration, report, transposed)
     finally:
         if calibration is not None:
             calibration.release()
@@ -670,6 +810,7 @@ def _convert(
     session: Session,
     packer: TorchPacker,
     other: Packer,
+    embedding: TorchPacker | None,
     source: TensorSource,
     prefix: str,
     calibration: Calibration | None,
@@ -714,8 +855,10 @@ def _convert(
         return slice(start, start + len(with_packer.parts))
 
     modules = dict(module.named_modules())
-    plan = _plan(module, packer, transposed)
+    plan = _plan(module, packer, transposed, embedding)
     report.ineligible.update(plan.ineligible)
+    report.float_embeddings.update(plan.float_embeddings)
+    tables = [(table, wanted(list(table.names), table.shape, table.packer)) for table in plan.tables]
     # Requests in batches of a few layers (shapes checked, nothing read): a warm load maps each batch in one pass,
     # and the requests' own objects (keys, callables) never all exist at once: they would leave heap behind.
     layers = []
@@ -724,7 +867,8 @@ def _convert(
         names = [f"{dotted}weight", *layer.tied]  # a tied checkpoint saves the tensor under one of them
         layers.append((
             layer,
-            wanted(names, layer.shape, packer, layer=layer.name, flip=layer.transposed),
+            # A head tied to a packed table reads the table's pack (below); it has no pack of its own.
+            None if layer.table else wanted(names, layer.shape, packer, layer=layer.name, flip=layer.transposed),
             # pinned by tests/test_hf_ties.py::test_a_masked_lm_checkpoint_saved_tied_loads_in_every_scheme
             wanted([f"{dotted}bias", *layer.bias_tied], (layer.shape[0],), other) if layer.has_bias else None,
         ))  # fmt: skip
@@ -738,13 +882,41 @@ def _convert(
     tied_layers: dict[str, PackedLinear] = {}  # name of a served float parameter -> the packed layer tied to it
     kernels = _KernelNames()
     report.kernels = kernels
-    for layer, at, bias_at in layers:
-        parts = dict(zip(packer.parts, served[at], strict=True))
+    table_parts: dict[str, tuple[Parts, _SharedFloat]] = {}  # a table's first name -> its parts and float weight
+    for table, at in tables:
+        parts = dict(zip(table.packer.parts, served[at], strict=True))
+        shared: _SharedFloat | None = None
+        for paths, padding_idx in table.modules:
+            new_table = PackedEmbedding.from_parts(table.packer, parts, padding_idx=padding_idx)
+            if shared is None:
+                shared = new_table._shared
+            new_table.__dict__["_shared"] = shared  # every module of a tie writes the one tensor
+            for name in paths:
+                _replace(modules, name, new_table, root=module)
+            report.embeddings.append(paths[0])
+        assert shared is not None
+        table_parts[table.names[0]] = parts, shared
+        head_names = {f"{name}.weight" for name, tie in plan.table_ties.items() if tie == table.names[0]}
+        rest = [n for n in table.names[1:] if n not in head_names]
+        if rest:  # embedding modules sharing the table (T5's shared and embed_tokens); a head is a packed tie
+            report.tied[table.names[0]] = rest
+    for layer, weight_at, bias_at in layers:
         bias = served[bias_at][0] if bias_at is not None else None
-        new = PackedLinear.from_parts(packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed)
+        layer_packer: TorchPacker = packer
+        if weight_at is not None:
+            parts = dict(zip(packer.parts, served[weight_at], strict=True))
+        else:
+            assert embedding is not None and layer.table is not None
+            layer_packer, parts = embedding, table_parts[layer.table][0]
+        new = PackedLinear.from_parts(
+            layer_packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed
+        )  # fmt: skip
+        tie = plan.table_ties.get(layer.name)
+        if tie is not None:  # it saves the table's float32 weight, as the tied float model did
+            new.__dict__["_tie"] = table_parts[tie][1]
         _replace(modules, layer.name, new)
         report.converted.append(layer.name)
-        kernels.add(layer.name.rpartition(".")[2], (packer, report.kernel_path))
+        kernels.add(layer.name.rpartition(".")[2], (layer_packer, report.kernel_path))
         if layer.tied:
             report.packed_ties[layer.name] = list(layer.tied)
             tied_layers[layer.tied[0]] = new
@@ -758,7 +930,7 @@ def _convert(
             modules[owner]._parameters[attr] = served_param
             owners.setdefault(owner, []).append(attr)
             if alias in tied_layers:  # what the packed twin saves: the tie's one tensor
-                tied_layers[alias].__dict__["tied_weight"] = served_param
+                tied_layers[alias].__dict__["_tie"] = served_param
         report.parameters.append(names[0])
         if len(names) > 1:
             report.tied[names[0]] = names[1:]
@@ -781,6 +953,18 @@ class _Layer:
     has_bias: bool
     tied: tuple[str, ...] = ()  # the other names of its weight (parameters of other modules: the tie)
     bias_tied: tuple[str, ...] = ()  # the other names of its bias (BERT's MLM decoder's, tied to cls.predictions.bias)
+    table: str | None = None  # the packed embedding table (its first name) whose pack this tied head reads
+
+
+@dataclass(frozen=True)
+class _Table:
+    """An embedding table packed by an embedding packer, with every module over its tensor."""
+
+    packer: TorchPacker
+    names: tuple[str, ...]  # every name of its tensor (a checkpoint holds it under one of them)
+    shape: tuple[int, int]
+    modules: tuple[tuple[tuple[str, ...], int | None], ...]  # per nn.Embedding module: its paths, its padding_idx
+    heads: tuple[_Layer, ...] = ()  # linear layers over the same tensor (a tied output head): they read its pack
 
 
 @dataclass
@@ -788,17 +972,33 @@ class _Plan:
     linears: list[_Layer] = field(default_factory=list)
     ineligible: dict[str, str] = field(default_factory=dict)
     parameters: list[list[str]] = field(default_factory=list)  # every name of each other parameter
+    tables: list[_Table] = field(default_factory=list)
+    float_embeddings: dict[str, str] = field(default_factory=dict)
+    # A linear layer whose weight is a packed table's tensor -> the table's first name: it saves the table's weight.
+    table_ties: dict[str, str] = field(default_factory=dict)
     # A parameter's names that a packed layer owns (a packed head's weight, tied to the embeddings): a checkpoint
     # may hold the tie's tensor under one of them only (the head's), which then serves the embeddings too.
     also: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _plan(module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], ...]) -> _Plan:
-    """Which layers :func:`convert` packs with ``packer`` and which parameters it serves as float32; reads no weight."""
+def _plan(
+    module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], ...], embedding: TorchPacker | None = None
+) -> _Plan:
+    """Which layers :func:`convert` packs with ``packer``, which embedding tables with ``embedding`` and which
+    parameters it serves as float32; reads no weight."""
     plan = _Plan()
     aliases = _aliases(module)
     owned: set[str] = set()
+    if embedding is not None:
+        _plan_tables(module, packer, embedding, aliases, plan)
+        for table in plan.tables:
+            owned.update(table.names)
+            owned.update(f"{head.name}.bias" for head in table.heads if head.has_bias)
+    heads = {head.name: head for table in plan.tables for head in table.heads}
     for name, sub in module.named_modules():
+        if name in heads:  # a head over a packed table, in its place among the layers
+            plan.linears.append(heads[name])
+            continue
         flip = type(sub) in transposed
         if type(sub) is not nn.Linear and not flip:
             continue
@@ -832,6 +1032,78 @@ def _plan(module: nn.Module, packer: Packer, transposed: tuple[type[nn.Module], 
     return plan
 
 
+def _plan_tables(
+    module: nn.Module, linear: Packer, packer: TorchPacker, aliases: dict[int, list[str]], plan: _Plan
+) -> None:
+    """The embedding tables :func:`convert` packs with ``packer`` (into ``plan.tables``), and why the others stay
+    float32 (``plan.float_embeddings``). A linear layer over a table's tensor (a tied output head) reads the
+    table's pack when ``linear`` packs as ``packer`` does (int8, bf16: one stored tensor); with another linear
+    packer (int4) it is packed by ``linear`` from the same source tensor and saves the table's weight
+    (``plan.table_ties``): an int4 head ran 2.7-3x faster per decoded token than an int8 one (``docs/TORCH.md``)."""
+    shares = linear._identity() == packer._identity()
+    paths: dict[int, list[str]] = {}
+    found: dict[int, nn.Embedding] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if isinstance(sub, nn.Embedding):
+            paths.setdefault(id(sub), []).append(name)
+            found[id(sub)] = sub
+    by_weight: dict[int, list[int]] = {}  # a table's tensor -> the embedding modules over it
+    for key, sub in found.items():
+        reason = _table_reason(sub, packer)
+        if reason is not None:
+            plan.float_embeddings[paths[key][0]] = reason
+            continue
+        by_weight.setdefault(id(sub.weight), []).append(key)
+    for weight, keys in by_weight.items():
+        names = aliases.get(weight, [])
+        if not names:
+            continue
+        tables = {f"{p}.weight" if p else "weight" for key in keys for p in paths[key]}
+        layers: list[_Layer] = []
+        ties: list[str] = []
+        others: list[str] = []
+        for name in names:
+            if name in tables:
+                continue
+            owner, _, attr = name.rpartition(".")
+            sub = module.get_submodule(owner)
+            if type(sub) is not nn.Linear or attr != "weight":
+                others.append(name)
+            elif not shares:
+                ties.append(owner)  # packed as a linear layer (a pack of its own), tied for saving
+            elif packer.eligible(tuple(sub.weight.shape)) is None:
+                layers.append(_head(owner, sub, names, aliases))
+            else:
+                others.append(name)
+        if others:  # a tensor another kind of module computes with: it needs the float32 tensor itself
+            for key in keys:
+                plan.float_embeddings[paths[key][0]] = f"its weight is also {', '.join(others)}: one float32 tensor"
+            continue
+        rows, columns = found[keys[0]].weight.shape
+        modules = tuple((tuple(paths[key]), found[key].padding_idx) for key in keys)
+        plan.tables.append(_Table(packer, tuple(names), (int(rows), int(columns)), modules, tuple(layers)))
+        plan.table_ties.update(dict.fromkeys([*ties, *(layer.name for layer in layers)], names[0]))
+
+
+def _head(name: str, sub: nn.Linear, names: list[str], aliases: dict[int, list[str]]) -> _Layer:
+    """The plan of linear layer ``name`` over a packed table's tensor (``names``): it reads the table's pack."""
+    rows, columns = sub.weight.shape
+    bias = sub.bias
+    bias_tied = tuple(n for n in aliases.get(id(bias), []) if n != f"{name}.bias") if bias is not None else ()
+    tied = tuple(n for n in names if n != f"{name}.weight")
+    return _Layer(name, (int(rows), int(columns)), False, bias is not None, tied, bias_tied, names[0])
+
+
+def _table_reason(sub: nn.Module, packer: TorchPacker) -> str | None:
+    """Why ``convert`` keeps the embedding module ``sub`` float32 (``None``: it packs it with ``packer``)."""
+    if type(sub) is not nn.Embedding:
+        return f"{type(sub).__name__} is a subclass of nn.Embedding (its own forward): float32"
+    assert isinstance(sub, nn.Embedding)
+    if sub.max_norm is not None:
+        return "max_norm renormalises looked-up rows in place: float32"
+    return packer.eligible(tuple(sub.weight.shape))
+
+
 def parameter_groups(module: nn.Module) -> list[list[str]]:
     """Every parameter of ``module`` as the list of its names, in ``named_parameters`` order:
     more than one name is a tied parameter (one tensor that several modules own).
@@ -852,7 +1124,13 @@ def _aliases(module: nn.Module) -> dict[int, list[str]]:
     return aliases
 
 
-def count_packs(module: nn.Module, packer: Packer, *, transposed: tuple[type[nn.Module], ...] = ()) -> int:
+def count_packs(
+    module: nn.Module,
+    packer: Packer,
+    *,
+    transposed: tuple[type[nn.Module], ...] = (),
+    embedding: TorchPacker | None = None,
+) -> int:
     """How many cache entries :func:`convert` requests for ``module`` (hits, stores and heap packs
     together): a progress total. Reads no weight; ``module`` may live on the ``meta`` device.
 
@@ -860,9 +1138,9 @@ def count_packs(module: nn.Module, packer: Packer, *, transposed: tuple[type[nn.
     >>> count_packs(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32)), Int8WeightOnly())
     5
     """
-    plan = _plan(module, packer, transposed)
-    linears = sum(len(packer.parts) + layer.has_bias for layer in plan.linears)
-    return linears + len(plan.parameters)
+    plan = _plan(module, packer, transposed, embedding)
+    linears = sum(len(packer.parts) * (layer.table is None) + layer.has_bias for layer in plan.linears)
+    return linears + sum(len(table.packer.parts) for table in plan.tables) + len(plan.parameters)
 
 
 def _first_meta(source: TensorSource, names: list[str]) -> tuple[str, SourceMeta]:
@@ -881,9 +1159,14 @@ def _first_meta(source: TensorSource, names: list[str]) -> tuple[str, SourceMeta
     raise KeyError(f"the source has no tensor named {' or '.join(repr(n) for n in names)}")
 
 
-def _replace(modules: Mapping[str, nn.Module], name: str, new: nn.Module) -> None:
-    """Put ``new`` where module ``name`` is (``modules``: the root's ``named_modules()``)."""
+def _replace(modules: Mapping[str, nn.Module], name: str, new: nn.Module, root: nn.Module | None = None) -> None:
+    """Put ``new`` where module ``name`` is (``modules``: the root's ``named_modules()``; a container found
+    only under another of its paths is looked up from ``root``)."""
     if not name:
         raise ValueError("convert() cannot replace the root module itself; wrap the nn.Linear in a container")
     owner, _, attr = name.rpartition(".")
-    setattr(modules[owner], attr, new)
+    container = modules.get(owner)
+    if container is None and root is not None:
+        container = root.get_submodule(owner)
+    assert container is not None, name
+    setattr(container, attr, new)

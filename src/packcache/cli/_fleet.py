@@ -100,8 +100,7 @@ def cmd_keygen(args: argparse.Namespace, out: Out) -> int:
 def _scheme_of(file_platform: bytes) -> tuple[str, int] | None:
     """The scheme (and int4 group size) whose packers are the ones a fingerprint lists, or None."""
     from ..fleet.platform import platform_fields
-    from ..loader import scheme_packer
-    from ..packers import Float32
+    from ..loader import resolve
 
     try:
         packers = platform_fields(file_platform).get("packers")
@@ -114,10 +113,10 @@ def _scheme_of(file_platform: bytes) -> tuple[str, int] | None:
     group_size = next((g for g in groups if isinstance(g, int) and not isinstance(g, bool)), GROUP_SIZE)
     for scheme in SCHEMES:
         try:
-            packer = scheme_packer(scheme, group_size)
+            recipe = resolve(scheme, group_size)
         except ValueError:
             continue
-        if ids == sorted({packer.id, Float32.id}):
+        if ids == sorted({packer.id for packer in recipe.packers}):
             return scheme, group_size
     return None
 

@@ -9,12 +9,13 @@ checkpoint of the same shape of files (``model_path``); tokenisation uses the
 ``tokenizers`` package with the shipped ``tokenizer.json``. Nothing is downloaded.
 
 The skeleton is built on the ``meta`` device, so no weight is materialised from
-the checkpoint: every linear layer is packed by the scheme's packer and every
-other weight (embeddings, layer norms, biases) is stored as float32, all through
+the checkpoint: every linear layer is packed by the scheme's packer, the embedding
+tables in the scheme's form (bf16; int8 rows with per-row scales for int8 and int4;
+float32 for fp32) and every other weight (layer norms, biases) as float32, all through
 the cache, and all served as zero-copy tensors over its mapping. A warm launch
 reads only the safetensors header (for shapes and dtypes), never a tensor byte.
 
-Schemes (the packer of the linear layers):
+Schemes (the packer of the linear layers; the embedding tables as the module docstring says):
 
 =========  =================================================================
 ``fp32``   float32 weights, ``torch.nn.functional.linear``
@@ -265,18 +266,19 @@ def pack_count(
     if model_path is not None and is_cache_file(model_path):
         with open_bundle(model_path) as bundle:
             return bundle.entries  # what a load of the file asks for, at most
-    linear_packer = resolve(scheme, group_size).linear
+    recipe = resolve(scheme, group_size)
+    linear_packer = recipe.linear
     files = _files(model_path)
     config = BertConfig.from_file(files.config)
     source, prefix = _checked_weights(files, config)
     with torch.device("meta"):
         skeleton = BertEncoder(config)
     if not cache:
-        return count_packs(skeleton, linear_packer)
+        return count_packs(skeleton, linear_packer, embedding=recipe.embedding)
     pooled = not linear_packer.uses_stats and f"{prefix}pooler.dense.weight" in source
     pooler = count_packs(_pooler(config), linear_packer) if pooled else 0
     embedded = len(collect_files(files.config.parent, sentence_transformers=transformer_folder(files.config.parent)))
-    return count_packs(skeleton, linear_packer) + pooler + embedded + 1
+    return count_packs(skeleton, linear_packer, embedding=recipe.embedding) + pooler + embedded + 1
 
 
 @dataclass(frozen=True)
@@ -690,7 +692,7 @@ def _load(
         recipe, weight_cache = open_model_file(bundle, cache, scheme, group_size)
     else:
         recipe = resolve(scheme, GROUP_SIZE if group_size is None else group_size)
-    linear_packer, other_packer = recipe.packers
+    linear_packer, other_packer = recipe.linear, recipe.other
     try:
         path = linear_packer.kernel_path(kernel_path)
         expected = recipe.platform()
@@ -728,7 +730,7 @@ def _load(
         with weight_cache.session() as session:  # one session, one generation: a fresh file has nothing superseded
             report = convert(
                 encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
-                calibration=calibration, kernel_path=path, session=session,
+                embedding=recipe.embedding, calibration=calibration, kernel_path=path, session=session,
             )  # fmt: skip
             pooled = weight_cache.path is not None and not linear_packer.uses_stats
             if pooled and f"{prefix}pooler.dense.weight" in source:
