@@ -166,7 +166,7 @@ def test_the_text_output_is_the_class_then_one_field_per_line(capsys: pytest.Cap
     assert main(["platform", "--scheme", "int8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == platform_class(fmt.canonical_key(minilm.platform("int8")))
-    assert f"cpu_capability: {HERE_CAPABILITY}" in lines and "format_version: 1" in lines
+    assert f"cpu_capability: {HERE_CAPABILITY}" in lines and "format_version: 2" in lines
     assert f"torch: {torch.__version__}" in lines and "packers[torch.int8wo].version: 2" in lines
     assert all(": " in line for line in lines[1:])
 
@@ -181,10 +181,10 @@ def test_the_class_is_of_the_bytes_and_the_format_version() -> None:
     a = fmt.canonical_key({"x": 1})
     assert platform_class(a) == platform_class(fmt.canonical_key({"x": 1}))
     assert platform_class(a) != platform_class(fmt.canonical_key({"x": 1.0}))  # 1 and 1.0 are other bytes
-    assert platform_class(a) != platform_class(a, format_version=2)
-    assert platform_fields(a) == {"x": 1, "format_version": 1}
+    assert platform_class(a) != platform_class(a, format_version=1)
+    assert platform_fields(a) == {"x": 1, "format_version": 2}
     assert platform_fields(fmt.canonical_key({"format_version": 9})) == {
-        "format_version": 9, "packcache.format_version": 1
+        "format_version": 9, "packcache.format_version": 2
     }  # fmt: skip
 
 

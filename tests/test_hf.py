@@ -651,7 +651,10 @@ WARM_CHILD = textwrap.dedent(
         from packcache import identity
         hashed = []
         real_hash = identity.hash_file
-        identity.hash_file = lambda fd, path, st: hashed.append(path) or real_hash(fd, path, st)
+        # the shards; the small files the cache file embeds (config, generation config) are hashed once too
+        identity.hash_file = lambda fd, path, st: (path.endswith(".safetensors") and hashed.append(path)) or real_hash(
+            fd, path, st
+        )
         model = hf.from_pretrained(checkpoint, "int8", cache_path, auto_class=mode)
         stats = model.packcache.stats()
         print(json.dumps({"state": stats.state, "heap": stats.heap_bytes, "hits": stats.hits,

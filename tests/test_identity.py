@@ -45,7 +45,8 @@ hashed = []
 real_hash = identity.hash_file
 
 def counting(fd, path, st):
-    hashed.append(os.path.basename(path))
+    if path.endswith(".safetensors"):  # the weights; the small files a cache file embeds are hashed once too
+        hashed.append(os.path.basename(path))
     return real_hash(fd, path, st)
 
 identity.hash_file = counting
@@ -82,8 +83,11 @@ def wait_settled(*paths: Path) -> None:
         time.sleep(remaining)
 
 
-def records(directory: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+def records(directory: Path, of: Path | None = None) -> list[dict[str, Any]]:
+    """The digest cache's records (``of``: those of that file only, by inode; a load also records the small files
+    a cache file embeds: config, tokenizer)."""
+    found = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    return found if of is None else [r for r in found if r["ino"] == of.stat().st_ino]
 
 
 def sha256_of(path: Path) -> str:
@@ -287,7 +291,10 @@ def test_ten_alternations_of_two_checkpoints_on_one_file_stay_under_twice_the_li
         assert stats.state == "stored" and stats.reclaimable_bytes == report.reclaimable_bytes, launch_number
         assert path.stat().st_size <= 2 * report.live_bytes, (launch_number, sizes, report.live_bytes)
     assert packcache.verify(path).ok
-    assert max(sizes) <= 1.1 * min(sizes), sizes
+    # The file does not grow: a build compacts once superseded bytes outweigh the live ones. (Before issue 32 every
+    # launch here compacted; the tokenizer and config this tiny model's file now holds are live bytes that both
+    # checkpoints share, so it compacts every other launch, between the same two sizes.)
+    assert max(sizes[-4:]) <= max(sizes[:4]), sizes
 
 
 def test_keys_of_the_previous_release_are_repacked_once_then_mapped(
@@ -329,7 +336,11 @@ def test_keys_of_the_previous_release_are_repacked_once_then_mapped(
     packs = states[0][1]
     assert states == [("stored", packs, 0), ("mapped", 0, packs), ("mapped", 0, packs)]
     report = packcache.inspect(path)
-    assert report.reclaimable_bytes == 0 and len(report.entries) == packs
+    # The old packs are superseded once and never again (the hits above); they are reclaimed by a build as soon as
+    # they outweigh the live bytes, which here include the embedded tokenizer and config (issue 32).
+    assert report.reclaimable_bytes <= report.live_bytes and len(report.entries) == packs
+    assert packcache.compact(path).reclaimed_bytes == report.reclaimable_bytes
+    assert packcache.inspect(path).reclaimable_bytes == 0
 
 
 # ----------------------------------------------------------------------------- never hash on a warm launch
@@ -345,15 +356,15 @@ def test_an_edit_within_the_racy_window_is_never_recorded_and_is_repacked(
     weights = model / "model.safetensors"
     young = launch(model, tmp_path / "c.pcache", racy=3600)
     assert young["state"] == "stored" and young["hashed"] == ["model.safetensors"]
-    assert records(digests) == [], "a young file's digest is not recorded"
+    assert records(digests, weights) == [], "a young file's digest is not recorded"
     overwrite_in_place(weights, models["b"] / "model.safetensors")  # within the window, mtime restored
     edited = launch(model, tmp_path / "c.pcache", racy=3600)
-    assert edited["hashed"] == ["model.safetensors"] and records(digests) == []
+    assert edited["hashed"] == ["model.safetensors"] and records(digests, weights) == []
     assert edited["state"] == "stored" and edited["same_as_fresh"] and edited["embedding"] != young["embedding"]
     wait_settled(weights)
     settled = launch(model, tmp_path / "c.pcache")
     assert (settled["state"], settled["hashed"]) == ("mapped", ["model.safetensors"])
-    assert [r["sha256"] for r in records(digests)] == [sha256_of(weights)]
+    assert [r["sha256"] for r in records(digests, weights)] == [sha256_of(weights)]
     warm = launch(model, tmp_path / "c.pcache")
     assert (warm["state"], warm["hashed"], warm["embedding"]) == ("mapped", [], edited["embedding"])
 

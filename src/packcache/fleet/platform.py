@@ -21,7 +21,7 @@ so one class is one set of interchangeable files. A store keeps one manifest per
 >>> cls.startswith("pc1-") and len(cls) == 36
 True
 >>> platform_fields(fp)["format_version"]
-1
+2
 >>> [(d.field, d.file, d.here) for d in differences(fp, fmt.canonical_key({"torch": "2.14.0+cpu"}))]
 [('packers', [{'id': 'np.f32', 'version': 1}], None), ('torch', '2.13.0+cpu', '2.14.0+cpu')]
 """
