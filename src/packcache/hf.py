@@ -521,9 +521,6 @@ class _Loaded:
     cache: WeightCache
     owns_cache: bool
     report: ConversionReport
-    checkpoint: _Source
-    recipe: Recipe
-    auto_class: str
 
 
 def _auto_name(auto_class: str | type) -> str:
@@ -621,7 +618,7 @@ def _load(
         raise
     model.eval()
     model.config._name_or_path = os.fspath(directory)
-    return _Loaded(model, weight_cache, owns_cache, report, checkpoint, recipe, _auto_name(auto_class))
+    return _Loaded(model, weight_cache, owns_cache, report)
 
 
 def _model_requests(
@@ -973,7 +970,7 @@ def _sentence_transformer(
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules.transformer import TRANSFORMER_TASK_TO_AUTO_MODEL, Transformer
 
-    loads: list[tuple[_Loaded, str]] = []
+    loads: list[_Loaded] = []
 
     class PackedTransformer(Transformer):
         """sentence-transformers' Transformer whose model comes from the cache (its class is reset after loading)."""
@@ -994,7 +991,7 @@ def _sentence_transformer(
                 kernel_path=kernel_path, auto_class=TRANSFORMER_TASK_TO_AUTO_MODEL[transformer_task],
                 bundle=bundle, folder=folder, embed=(base, folder),
             )  # fmt: skip
-            loads.append((loaded, folder))
+            loads.append(loaded)
             return loaded.model
 
     kwargs.setdefault("device", "cpu")
@@ -1005,12 +1002,12 @@ def _sentence_transformer(
         if not loads:
             raise ValueError(f"{base}: modules.json has no sentence-transformers Transformer module to pack")
     except BaseException:
-        for loaded, _ in loads:
+        for loaded in loads:
             if loaded.owns_cache:
                 loaded.cache.close()
         raise
     for module in st.modules():
         if type(module) is PackedTransformer:
             module.__class__ = Transformer  # exactly sentence-transformers' class from here on
-    _attach(st, loads[0][0])
+    _attach(st, loads[0])
     return st
