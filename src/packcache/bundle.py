@@ -40,7 +40,6 @@ import dataclasses
 import hashlib
 import os
 import re
-import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +51,7 @@ from . import format as fmt
 from ._generations import read_committed
 from ._paths import open_checked, pread_exact, read_bounded
 from .cache import PackKey, Request
-from .errors import FormatError, UntrustedFileError
+from .errors import FormatError
 from .identity import digest_path
 from .safetensors import DTYPES, MAX_NDIM, TensorMeta
 
@@ -262,7 +261,7 @@ def record_requests(record: ModelRecord, files: Mapping[str, bytes | SourceFile]
         name = fmt.file_entry_name(path)
         if isinstance(file, SourceFile):
             listed[path] = file.sha256
-            key = fmt.canonical_key({"kind": "packcache.file", "sha256": file.sha256})
+            key = fmt.embedded_key("file", sha256=file.sha256)
             requests.append((name, _reader(file.read), PackKey.from_canonical(key)))
         else:
             listed[path] = hashlib.sha256(file).hexdigest()
@@ -414,16 +413,24 @@ class Bundle:
         Raises:
             KeyError: no such file. FormatError: its bytes fail a check.
         """
+        return self._checked(relative)[0]
+
+    def read_json(self, relative: str) -> Any:
+        """An embedded JSON file, parsed bounded (see :meth:`read_file`; a ``*.json`` file is parsed once)."""
+        data, parsed = self._checked(relative)
+        return parsed if relative.endswith(".json") else _json(data, f"{self.path}::{relative}")
+
+    def _checked(self, relative: str) -> tuple[bytes, Any]:
+        """An embedded file's bytes, checked, and for a ``*.json`` file its value, parsed once (else ``None``)."""
         if relative not in self.record.files:
             raise KeyError(f"{self.path} holds no embedded file {relative!r}")
         data = self._read(self._entries[fmt.file_entry_name(relative)])
-        if relative.endswith(".json"):
-            check_no_remote_code(relative, _json(data, f"{self.path}::{relative}"), path=f"{self.path}::{relative}")
-        return data
-
-    def read_json(self, relative: str) -> Any:
-        """An embedded JSON file, parsed bounded (see :meth:`read_file`)."""
-        return _json(self.read_file(relative), f"{self.path}::{relative}")
+        if not relative.endswith(".json"):
+            return data, None
+        where = f"{self.path}::{relative}"
+        parsed = _json(data, where)
+        check_no_remote_code(relative, parsed, path=where)
+        return data, parsed
 
     def extract(self, directory: str | os.PathLike[str], only: Iterable[str] | None = None) -> None:
         """Write every embedded file (or those of ``only`` the file holds) under ``directory`` (which must exist,
@@ -484,10 +491,8 @@ def open_bundle(path: str | os.PathLike[str]) -> Bundle:
             (``FileNotFoundError`` for a missing file).
     """
     name = os.fspath(path)
-    fd, st = open_checked(name)
+    fd, st = open_checked(name)  # a regular file the cache would map, or it raises
     try:
-        if not stat.S_ISREG(st.st_mode):  # open_checked refuses these; kept for the type checker's sake
-            raise UntrustedFileError(name, "not a regular file")
         return Bundle(name, fd, st)
     except BaseException:
         os.close(fd)

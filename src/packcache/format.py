@@ -746,16 +746,22 @@ def _file_path_problem(path: str) -> str | None:
     return None
 
 
-def embedded_key(kind: str, data: bytes | memoryview) -> bytes:
+def embedded_key(kind: str, data: bytes | memoryview | None = None, *, sha256: str | None = None) -> bytes:
     """The canonical key of an embedded entry of ``kind`` (``"model"`` or ``"file"``) holding ``data``: its kind
-    and the sha256 of its bytes (R49), so an entry of other bytes is another key.
+    and the sha256 of its bytes (R49), so an entry of other bytes is another key. Give the bytes, or their
+    ``sha256`` (hex) when it is known without them (a file named by its digest).
 
     >>> embedded_key("file", b"{}")[:40]
     b'{"kind":"packcache.file","sha256":"44136'
+    >>> embedded_key("file", sha256=hashlib.sha256(b"{}").hexdigest()) == embedded_key("file", b"{}")
+    True
     """
     if kind not in ("model", "file"):
         raise ValueError(f"no embedded entry kind {kind!r}")
-    return canonical_key({"kind": f"packcache.{kind}", "sha256": hashlib.sha256(data).hexdigest()})
+    if (data is None) == (sha256 is None):
+        raise TypeError("give the entry's bytes or their sha256, one of them")
+    digest = sha256 if sha256 is not None else hashlib.sha256(data or b"").hexdigest()
+    return canonical_key({"kind": f"packcache.{kind}", "sha256": digest})
 
 
 def embedded_problem(entry: Entry) -> str | None:
