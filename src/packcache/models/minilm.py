@@ -79,6 +79,7 @@ from ..kernels import activation_dtype
 from ..loader import Recipe, open_cache, open_model_file, resolve, resolve_scheme
 from ..memory import release_free_heap
 from ..packers import SCHEMES
+from ..packers_torch import TorchPacker
 from ..safetensors import SafetensorsFile
 from ..torch import (
     Calibration,
@@ -275,8 +276,7 @@ def pack_count(
         skeleton = BertEncoder(config)
     if not cache:
         return count_packs(skeleton, linear_packer, embedding=recipe.embedding)
-    pooled = not linear_packer.uses_stats and f"{prefix}pooler.dense.weight" in source
-    pooler = count_packs(_pooler(config), linear_packer) if pooled else 0
+    pooler = count_packs(_pooler(config), linear_packer) if _packs_pooler(linear_packer, source, prefix) else 0
     embedded = len(collect_files(files.config.parent, sentence_transformers=transformer_folder(files.config.parent)))
     return count_packs(skeleton, linear_packer, embedding=recipe.embedding) + pooler + embedded + 1
 
@@ -419,6 +419,15 @@ def load_tokenizer(
         tokenizer = _read_tokenizer(files.tokenizer)
     if max_seq_length:
         files = dataclasses.replace(files, max_seq_length=max_seq_length)
+    return _set_up(tokenizer, files, config)
+
+
+def _set_up(tokenizer: tokenizers.Tokenizer, files: _Files, config: BertConfig) -> tokenizers.Tokenizer:
+    """A parsed ``tokenizer.json`` set up as :func:`load_tokenizer` says, checked against the config.
+
+    Raises:
+        FormatError: more tokens than the config's vocab_size.
+    """
     tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     # pinned by tests/test_minilm.py::test_malformed_model_files_end_in_one_line_naming_the_file_and_the_field
     if tokens > config.vocab_size:
@@ -701,8 +710,10 @@ def _load(
         else:
             files = _files(model_path)
             config = BertConfig.from_file(files.config)
-        if tokenizer is None:
-            tokenizer = load_tokenizer(model_path)
+        if tokenizer is None and bundle is not None:  # from the files just read, not opened and parsed again
+            tokenizer = _set_up(_tokenizer_of(bundle.read_file("tokenizer.json"), str(files.tokenizer)), files, config)
+        elif tokenizer is None:
+            tokenizer = _set_up(_read_tokenizer(files.tokenizer), files, config)
         started = time.perf_counter()
         # before the skeleton: its sizes are the file's
         source, prefix = _checked_weights(files, config, RecordSource(bundle) if bundle is not None else None)
@@ -732,8 +743,7 @@ def _load(
                 encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
                 embedding=recipe.embedding, calibration=calibration, kernel_path=path, session=session,
             )  # fmt: skip
-            pooled = weight_cache.path is not None and not linear_packer.uses_stats
-            if pooled and f"{prefix}pooler.dense.weight" in source:
+            if weight_cache.path is not None and _packs_pooler(linear_packer, source, prefix):
                 convert(
                     _pooler(config), weight_cache, linear_packer, source=source, source_prefix=prefix,
                     other=other_packer, kernel_path=path, session=session,
@@ -752,6 +762,12 @@ def _load(
     return MiniLM(
         recipe.scheme, weight_cache, encoder, tokenizer, report, time.perf_counter() - started, owns_cache=owns_cache
     )
+
+
+def _packs_pooler(linear_packer: TorchPacker, source: SafetensorsFile | RecordSource, prefix: str) -> bool:
+    """Whether a load with a cache packs the pooler (:func:`_pooler`): the checkpoint has one, and the scheme's
+    packs are not calibrated (those are this loader's alone: no other loader maps them)."""
+    return not linear_packer.uses_stats and f"{prefix}pooler.dense.weight" in source
 
 
 def _pooler(config: BertConfig) -> torch.nn.Module:
