@@ -30,7 +30,7 @@ from typing import Any
 
 from . import _defaults
 from . import format as fmt
-from .bundle import Bundle
+from .bundle import Bundle, is_cache_file
 from .cache import WeightCache
 from .fleet.platform import differences
 from .kernels import default_scheme
@@ -178,7 +178,7 @@ def open_cache(
         return cache, False
     # ".pcache": how every default name ends (packcache.identity.model_cache_name).
     # pinned by tests/test_torch.py::test_the_loaders_take_any_kind_of_file_at_a_cache_file_path
-    if os.path.isdir(cache) and not os.fspath(cache).endswith(".pcache"):
+    if os.path.isdir(cache) and not is_cache_file(cache):
         raise ValueError(
             f"cache {os.fspath(cache)!r} is a directory; give a file path such as "
             f"{os.path.join(os.fspath(cache), suggested_name())!r}"

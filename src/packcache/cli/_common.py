@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any, TextIO
 
 __all__ = [
@@ -58,12 +57,11 @@ def chosen_scheme(args: argparse.Namespace) -> str:
         FormatError, UntrustedFileError, OSError: a ``--model`` cache file that cannot be read (as
             :func:`packcache.bundle.open_bundle`).
     """
+    from ..bundle import is_cache_file, open_bundle
     from ..loader import resolve_scheme  # imports torch: only for a command that loads a model
 
     model = getattr(args, "model", None)
-    if args.scheme == "auto" and model is not None and os.fspath(model).endswith(".pcache"):
-        from ..bundle import open_bundle
-
+    if args.scheme == "auto" and model is not None and is_cache_file(model):
         with open_bundle(model) as bundle:  # a cache file holds one scheme: auto means that one
             return bundle.record.scheme
     return resolve_scheme(args.scheme)

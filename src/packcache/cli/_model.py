@@ -88,7 +88,7 @@ def cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     Raises:
         As :func:`packcache.models.minilm.default_cache_path` for a missing or malformed checkpoint.
     """
-    if _model_file(args):
+    if _model_file(args.model):
         return str(args.model)  # a cache file is its own cache, whatever --no-cache and --cache-dir say
     if args.no_cache:
         return None
@@ -131,10 +131,11 @@ def fetch_named_model(args: argparse.Namespace, command: str) -> str | None:
     return f"fetched       {model} generation {report.generation} from {sanitize(report.url)}: {how}"
 
 
-def _model_file(args: argparse.Namespace) -> bool:
-    """Whether ``--model`` names a cache file (``*.pcache``) that holds the model, rather than a checkpoint."""
-    model = getattr(args, "model", None)
-    return model is not None and os.fspath(model).endswith(".pcache")
+def _model_file(model: str | None) -> bool:
+    """Whether ``--model`` (or ``build``'s checkpoint) names a cache file (``*.pcache``) that holds the model."""
+    from ..bundle import is_cache_file  # not at import: `packcache --help` loads no cache module
+
+    return model is not None and is_cache_file(model)
 
 
 def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
@@ -319,7 +320,7 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
         raise UsageError("give a checkpoint directory (or --model DIR or FILE.pcache)")
     try:
         scheme = chosen_scheme(argparse.Namespace(scheme=args.scheme, model=args.checkpoint))
-        if args.checkpoint.endswith(".pcache"):
+        if _model_file(args.checkpoint):
             path, total, load = _build_from_file(args, scheme)
         else:
             path, total, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
@@ -414,7 +415,7 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
 def _cache_arg(args: argparse.Namespace, path: str | None, platform: Any) -> Any:
     """What a loader's ``cache=`` gets: the path, or with ``--remote`` a WeightCache that fetches on a miss
     (made with the loader's own platform mapping, as the loader would make it)."""
-    if path is None or getattr(args, "remote", None) is None or _model_file(args):
+    if path is None or getattr(args, "remote", None) is None or _model_file(getattr(args, "model", None)):
         return path
     from ..cache import WeightCache
 

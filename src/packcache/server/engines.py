@@ -172,7 +172,9 @@ def load_engine(spec: EngineSpec) -> Engine:
 
         scheme = resolve_scheme(spec.scheme)  # once: the file's name and the load agree on it
         path = spec.cache
-        model_file = spec.model is not None and spec.model.endswith(".pcache")  # the file is its own cache
+        from ..bundle import is_cache_file
+
+        model_file = spec.model is not None and is_cache_file(spec.model)  # the file is its own cache
         if path is not None and spec.cache_dir is not None and not model_file:
             path = str(minilm.default_cache_path(scheme, model_path=spec.model, cache_dir=spec.cache_dir))
         cache: Any = path
