@@ -260,19 +260,7 @@ class DirectoryStore(Store):
         try:
             if size > max_bytes:
                 raise RemoteError("remote_corrupt", f"{key!r} holds {size} bytes (at most {max_bytes})", url=self.url)
-            offset = 0
-            while offset < size:
-                if time.monotonic() > deadline:
-                    raise self._timeout(key, "download")
-                want = min(CHUNK_BYTES, size - offset)
-                step = deadline if self._stall is None else min(deadline, time.monotonic() + self._stall)
-                chunk = self._bounded(key, "download", step, functools.partial(os.pread, fd, want, offset))
-                if not chunk:
-                    raise RemoteError(
-                        "remote_error", f"download {key!r}: ended after {offset} of {size} bytes", url=self.url
-                    )
-                offset += len(chunk)
-                sink(memoryview(chunk))
+            self._pread_span(fd, key, "download", 0, size, deadline, lambda _, chunk: sink(chunk))
         finally:
             os.close(fd)
         # No ETag: hashing every blob here as well as in the caller (which checks the manifest's sha256)
@@ -293,23 +281,35 @@ class DirectoryStore(Store):
                 raise RemoteError(
                     "remote_corrupt", f"{key!r} holds {size} bytes, the range ends at {end}", url=self.url
                 )
-            offset = start
-            while offset < end:
-                if time.monotonic() > deadline:
-                    raise self._timeout(key, "download_range")
-                want = min(CHUNK_BYTES, end - offset)
-                step = deadline if self._stall is None else min(deadline, time.monotonic() + self._stall)
-                chunk = self._bounded(key, "download_range", step, functools.partial(os.pread, fd, want, offset))
-                if not chunk:
-                    raise RemoteError(
-                        "remote_error", f"download_range {key!r}: ended after {offset - start} of {end - start} bytes",
-                        url=self.url,
-                    )  # fmt: skip
-                sink(offset, memoryview(chunk))
-                offset += len(chunk)
+            self._pread_span(fd, key, "download_range", start, end, deadline, sink)
         finally:
             os.close(fd)
         return size
+
+    def _pread_span(
+        self, fd: int, key: str, doing: str, start: int, end: int, deadline: float,
+        sink: Callable[[int, memoryview], None],
+    ) -> None:  # fmt: skip
+        """Bytes ``[start, end)`` of the open object, ``pread`` a chunk at a time (each read bounded by the deadline
+        and the stall bound: a hung NFS server), handed to ``sink(offset, chunk)``.
+
+        Raises:
+            RemoteError: ``remote_timeout`` past the deadline, ``remote_error`` for an object that ends early.
+        """
+        offset = start
+        while offset < end:
+            if time.monotonic() > deadline:
+                raise self._timeout(key, doing)
+            want = min(CHUNK_BYTES, end - offset)
+            step = deadline if self._stall is None else min(deadline, time.monotonic() + self._stall)
+            chunk = self._bounded(key, doing, step, functools.partial(os.pread, fd, want, offset))
+            if not chunk:
+                raise RemoteError(
+                    "remote_error", f"{doing} {key!r}: ended after {offset - start} of {end - start} bytes",
+                    url=self.url,
+                )  # fmt: skip
+            sink(offset, memoryview(chunk))
+            offset += len(chunk)
 
     # -- writes
 

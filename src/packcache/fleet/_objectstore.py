@@ -8,7 +8,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -278,22 +278,26 @@ class ObjectStore(Store):
         if size > max_bytes:
             raise RemoteError("remote_corrupt", f"{key!r} holds {size} bytes (at most {max_bytes})", url=self.url)
         received = 0
-        while True:
-            try:
-                chunk = next(stream)
-            except StopIteration:
-                break
-            except Exception as exc:
-                raise self._error(exc, key, "download", deadline) from None
-            received += len(chunk)
+        for view in self._chunks(stream, key, "download", deadline):
+            received += len(view)
             if received > size:
                 raise RemoteError("remote_corrupt", f"{key!r}: more than the {size} bytes announced", url=self.url)
-            view = memoryview(chunk)
             for at in range(0, len(view), CHUNK_BYTES):
                 sink(view[at : at + CHUNK_BYTES])  # what the sink raises is the caller's: it propagates as is
         if received != size:
             raise RemoteError("remote_error", f"download {key!r}: ended after {received} of {size} bytes", url=self.url)
         return ObjectInfo(size, etag)
+
+    def _chunks(self, stream: Iterator[Any], key: str, doing: str, deadline: float) -> Iterator[memoryview]:
+        """The chunks of an obstore body stream, each error it raises translated (:meth:`_error`)."""
+        while True:
+            try:
+                chunk = next(stream)
+            except StopIteration:
+                return
+            except Exception as exc:
+                raise self._error(exc, key, doing, deadline) from None
+            yield memoryview(chunk)
 
     def download_range(
         self, key: str, start: int, end: int, sink: Callable[[int, memoryview], None], *, deadline: float
@@ -322,18 +326,11 @@ class ObjectStore(Store):
                 url=self.url,
             )  # fmt: skip
         offset = start
-        while True:
-            try:
-                chunk = next(stream)
-            except StopIteration:
-                break
-            except Exception as exc:
-                raise self._error(exc, key, "download_range", deadline) from None
-            if offset + len(chunk) > end:
+        for view in self._chunks(stream, key, "download_range", deadline):
+            if offset + len(view) > end:
                 raise RemoteError(
                     "remote_corrupt", f"{key!r}: more bytes than the range [{start}, {end})", url=self.url
                 )
-            view = memoryview(chunk)
             for at in range(0, len(view), CHUNK_BYTES):
                 sink(offset + at, view[at : at + CHUNK_BYTES])  # what the sink raises propagates as is
             offset += len(view)
