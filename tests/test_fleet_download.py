@@ -19,8 +19,6 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,10 @@ import pytest
 
 import packcache
 from harness import require_root
+from harness.httpstore import faulty_store
 from harness.keys import make_keys
 from harness.s3server import S3Server
 from packcache import _defaults
-from packcache import format as fmt
 from packcache.errors import RemoteError
 from packcache.fleet.fetch import FetchReport, fetch
 from packcache.fleet.publish import publish
@@ -118,78 +116,6 @@ def test_parts_land_at_their_offsets_in_a_blob_of_several_uneven_parts(
 # --------------------------------------------------------------------------- stores that lie, stall or die
 
 
-class _Faulty(BaseHTTPRequestHandler):
-    """A directory store's files over HTTP; a blob's part reads (not its header read) misbehave as ``mode`` says:
-    ``short`` (fewer bytes, the headers agreeing), ``other-range`` (Content-Range of another range), ``shifted``
-    (the right headers, bytes from one offset later), ``stall`` (half the part, then nothing)."""
-
-    root: Path
-    mode: str
-    release: threading.Event
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self._answer(body=False)
-
-    def do_GET(self) -> None:
-        self._answer(body=True)
-
-    def _answer(self, *, body: bool) -> None:
-        path = self.root / self.path.lstrip("/").split("?")[0]
-        if not path.is_file():
-            self.send_error(404)
-            return
-        data = path.read_bytes()
-        wanted = self.headers.get("Range")
-        part = wanted is not None and path.name.endswith(".pcache")
-        start, end = 0, len(data)
-        if wanted:
-            first, _, last = wanted.removeprefix("bytes=").partition("-")
-            start, end = int(first), min(int(last) + 1 if last else len(data), len(data))
-            part = part and end - start > fmt.HEADER_READ_SIZE
-        sent, claimed = data[start:end], (start, end)
-        if part and self.mode == "short":
-            sent, claimed = sent[: len(sent) // 2], (start, start + len(sent) // 2)
-        elif part and self.mode == "other-range":
-            claimed = (start + 1, end)
-            sent = data[start + 1 : end]
-        elif part and self.mode == "shifted":
-            sent = data[start + 1 : end + 1].ljust(end - start, b"\0")
-        self.send_response(206 if wanted else 200)
-        if wanted:
-            self.send_header("Content-Range", f"bytes {claimed[0]}-{claimed[1] - 1}/{len(data)}")
-        self.send_header("Content-Length", str(end - start if part and self.mode == "stall" else len(sent)))
-        self.send_header("Last-Modified", "Wed, 02 Dec 2026 00:00:00 GMT")
-        self.send_header("ETag", f'"{len(data)}"')
-        self.end_headers()
-        if not body:
-            return
-        if part and self.mode == "stall":
-            self.wfile.write(sent[: len(sent) // 2])
-            self.wfile.flush()
-            self.release.wait(60)
-            return
-        self.wfile.write(sent)
-
-
-@contextlib.contextmanager
-def faulty_store(root: Path, mode: str) -> Iterator[str]:
-    handler = type("Handler", (_Faulty,), {"root": root, "mode": mode, "release": threading.Event()})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        handler.release.set()
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
 @pytest.mark.usefixtures("small_parts")
 @pytest.mark.parametrize("mode", ["short", "other-range", "shifted"])
 def test_a_store_that_sends_a_short_or_wrong_range_is_remote_corrupt(
@@ -197,7 +123,7 @@ def test_a_store_that_sends_a_short_or_wrong_range_is_remote_corrupt(
 ) -> None:
     store, _ = published(tmp_path, keys)
     local = tmp_path / "b" / "model-x.pcache"
-    with faulty_store(Path(store), mode) as url, pytest.raises(RemoteError) as caught:
+    with faulty_store(Path(store), mode) as (url, _), pytest.raises(RemoteError) as caught:
         do_fetch(url, local, keys, timeout=10)
     assert caught.value.reason == "remote_corrupt", caught.value
     assert not local.exists() and leftovers(local) == [] and fetch_threads() == []
@@ -210,7 +136,7 @@ def test_a_stalled_range_is_remote_timeout_within_the_stall_bound_and_no_thread_
     """A part that stops half way, with a far overall deadline: the stall bound (2 s) ends the fetch."""
     store, _ = published(tmp_path, keys)
     local = tmp_path / "b" / "model-x.pcache"
-    with faulty_store(Path(store), "stall") as url:
+    with faulty_store(Path(store), "stall") as (url, _):
         began = time.monotonic()
         with pytest.raises(RemoteError) as caught:
             do_fetch(url, local, keys, timeout=2, total_timeout=120)

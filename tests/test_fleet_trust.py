@@ -9,17 +9,14 @@ processes (a fetch child killed with SIGKILL while a loopback HTTP server is sen
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +25,8 @@ import pytest
 
 import packcache
 from harness import require_root
+from harness.httpstore import faulty_store
 from harness.keys import make_keys
-from packcache import format as fmt
 from packcache.errors import RemoteError, UntrustedFileError
 from packcache.fleet import fetch as fleet_fetch
 from packcache.fleet.manifest import load_private_key
@@ -255,69 +252,6 @@ def test_fetch_never_renames_over_a_file_the_cache_would_refuse(
 # --------------------------------------------------------------------------- a fetch killed mid-download
 
 
-class _SlowStore(BaseHTTPRequestHandler):
-    """Serves a directory store read-only over HTTP; a blob's range reads (a fetch's parts, not its header read) are
-    sent half, then nothing until released."""
-
-    root: Path
-    release: threading.Event
-    sending: threading.Event
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self._answer(body=False)
-
-    def do_GET(self) -> None:
-        self._answer(body=True)
-
-    def _answer(self, *, body: bool) -> None:
-        path = self.root / self.path.lstrip("/").split("?")[0]
-        if not path.is_file():
-            self.send_error(404)
-            return
-        data = path.read_bytes()
-        wanted = self.headers.get("Range")
-        if wanted:
-            first, _, last = wanted.removeprefix("bytes=").partition("-")
-            start, end = int(first), min(int(last) if last else len(data) - 1, len(data) - 1)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-            data = data[start : end + 1]
-        else:
-            self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Last-Modified", "Wed, 02 Dec 2026 00:00:00 GMT")
-        self.send_header("ETag", f'"{len(data)}"')
-        self.end_headers()
-        if not body:
-            return
-        if not path.name.endswith(".pcache") or len(data) <= fmt.HEADER_READ_SIZE:
-            self.wfile.write(data)
-            return
-        self.wfile.write(data[: len(data) // 2])
-        self.wfile.flush()
-        self.sending.set()
-        self.release.wait(60)
-
-
-@contextlib.contextmanager
-def slow_http_store(root: Path) -> Iterator[tuple[str, threading.Event]]:
-    handler = type("Handler", (_SlowStore,), {"root": root, "release": threading.Event(), "sending": threading.Event()})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler.sending
-    finally:
-        handler.release.set()
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
 @pytest.mark.parametrize("then", ["fetch", "load"])
 @pytest.mark.parametrize("spelling", ["direct", "through-a-symlink"])
 def test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes(
@@ -338,7 +272,7 @@ def test_a_fetch_killed_mid_download_leaves_a_temp_the_next_fetch_removes(
     def temps() -> list[Path]:
         return [*local.parent.glob(".model-x.pcache.tmp-*"), *given.parent.glob(".model-x.pcache.tmp-*")]
 
-    with slow_http_store(Path(store)) as (url, sending):
+    with faulty_store(Path(store), "stall") as (url, sending):
         code = (
             "from packcache.fleet.fetch import fetch\n"
             "from packcache.format import canonical_key\n"
