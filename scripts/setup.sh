@@ -8,7 +8,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.packcache-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+# setup.py and csrc/: the compiled kernels (packcache._kernels), built by this install
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ] || [ setup.py -nt "$stamp" ] ||
+    [ csrc/kernels.c -nt "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     # torch==2.13.0 (pinned by the extras) is a CPU build on local disk; never let pip resolve another torch:
     # the constraint also holds sentence-transformers (hf extra), which declares an unpinned torch.

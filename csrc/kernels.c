@@ -1,0 +1,657 @@
+/* packcache's streaming CPU kernels: few-row products over packed weights, read in place.
+ *
+ * Plain C, no Python API and no torch: packcache.native loads this shared object with ctypes
+ * and passes it pointers into torch tensors (the packed operands are views of the cache
+ * mapping, so the weights are read where the file's pages are: nothing is copied or repacked).
+ *
+ * Operations (y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and y float32, row-major):
+ *   pc_int8  W int8 [N, K], one float32 scale per output row (packcache's torch.int8wo layout).
+ *            x is quantised per row in blocks of 32 input features to int8 (symmetric, round to
+ *            nearest, a float32 scale per block: llama.cpp's Q8_0 activations), and each block's
+ *            int32 dot product is scaled back: the int8 dot products run on VNNI (vpdpbusd) or AVX2
+ *            (vpmaddubsw + vpmaddwd).
+ *   pc_bf16  W bfloat16 [N, K] (packcache's torch.linear.bf16 layout). x is rounded to bfloat16
+ *            (round to nearest even, as torch does), products accumulate in float32: vdpbf16ps on
+ *            AVX512-BF16, widening + FMA on AVX2.
+ *
+ * Dispatch: pc_isa() reports what this CPU runs (2: AVX512F/BW/VL + VNNI + BF16, 1: AVX2 + FMA + F16C,
+ * 0: neither, then nothing here may be called). Each call names the ISA to use (at most pc_isa()):
+ * the caller may force the AVX2 code on an AVX512 CPU. Code for each ISA is compiled with its own
+ * target attribute, so the library builds with the compiler's default flags and runs anywhere.
+ *
+ * Threads: a call splits the output rows between pc_set_threads(n) OpenMP threads: torch's own
+ * (see "threads" below).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <immintrin.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PC_API __attribute__((visibility("default")))
+#define QBLOCK 32
+#define MAX_THREADS 64
+#define MAX_ROWS 64
+/* Bytes ahead of the weight stream a product prefetches: the hardware prefetchers stop at 4 KiB pages, and a
+ * mapped file's pages are 4 KiB, so each page would otherwise start with demand misses. Prefetches never fault,
+ * so running past the end of the weight is harmless. */
+#define PREFETCH 2048
+
+/* ------------------------------------------------------------------ ISA detection */
+
+PC_API int pc_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+        __builtin_cpu_supports("avx512bf16"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return 1;
+    return 0;
+}
+
+PC_API int pc_abi_version(void) { return 1; }
+
+/* ------------------------------------------------------------------ activation quantisation (scalar) */
+
+/* One row of x [K] to int8 codes q [K] and, per 4-feature lane, the block's scale (lane_scale [K/4]);
+ * returns sum over blocks of scale * 128 * sum(codes), the term the AVX512 kernel's unsigned trick adds.
+ * Per block of 32: scale = amax / 127, codes = round half to even (the default MXCSR mode, as lrintf) of
+ * x / scale, clipped to +-127. AVX2 (every CPU the kernels run on has it). */
+__attribute__((target("avx2,fma,f16c")))
+static float quantize_row(const float *x, int K, int8_t *q, float *lane_scale) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    float correction = 0.0f;
+    for (int b = 0; b < K; b += QBLOCK) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + b + 8 * i);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float scale = _mm_cvtss_f32(h) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
+        __m256i c[4];
+        for (int i = 0; i < 4; i++)
+            c[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), top), bottom);
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        _mm256_storeu_si256((__m256i *)(q + b), _mm256_permutevar8x32_epi32(packed, order));
+        __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        for (int l = b / 4; l < (b + QBLOCK) / 4; l++) lane_scale[l] = scale;
+        correction += scale * 128.0f * (float)_mm_cvtsi128_si32(s4);
+    }
+    return correction;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                         /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* y[i] = v in the output's dtype (0: float32, 1: bfloat16). */
+static inline void store(void *y, size_t i, float v, int ydtype) {
+    if (ydtype)
+        ((uint16_t *)y)[i] = to_bf16(v);
+    else
+        ((float *)y)[i] = v;
+}
+
+static inline float load_x(const void *x, size_t i, int xdtype) {
+    if (!xdtype) return ((const float *)x)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------ AVX512 kernels */
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma")))
+static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* int8: rows [n0, n1) of W for the m rows of quantised x. 64 weight bytes per step: xor 0x80 makes them
+ * unsigned (w + 128), vpdpbusd multiplies by the signed activation codes, the block scales (per lane) scale
+ * the int32 sums, and the + 128 * sum(codes) this adds is taken off once per row (correction). MC rows of x
+ * at a time (a compile-time count, so the accumulators stay in registers). */
+#define INT8_AVX512_ROWS(MC)                                                                                      \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma"))) static void int8_avx512_##MC( \
+        const int8_t *w, int K, const int8_t *q, const float *ls, __m512 *acc) {                                 \
+        const __m512i flip = _mm512_set1_epi8((char)0x80);                                                       \
+        for (int i = 0; i < MC; i++) acc[i] = _mm512_setzero_ps();                                               \
+        for (int k = 0; k < K; k += 64) {                                                                        \
+            _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);                                         \
+            __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + k)), flip);                     \
+            for (int i = 0; i < MC; i++) {                                                                       \
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu,                                    \
+                                                  _mm512_loadu_si512((const void *)(q + (size_t)i * K + k)));   \
+                __m512 s = _mm512_loadu_ps(ls + (size_t)i * (K / 4) + k / 4);                                    \
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[i]);                                    \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+INT8_AVX512_ROWS(1)
+INT8_AVX512_ROWS(2)
+INT8_AVX512_ROWS(3)
+INT8_AVX512_ROWS(4)
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma")))
+static void int8_rows_avx512(const int8_t *W, const float *scales, const float *bias, int K, int M,
+                             const int8_t *q, const float *lane_scale, const float *correction, void *y, int ydtype,
+                             int N, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        const int8_t *w = W + (size_t)n * K;
+        if (n + 1 < n1) {
+            /* the next row's first lines: the hardware prefetcher needs a few misses to find a new stream */
+            _mm_prefetch((const char *)(w + K), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + K + 64), _MM_HINT_T0);
+        }
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int mc = M - m0 < 4 ? M - m0 : 4;
+            __m512 acc[4];
+            const int8_t *qm = q + (size_t)m0 * K;
+            const float *lm = lane_scale + (size_t)m0 * (K / 4);
+            switch (mc) {
+                case 1: int8_avx512_1(w, K, qm, lm, acc); break;
+                case 2: int8_avx512_2(w, K, qm, lm, acc); break;
+                case 3: int8_avx512_3(w, K, qm, lm, acc); break;
+                default: int8_avx512_4(w, K, qm, lm, acc); break;
+            }
+            for (int i = 0; i < mc; i++) {
+                float v = (hsum512(acc[i]) - correction[m0 + i]) * scales[n];
+                store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
+            }
+        }
+    }
+}
+
+/* bf16: 32 weights per step, vdpbf16ps against x rounded to bf16. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma")))
+static void bf16_rows_avx512(const uint16_t *W, const float *bias, int K, int M, const uint16_t *xb, void *y, int ydtype,
+                             int N, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        const uint16_t *w = W + (size_t)n * K;
+        if (n + 1 < n1) {
+            _mm_prefetch((const char *)(w + K), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + K + 32), _MM_HINT_T0);
+        }
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int mc = M - m0 < 4 ? M - m0 : 4;
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int k = 0; k < K; k += 32) {
+                _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
+                __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + k));
+                for (int i = 0; i < mc; i++) {
+                    __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)(m0 + i) * K + k));
+                    acc[i] = _mm512_dpbf16_ps(acc[i], wv, xv);
+                }
+            }
+            for (int i = 0; i < mc; i++) {
+                float v = hsum512(acc[i]);
+                store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ AVX2 kernels */
+
+__attribute__((target("avx2,fma,f16c")))
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* int8 on AVX2: 32 weight bytes (one block) per step. vpmaddubsw takes unsigned x signed bytes: |w| and the
+ * activation codes carrying w's sign (vpsignb), so no term needs correcting; pairs fit int16 (|w|, |q| <= 127). */
+__attribute__((target("avx2,fma,f16c")))
+static void int8_rows_avx2(const int8_t *W, const float *scales, const float *bias, int K, int M, const int8_t *q,
+                           const float *lane_scale, void *y, int ydtype, int N, int n0, int n1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int n = n0; n < n1; n++) {
+        const int8_t *w = W + (size_t)n * K;
+        if (n + 1 < n1) {
+            _mm_prefetch((const char *)(w + K), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + K + 64), _MM_HINT_T0);
+        }
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int mc = M - m0 < 4 ? M - m0 : 4;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int k = 0; k < K; k += 32) {
+                if (!(k & 63)) _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));
+                __m256i wabs = _mm256_sign_epi8(wv, wv);
+                for (int i = 0; i < mc; i++) {
+                    const int8_t *qa = q + (size_t)(m0 + i) * K;
+                    __m256i qs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qa + k)), wv);
+                    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, qs), ones);
+                    __m256 s = _mm256_loadu_ps(lane_scale + (size_t)(m0 + i) * (K / 4) + k / 4);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[i]);
+                }
+            }
+            for (int i = 0; i < mc; i++) {
+                float v = hsum256(acc[i]) * scales[n];
+                store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
+            }
+        }
+    }
+}
+
+/* bf16 on AVX2: 16 weights per step widened to two float32 vectors (bf16 is float32's high half), FMA
+ * against x rounded to bf16 and widened the same way once per call (xw, float32). */
+__attribute__((target("avx2,fma,f16c")))
+static void bf16_rows_avx2(const uint16_t *W, const float *bias, int K, int M, const float *xw, void *y, int ydtype, int N,
+                           int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        const uint16_t *w = W + (size_t)n * K;
+        if (n + 1 < n1) {
+            _mm_prefetch((const char *)(w + K), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + K + 32), _MM_HINT_T0);
+        }
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int mc = M - m0 < 4 ? M - m0 : 4;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int k = 0; k < K; k += 16) {
+                if (!(k & 31)) _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));
+                /* unpack with zeros below: word j of each half becomes the float with those 16 high bits */
+                __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), wv));
+                __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), wv));
+                for (int i = 0; i < mc; i++) {
+                    /* xw holds x permuted the same way per 16 features (see widen_x_avx2) */
+                    const float *xr = xw + (size_t)(m0 + i) * K + k;
+                    acc[i] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 8), acc[i]);
+                }
+            }
+            for (int i = 0; i < mc; i++) {
+                float v = hsum256(acc[i]);
+                store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
+            }
+        }
+    }
+}
+
+/* x rounded to bf16, as float32, in the order unpacklo/unpackhi_epi16 yields 16 weights: 0-3, 8-11 | 4-7, 12-15. */
+static void widen_x_avx2(const uint16_t *xb, int K, float *xw) {
+    static const int order[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    for (int k = 0; k < K; k += 16)
+        for (int j = 0; j < 16; j++) {
+            uint32_t u = (uint32_t)xb[k + order[j]] << 16;
+            memcpy(&xw[k + j], &u, 4);
+        }
+}
+
+/* ------------------------------------------------------------------ int4 (torch's CPU layout) */
+
+/* torch._convert_weight_to_int4pack_for_cpu cuts the rows into blocks of B (64 on AVX512 builds, 32 on AVX2) and
+ * stores, per block and input feature k, B/2 bytes: byte j's low nibble is row j, its high nibble row j + B/2.
+ * Codes 0..15; weight = (code - 8) * scale + zero with bf16 (scale, zero) pairs per group of input features and
+ * row ([K/group, N, 2]). The kernel takes 64 rows at a time as four sets of 16: (low or high nibble) x (first or
+ * second 16-byte lane). With B = 64 the lanes are the two halves of a block's 32 bytes per k; with B = 32 they are
+ * the 16 bytes per k of two neighbouring blocks. Four k at a time, byte and word unpacks turn the four 16-byte rows
+ * of codes into 32-bit lanes of (k, k+1, k+2, k+3) codes of one row: what vpdpbusd (or vpmaddubsw + vpmaddwd)
+ * multiplies by four int8 activation codes broadcast to every lane. Per block of 32 input features the int32 sums
+ * are scaled back: y += sum * activation scale * scale + (zero - 8 * scale) * (sum of the block's activations). */
+
+typedef struct {
+    const uint8_t *lane[2]; /* the two 16-byte lanes' bytes for k = 0 */
+    int kstride;            /* bytes from one k to the next within a lane */
+    int rows[4];            /* first row of each set, from base: (low, lane 0), (low, lane 1), (high, lane 0), (high, lane 1) */
+    int base;               /* the unit's first row */
+} int4_unit;
+
+#define INT4_UNIT(NAME, TARGET, DOT)                                                                              \
+    TARGET static void NAME(const int4_unit *u, int K, int group, int N, const int8_t *q, const float *ascale,     \
+                            const float *bsum, const uint16_t *sz, float *out) {                                  \
+        const __m256i low = _mm256_set1_epi8(0x0f), high16 = _mm256_set1_epi32((int)0xffff0000u);                \
+        const uint8_t *lane0 = u->lane[0], *lane1 = u->lane[1];                                                   \
+        const size_t kstride = (size_t)u->kstride;                                                                \
+        const int contiguous = lane1 == lane0 + 16 && kstride == 32; /* block 64: one 32-byte load per k */        \
+        const int per_group = group / QBLOCK;                                                                     \
+        __m256 y[8];                                                                                              \
+        for (int i = 0; i < 8; i++) y[i] = _mm256_setzero_ps();                                                   \
+        for (int b = 0; b < K; b += QBLOCK) {                                                                     \
+            __m256i acc[8];                                                                                       \
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();                                          \
+            for (int k = b; k < b + QBLOCK; k += 4) {                                                             \
+                __m256i v[4];                                                                                     \
+                for (int t = 0; t < 4; t++) {                                                                     \
+                    size_t off = (size_t)(k + t) * kstride;                                                      \
+                    v[t] = contiguous ? _mm256_loadu_si256((const __m256i *)(lane0 + off))                       \
+                                      : _mm256_inserti128_si256(                                                  \
+                                            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(lane0 + off))), \
+                                            _mm_loadu_si128((const __m128i *)(lane1 + off)), 1);                  \
+                }                                                                                                 \
+                _mm_prefetch((const char *)(lane0 + k * kstride) + PREFETCH, _MM_HINT_T0);                       \
+                if (!contiguous) _mm_prefetch((const char *)(lane1 + k * kstride) + PREFETCH, _MM_HINT_T0);      \
+                int32_t four;                                                                                     \
+                memcpy(&four, q + k, 4);                                                                          \
+                const __m256i act = _mm256_set1_epi32(four);                                                      \
+                for (int h = 0; h < 2; h++) {                                                                     \
+                    __m256i c[4];                                                                                 \
+                    for (int t = 0; t < 4; t++)                                                                   \
+                        c[t] = h ? _mm256_and_si256(_mm256_srli_epi16(v[t], 4), low) : _mm256_and_si256(v[t], low); \
+                    __m256i a01 = _mm256_unpacklo_epi8(c[0], c[1]), b01 = _mm256_unpackhi_epi8(c[0], c[1]);      \
+                    __m256i a23 = _mm256_unpacklo_epi8(c[2], c[3]), b23 = _mm256_unpackhi_epi8(c[2], c[3]);      \
+                    acc[4 * h + 0] = DOT(acc[4 * h + 0], _mm256_unpacklo_epi16(a01, a23), act);                   \
+                    acc[4 * h + 1] = DOT(acc[4 * h + 1], _mm256_unpackhi_epi16(a01, a23), act);                   \
+                    acc[4 * h + 2] = DOT(acc[4 * h + 2], _mm256_unpacklo_epi16(b01, b23), act);                   \
+                    acc[4 * h + 3] = DOT(acc[4 * h + 3], _mm256_unpackhi_epi16(b01, b23), act);                   \
+                }                                                                                                 \
+            }                                                                                                     \
+            const uint16_t *szg = sz + (size_t)(b / QBLOCK / per_group) * N * 2;                                  \
+            const __m256 as = _mm256_set1_ps(ascale[b / QBLOCK]), bs = _mm256_set1_ps(bsum[b / QBLOCK]);        \
+            for (int h = 0; h < 2; h++)                                                                           \
+                for (int i = 0; i < 4; i++) {                                                                     \
+                    /* acc[4h+i]: rows 4i..4i+3 of set (h, lane 0), then of set (h, lane 1) */                     \
+                    __m256i pairs = _mm256_inserti128_si256(                                                      \
+                        _mm256_castsi128_si256(                                                                   \
+                            _mm_loadu_si128((const __m128i *)(szg + (size_t)(u->base + u->rows[2 * h] + 4 * i) * 2))),       \
+                        _mm_loadu_si128((const __m128i *)(szg + (size_t)(u->base + u->rows[2 * h + 1] + 4 * i) * 2)), 1);    \
+                    __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));                             \
+                    __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(pairs, high16));                           \
+                    __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);                         \
+                    y[4 * h + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[4 * h + i]), _mm256_mul_ps(scale, as),  \
+                                                   y[4 * h + i]);                                                 \
+                    y[4 * h + i] = _mm256_fmadd_ps(offset, bs, y[4 * h + i]);                                     \
+                }                                                                                                 \
+        }                                                                                                         \
+        for (int h = 0; h < 2; h++)                                                                               \
+            for (int i = 0; i < 4; i++) {                                                                         \
+                _mm_storeu_ps(out + u->rows[2 * h] + 4 * i, _mm256_castps256_ps128(y[4 * h + i]));                \
+                _mm_storeu_ps(out + u->rows[2 * h + 1] + 4 * i, _mm256_extractf128_ps(y[4 * h + i], 1));          \
+            }                                                                                                     \
+    }
+
+#define DOT_VNNI(acc, codes, act) _mm256_dpbusd_epi32(acc, codes, act)
+#define DOT_AVX2(acc, codes, act) \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, act), _mm256_set1_epi16(1)))
+INT4_UNIT(int4_unit_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma"))), DOT_VNNI)
+INT4_UNIT(int4_unit_avx2, __attribute__((target("avx2,fma,f16c"))), DOT_AVX2)
+
+/* ------------------------------------------------------------------ threads */
+
+/* OpenMP, from the libgomp torch loads (same soname, so the dynamic linker hands this library torch's instance):
+ * a product runs on the very threads torch's own ops run on. A pool of its own would spin or sleep beside torch's
+ * (whose idle threads spin for a while after each op), and on a 2-core machine the two pools took turns: decode
+ * ran at a third of the kernels' speed. */
+#include <omp.h>
+
+typedef void (*pc_task)(void *ctx, int n0, int n1);
+
+static int pool_threads = 1;
+
+/* Threads for later calls (1: the caller only). Returns the number in effect. */
+PC_API int pc_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    pool_threads = n;
+    return n;
+}
+
+static void split(int part, int parts, int N, int align, int *n0, int *n1) {
+    int units = (N + align - 1) / align;
+    int a = (int)((long)units * part / parts), b = (int)((long)units * (part + 1) / parts);
+    *n0 = a * align < N ? a * align : N;
+    *n1 = b * align < N ? b * align : N;
+}
+
+static void run(pc_task task, void *ctx, int N, int align) {
+    int parts = pool_threads;
+    if (parts > 1 && N >= 2 * align && !omp_in_parallel()) {
+#pragma omp parallel num_threads(parts)
+        {
+            int n0, n1;
+            split(omp_get_thread_num(), omp_get_num_threads(), N, align, &n0, &n1);
+            if (n0 < n1) task(ctx, n0, n1);
+        }
+    } else {
+        task(ctx, 0, N);
+    }
+}
+
+/* ------------------------------------------------------------------ entry points */
+
+typedef struct {
+    const void *W;
+    const float *scales, *bias;
+    int K, M, N, isa, ydtype;
+    const int8_t *q;
+    const float *lane_scale, *correction;
+    const uint16_t *xb;
+    const float *xw;
+    void *y;
+} job_t;
+
+static void int8_task(void *p, int n0, int n1) {
+    job_t *j = p;
+    if (j->isa == 2)
+        int8_rows_avx512(j->W, j->scales, j->bias, j->K, j->M, j->q, j->lane_scale, j->correction, j->y, j->ydtype,
+                         j->N, n0, n1);
+    else
+        int8_rows_avx2(j->W, j->scales, j->bias, j->K, j->M, j->q, j->lane_scale, j->y, j->ydtype, j->N, n0, n1);
+}
+
+static void bf16_task(void *p, int n0, int n1) {
+    job_t *j = p;
+    if (j->isa == 2)
+        bf16_rows_avx512(j->W, j->bias, j->K, j->M, j->xb, j->y, j->ydtype, j->N, n0, n1);
+    else
+        bf16_rows_avx2(j->W, j->bias, j->K, j->M, j->xw, j->y, j->ydtype, j->N, n0, n1);
+}
+
+/* The K multiple each ISA's int8 / bf16 loop steps by. */
+PC_API int pc_k_multiple(int op, int isa) {
+    if (op == 2) return QBLOCK; /* int4: and a multiple of its group */
+    return op == 0 ? (isa == 2 ? 64 : 32) : (isa == 2 ? 32 : 16);
+}
+
+static int check(int op, int M, int K, int N, int isa, int xdtype, int ydtype) {
+    if (isa < 1 || isa > pc_isa()) return -ENOTSUP;
+    if (M < 1 || M > MAX_ROWS || N < 1 || K < 1 || K % pc_k_multiple(op, isa)) return -EINVAL;
+    if ((xdtype != 0 && xdtype != 1) || (ydtype != 0 && ydtype != 1)) return -EINVAL;
+    return 0;
+}
+
+/* Rows of activations one call takes (a prefill of more rows is a GEMM: torch's). */
+PC_API int pc_max_rows(void) { return MAX_ROWS; }
+
+/* y [M, N] = x [M, K] @ (W int8 [N, K] * scales [N])^T + bias [N]. x and y are float32 (dtype 0) or bfloat16
+ * (dtype 1); scales and bias (may be NULL) float32. K a multiple of pc_k_multiple(0, isa), 1 <= M <= 64.
+ * Returns 0, -EINVAL (shapes, dtypes), -ENOTSUP (isa) or -ENOMEM. */
+PC_API int pc_int8(const void *x, int xdtype, int M, int K, const int8_t *W, const float *scales, int N,
+                   const float *bias, void *y, int ydtype, int isa) {
+    int rc = check(0, M, K, N, isa, xdtype, ydtype);
+    if (rc) return rc;
+    int8_t *q = malloc((size_t)M * K);
+    float *lane = malloc((size_t)M * (K / 4) * sizeof(float));
+    float correction[MAX_ROWS];
+    float *row = xdtype ? malloc((size_t)K * sizeof(float)) : NULL;
+    if (!q || !lane || (xdtype && !row)) {
+        free(q);
+        free(lane);
+        free(row);
+        return -ENOMEM;
+    }
+    for (int m = 0; m < M; m++) {
+        const float *xr = (const float *)x + (size_t)m * K;
+        if (xdtype) {
+            for (int k = 0; k < K; k++) row[k] = load_x(x, (size_t)m * K + k, 1);
+            xr = row;
+        }
+        correction[m] = quantize_row(xr, K, q + (size_t)m * K, lane + (size_t)m * (K / 4));
+    }
+    job_t job = {.W = W, .scales = scales, .bias = bias, .K = K, .M = M, .N = N, .isa = isa, .ydtype = ydtype,
+                 .q = q, .lane_scale = lane, .correction = correction, .y = y};
+    run(int8_task, &job, N, 8);
+    free(q);
+    free(lane);
+    free(row);
+    return 0;
+}
+
+/* y [M, N] = bf16(x [M, K]) @ W bf16 [N, K]^T + bias [N], float32 accumulation. x and y float32 (0) or bfloat16
+ * (1); bias (may be NULL) float32. K a multiple of pc_k_multiple(1, isa), 1 <= M <= 64. Returns as pc_int8. */
+PC_API int pc_bf16(const void *x, int xdtype, int M, int K, const uint16_t *W, int N, const float *bias, void *y,
+                   int ydtype, int isa) {
+    int rc = check(1, M, K, N, isa, xdtype, ydtype);
+    if (rc) return rc;
+    size_t count = (size_t)M * K;
+    uint16_t *xb = xdtype ? NULL : malloc(count * sizeof(uint16_t));
+    float *xw = isa == 1 ? malloc(count * sizeof(float)) : NULL;
+    if ((!xdtype && !xb) || (isa == 1 && !xw)) {
+        free(xb);
+        free(xw);
+        return -ENOMEM;
+    }
+    const uint16_t *xs = xdtype ? (const uint16_t *)x : xb;
+    if (!xdtype)
+        for (size_t i = 0; i < count; i++) xb[i] = to_bf16(((const float *)x)[i]);
+    if (isa == 1)
+        for (int m = 0; m < M; m++) widen_x_avx2(xs + (size_t)m * K, K, xw + (size_t)m * K);
+    job_t job = {.W = W, .bias = bias, .K = K, .M = M, .N = N, .isa = isa, .ydtype = ydtype, .xb = xs, .xw = xw,
+                 .y = y};
+    run(bf16_task, &job, N, 8);
+    free(xb);
+    free(xw);
+    return 0;
+}
+
+typedef struct {
+    const uint8_t *W;
+    const uint16_t *sz;
+    const float *bias;
+    int K, N, M, block, group, isa, ydtype;
+    const int8_t *q;
+    const float *bscale, *bsum;
+    void *y;
+} int4_job;
+
+static void int4_task(void *p, int n0, int n1) {
+    int4_job *j = p;
+    size_t half_k = (size_t)j->K / 2;
+    for (int base = n0; base < n1; base += 64) {
+        int4_unit u = {.base = base};
+        const uint8_t *first = j->W + (size_t)base * half_k;
+        if (j->block == 64) {
+            u = (int4_unit){{first, first + 16}, 32, {0, 16, 32, 48}, base};
+        } else { /* blocks base / 32 and base / 32 + 1 */
+            u = (int4_unit){{first, first + 32 * half_k}, 16, {0, 32, 16, 48}, base};
+        }
+        for (int m = 0; m < j->M; m++) {
+            float out[64];
+            const int8_t *q = j->q + (size_t)m * j->K;
+            const float *bscale = j->bscale + (size_t)m * (j->K / QBLOCK), *bsum = j->bsum + (size_t)m * (j->K / QBLOCK);
+            if (j->isa == 2)
+                int4_unit_avx512(&u, j->K, j->group, j->N, q, bscale, bsum, j->sz, out);
+            else
+                int4_unit_avx2(&u, j->K, j->group, j->N, q, bscale, bsum, j->sz, out);
+            for (int r = 0; r < 64; r++)
+                store(j->y, (size_t)m * j->N + base + r, j->bias ? out[r] + j->bias[base + r] : out[r], j->ydtype);
+        }
+    }
+}
+
+/* y [M, N] = (x [M, K] * in_scales [K]) @ W^T + bias [N] for an int4 pack in torch's CPU layout with halves
+ * (block 64 or 32: torch.int4wo on AVX512 or AVX2 builds), bf16 (scale, zero) pairs sz [K/group, N, 2]. x and y
+ * float32 (0) or bfloat16 (1); in_scales and bias (each may be NULL) float32. The activations are quantised as for
+ * pc_int8 (blocks of 32). N % 64 == 0, K % group == 0, group % 32 == 0, 1 <= M <= 64. Returns as pc_int8. */
+PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, const uint16_t *sz, int N, int group,
+                   int block, const float *in_scales, const float *bias, void *y, int ydtype, int isa) {
+    if (isa < 1 || isa > pc_isa()) return -ENOTSUP;
+    if (M < 1 || M > MAX_ROWS || N < 64 || N % 64 || group < QBLOCK || group % QBLOCK || K < group || K % group ||
+        (block != 32 && block != 64) || (xdtype != 0 && xdtype != 1) || (ydtype != 0 && ydtype != 1))
+        return -EINVAL;
+    int blocks = K / QBLOCK;
+    int8_t *q = malloc((size_t)M * K);
+    float *bscale = malloc((size_t)M * blocks * sizeof(float)), *bsum = malloc((size_t)M * blocks * sizeof(float));
+    float *row = malloc((size_t)K * sizeof(float)), *lane = malloc((size_t)(K / 4) * sizeof(float));
+    if (!q || !bscale || !bsum || !row || !lane) {
+        free(q), free(bscale), free(bsum), free(row), free(lane);
+        return -ENOMEM;
+    }
+    for (int m = 0; m < M; m++) {
+        for (int k = 0; k < K; k++) {
+            float v = load_x(x, (size_t)m * K + k, xdtype);
+            row[k] = in_scales ? v * in_scales[k] : v;
+        }
+        quantize_row(row, K, q + (size_t)m * K, lane);
+        for (int b = 0; b < blocks; b++) {
+            float sum = 0.0f;
+            for (int k = b * QBLOCK; k < (b + 1) * QBLOCK; k++) sum += row[k];
+            bscale[(size_t)m * blocks + b] = lane[b * (QBLOCK / 4)];
+            bsum[(size_t)m * blocks + b] = sum;
+        }
+    }
+    int4_job job = {.W = W, .sz = sz, .bias = bias, .K = K, .N = N, .M = M, .block = block, .group = group,
+                    .isa = isa, .ydtype = ydtype, .q = q, .bscale = bscale, .bsum = bsum, .y = y};
+    run(int4_task, &job, N, 64);
+    free(q), free(bscale), free(bsum), free(row), free(lane);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ bandwidth probe */
+
+typedef struct {
+    const uint8_t *data;
+    size_t bytes;
+    _Atomic uint64_t sum;
+} stream_t;
+
+__attribute__((target("avx2")))
+static void stream_task(void *p, int n0, int n1) {
+    /* parts of 4 KiB pages: [n0, n1) pages, 4 independent accumulators so the loads, not the adds, set the pace */
+    stream_t *st = p;
+    size_t a = (size_t)n0 * 4096, b = (size_t)n1 * 4096;
+    if (b > st->bytes) b = st->bytes;
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    size_t i = a;
+    for (; i + 128 <= b; i += 128) {
+        acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256((const __m256i *)(st->data + i)));
+        acc1 = _mm256_xor_si256(acc1, _mm256_loadu_si256((const __m256i *)(st->data + i + 32)));
+        acc2 = _mm256_xor_si256(acc2, _mm256_loadu_si256((const __m256i *)(st->data + i + 64)));
+        acc3 = _mm256_xor_si256(acc3, _mm256_loadu_si256((const __m256i *)(st->data + i + 96)));
+    }
+    acc0 = _mm256_xor_si256(_mm256_xor_si256(acc0, acc1), _mm256_xor_si256(acc2, acc3));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, acc0);
+    uint64_t sum = lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+    for (; i < b; i++) sum ^= st->data[i];
+    atomic_fetch_xor(&st->sum, sum);
+}
+
+/* Reads bytes [0, bytes) of data once with the pool's threads (a bandwidth probe: the benchmark times it over a
+ * file-backed mapping); returns the xor of its 8-byte words, so the reads cannot be left out. Needs AVX2. */
+PC_API uint64_t pc_stream(const void *data, size_t bytes) {
+    stream_t st = {.data = data, .bytes = bytes, .sum = 0};
+    size_t pages = (bytes + 4095) / 4096;
+    if (pages > INT32_MAX || pc_isa() < 1) return 0;
+    run(stream_task, &st, (int)pages, 1);
+    return atomic_load(&st.sum);
+}
+
+/* ------------------------------------------------------------------ import stub */
+
+#ifdef PC_PYTHON_MODULE
+/* Built by setup.py as the extension module packcache._kernels, so pip compiles and installs it like any other;
+ * the module itself is empty: packcache.native loads this file with ctypes and calls the pc_* functions. */
+#include <Python.h>
+static struct PyModuleDef pc_module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                       "packcache's compiled kernels (loaded by packcache.native through ctypes).",
+                                       -1, NULL, NULL, NULL, NULL, NULL};
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&pc_module); }
+#endif
