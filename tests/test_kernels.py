@@ -120,6 +120,9 @@ def test_no_packed_layer_falls_back_to_a_reference_kernel(packer: TorchPacker) -
     weight_only_seen = 0
     for rows in (1, 7, 300):  # the fused kernel for few rows, dequantise + GEMM for many (int8/int4)
         seen = _run(layer, rows)
+        if layer.kernel(rows).startswith("packcache "):  # the compiled kernel (packcache.native): no torch op at all
+            assert not seen.of(WEIGHT_ONLY_KERNELS) and not seen.of(GEMMS), (layer.kernel(rows), rows)
+            continue
         for name, dtypes in seen.of(WEIGHT_ONLY_KERNELS):
             weight_only_seen += 1
             # Given float32 activations these ops run their scalar reference loop.
@@ -148,7 +151,10 @@ def test_every_forced_path_runs_the_ops_it_reports(packer: TorchPacker, path: st
     for rows in (1, 300):
         seen = _run(layer, rows)
         expected_dtype = packer.kernel_input_dtype(path, rows)
-        if layer.kernel(rows).startswith("_weight_"):
+        if layer.kernel(rows).startswith("packcache "):  # the compiled kernel: int8 activations, no torch op
+            assert expected_dtype == torch.int8 or isinstance(packer, LinearBFloat16)
+            assert not seen.of(WEIGHT_ONLY_KERNELS) and not seen.of(GEMMS)
+        elif layer.kernel(rows).startswith("_weight_"):
             (call,) = seen.of(WEIGHT_ONLY_KERNELS)
             assert call[0] in layer.kernel(rows) and call[1][0] == expected_dtype
         else:
@@ -274,8 +280,11 @@ def test_the_bf16_scheme_never_widens_its_weight_per_call(path: str, rows: int) 
     seen = _produced(layer, rows)
     weight_sized = [out for out in seen.outputs if out[2] in ((64, 128), (128, 64))]
     assert not weight_sized, weight_sized
-    assert any(op in GEMMS for op, _, _ in seen.outputs)
-    assert layer.kernel(rows).endswith("linear(bfloat16)")
+    if layer.kernel(rows).startswith("packcache bf16"):  # the compiled kernel (packcache.native) reads it in place
+        assert not any(op in GEMMS for op, _, _ in seen.outputs)
+    else:
+        assert any(op in GEMMS for op, _, _ in seen.outputs)
+        assert layer.kernel(rows).endswith("linear(bfloat16)")
 
 
 @pytest.mark.parametrize("path", ["bf16", "fp32"])
@@ -288,8 +297,11 @@ def test_an_int4_decode_call_converts_neither_its_scales_nor_its_input(path: str
     scales_sized = [out for out in seen.outputs if out[2] == (128 // 32, 64, 2)]
     assert not scales_sized, scales_sized
     assert not [out for out in seen.outputs if out[0] == "mul"], seen.outputs
-    if cpu_kernels().fused_weight_only:
-        assert [op for op, _, _ in seen.outputs if op.startswith("_weight_int4pack")] == ["_weight_int4pack_mm_for_cpu"]
+    fused = [op for op, _, _ in seen.outputs if op.startswith("_weight_int4pack")]
+    if layer.kernel(1).startswith("packcache int4"):  # the compiled kernel: no torch op
+        assert not fused
+    elif cpu_kernels().fused_weight_only:
+        assert fused == ["_weight_int4pack_mm_for_cpu"]
 
 
 class _MisreadInt8(Int8WeightOnly):
@@ -339,21 +351,26 @@ def test_a_kernel_that_misreads_the_layout_fails_loudly_on_the_path_that_runs(
 
 def test_the_self_check_reuses_the_fingerprints_pack() -> None:
     """A process's first fingerprint packs the fingerprint input once (the determinism check waits for a
-    real pack) and no more: the kernel self-check runs on that pack, it does not pack again."""
-    calls: list[int] = []
+    real pack) and no more: the kernel self-check runs on that pack, it does not pack it again (where a compiled
+    kernel runs it also packs its own 64-row probe once, ``packers_torch.NATIVE_PROBE_SHAPE``)."""
+    from packcache.packers import FINGERPRINT_SHAPE
+    from packcache.packers_torch import NATIVE_PROBE_SHAPE
+
+    calls: list[tuple[int, ...]] = []
 
     class Counting(Int8WeightOnly):
         id = "test.int8-counting"
 
         def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Any:
-            calls.append(1)
+            calls.append(tuple(source.shape))
             return super().pack(source, dtype, stats)
 
     packer = Counting()
     packer.fingerprint()
-    assert len(calls) == 1
+    assert calls == [FINGERPRINT_SHAPE]
     check_kernels(nn.Sequential(PackedLinear.from_parts(packer, packer.fingerprint_pack(), None, kernel_path="fp32")))
-    assert len(calls) == 1
+    native_probe = [NATIVE_PROBE_SHAPE] if packer.kernel("fp32", 1).startswith("packcache ") else []
+    assert calls == [FINGERPRINT_SHAPE, *native_probe]
 
 
 # ------------------------------------------------------------------ an explicit choice wins over the environment

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import native
 from ._defaults import GROUP_SIZE
 from .errors import NonFiniteWeightError, PackResultError
 from .kernels import KERNEL_PATHS, activation_dtype, cpu_kernels, int4_layout, requested_path
@@ -77,6 +78,11 @@ Operands = Mapping[str, "torch.Tensor | None"]
 #: (384x384, 384x1536, 1536x384) on an AVX512-BF16/AMX Xeon, 2 threads (``docs/TORCH.md``).
 FUSED_MAX_ROWS_INT8 = {"bf16": 16, "fp32": 32}
 FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
+#: Per compiled operation (:mod:`packcache.native`), the most rows it is called for; more rows are a GEMM (torch's
+#: dequantise-and-multiply, or oneDNN's bf16 GEMM), faster from there (``docs/TORCH.md``, "Compiled kernels").
+NATIVE_MAX_ROWS = {"int8": 2, "bf16": 4, "int4": 1}
+
+_NATIVE_DTYPES = {torch.float32: native.FLOAT32, torch.bfloat16: native.BFLOAT16}
 
 #: torch dtypes a pack may hold, with the numpy dtype that stores their bytes.
 #: bfloat16 has no numpy dtype: its bits are stored as uint16 and read back as bfloat16.
@@ -209,8 +215,10 @@ class TorchPacker(Packer):
 
     def tolerance(self, path: str = "fp32", rows: int = 1) -> float:
         """Largest max-abs kernel error :func:`_self_check` accepts on the fingerprint input, on ``path``."""
-        # bf16 activations keep ~3 significant digits; over a 256-term dot product that is ~0.1.
-        return 0.5 if self.kernel_input_dtype(path, rows) == torch.bfloat16 else 1e-3
+        # bf16 activations keep ~3 significant digits; over a 256-term dot product that is ~0.1. int8 activations
+        # (the compiled kernels': blocks of 32, amax/127 steps) err more; a misread layout errs by ~the output.
+        dtype = self.kernel_input_dtype(path, rows)
+        return 1.0 if dtype == torch.int8 else 0.5 if dtype == torch.bfloat16 else 1e-3
 
     # ------------------------------------------------------------------ forward
 
@@ -249,7 +257,8 @@ class TorchPacker(Packer):
         (bias, scales) converted to the path's dtype once instead of at every call."""
         dtype = activation_dtype(path)
         bias = operands.get("bias")
-        return {**operands, "bias": None if bias is None else bias.to(dtype)}
+        # bias_f32: the compiled kernels add the float32 bias themselves, on either path
+        return {**operands, "bias": None if bias is None else bias.to(dtype), "bias_f32": bias}
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         """``x @ W.T + bias`` for a 2-d contiguous ``x`` in the path's dtype, with operands from
@@ -290,14 +299,91 @@ class TorchPacker(Packer):
 
     def kernels(self, path: str) -> str:
         """Every op this packer runs on ``path``, with the row ranges: e.g. for ``repr``."""
-        small, large = self.kernel(path, 1), self.kernel(path, 1 << 30)
-        if small != large:
-            return f"{small} up to {self.fused_max_rows.get(path, 0)} rows, else {large}"
-        return small
+        limits = {self.fused_max_rows.get(path, 0)}
+        if self.native_op is not None:
+            limits.add(NATIVE_MAX_ROWS[self.native_op])
+        ranges: list[tuple[str, int]] = []  # (op, the most rows it runs for)
+        for limit in sorted(n for n in limits if n > 0):
+            op = self.kernel(path, limit)
+            if ranges and ranges[-1][0] == op:
+                ranges[-1] = (op, limit)
+            else:
+                ranges.append((op, limit))
+        large = self.kernel(path, 1 << 30)
+        if ranges and ranges[-1][0] == large:
+            ranges.pop()
+        shown = [f"{op} up to {rows} row{'s' if rows > 1 else ''}" for op, rows in ranges]
+        return ", ".join([*shown, f"else {large}"]) if ranges else large
 
     def _use_fused(self, path: str, rows: int) -> bool:
         """Whether :meth:`linear` calls torch's fused weight-only kernel for ``rows`` rows on ``path``."""
         return rows <= self.fused_max_rows.get(path, 0) and cpu_kernels().fused_weight_only
+
+    #: The compiled operation (:mod:`packcache.native`) of this packer's packs, if it has one.
+    native_op: ClassVar[str | None] = None
+
+    def _use_native(self, rows: int, in_features: int) -> bool:
+        """Whether :meth:`linear` calls the compiled kernel for ``rows`` rows of ``in_features`` (on either path)."""
+        op = self.native_op
+        return (
+            op is not None
+            and rows <= NATIVE_MAX_ROWS[op]
+            and native.status().isa is not None
+            and rows <= native.max_rows()
+            and in_features % native.k_multiple(op) == 0
+        )
+
+
+def _native_kernel(op: str) -> str:
+    """How :meth:`TorchPacker.kernel` names a compiled operation."""
+    isa = native.status().isa
+    if op == "int4":
+        return f"packcache int4 ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
+    if op == "int8":
+        return f"packcache int8 ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
+    return f"packcache bf16 ({isa}: {'vdpbf16ps' if isa == 'avx512' else 'widen + FMA'}, float32 accumulation)"
+
+
+def _fit(what: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    """Refuse an operand the compiled kernel would read past: it trusts its pointers and counts, and a pack's part
+    shapes come from the cache file's index, not from the key that named the pack."""
+    if tensor is not None and (tuple(tensor.shape) != shape or not tensor.is_contiguous()):
+        raise PackResultError(
+            f"packed operand {what} has shape {list(tensor.shape)} (contiguous: {tensor.is_contiguous()}), the layer "
+            f"needs {list(shape)} contiguous: the cache holds a pack that does not fit this layer"
+        )
+
+
+def _native_product(op: str, x: torch.Tensor, operands: Operands, out_features: int) -> torch.Tensor:
+    """``x @ W.T + bias`` by the compiled ``op`` (``int8``: ``weight`` and float32 ``scales_f32``; ``bf16``:
+    ``weight``), with the float32 ``bias_f32``; ``x`` contiguous float32 or bfloat16, the result in its dtype.
+
+    Raises:
+        PackResultError: an operand's shape does not fit the layer (pinned by
+            tests/test_native.py::test_a_pack_whose_parts_do_not_fit_the_layer_is_refused_before_the_kernel_reads_it).
+    """
+    weight, bias = _tensor(operands, "weight"), operands.get("bias_f32")
+    rows, in_features = x.shape
+    _fit("weight", weight, (out_features, in_features))
+    _fit("bias", bias, (out_features,))
+    if op == "int8":
+        _fit("scales", operands.get("scales_f32"), (out_features,))
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    dtype = _NATIVE_DTYPES[x.dtype]
+    bias_ptr = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if op == "int8":
+        scales = _tensor(operands, "scales_f32").data_ptr()
+        native.int8_product(
+            x.data_ptr(), dtype, rows, in_features, weight.data_ptr(), scales, out_features, bias_ptr, y.data_ptr(),
+            dtype, threads,
+        )  # fmt: skip
+    else:
+        native.bf16_product(
+            x.data_ptr(), dtype, rows, in_features, weight.data_ptr(), out_features, bias_ptr, y.data_ptr(), dtype,
+            threads,
+        )  # fmt: skip
+    return y
 
 
 #: (packer class, id, version, params, kernel path) whose kernel self-check passed in this process.
@@ -307,16 +393,33 @@ _CHECKED: set[tuple[str, str, int, str, str]] = set()
 def _self_check(packer: TorchPacker, path: str) -> None:
     """Run kernel ``path`` (both the fused kernel and the per-call dequantisation where the path has
     both) on the fingerprint pack and compare with the intended weight: a torch whose kernel reads
-    the layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers."""
+    the layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers.
+    Where a compiled kernel runs (:mod:`packcache.native`), also on a pack of :data:`NATIVE_PROBE_SHAPE`
+    (the int4 kernel takes 64 rows at a time: more than the fingerprint's 32)."""
     source = fingerprint_input()
     stats = fingerprint_stats() if packer.uses_stats else None
     parts = packer.fingerprint_pack()  # the pack the fingerprint hashed: not packed again
+    # 1 row: the compiled kernels' (decode's) case, where they apply; 3 and past the fused limit: torch's kernels
+    _check_rows(packer, path, parts, source, stats, sorted({1, 3, packer.fused_max_rows.get(path, 0) + 1}))
+    if packer.native_op is not None and native.status().isa is not None:
+        probe = fingerprint_input(NATIVE_PROBE_SHAPE)
+        _check_rows(packer, path, packer.pack(probe, "F32", stats), probe, stats, [1])
+
+
+#: The shape of the extra pack :func:`_self_check` runs a compiled kernel on.
+NATIVE_PROBE_SHAPE = (64, 256)
+
+
+def _check_rows(
+    packer: TorchPacker, path: str, parts: Parts, source: np.ndarray[Any, Any], stats: np.ndarray[Any, Any] | None,
+    row_counts: list[int],
+) -> None:  # fmt: skip
     dtypes = packer.part_dtypes()
     operands: dict[str, torch.Tensor | None] = {p: as_tensor(a, dtypes.get(p)) for p, a in parts.items()}
     operands["bias"] = None
     weight = torch.from_numpy(packer.intended(source, "F32", stats))
     prepared = packer.prepare(operands, path)
-    for rows in sorted({3, packer.fused_max_rows.get(path, 0) + 1}):
+    for rows in row_counts:
         x = torch.from_numpy(fingerprint_input((rows, source.shape[1])))
         expected = x @ weight.T
         with torch.inference_mode():
@@ -420,8 +523,13 @@ class LinearBFloat16(TorchPacker):
     def part_dtypes(self) -> dict[str, torch.dtype]:
         return {"weight": torch.bfloat16}
 
+    native_op = "bf16"
+
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         weight = _tensor(operands, "weight")
+        rows, in_features = x.shape
+        if self._use_native(rows, in_features):
+            return _native_product("bf16", x, operands, weight.shape[0])
         if path == "bf16":
             return F.linear(x, weight, operands.get("bias"))
         y = F.linear(x.to(torch.bfloat16), weight).float()
@@ -429,6 +537,8 @@ class LinearBFloat16(TorchPacker):
         return y if bias is None else y.add_(bias)
 
     def kernel(self, path: str, rows: int) -> str:
+        if self._use_native(rows, 1 << 12):
+            return _native_kernel("bf16")
         return "linear(bfloat16)" if path == "bf16" else "activations to bfloat16 + linear(bfloat16)"
 
     embeds = True
@@ -482,15 +592,20 @@ class Int8WeightOnly(TorchPacker):
         scales = _tensor(operands, "scales")
         prepared["scales"] = scales.to(activation_dtype(path))
         prepared["scales_bf16"] = scales.to(torch.bfloat16)  # the fused kernel's dtype, on every path
+        prepared["scales_f32"] = scales  # the compiled kernel's
         return prepared
 
     def _fused(self, path: str, rows: int, in_features: int) -> bool:
         # The vectorised kernel reads 16 (AVX512) or 8 (AVX2) input features at a time.
         return self._use_fused(path, rows) and in_features % 16 == 0
 
+    native_op = "int8"
+
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         weight, bias = _tensor(operands, "weight"), operands.get("bias")
         rows, in_features = x.shape
+        if self._use_native(rows, in_features):
+            return _native_product("int8", x, operands, weight.shape[0])
         if self._fused(path, rows, in_features):
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, _tensor(operands, "scales_bf16")).to(x.dtype)
             return y if bias is None else y.add_(bias)
@@ -510,12 +625,16 @@ class Int8WeightOnly(TorchPacker):
         return y.mul_(scales) if bias is None else torch.addcmul(bias, y, scales)
 
     def kernel(self, path: str, rows: int) -> str:
+        if self._use_native(rows, 1 << 12):
+            return _native_kernel("int8")
         if self._fused(path, rows, 16):
             return "_weight_int8pack_mm(bfloat16)"
         dtype = "bfloat16" if path == "bf16" else "float32"
         return f"int8 weight to {dtype} per call + linear({dtype})"
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
+        if self._use_native(rows, 1 << 12):
+            return torch.int8  # quantised per block of 32 inside the compiled kernel
         return torch.bfloat16 if self._fused(path, rows, 16) else activation_dtype(path)
 
     embeds = True
@@ -655,6 +774,7 @@ class Int4WeightOnly(TorchPacker):
         # All ones without calibration statistics (every hf model): then no per-call multiply of the activations.
         ones = bool(torch.all(input_scales == 1))
         prepared["input_scales"] = None if ones else input_scales.to(activation_dtype(path))
+        prepared["input_scales_f32"] = None if ones else input_scales  # the compiled kernel's
         if not cpu_kernels().fused_weight_only:  # the fused kernel's reference loop takes the activations' dtype
             prepared["scales_and_zeros"] = _tensor(operands, "scales_and_zeros").to(activation_dtype(path))
         return prepared
@@ -664,9 +784,38 @@ class Int4WeightOnly(TorchPacker):
             return True  # packcache cannot read this layout: only torch's kernel can
         return self._use_fused(path, rows)
 
+    native_op = "int4"
+
+    def _use_native(self, rows: int, in_features: int, out_features: int = 64) -> bool:
+        # The compiled kernel reads torch's layouts with halves (AVX512 and AVX2 builds), 64 rows at a time.
+        layout = int4_layout()
+        return (
+            layout is not None and layout.halves and out_features % 64 == 0 and in_features % self.group_size == 0
+            and super()._use_native(rows, in_features)
+        )  # fmt: skip
+
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         weight, scales_and_zeros = _tensor(operands, "weight"), _tensor(operands, "scales_and_zeros")
         bias, input_scales = operands.get("bias"), operands.get("input_scales")
+        rows, in_features = x.shape
+        out_features = scales_and_zeros.shape[1]
+        if self._use_native(rows, in_features, out_features):
+            layout = int4_layout()
+            assert layout is not None
+            y = torch.empty(rows, out_features, dtype=x.dtype)
+            code = _NATIVE_DTYPES[x.dtype]
+            scales = operands.get("input_scales_f32")
+            bias_f32 = operands.get("bias_f32")
+            _fit("weight", weight, (out_features, in_features // 2))
+            _fit("scales_and_zeros", scales_and_zeros, (in_features // self.group_size, out_features, 2))
+            _fit("input_scales", scales, (in_features,))
+            _fit("bias", bias_f32, (out_features,))
+            native.int4_product(
+                x.data_ptr(), code, rows, in_features, weight.data_ptr(), scales_and_zeros.data_ptr(), out_features,
+                self.group_size, layout.block, None if scales is None else scales.data_ptr(),
+                None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), code, torch.get_num_threads(),
+            )  # fmt: skip
+            return y
         dtype = activation_dtype(path)
         if self._fused(path, x.shape[0]):
             # bf16 in: the kernel's only vectorised variant (a float32 input runs its scalar reference loop).
@@ -702,12 +851,16 @@ class Int4WeightOnly(TorchPacker):
         return weight_t
 
     def kernel(self, path: str, rows: int) -> str:
+        if self._use_native(rows, 1 << 12):
+            return _native_kernel("int4")
         dtype = "bfloat16" if path == "bf16" else "float32"
         if self._fused(path, rows):
             return f"_weight_int4pack_mm_for_cpu({'bfloat16' if cpu_kernels().fused_weight_only else dtype})"
         return f"int4 weight to {dtype} per call + addmm({dtype})"
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
+        if self._use_native(rows, 1 << 12):
+            return torch.int8  # quantised per block of 32 inside the compiled kernel
         if self._fused(path, rows) and cpu_kernels().fused_weight_only:
             return torch.bfloat16
         return activation_dtype(path)
