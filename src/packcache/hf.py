@@ -16,9 +16,8 @@ materialised. The checkpoint is read for its config and safetensors headers only
 tensor bytes are read only to pack a miss, which a warm launch never has. Weights are tied
 exactly as transformers' ``from_pretrained`` ties them for that checkpoint (:func:`_tie`): what the
 config ties, unless the checkpoint holds both tensors of a pair with different values. A head tied
-to the input embeddings comes from the tie's one source tensor: with int8 and bf16 the head and the
-embedding read one pack of it (one stored tensor); with int4 the head keeps an int4 pack beside the int8
-table (faster per token); with fp32 both are the one float32 tensor.
+to the input embeddings comes from the tie's one source tensor: the head and the embedding read one pack of
+it (one stored tensor: bf16, or int8 rows for int8 and int4); with fp32 both are the one float32 tensor.
 
 Saving such a model (``save_pretrained``, ``SentenceTransformer.save``, ``state_dict``) writes a
 complete float32 checkpoint that plain transformers and sentence-transformers load: each packed

@@ -990,7 +990,7 @@ def _plan(
     aliases = _aliases(module)
     owned: set[str] = set()
     if embedding is not None:
-        _plan_tables(module, packer, embedding, aliases, plan)
+        _plan_tables(module, embedding, aliases, plan)
         for table in plan.tables:
             owned.update(table.names)
             owned.update(f"{head.name}.bias" for head in table.heads if head.has_bias)
@@ -1032,15 +1032,11 @@ def _plan(
     return plan
 
 
-def _plan_tables(
-    module: nn.Module, linear: Packer, packer: TorchPacker, aliases: dict[int, list[str]], plan: _Plan
-) -> None:
+def _plan_tables(module: nn.Module, packer: TorchPacker, aliases: dict[int, list[str]], plan: _Plan) -> None:
     """The embedding tables :func:`convert` packs with ``packer`` (into ``plan.tables``), and why the others stay
     float32 (``plan.float_embeddings``). A linear layer over a table's tensor (a tied output head) reads the
-    table's pack when ``linear`` packs as ``packer`` does (int8, bf16: one stored tensor); with another linear
-    packer (int4) it is packed by ``linear`` from the same source tensor and saves the table's weight
-    (``plan.table_ties``): an int4 head ran 2.7-3x faster per decoded token than an int8 one (``docs/TORCH.md``)."""
-    shares = linear._identity() == packer._identity()
+    table's pack, whatever packer the other layers use: one stored tensor (the int4 scheme's head is the
+    int8 table's; issue 33 item 3: an int4 pack of its own beside the table made the file 1.35x llama.cpp's Q4_0)."""
     paths: dict[int, list[str]] = {}
     found: dict[int, nn.Embedding] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
@@ -1060,7 +1056,6 @@ def _plan_tables(
             continue
         tables = {f"{p}.weight" if p else "weight" for key in keys for p in paths[key]}
         layers: list[_Layer] = []
-        ties: list[str] = []
         others: list[str] = []
         for name in names:
             if name in tables:
@@ -1069,8 +1064,6 @@ def _plan_tables(
             sub = module.get_submodule(owner)
             if type(sub) is not nn.Linear or attr != "weight":
                 others.append(name)
-            elif not shares:
-                ties.append(owner)  # packed as a linear layer (a pack of its own), tied for saving
             elif packer.eligible(tuple(sub.weight.shape)) is None:
                 layers.append(_head(owner, sub, names, aliases))
             else:
@@ -1082,7 +1075,7 @@ def _plan_tables(
         rows, columns = found[keys[0]].weight.shape
         modules = tuple((tuple(paths[key]), found[key].padding_idx) for key in keys)
         plan.tables.append(_Table(packer, tuple(names), (int(rows), int(columns)), modules, tuple(layers)))
-        plan.table_ties.update(dict.fromkeys([*ties, *(layer.name for layer in layers)], names[0]))
+        plan.table_ties.update(dict.fromkeys((layer.name for layer in layers), names[0]))
 
 
 def _head(name: str, sub: nn.Linear, names: list[str], aliases: dict[int, list[str]]) -> _Layer:
