@@ -11,13 +11,15 @@ Method (printed first when run):
   GiB/s, and the tok/s that bound allows (the rest of a step, attention and norms, comes on top).
 * Kernels: ``linear`` float32 (MKL), ``linear`` bfloat16 (oneDNN), ``_weight_int8pack_mm`` (int8
   weight, per-channel bf16 scales), ``_weight_int4pack_mm_for_cpu`` (torch's int4 layout, group
-  32, bf16 scales and zeros), and ``_int_mm`` (int8 activations quantised per call x int8 weight:
-  the W8A8 alternative). Threads: ``--threads`` (2).
+  32, bf16 scales and zeros), ``_int_mm`` (int8 activations quantised per call x int8 weight:
+  the W8A8 alternative), and packcache's compiled kernels (``packcache.native``, issue 33) on the
+  same operand layouts: ``packcache int8``, ``packcache int4`` (torch's int4 layout), ``packcache
+  bf16``, and ``packcache int8`` on a 32-row prefill. Threads: ``--threads`` (2).
 * A prefill's int8 layers (32 rows; the 16 layers, not the head, which a prefill runs on its last
   row only): each weight converted to bf16 whole per call and multiplied (packcache before issue
   22), against ``packers_torch._blocked_linear`` (``DEQUANT_BLOCK_BYTES`` at a time, what
   ``Int8WeightOnly`` does now). GiB/s there counts the int8 bytes.
-* ``--isa avx2`` runs the same in a child with ``ATEN_CPU_CAPABILITY=avx2`` and
+* ``--isa avx2`` runs the same in a child with ``ATEN_CPU_CAPABILITY=avx2``, ``PACKCACHE_NATIVE=avx2`` and
   ``ONEDNN_MAX_CPU_ISA=AVX2``: torch's and oneDNN's AVX2 code on this CPU, a stand-in for a CPU
   without AVX512 (same memory system, so only the compute-bound kernels move).
 
@@ -48,7 +50,8 @@ HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV = 2048, 8192, 16, 128256, 512
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN),
           (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [(VOCAB, HIDDEN)]  # fmt: skip
 KERNELS = ("linear f32", "linear bf16", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_int_mm (W8A8)",
-           "int8 prefill 32 rows, whole", "int8 prefill 32 rows, blocks")  # fmt: skip
+           "packcache int8", "packcache int4", "packcache bf16", "int8 prefill 32 rows, whole",
+           "int8 prefill 32 rows, blocks", "packcache int8 prefill 32 rows")  # fmt: skip
 PREFILL_ROWS = 32
 
 
@@ -59,9 +62,18 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     layers: list[tuple[torch.Tensor, ...]] = []
     nbytes = 0
-    prefill = kernel.startswith("int8 prefill")
+    prefill = "prefill" in kernel
     for n, k in SHAPES[:-1] if prefill else SHAPES:
-        if kernel == "linear f32":
+        if kernel in ("packcache int8", "packcache int8 prefill 32 rows"):
+            rows = PREFILL_ROWS if prefill else 1
+            weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+            layers.append((weight, torch.rand(n), torch.randn(rows, k), torch.empty(rows, n)))
+            nbytes += n * k + n * 4
+        elif kernel == "packcache bf16":
+            weight = torch.randn(n, k, generator=generator).bfloat16()
+            layers.append((weight, torch.randn(1, k).bfloat16(), torch.empty(1, n, dtype=torch.bfloat16)))
+            nbytes += n * k * 2
+        elif kernel == "linear f32":
             layers.append((torch.randn(n, k, generator=generator), torch.randn(1, k)))
             nbytes += n * k * 4
         elif kernel == "linear bf16":
@@ -76,10 +88,34 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
             codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
             packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
             scales_and_zeros = torch.rand(k // 32, n, 2).bfloat16()
-            layers.append((packed, scales_and_zeros, torch.randn(1, k).bfloat16()))
+            x = torch.randn(1, k) if kernel == "packcache int4" else torch.randn(1, k).bfloat16()
+            layers.append((packed, scales_and_zeros, x, torch.empty(1, n)))
             nbytes += packed.numel() + scales_and_zeros.numel() * 2
-    call: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
-    if kernel.startswith("linear"):
+    call: Callable[[tuple[torch.Tensor, ...]], Any]
+    if kernel.startswith("packcache"):
+        from packcache import native
+        from packcache.kernels import int4_layout
+
+        if native.status().isa is None:
+            sys.exit(f"{kernel}: no compiled kernels in this process ({native.status().reason})")
+        block = int4_layout().block if int4_layout() is not None else 0
+
+        def call(layer: tuple[torch.Tensor, ...]) -> Any:
+            w, x, y = layer[0], layer[2] if kernel != "packcache bf16" else layer[1], layer[-1]
+            rows, k = x.shape
+            n = y.shape[1]
+            if kernel == "packcache bf16":
+                return native.bf16_product(x.data_ptr(), 1, rows, k, w.data_ptr(), n, None, y.data_ptr(), 1, threads)
+            if kernel == "packcache int4":
+                return native.int4_product(
+                    x.data_ptr(), 0, rows, k, w.data_ptr(), layer[1].data_ptr(), n, 32, block, None, None,
+                    y.data_ptr(), 0, threads,
+                )  # fmt: skip
+            return native.int8_product(
+                x.data_ptr(), 0, rows, k, w.data_ptr(), layer[1].data_ptr(), n, None, y.data_ptr(), 0, threads
+            )
+
+    elif kernel.startswith("linear"):
 
         def call(layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
             return torch.nn.functional.linear(layer[1], layer[0])
@@ -125,23 +161,31 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
     seconds = statistics.median(times)
     return {"kernel": kernel, "ms_per_pass": seconds * 1000, "gib_per_pass": nbytes / 2**30,
             "gib_s": nbytes / seconds / 2**30, "tok_s_bound": 1 / seconds,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average": os.getloadavg()[0]}  # fmt: skip
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average": os.getloadavg()[0],
+            "native": _native_isa()}  # fmt: skip
+
+
+def _native_isa() -> str | None:
+    from packcache import native
+
+    return native.status().isa
 
 
 def run_isa(isa: str, threads: int) -> list[dict[str, Any]]:
     env = dict(os.environ)
     if isa == "avx2":
-        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", PACKCACHE_NATIVE="avx2")
     results = []
     for kernel in KERNELS:
         proc = subprocess.run([sys.executable, __file__, "--child", kernel, "--threads", str(threads)],
                               capture_output=True, text=True, env=env, timeout=1800, check=True)  # fmt: skip
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         result["isa"] = isa
-        bound = "" if kernel.startswith("int8 prefill") else f"-> {result['tok_s_bound']:6.1f} tok/s bound  "
-        print(f"  {isa:<6} {kernel:<30} {result['ms_per_pass']:8.1f} ms  {result['gib_per_pass']:5.2f} GiB  "
+        bound = "" if "prefill" in kernel else f"-> {result['tok_s_bound']:6.1f} tok/s bound  "
+        print(f"  {isa:<6} {kernel:<32} {result['ms_per_pass']:8.1f} ms  {result['gib_per_pass']:5.2f} GiB  "
               f"{result['gib_s']:6.1f} GiB/s  {bound}"
-              f"(torch {result['cpu_capability']}, load avg {result['load_average']:.2f})", flush=True)  # fmt: skip
+              f"(torch {result['cpu_capability']}, packcache {result['native']}, "
+              f"load avg {result['load_average']:.2f})", flush=True)  # fmt: skip
         results.append(result)
     return results
 
