@@ -115,6 +115,23 @@ static inline float load_x(const void *x, size_t i, int xdtype) {
     return f;
 }
 
+/* The first lines of the next weight row (bytes at next): the hardware prefetcher needs a few misses to find a
+ * new stream. */
+static inline void prefetch_next_row(const void *next) {
+    _mm_prefetch((const char *)next, _MM_HINT_T0);
+    _mm_prefetch((const char *)next + 64, _MM_HINT_T0);
+}
+
+/* Output row n's results for activation rows m0 .. m0 + mc - 1: (sums[i] - correction[m0 + i]) * scale + bias[n]
+ * (correction and bias may be NULL), in y's dtype. */
+static inline void emit(void *y, int ydtype, int N, int n, int m0, int mc, const float *sums, const float *correction,
+                        float scale, const float *bias) {
+    for (int i = 0; i < mc; i++) {
+        float v = (correction ? sums[i] - correction[m0 + i] : sums[i]) * scale;
+        store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
+    }
+}
+
 /* ------------------------------------------------------------------ AVX512 kernels */
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma")))
@@ -151,11 +168,7 @@ static void int8_rows_avx512(const int8_t *W, const float *scales, const float *
                              int N, int n0, int n1) {
     for (int n = n0; n < n1; n++) {
         const int8_t *w = W + (size_t)n * K;
-        if (n + 1 < n1) {
-            /* the next row's first lines: the hardware prefetcher needs a few misses to find a new stream */
-            _mm_prefetch((const char *)(w + K), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + K + 64), _MM_HINT_T0);
-        }
+        if (n + 1 < n1) prefetch_next_row(w + K);
         for (int m0 = 0; m0 < M; m0 += 4) {
             int mc = M - m0 < 4 ? M - m0 : 4;
             __m512 acc[4];
@@ -167,10 +180,9 @@ static void int8_rows_avx512(const int8_t *W, const float *scales, const float *
                 case 3: int8_avx512_3(w, K, qm, lm, acc); break;
                 default: int8_avx512_4(w, K, qm, lm, acc); break;
             }
-            for (int i = 0; i < mc; i++) {
-                float v = (hsum512(acc[i]) - correction[m0 + i]) * scales[n];
-                store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
-            }
+            float sums[4];
+            for (int i = 0; i < mc; i++) sums[i] = hsum512(acc[i]);
+            emit(y, ydtype, N, n, m0, mc, sums, correction, scales[n], bias);
         }
     }
 }
@@ -181,10 +193,7 @@ static void bf16_rows_avx512(const uint16_t *W, const float *bias, int K, int M,
                              int N, int n0, int n1) {
     for (int n = n0; n < n1; n++) {
         const uint16_t *w = W + (size_t)n * K;
-        if (n + 1 < n1) {
-            _mm_prefetch((const char *)(w + K), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + K + 32), _MM_HINT_T0);
-        }
+        if (n + 1 < n1) prefetch_next_row(w + K);
         for (int m0 = 0; m0 < M; m0 += 4) {
             int mc = M - m0 < 4 ? M - m0 : 4;
             __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -196,10 +205,9 @@ static void bf16_rows_avx512(const uint16_t *W, const float *bias, int K, int M,
                     acc[i] = _mm512_dpbf16_ps(acc[i], wv, xv);
                 }
             }
-            for (int i = 0; i < mc; i++) {
-                float v = hsum512(acc[i]);
-                store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
-            }
+            float sums[4];
+            for (int i = 0; i < mc; i++) sums[i] = hsum512(acc[i]);
+            emit(y, ydtype, N, n, m0, mc, sums, NULL, 1.0f, bias);
         }
     }
 }
@@ -223,10 +231,7 @@ static void int8_rows_avx2(const int8_t *W, const float *scales, const float *bi
     const __m256i ones = _mm256_set1_epi16(1);
     for (int n = n0; n < n1; n++) {
         const int8_t *w = W + (size_t)n * K;
-        if (n + 1 < n1) {
-            _mm_prefetch((const char *)(w + K), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + K + 64), _MM_HINT_T0);
-        }
+        if (n + 1 < n1) prefetch_next_row(w + K);
         for (int m0 = 0; m0 < M; m0 += 4) {
             int mc = M - m0 < 4 ? M - m0 : 4;
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -242,10 +247,9 @@ static void int8_rows_avx2(const int8_t *W, const float *scales, const float *bi
                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[i]);
                 }
             }
-            for (int i = 0; i < mc; i++) {
-                float v = hsum256(acc[i]) * scales[n];
-                store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
-            }
+            float sums[4];
+            for (int i = 0; i < mc; i++) sums[i] = hsum256(acc[i]);
+            emit(y, ydtype, N, n, m0, mc, sums, NULL, scales[n], bias);
         }
     }
 }
@@ -257,10 +261,7 @@ static void bf16_rows_avx2(const uint16_t *W, const float *bias, int K, int M, c
                            int n0, int n1) {
     for (int n = n0; n < n1; n++) {
         const uint16_t *w = W + (size_t)n * K;
-        if (n + 1 < n1) {
-            _mm_prefetch((const char *)(w + K), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + K + 32), _MM_HINT_T0);
-        }
+        if (n + 1 < n1) prefetch_next_row(w + K);
         for (int m0 = 0; m0 < M; m0 += 4) {
             int mc = M - m0 < 4 ? M - m0 : 4;
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -277,10 +278,9 @@ static void bf16_rows_avx2(const uint16_t *W, const float *bias, int K, int M, c
                     acc[i] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 8), acc[i]);
                 }
             }
-            for (int i = 0; i < mc; i++) {
-                float v = hsum256(acc[i]);
-                store(y, (size_t)(m0 + i) * N + n, bias ? v + bias[n] : v, ydtype);
-            }
+            float sums[4];
+            for (int i = 0; i < mc; i++) sums[i] = hsum256(acc[i]);
+            emit(y, ydtype, N, n, m0, mc, sums, NULL, 1.0f, bias);
         }
     }
 }

@@ -14,7 +14,14 @@ import torch
 
 from packcache import native
 from packcache.errors import PackResultError
-from packcache.packers_torch import NATIVE_MAX_ROWS, Int4WeightOnly, Int8WeightOnly, LinearBFloat16, as_tensor
+from packcache.packers_torch import (
+    NATIVE_ISAS,
+    NATIVE_MAX_ROWS,
+    Int4WeightOnly,
+    Int8WeightOnly,
+    LinearBFloat16,
+    as_tensor,
+)
 
 _LEVEL = {"avx512": 2, "avx2": 1}
 #: Every code this CPU runs: the AVX512 code where it can, and the AVX2 code (what a CPU without AVX512 runs) always.
@@ -229,9 +236,18 @@ def test_without_the_compiled_part_torch_runs_and_a_warning_says_why():
     assert "WARNING packcache compiled kernels not used (packcache._kernels is not installed" in result.stderr
 
 
+def test_each_compiled_operation_runs_on_the_codes_where_it_was_measured_faster():
+    isa = native.status().isa
+    for packer in (Int8WeightOnly(), LinearBFloat16(), Int4WeightOnly(32)):
+        uses = packer.kernel("fp32", 1).startswith("packcache ")
+        assert uses == (isa in NATIVE_ISAS[packer.native_op]), (packer.id, isa)
+    assert NATIVE_ISAS["int4"] == ("avx2",)  # torch's own AVX512 int4 kernel is faster (docs/TORCH.md)
+
+
 @pytest.mark.parametrize("packer", [Int8WeightOnly(), LinearBFloat16(), Int4WeightOnly(32)], ids=lambda p: p.id)
 @pytest.mark.parametrize("path", ["bf16", "fp32"])
-def test_packed_layers_run_the_compiled_kernel_for_few_rows_and_torch_for_more(packer, path):
+def test_packed_layers_run_the_compiled_kernel_for_few_rows_and_torch_for_more(packer, path, monkeypatch):
+    monkeypatch.setitem(NATIVE_ISAS, packer.native_op, (native.status().isa,))  # int4's too, on any code
     rng = np.random.default_rng(11)
     source = rng.standard_normal((128, 256)).astype(np.float32)
     parts = packer.pack(source, "F32")
@@ -323,9 +339,10 @@ def test_int4_layers_run_the_compiled_kernel_on_a_torch_avx2_layout_too():
 
 
 @pytest.mark.parametrize("packer", [Int8WeightOnly(), LinearBFloat16(), Int4WeightOnly(32)], ids=lambda p: p.id)
-def test_a_pack_whose_parts_do_not_fit_the_layer_is_refused_before_the_kernel_reads_it(packer):
+def test_a_pack_whose_parts_do_not_fit_the_layer_is_refused_before_the_kernel_reads_it(packer, monkeypatch):
     # A cache file's index gives each part's shape; the key that named the pack does not. A file holding, under the
     # right key, a part smaller than the layer needs would have the kernel read past it: refused first.
+    monkeypatch.setitem(NATIVE_ISAS, packer.native_op, (native.status().isa,))
     source = np.random.default_rng(2).standard_normal((128, 256)).astype(np.float32)
     parts = packer.pack(source, "F32")
     shrunk = {name: array[: array.shape[0] // 2] for name, array in parts.items()}

@@ -81,6 +81,10 @@ FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
 #: Per compiled operation (:mod:`packcache.native`), the most rows it is called for; more rows are a GEMM (torch's
 #: dequantise-and-multiply, or oneDNN's bf16 GEMM), faster from there (``docs/TORCH.md``, "Compiled kernels").
 NATIVE_MAX_ROWS = {"int8": 2, "bf16": 4, "int4": 1}
+#: Per compiled operation, the codes (``native.status().isa``) it is used on. int4 only on AVX2: over torch's int4
+#: layout it streams ~21 GiB/s on AVX512 where torch's own AVX512 kernel streams ~26 (a 1.24 B Llama's decode step
+#: 45 against 40 ms), and ~22 on AVX2 where torch's AVX2 kernel streams ~10 (``benchmarks/decode_kernels.py``).
+NATIVE_ISAS = {"int8": ("avx512", "avx2"), "bf16": ("avx512", "avx2"), "int4": ("avx2",)}
 
 _NATIVE_DTYPES = {torch.float32: native.FLOAT32, torch.bfloat16: native.BFLOAT16}
 
@@ -328,7 +332,7 @@ class TorchPacker(Packer):
         return (
             op is not None
             and rows <= NATIVE_MAX_ROWS[op]
-            and native.status().isa is not None
+            and native.status().isa in NATIVE_ISAS[op]
             and rows <= native.max_rows()
             and in_features % native.k_multiple(op) == 0
         )
