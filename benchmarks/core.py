@@ -40,6 +40,10 @@ import numpy as np
 import packcache
 from packcache import format as fmt
 
+#: What torch, oneDNN and packcache's compiled kernels run on a CPU without AVX512, forced on this one (the
+#: ``--isa avx2`` of ``decode.py`` and ``decode_kernels.py``): same memory system, AVX2 code.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "PACKCACHE_NATIVE": "avx2"}
+
 
 def quartiles(samples: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(samples, n=4, method="inclusive")

@@ -256,10 +256,8 @@ def child_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-#: ``--isa avx2``: what torch, oneDNN and packcache's compiled kernels run on a CPU without AVX512 (llama.cpp keeps
-#: the build ``setup_decode.sh`` made for this CPU: the comparison is then against its faster code).
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "PACKCACHE_NATIVE": "avx2"}
-#: Extra environment of the torch children (set by ``--isa``).
+#: Extra environment of the torch children (``--isa avx2``: ``core.AVX2_ENV``; llama.cpp keeps the build
+#: ``setup_decode.sh`` made for this CPU, so the comparison is then against its faster code).
 CHILD_ENV: dict[str, str] = {}
 
 
@@ -537,8 +535,8 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.isa == "avx2":
-        CHILD_ENV.update(AVX2_ENV)
-        os.environ.update(AVX2_ENV)  # machine() below reports what the children run
+        CHILD_ENV.update(core.AVX2_ENV)
+        os.environ.update(core.AVX2_ENV)  # machine() below reports what the children run
     if args.child:
         spec = json.loads(args.child)
         kind = spec.get("kind", "torch")

@@ -174,7 +174,7 @@ def _native_isa() -> str | None:
 def run_isa(isa: str, threads: int) -> list[dict[str, Any]]:
     env = dict(os.environ)
     if isa == "avx2":
-        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", PACKCACHE_NATIVE="avx2")
+        env.update(core.AVX2_ENV)
     results = []
     for kernel in KERNELS:
         proc = subprocess.run([sys.executable, __file__, "--child", kernel, "--threads", str(threads)],

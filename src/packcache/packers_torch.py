@@ -341,10 +341,8 @@ class TorchPacker(Packer):
 def _native_kernel(op: str) -> str:
     """How :meth:`TorchPacker.kernel` names a compiled operation."""
     isa = native.status().isa
-    if op == "int4":
-        return f"packcache int4 ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
-    if op == "int8":
-        return f"packcache int8 ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
+    if op in ("int4", "int8"):
+        return f"packcache {op} ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
     return f"packcache bf16 ({isa}: {'vdpbf16ps' if isa == 'avx512' else 'widen + FMA'}, float32 accumulation)"
 
 
@@ -358,9 +356,13 @@ def _fit(what: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None
         )
 
 
-def _native_product(op: str, x: torch.Tensor, operands: Operands, out_features: int) -> torch.Tensor:
-    """``x @ W.T + bias`` by the compiled ``op`` (``int8``: ``weight`` and float32 ``scales_f32``; ``bf16``:
-    ``weight``), with the float32 ``bias_f32``; ``x`` contiguous float32 or bfloat16, the result in its dtype.
+def _native_product(
+    op: str, x: torch.Tensor, operands: Operands, out_features: int, group: int = 0, block: int = 0
+) -> torch.Tensor:
+    """``x @ W.T + bias`` by the compiled ``op`` over a layer's prepared operands (``int8``: ``weight`` and float32
+    ``scales_f32``; ``bf16``: ``weight``; ``int4``: ``weight`` in torch's layout of ``block`` rows, ``scales_and_zeros``
+    per ``group`` and the float32 ``input_scales_f32``), with the float32 ``bias_f32``; ``x`` contiguous float32 or
+    bfloat16, the result in its dtype.
 
     Raises:
         PackResultError: an operand's shape does not fit the layer (pinned by
@@ -368,19 +370,26 @@ def _native_product(op: str, x: torch.Tensor, operands: Operands, out_features: 
     """
     weight, bias = _tensor(operands, "weight"), operands.get("bias_f32")
     rows, in_features = x.shape
-    _fit("weight", weight, (out_features, in_features))
+    _fit("weight", weight, (out_features, in_features // 2 if op == "int4" else in_features))
     _fit("bias", bias, (out_features,))
-    if op == "int8":
-        _fit("scales", operands.get("scales_f32"), (out_features,))
     y = torch.empty(rows, out_features, dtype=x.dtype)
     dtype = _NATIVE_DTYPES[x.dtype]
     bias_ptr = None if bias is None else bias.data_ptr()
     threads = torch.get_num_threads()
-    if op == "int8":
-        scales = _tensor(operands, "scales_f32").data_ptr()
+    if op == "int4":
+        scales_and_zeros, input_scales = _tensor(operands, "scales_and_zeros"), operands.get("input_scales_f32")
+        _fit("scales_and_zeros", scales_and_zeros, (in_features // group, out_features, 2))
+        _fit("input_scales", input_scales, (in_features,))
+        native.int4_product(
+            x.data_ptr(), dtype, rows, in_features, weight.data_ptr(), scales_and_zeros.data_ptr(), out_features, group,
+            block, None if input_scales is None else input_scales.data_ptr(), bias_ptr, y.data_ptr(), dtype, threads,
+        )  # fmt: skip
+    elif op == "int8":
+        scales = _tensor(operands, "scales_f32")
+        _fit("scales", scales, (out_features,))
         native.int8_product(
-            x.data_ptr(), dtype, rows, in_features, weight.data_ptr(), scales, out_features, bias_ptr, y.data_ptr(),
-            dtype, threads,
+            x.data_ptr(), dtype, rows, in_features, weight.data_ptr(), scales.data_ptr(), out_features, bias_ptr,
+            y.data_ptr(), dtype, threads,
         )  # fmt: skip
     else:
         native.bf16_product(
@@ -405,7 +414,7 @@ def _self_check(packer: TorchPacker, path: str) -> None:
     parts = packer.fingerprint_pack()  # the pack the fingerprint hashed: not packed again
     # 1 row: the compiled kernels' (decode's) case, where they apply; 3 and past the fused limit: torch's kernels
     _check_rows(packer, path, parts, source, stats, sorted({1, 3, packer.fused_max_rows.get(path, 0) + 1}))
-    if packer.native_op is not None and native.status().isa is not None:
+    if packer.native_op is not None and native.status().isa in NATIVE_ISAS[packer.native_op]:
         probe = fingerprint_input(NATIVE_PROBE_SHAPE)
         _check_rows(packer, path, packer.pack(probe, "F32", stats), probe, stats, [1])
 
@@ -806,20 +815,7 @@ class Int4WeightOnly(TorchPacker):
         if self._use_native(rows, in_features, out_features):
             layout = int4_layout()
             assert layout is not None
-            y = torch.empty(rows, out_features, dtype=x.dtype)
-            code = _NATIVE_DTYPES[x.dtype]
-            scales = operands.get("input_scales_f32")
-            bias_f32 = operands.get("bias_f32")
-            _fit("weight", weight, (out_features, in_features // 2))
-            _fit("scales_and_zeros", scales_and_zeros, (in_features // self.group_size, out_features, 2))
-            _fit("input_scales", scales, (in_features,))
-            _fit("bias", bias_f32, (out_features,))
-            native.int4_product(
-                x.data_ptr(), code, rows, in_features, weight.data_ptr(), scales_and_zeros.data_ptr(), out_features,
-                self.group_size, layout.block, None if scales is None else scales.data_ptr(),
-                None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), code, torch.get_num_threads(),
-            )  # fmt: skip
-            return y
+            return _native_product("int4", x, operands, out_features, self.group_size, layout.block)
         dtype = activation_dtype(path)
         if self._fused(path, x.shape[0]):
             # bf16 in: the kernel's only vectorised variant (a float32 input runs its scalar reference loop).
