@@ -176,7 +176,8 @@ def max_rows() -> int:
 
 @functools.cache
 def k_multiple(op: str) -> int:
-    """What a product's ``in_features`` must be a multiple of, for ``op`` (``int8``, ``bf16``) in the code that runs."""
+    """What a product's ``in_features`` must be a multiple of, for ``op`` (``int8``, ``int4``, ``bf16``) in the code
+    that runs."""
     return int(_library().pc_k_multiple(_OPS[op], _level()))
 
 
