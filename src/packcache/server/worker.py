@@ -693,9 +693,12 @@ class BufferingWorker(Worker):  # type: ignore[misc]
     def _parsed(conn: _Conn) -> int:
         """How many bytes of ``conn.framing`` h11 has parsed: the rest waits in its buffer.
 
-        h11 (pinned) keeps that buffer in ``_receive_buffer``; ``trailing_data`` would copy it for every chunk."""
+        h11 0.16 keeps that buffer in ``_receive_buffer``: its public ``trailing_data`` copies it, which for a body
+        of 1-byte chunks would copy up to 64 KiB per chunk. Another h11 without it gets the copy, never a failure."""
         assert conn.parser is not None
-        return len(conn.framing) - len(conn.parser._receive_buffer)
+        held = getattr(conn.parser, "_receive_buffer", None)
+        unparsed = len(held) if held is not None else len(conn.parser.trailing_data[0])
+        return len(conn.framing) - unparsed
 
     def _chunk_framing(self, conn: _Conn, parsed: int, *, waiting: bool, trailers: bool = False) -> None:
         """Check the chunked framing h11 parsed since the last data (``conn.framing[:parsed]``): a chunk's CRLF and
