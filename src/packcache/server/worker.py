@@ -569,8 +569,8 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         if len(head) > MAX_HEAD_BYTES + 4:
             raise _Refusal(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes")
         # h11 splits lines at a bare LF, joins folded lines, and lets control characters but NUL through; a
-        # proxy that reads them otherwise frames another request (RFC 9112 2.2, 5.2: refuse). pinned by tests/
-        # test_server_worker.py::test_requests_that_could_hold_a_worker_are_answered_or_refused_by_the_worker_at_once
+        # proxy that reads them otherwise frames another request (RFC 9112 2.2, 5.2: refuse). pinned by
+        # tests/test_server_framing.py::test_framing_h11_would_take_is_refused_as_before
         if _BARE.search(head.replace(b"\r\n", b"")):
             raise _Refusal(400, "a bare CR, LF, NUL or another control character in the request head")
         if _FOLD.search(head):
@@ -706,8 +706,8 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         limit, before its data. ``waiting``: h11 needs more bytes (only whole lines are checked then).
 
         h11 takes any byte but LF in a chunk extension, ends the trailers at a bare LF, folds trailer lines, and
-        bounds a line at 32 KiB only: each is refused here, as before h11. pinned by tests/test_server_worker.py::
-        test_chunked_framing_h11_would_take_is_refused_as_before
+        bounds a line at 32 KiB only: each is refused here, as before h11. pinned by tests/test_server_framing.py::
+        test_framing_h11_would_take_is_refused_as_before
         """
         if waiting:
             pending = conn.framing[parsed:]  # a line (or the trailers) h11 has not parsed yet
