@@ -997,7 +997,10 @@ def _sentence_transformer(
     kwargs["local_files_only"] = True
     classes = dict.fromkeys(ST_TRANSFORMER_REFS, PackedTransformer)
     try:
-        st = SentenceTransformer._load_with_module_classes(base, classes, **kwargs)
+        if os.path.lexists(os.path.join(base, "modules.json")):
+            st = SentenceTransformer._load_with_module_classes(base, classes, **kwargs)
+        else:
+            st = _default_modules(SentenceTransformer, PackedTransformer, base, kwargs)
         if not loads:
             raise ValueError(f"{base}: modules.json has no sentence-transformers Transformer module to pack")
     except BaseException:
@@ -1010,3 +1013,26 @@ def _sentence_transformer(
             module.__class__ = Transformer  # exactly sentence-transformers' class from here on
     _attach(st, loads[0])
     return st
+
+
+def _default_modules(
+    model_class: type[SentenceTransformer], transformer_class: type[Any], base: str, kwargs: dict[str, Any]
+) -> SentenceTransformer:
+    """A plain transformers checkpoint (no ``modules.json``) as sentence-transformers loads one: its Transformer
+    module (here ``transformer_class``, packed) and mean pooling, or last-token pooling for a causal LM
+    (``SentenceTransformer._load_default_modules``, which builds an unpacked Transformer itself).
+
+    Raises:
+        As :func:`from_pretrained` for the checkpoint.
+    """
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    # pinned by tests/test_server_models.py::test_a_plain_transformers_checkpoint_serves_mean_pooling
+    local = {"local_files_only": True}
+    transformer = transformer_class(base, model_kwargs=dict(local), processor_kwargs=dict(local),
+                                    config_kwargs=dict(local))  # fmt: skip
+    config = transformer.config
+    architectures = getattr(config, "architectures", None) or [""]
+    causal = architectures[0].endswith("ForCausalLM") and getattr(config, "is_causal", True)
+    pooling = Pooling(transformer.get_embedding_dimension(), "lasttoken" if causal else "mean")
+    return model_class(modules=[transformer, pooling], **{k: v for k, v in kwargs.items() if k != "local_files_only"})
