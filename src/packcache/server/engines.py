@@ -19,10 +19,9 @@ shape, with every weight on each worker's heap. It has no packcache figures.
 from __future__ import annotations
 
 import errno
-import functools
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,8 +274,10 @@ def transformer_folder_of(path: str | os.PathLike[str]) -> str:
 def choose_loader(model: str | None) -> str:
     """Which loader of :data:`LOADERS` ``serve`` loads ``model`` with, decided from its files alone (no weight read).
 
-    ``minilm`` (the fast path) for the bundled model (``None``), a cache file ``packcache.models.minilm`` built, a
-    path to a safetensors file, and a checkpoint directory that sentence-transformers runs exactly as the MiniLM
+    ``minilm`` (the fast path) for the bundled model (``None``), a path to a safetensors file, a cache file of
+    calibrated int4 packs (``packcache.models.minilm``'s alone), of a plain BERT checkpoint, or whose embedded files
+    have the shape below (a file either loader built serves both), and a checkpoint directory that
+    sentence-transformers runs exactly as the MiniLM
     encoder does: ``config.json``'s ``model_type`` ``bert`` with ``hidden_act`` ``gelu`` and absolute positions,
     one ``model.safetensors`` and a ``tokenizer.json`` at the root; ``modules.json`` absent (a plain checkpoint:
     mean pooling) or the Transformer module at the root, mean pooling alone, then at most a Normalize; no prompt,
@@ -295,10 +296,25 @@ def choose_loader(model: str | None) -> str:
         return "minilm"
     if is_cache_file(model):
         with open_bundle(model) as bundle:
-            return "minilm" if bundle.record.loader == "minilm" else "hf"
+            record = bundle.record
+            if record.loader == "minilm":
+                return "minilm"  # calibrated int4: this loader's alone
+            if record.sentence_transformers is None:
+                # a plain checkpoint's file: MiniLM's loader reads a BERT's; packcache.hf refuses the others clearly
+                return "minilm" if record.model_type == "bert" else "hf"
+
+            def embedded(name: str) -> Any:
+                return bundle.read_json(name) if bundle.has_file(name) else None
+
+            shaped = _minilm_shaped(embedded, bundle.has_file, weights=False)
+        return "minilm" if shaped else "hf"
     if not os.path.isdir(model):
         return "minilm"  # a safetensors file, or nothing there: the MiniLM loader says what is wrong
-    return "minilm" if _minilm_shaped(model) else "hf"
+
+    def read(name: str) -> Any:
+        return _json_or_none(os.path.join(model, name))
+
+    return "minilm" if _minilm_shaped(read, lambda name: os.path.lexists(os.path.join(model, name))) else "hf"
 
 
 _MAX_JSON_BYTES = 1 << 20
@@ -315,19 +331,19 @@ def _json_or_none(path: str) -> Any:
     return load_file(path, what=os.path.basename(path), max_bytes=_MAX_JSON_BYTES)
 
 
-def _minilm_shaped(directory: str) -> bool:
-    """:func:`choose_loader`'s rule for a checkpoint directory (see there)."""
+def _minilm_shaped(read: Callable[[str], Any], has: Callable[[str], bool], *, weights: bool = True) -> bool:
+    """:func:`choose_loader`'s rule for a model's files (see there): ``read(name)`` parses one (``None``: absent),
+    ``has(name)`` says whether it is there; ``weights``: ``model.safetensors`` must be (a cache file holds packs)."""
     from ..bundle import ST_TRANSFORMER_REFS
 
-    join = functools.partial(os.path.join, directory)
-    config = _json_or_none(join("config.json"))
+    config = read("config.json")
     if not isinstance(config, dict) or config.get("model_type") != "bert":
         return False
     if config.get("hidden_act", "gelu") != "gelu" or config.get("position_embedding_type", "absolute") != "absolute":
         return False  # the MiniLM encoder computes neither; packcache.hf runs the model's own code
-    if not os.path.lexists(join("model.safetensors")) or not os.path.lexists(join("tokenizer.json")):
+    if (weights and not has("model.safetensors")) or not has("tokenizer.json"):
         return False
-    modules = _json_or_none(join("modules.json"))
+    modules = read("modules.json")
     if modules is not None:
         if not isinstance(modules, list) or not 2 <= len(modules) <= 3 or not all(isinstance(m, dict) for m in modules):
             return False
@@ -338,7 +354,8 @@ def _minilm_shaped(directory: str) -> bool:
             return False
         if len(types) == 3 and not (types[2].startswith("sentence_transformers.") and types[2].endswith(".Normalize")):
             return False
-        pooling = _json_or_none(join(str(modules[1].get("path") or ""), "config.json"))
+        folder = str(modules[1].get("path") or "")
+        pooling = read(f"{folder}/config.json" if folder else "config.json")
         if not isinstance(pooling, dict):
             return False
         if "pooling_mode" in pooling:
@@ -346,10 +363,10 @@ def _minilm_shaped(directory: str) -> bool:
                 return False
         elif pooling.get("pooling_mode_mean_tokens") is not True or any(pooling.get(k) for k in _MEAN_ONLY):
             return False
-    settings = _json_or_none(join("config_sentence_transformers.json"))
+    settings = read("config_sentence_transformers.json")
     if isinstance(settings, dict) and isinstance(settings.get("prompts"), dict) and any(settings["prompts"].values()):
         return False  # the MiniLM engine has no prompts
-    bert_settings = _json_or_none(join("sentence_bert_config.json"))
+    bert_settings = read("sentence_bert_config.json")
     bert_settings = bert_settings if isinstance(bert_settings, dict) else {}
     if bert_settings.get("do_lower_case"):
         return False
@@ -357,7 +374,7 @@ def _minilm_shaped(directory: str) -> bool:
     limit = bert_settings.get("max_seq_length")
     if limit is None:
         # sentence-transformers truncates to the tokenizer's model_max_length when it is under the position limit
-        tokenizer = _json_or_none(join("tokenizer_config.json"))
+        tokenizer = read("tokenizer_config.json")
         given = tokenizer.get("model_max_length") if isinstance(tokenizer, dict) else None
         if isinstance(given, (int, float)) and isinstance(positions, int) and given < positions:
             return False
