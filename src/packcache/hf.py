@@ -582,15 +582,7 @@ def _load(
                 return bool(session.get_many([_tie_check(source, a, b)])[0][0])
 
             _tie(model, source, equal)
-            groups = parameter_groups(model)
-            missing = _missing(groups, source)
-            if missing:
-                shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-                raise ValueError(
-                    f"{checkpoint.directory}: the checkpoint lacks {len(missing)} tensor(s) that "
-                    f"{model_class.__name__} needs: {shown} (packcache does not initialise missing weights or rename "
-                    "legacy keys)"
-                )
+            _refuse_missing(checkpoint.directory, model_class, parameter_groups(model), source)
             report = convert(
                 model, weight_cache, linear_packer, source=source, other=recipe.other, embedding=recipe.embedding,
                 kernel_path=path, transposed=TRANSPOSED_LINEARS, session=session,
@@ -684,6 +676,17 @@ def _cache_name(checkpoint: Checkpoint, model_type: str, recipe: Recipe) -> str:
 def _missing(groups: list[list[str]], source: _Renamed) -> list[str]:
     """Parameters (each tied group once) of which the checkpoint holds none of the names."""
     return [names[0] for names in groups if not any(source.name(n) in source.checkpoint for n in names)]
+
+
+def _refuse_missing(directory: object, model_class: type[Any], groups: list[list[str]], source: _Renamed) -> None:
+    """Raise ValueError naming the tensors ``model_class`` needs that the checkpoint lacks (:func:`_missing`)."""
+    missing = _missing(groups, source)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(
+            f"{directory}: the checkpoint lacks {len(missing)} tensor(s) that {model_class.__name__} needs: {shown} "
+            "(packcache does not initialise missing weights or rename legacy keys)"
+        )
 
 
 def from_pretrained(
@@ -891,9 +894,13 @@ def pack_count(
     folder = os.path.join(os.fspath(path), sentence_transformers or "")
     checkpoint = Checkpoint(folder)
     config = checkpoint.config()  # a missing or malformed checkpoint fails here, naming the file
-    model = _checked_skeleton(checkpoint, _model_class(auto_class, config), config)
+    model_class = _model_class(auto_class, config)
+    model = _checked_skeleton(checkpoint, model_class, config)
     source = _renaming(model, parameter_groups(model), checkpoint)
     checks = _tie(model, source, lambda a, b: _same_values(source, a, b))
+    # as the load refuses it: `serve` checks a model in its master with this, before any worker loads it;
+    # pinned by tests/test_server_models.py::test_a_bad_checkpoint_is_refused_by_the_master_in_one_line
+    _refuse_missing(checkpoint.directory, model_class, parameter_groups(model), source)
     embedded = len(collect_files(path, sentence_transformers=sentence_transformers)) + 1
     packs = count_packs(model, recipe.linear, transposed=TRANSPOSED_LINEARS, embedding=recipe.embedding)
     return checks + packs + embedded
