@@ -925,7 +925,9 @@ def sentence_transformer(
     cache file holds, with no checkpoint.
 
     ``path`` is a directory written by ``SentenceTransformer.save`` (``modules.json``, the
-    Transformer module's checkpoint, pooling and normalisation), or a cache file (``*.pcache``) a load of one with
+    Transformer module's checkpoint, pooling and normalisation), a plain transformers checkpoint (no
+    ``modules.json``: its model and mean pooling, last-token pooling for a causal LM, as sentence-transformers
+    loads one), or a cache file (``*.pcache``) a load of one with
     ``cache=`` (or ``packcache build``) made: it holds every module's configuration and small weights, the
     tokenizer and the packs. sentence-transformers loads
     every module itself (tokenizer, pooling, its configuration files), except that the
