@@ -516,7 +516,9 @@ def test_the_hf_engine_packs_every_architecture_close_to_float32(
 
     for name in ("xlm-roberta", "mpnet", "bert-dense"):
         directory = st_models[name]
-        engine = _hf_engine(directory, scheme, cache=str(tmp_path / "c.pcache"), cache_dir=str(tmp_path / name))
+        engine = _hf_engine(
+            directory, scheme, cache=str(tmp_path / "c.pcache"), cache_dir=str(tmp_path / name), prefault=True
+        )
         # named by content in the cache directory, as `packcache build` names it
         assert engine.cache_file == str(hf.default_cache_path(directory, scheme, cache_dir=tmp_path / name))
         assert engine.stats().state == "stored" and engine.stats().heap_bytes == 0

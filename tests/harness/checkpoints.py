@@ -6,6 +6,7 @@ command lines that import it) stays numpy-only.
 
 from __future__ import annotations
 
+import importlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,9 @@ def _small_tokenizer(max_length: int) -> Any:
     """A byte-level BPE tokenizer of 400 tokens learnt from :data:`_CORPUS` (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2,
     ``<unk>`` 3, ``<mask>`` 4; XLM-R's and MPNet's ids), as a transformers tokenizer truncating at ``max_length``."""
     import tokenizers
-    import transformers
     from tokenizers import decoders, pre_tokenizers, processors, trainers
+
+    transformers: Any = importlib.import_module("transformers")  # untyped calls, as a value
 
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
@@ -75,11 +77,13 @@ def tiny_transformer(directory: Path, arch: str, *, seed: int = 0, hidden: int =
     ``save_pretrained``: a plain checkpoint (no ``modules.json``), which sentence-transformers loads with mean
     pooling. Norms and biases are random too, so a wrongly loaded one shows."""
     import torch
-    import transformers
 
     from packcache.models import minilm
 
-    sizes = {"hidden_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 2 * hidden}
+    transformers: Any = importlib.import_module("transformers")
+    sizes: dict[str, Any] = {
+        "hidden_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 2 * hidden,
+    }  # fmt: skip
     tokenizer = None
     if arch == "bert":
         config: Any = transformers.BertConfig(vocab_size=30522, max_position_embeddings=512, **sizes)
