@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 import packcache
-from harness.checkpoints import tiny_bert
+from harness.checkpoints import tiny_bert, tiny_sentence_transformer, tiny_transformer
 from harness.serve import (
     SRC,
     STATES,
@@ -394,3 +395,221 @@ def test_a_worker_booting_with_a_fifo_in_the_model_directory_stops_the_server_in
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+# --------------------------------------------- any sentence-transformers model (the hf loader) and the fast path rule
+
+#: Texts of every length class: empty, short, and one past any max_seq_length of the tiny models.
+ST_TEXTS = [*TEXTS, "the river city light market " * 60]
+
+
+@pytest.fixture(scope="module")
+def st_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random sentence-transformers models of three architectures (``harness.checkpoints``), once per module."""
+    base = tmp_path_factory.mktemp("st-models")
+    return {
+        # mean pooling, Normalize, prompts with a default one
+        "xlm-roberta": tiny_sentence_transformer(
+            base / "xlmr",
+            "xlm-roberta",
+            prompts={"query": "query: ", "passage": "passage: "},
+            default_prompt_name="query",
+        ),
+        # CLS pooling, no Normalize: the model's output is not unit length
+        "mpnet": tiny_sentence_transformer(base / "mpnet", "mpnet", pooling="cls", normalize=False),
+        # a Dense module after the pooling (its weights are sentence-transformers', unpacked), then Normalize
+        "bert-dense": tiny_sentence_transformer(base / "bert", "bert", dense=16),
+        "xlm-roberta-plain": tiny_transformer(base / "plain", "xlm-roberta"),
+    }
+
+
+def _reference(directory: Path, *, before_normalize: bool = False) -> Any:
+    """sentence-transformers' own model of ``directory`` (one torch thread, as a worker), optionally without
+    its trailing Normalize module."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize
+
+    torch.set_num_threads(1)
+    model = SentenceTransformer(str(directory), device="cpu", local_files_only=True)
+    modules = list(model)
+    if before_normalize and isinstance(modules[-1], Normalize):
+        model = SentenceTransformer(modules=modules[:-1], device="cpu")
+    return model
+
+
+def _encode(model: Any, texts: list[str]) -> np.ndarray[Any, Any]:
+    # prompt="": no default prompt (the engine's caller applies prompts, as the app does)
+    return np.asarray(model.encode(texts, prompt="", convert_to_numpy=True), dtype=np.float64)
+
+
+def _cosines(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    result: np.ndarray[Any, Any] = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    return result
+
+
+def _hf_engine(model: Path | str, scheme: str = "fp32", **given: Any) -> Any:
+    from packcache.server.engines import EngineSpec, load_engine
+
+    return load_engine(EngineSpec(engine="packcache", loader="hf", model=str(model), scheme=scheme, **given))
+
+
+@pytest.mark.parametrize("name", ["xlm-roberta", "mpnet", "bert-dense", "xlm-roberta-plain"])
+def test_the_hf_engine_embeds_as_sentence_transformers_encodes_before_and_after_normalize(
+    st_models: dict[str, Path], name: str
+) -> None:
+    directory = st_models[name]
+    engine = _hf_engine(directory)  # fp32, caching off: the same float32 computation as sentence-transformers
+    assert engine.name == "packcache" and engine.scheme == "fp32" and engine.cache_file == ""
+    assert engine.stats().state == "off" and engine.model_id == directory.name
+    raw = engine.embed(ST_TEXTS, normalize=False)
+    unit = engine.embed(ST_TEXTS)
+    assert raw.dtype == unit.dtype == np.float32 and raw.shape == unit.shape == (len(ST_TEXTS), engine.dimension)
+    np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(unit, raw / np.linalg.norm(raw, axis=1, keepdims=True), atol=1e-6)
+    np.testing.assert_allclose(raw, _encode(_reference(directory, before_normalize=True), ST_TEXTS), atol=2e-5)
+    reference = _encode(_reference(directory), ST_TEXTS)
+    if name in ("xlm-roberta", "bert-dense"):  # the model normalises: its output is the engine's normalize=True
+        np.testing.assert_allclose(unit, reference, atol=2e-5)
+        assert not np.allclose(np.linalg.norm(raw[:-1], axis=1), 1.0, atol=1e-3), "normalize=False is before it"
+    else:  # no Normalize module: the model's output is normalize=False
+        np.testing.assert_allclose(raw, reference, atol=2e-5)
+    # A row does not depend on the texts sharing its call (the batcher merges requests).
+    alone = np.stack([engine.embed([text])[0] for text in ST_TEXTS])
+    np.testing.assert_allclose(alone, unit, atol=2e-5)
+    assert engine.embed([]).shape == (0, engine.dimension)
+
+
+def test_the_hf_engine_counts_tokens_as_encode_tokenizes_and_truncates_to_max_seq_length(
+    st_models: dict[str, Path],
+) -> None:
+    for name in ("xlm-roberta", "bert-dense", "xlm-roberta-plain"):
+        engine = _hf_engine(st_models[name])
+        reference = _reference(st_models[name])
+        assert engine.max_tokens == reference.max_seq_length == (64 if name != "xlm-roberta-plain" else 128)
+        counts = engine.tokens(ST_TEXTS)
+        for text, count in zip(ST_TEXTS, counts, strict=True):
+            features = reference.preprocess([text])
+            assert int(features["attention_mask"].sum()) == min(count, engine.max_tokens), (name, text[:20])
+        assert counts[-1] > engine.max_tokens and counts[TEXTS.index("")] == 2  # <s></s> or [CLS][SEP]
+        assert engine.tokens([]) == []
+
+
+def test_the_hf_engine_takes_prompts_and_dimension_from_the_model(st_models: dict[str, Path]) -> None:
+    xlmr = _hf_engine(st_models["xlm-roberta"], model_id="served-name")
+    assert xlmr.prompts == {"query": "query: ", "passage": "passage: "} and xlmr.default_prompt_name == "query"
+    assert xlmr.model_id == "served-name" and xlmr.dimension == 32
+    dense = _hf_engine(st_models["bert-dense"])
+    assert dense.prompts == {} and dense.default_prompt_name is None and dense.dimension == 16
+    # The caller prefixes a prompt (as encode(prompt_name=...) does): the same embedding as sentence-transformers'.
+    reference = _reference(st_models["xlm-roberta"])
+    expected = np.asarray(reference.encode(TEXTS[:3], prompt_name="passage"), dtype=np.float64)
+    np.testing.assert_allclose(xlmr.embed(["passage: " + t for t in TEXTS[:3]]), expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
+def test_the_hf_engine_packs_every_architecture_close_to_float32(
+    st_models: dict[str, Path], tmp_path: Path, scheme: str
+) -> None:
+    from packcache import hf
+
+    for name in ("xlm-roberta", "mpnet", "bert-dense"):
+        directory = st_models[name]
+        engine = _hf_engine(
+            directory, scheme, cache=str(tmp_path / "c.pcache"), cache_dir=str(tmp_path / name), prefault=True
+        )
+        # named by content in the cache directory, as `packcache build` names it
+        assert engine.cache_file == str(hf.default_cache_path(directory, scheme, cache_dir=tmp_path / name))
+        assert engine.stats().state == "stored" and engine.stats().heap_bytes == 0
+        layers = hf.load_report(engine.model).converted
+        assert layers, f"{name} {scheme}: no layer packed"
+        similarity = _cosines(engine.embed(ST_TEXTS), _encode(_reference(directory), ST_TEXTS))
+        assert similarity.min() >= 0.999, (name, scheme, similarity)
+
+
+def test_the_loader_rule_keeps_the_minilm_fast_path_for_checkpoints_of_its_shape(
+    st_models: dict[str, Path], base: Path, tmp_path: Path
+) -> None:
+    from packcache import hf
+    from packcache.models import minilm
+    from packcache.server.engines import choose_loader
+
+    assert choose_loader(None) == "minilm"
+    assert choose_loader(str(minilm.default_model_path())) == "minilm"  # Transformer, mean pooling, Normalize
+    assert choose_loader(str(base)) == "minilm"  # a plain BERT with MiniLM's tokenizer and truncation
+    for name in ("xlm-roberta", "mpnet", "bert-dense", "xlm-roberta-plain"):
+        assert choose_loader(str(st_models[name])) == "hf", name
+
+    def shaped(edit: Any) -> str:
+        target = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(minilm.default_model_path(), target, copy_function=os.link)
+        edit(target)
+        return choose_loader(str(target))
+
+    def rewrite(name: str, change: Any) -> Any:
+        def edit(directory: Path) -> None:
+            data = json.loads((directory / name).read_text())
+            (directory / name).unlink()  # a hard link: never write through it
+            (directory / name).write_text(json.dumps(change(data)))
+
+        return edit
+
+    cls_pooling = {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}
+    assert shaped(rewrite("1_Pooling/config.json", lambda c: {**c, **cls_pooling})) == "hf"
+    assert shaped(rewrite("1_Pooling/config.json", lambda c: {"pooling_mode": "mean"})) == "minilm"
+    assert shaped(rewrite("config_sentence_transformers.json", lambda c: {**c, "prompts": {"q": "q: "}})) == "hf"
+    assert shaped(rewrite("config_sentence_transformers.json", lambda c: {**c, "prompts": {"q": ""}})) == "minilm"
+    assert shaped(rewrite("config.json", lambda c: {**c, "hidden_act": "gelu_new"})) == "hf"
+    assert shaped(rewrite("config.json", lambda c: {**c, "model_type": "roberta"})) == "hf"
+    assert shaped(rewrite("sentence_bert_config.json", lambda c: {**c, "do_lower_case": True})) == "hf"
+    # sentence-transformers truncates at the tokenizer's 128 where MiniLM's loader would read 512 positions
+    no_limit, short = rewrite("sentence_bert_config.json", lambda c: {}), {"model_max_length": 128}
+    assert shaped(lambda d: (no_limit(d), rewrite("tokenizer_config.json", lambda c: {**c, **short})(d))) == "hf"
+    dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
+    assert shaped(rewrite("modules.json", lambda m: [*m, dense])) == "hf"
+    # a malformed checkpoint of MiniLM's shape stays the MiniLM loader's to refuse (its one-line messages)
+    assert shaped(rewrite("config.json", lambda c: {**c, "num_attention_heads": 0})) == "minilm"
+    # cache files: by the loader that built them
+    hf.sentence_transformer(st_models["mpnet"], "int8", tmp_path / "mpnet.pcache").packcache.close()
+    assert choose_loader(str(tmp_path / "mpnet.pcache")) == "hf"
+    minilm.load("int8", cache=tmp_path / "tiny.pcache", model_path=base).cache.close()
+    assert choose_loader(str(tmp_path / "tiny.pcache")) == "minilm"  # a plain BERT's
+    minilm.load("int4", cache=tmp_path / "tiny4.pcache", model_path=base).cache.close()
+    assert choose_loader(str(tmp_path / "tiny4.pcache")) == "minilm"  # calibrated int4: MiniLM's alone
+    bundled = tmp_path / "bundled.pcache"
+    hf.sentence_transformer(minilm.default_model_path(), "int8", bundled).packcache.close()
+    assert choose_loader(str(bundled)) == "minilm"  # built by packcache.hf, of MiniLM's shape
+
+
+def test_the_transformer_folder_is_read_from_modules_json_and_must_stay_inside_the_model(tmp_path: Path) -> None:
+    from packcache.errors import FormatError
+    from packcache.server.engines import transformer_folder_of
+
+    assert transformer_folder_of(tmp_path) == ""  # a plain checkpoint
+    ref = "sentence_transformers.models.Transformer"
+    for modules, expected in (([{"type": ref, "path": ""}], ""), ([{"type": ref, "path": "0_T/"}], "0_T")):
+        (tmp_path / "modules.json").write_text(json.dumps(modules))
+        assert transformer_folder_of(tmp_path) == expected
+    for modules, says in (
+        ([{"type": ref, "path": "../elsewhere"}], "not a folder inside the model"),
+        ([{"type": ref, "path": "/etc"}], "not a folder inside the model"),
+        ([{"type": ref, "path": ""}, {"type": ref, "path": "b"}], "2 Transformer modules"),
+        ({"type": ref}, "not a JSON list"),
+    ):
+        (tmp_path / "modules.json").write_text(json.dumps(modules))
+        with pytest.raises(FormatError, match=says):
+            transformer_folder_of(tmp_path)
+
+
+def test_the_weights_source_is_derived_from_the_cache_statistics() -> None:
+    from packcache.server.engines import weights_source
+    from packcache.stats import CacheStats
+
+    assert weights_source(CacheStats(state="stored", written_bytes=8)) == ("stored", "")
+    assert weights_source(CacheStats(state="mapped")) == ("mapped", "")
+    assert weights_source(CacheStats(state="mapped", remote_hits=1)) == ("remote", "")
+    degraded = CacheStats(state="degraded", heap_reason="no_space", errno=28, error="no space left on /c")
+    assert weights_source(degraded) == ("heap", "degraded: no_space, errno 28 (ENOSPC), no space left on /c")
+    assert weights_source(CacheStats(state="heap", heap_reason="untrusted")) == ("heap", "heap: untrusted")
+    assert weights_source(CacheStats(state="off")) == ("heap", "caching off")

@@ -582,15 +582,7 @@ def _load(
                 return bool(session.get_many([_tie_check(source, a, b)])[0][0])
 
             _tie(model, source, equal)
-            groups = parameter_groups(model)
-            missing = _missing(groups, source)
-            if missing:
-                shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-                raise ValueError(
-                    f"{checkpoint.directory}: the checkpoint lacks {len(missing)} tensor(s) that "
-                    f"{model_class.__name__} needs: {shown} (packcache does not initialise missing weights or rename "
-                    "legacy keys)"
-                )
+            _refuse_missing(checkpoint.directory, model_class, parameter_groups(model), source)
             report = convert(
                 model, weight_cache, linear_packer, source=source, other=recipe.other, embedding=recipe.embedding,
                 kernel_path=path, transposed=TRANSPOSED_LINEARS, session=session,
@@ -684,6 +676,17 @@ def _cache_name(checkpoint: Checkpoint, model_type: str, recipe: Recipe) -> str:
 def _missing(groups: list[list[str]], source: _Renamed) -> list[str]:
     """Parameters (each tied group once) of which the checkpoint holds none of the names."""
     return [names[0] for names in groups if not any(source.name(n) in source.checkpoint for n in names)]
+
+
+def _refuse_missing(directory: object, model_class: type[Any], groups: list[list[str]], source: _Renamed) -> None:
+    """Raise ValueError naming the tensors ``model_class`` needs that the checkpoint lacks (:func:`_missing`)."""
+    missing = _missing(groups, source)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(
+            f"{directory}: the checkpoint lacks {len(missing)} tensor(s) that {model_class.__name__} needs: {shown} "
+            "(packcache does not initialise missing weights or rename legacy keys)"
+        )
 
 
 def from_pretrained(
@@ -891,9 +894,13 @@ def pack_count(
     folder = os.path.join(os.fspath(path), sentence_transformers or "")
     checkpoint = Checkpoint(folder)
     config = checkpoint.config()  # a missing or malformed checkpoint fails here, naming the file
-    model = _checked_skeleton(checkpoint, _model_class(auto_class, config), config)
+    model_class = _model_class(auto_class, config)
+    model = _checked_skeleton(checkpoint, model_class, config)
     source = _renaming(model, parameter_groups(model), checkpoint)
     checks = _tie(model, source, lambda a, b: _same_values(source, a, b))
+    # as the load refuses it: `serve` checks a model in its master with this, before any worker loads it;
+    # pinned by tests/test_server_models.py::test_a_bad_checkpoint_is_refused_by_the_master_in_one_line
+    _refuse_missing(checkpoint.directory, model_class, parameter_groups(model), source)
     embedded = len(collect_files(path, sentence_transformers=sentence_transformers)) + 1
     packs = count_packs(model, recipe.linear, transposed=TRANSPOSED_LINEARS, embedding=recipe.embedding)
     return checks + packs + embedded
@@ -918,7 +925,9 @@ def sentence_transformer(
     cache file holds, with no checkpoint.
 
     ``path`` is a directory written by ``SentenceTransformer.save`` (``modules.json``, the
-    Transformer module's checkpoint, pooling and normalisation), or a cache file (``*.pcache``) a load of one with
+    Transformer module's checkpoint, pooling and normalisation), a plain transformers checkpoint (no
+    ``modules.json``: its model and mean pooling, last-token pooling for a causal LM, as sentence-transformers
+    loads one), or a cache file (``*.pcache``) a load of one with
     ``cache=`` (or ``packcache build``) made: it holds every module's configuration and small weights, the
     tokenizer and the packs. sentence-transformers loads
     every module itself (tokenizer, pooling, its configuration files), except that the
@@ -997,7 +1006,10 @@ def _sentence_transformer(
     kwargs["local_files_only"] = True
     classes = dict.fromkeys(ST_TRANSFORMER_REFS, PackedTransformer)
     try:
-        st = SentenceTransformer._load_with_module_classes(base, classes, **kwargs)
+        if os.path.lexists(os.path.join(base, "modules.json")):
+            st = SentenceTransformer._load_with_module_classes(base, classes, **kwargs)
+        else:
+            st = _default_modules(SentenceTransformer, PackedTransformer, base, kwargs)
         if not loads:
             raise ValueError(f"{base}: modules.json has no sentence-transformers Transformer module to pack")
     except BaseException:
@@ -1010,3 +1022,26 @@ def _sentence_transformer(
             module.__class__ = Transformer  # exactly sentence-transformers' class from here on
     _attach(st, loads[0])
     return st
+
+
+def _default_modules(
+    model_class: type[SentenceTransformer], transformer_class: type[Any], base: str, kwargs: dict[str, Any]
+) -> SentenceTransformer:
+    """A plain transformers checkpoint (no ``modules.json``) as sentence-transformers loads one: its Transformer
+    module (here ``transformer_class``, packed) and mean pooling, or last-token pooling for a causal LM
+    (``SentenceTransformer._load_default_modules``, which builds an unpacked Transformer itself).
+
+    Raises:
+        As :func:`from_pretrained` for the checkpoint.
+    """
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    # pinned by tests/test_server_models.py::test_a_plain_transformers_checkpoint_serves_mean_pooling
+    local = {"local_files_only": True}
+    transformer = transformer_class(base, model_kwargs=dict(local), processor_kwargs=dict(local),
+                                    config_kwargs=dict(local))  # fmt: skip
+    config = transformer.config
+    architectures = getattr(config, "architectures", None) or [""]
+    causal = architectures[0].endswith("ForCausalLM") and getattr(config, "is_causal", True)
+    pooling = Pooling(transformer.get_embedding_dimension(), "lasttoken" if causal else "mean")
+    return model_class(modules=[transformer, pooling], **{k: v for k, v in kwargs.items() if k != "local_files_only"})

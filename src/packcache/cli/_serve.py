@@ -16,17 +16,54 @@ from ._model import add_model_options, cache_file, fetch_named_model, kernel_pat
 __all__ = ["add_parser"]
 
 
-def _check_model(args: argparse.Namespace, scheme: str) -> None:
+def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
     """Read and check every file of ``--model`` (or the bundled model) as a worker's load will, in the ``serve``
     master before any worker is forked: a bad checkpoint is one line here, not a boot failure in each worker.
     Builds the tokenizer and a ``meta`` skeleton, and throws both away; no weight is read.
 
     Raises:
-        As :func:`packcache.models.minilm.load_tokenizer` and :func:`~packcache.models.minilm.pack_count`.
+        As :func:`packcache.models.minilm.load_tokenizer` and :func:`~packcache.models.minilm.pack_count` (the
+        ``minilm`` loader), :func:`packcache.hf.pack_count` and :func:`packcache.hf.tokenizer` (``hf``);
+        ValueError: a cache file of a model that is not a sentence-transformers one.
     """
-    minilm: Any = importlib.import_module("packcache.models.minilm")
-    minilm.load_tokenizer(args.model)
-    minilm.pack_count(scheme, model_path=args.model)
+    if loader == "minilm":
+        minilm: Any = importlib.import_module("packcache.models.minilm")
+        minilm.load_tokenizer(args.model)
+        minilm.pack_count(scheme, model_path=args.model)
+        return
+    hf: Any = importlib.import_module("packcache.hf")
+    from ..bundle import is_cache_file, open_bundle
+    from ..server.engines import transformer_folder_of
+
+    if is_cache_file(args.model):
+        with open_bundle(args.model) as bundle:
+            if bundle.record.sentence_transformers is None:
+                raise ValueError(
+                    f"{args.model} holds a {bundle.record.model_type} model, not a sentence-transformers one: serve "
+                    "loads embedding models (build the file from a sentence-transformers model or a plain encoder)"
+                )
+        hf.tokenizer(args.model)
+        return
+    folder = transformer_folder_of(args.model)
+    # pinned by tests/test_server_models.py::test_a_bad_checkpoint_is_refused_by_the_master_in_one_line
+    hf.pack_count(args.model, scheme, sentence_transformers=folder)
+    hf.tokenizer(os.path.join(args.model, folder))
+
+
+def _hf_cache_file(args: argparse.Namespace, scheme: str) -> str | None:
+    """The cache file of an ``hf``-loaded ``--model``: the file itself, none with ``--no-cache``, else the one
+    :func:`packcache.hf.default_cache_path` names for its Transformer module's checkpoint in ``--cache-dir``
+    (named by content, as ``packcache build`` names it)."""
+    from ..bundle import is_cache_file
+    from ..server.engines import transformer_folder_of
+
+    if is_cache_file(args.model):
+        return str(args.model)
+    if args.no_cache:
+        return None
+    hf: Any = importlib.import_module("packcache.hf")
+    folder = os.path.join(args.model, transformer_folder_of(args.model))
+    return str(hf.default_cache_path(folder, scheme, cache_dir=args.cache_dir))
 
 
 def cmd_serve(args: argparse.Namespace, out: Out) -> int:
@@ -42,23 +79,37 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
                   f"pip install 'packcache[{extra}]' (bash scripts/setup.sh installs it)", file=sys.stderr)  # fmt: skip
             return EXIT_FAILED
     from ..server import EngineSpec, Limits, ServeOptions, serve, worker_threads
+    from ..server.engines import choose_loader, model_id_of
 
-    scheme, path = "fp32", None
-    if args.engine == "packcache":
-        try:
+    scheme, path, loader = "fp32", None, "minilm"
+    model_id = args.served_model_name or model_id_of(args.model)  # the name as given, before a fetch replaces it
+    try:
+        if args.engine == "packcache":
             # in the master, once: the workers map the file it fetched
             fetched = fetch_named_model(args, "packcache serve")
             if fetched:
                 print(fetched, file=sys.stderr)
+            loader = choose_loader(args.model)
+            if loader == "hf" and importlib.util.find_spec("sentence_transformers") is None:
+                raise ModuleNotFoundError(
+                    f"{args.model} is not a MiniLM-shaped BERT: serving it needs the hf extra (sentence_transformers "
+                    "is missing): pip install 'packcache[hf]'"
+                )
             scheme = chosen_scheme(args)
             # Named here, in the master, by content: the workers open one file (and find the digest it took).
-            path = cache_file(args, scheme)
-            _check_model(args, scheme)
-        except (ValueError, ModuleNotFoundError, FormatError, OSError, RemoteError) as exc:
-            print(f"packcache serve: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
-            return EXIT_FAILED
+            path = cache_file(args, scheme) if loader == "minilm" else _hf_cache_file(args, scheme)
+            _check_model(args, scheme, loader)
+        elif args.model is not None and args.model.endswith(".pcache"):
+            raise ValueError(
+                f"{args.model} is a cache file of packed weights: --engine sentence-transformers loads a checkpoint "
+                "directory (the unpacked float32 baseline)"
+            )
+    except (ValueError, ModuleNotFoundError, FormatError, OSError, RemoteError) as exc:
+        print(f"packcache serve: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
     engine = EngineSpec(
-        engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path,
+        engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path, loader=loader,
+        model_id=model_id,
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
         cache_dir=os.path.dirname(path) if path is not None else None,
         remote=args.remote.raw if path is not None and args.remote is not None else None,
@@ -94,9 +145,11 @@ def add_parser(sub: Any) -> None:
         description='POST /embed {"texts": [...]} -> {"embeddings": [[...], ...]}; GET /metrics (every worker\'s '
         "cache state, heap bytes per reason, mapped bytes and errno, request counts and latency, by pid); "
         "GET /healthz. "
-        "Each worker loads all-MiniLM-L6-v2 through the cache file after the fork: on an empty cache one builds and "
-        "the others map. A cache problem never stops a worker: it shows in /metrics. SIGTERM stops gracefully, "
-        "SIGHUP replaces the workers (rolling restart). Needs the serve extra. See docs/DEPLOY.md.",
+        "Each worker loads the model (all-MiniLM-L6-v2 by default; --model: any sentence-transformers model) through "
+        "the cache file after the fork: on an empty cache one builds and the others map, and each logs one line "
+        "when ready (state, load seconds, where the weights came from). A cache problem never stops a worker: it "
+        "shows in /metrics. SIGTERM stops gracefully, SIGHUP replaces the workers (rolling restart). Needs the serve "
+        "extra (and the hf extra for models other than MiniLM-shaped BERTs). See docs/DEPLOY.md.",
     )
     from ..server.engines import usable_cpus
 
@@ -105,10 +158,23 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
     add_model_options(serve, no_cache="caching off: every worker packs to its own heap")
+    for action in serve._actions:
+        if action.dest == "model":
+            action.help = (
+                "the model (default: the bundled all-MiniLM-L6-v2): a sentence-transformers save or a plain "
+                "transformers checkpoint directory (BERT, XLM-R, MPNet, ...: its pooling, normalisation and "
+                "prompts as its config says; a BERT of MiniLM's shape takes the MiniLM fast path), a cache file "
+                "(*.pcache) that holds one (the file alone is the model), or with --remote a published name"
+            )
     serve.add_argument(
         "--engine", choices=("packcache", "sentence-transformers"), default="packcache",
         help="packcache (default), or sentence-transformers' float32 model with no cache: the baseline of "
         "benchmarks/serve.py (--scheme and the cache options do not apply to it)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--served-model-name", metavar="NAME",
+        help="the model's name in GET /v1/models and in every response's \"model\" (default: the directory's or "
+        "cache file's base name, the published name, or all-MiniLM-L6-v2)",
     )  # fmt: skip
     serve.add_argument(
         "--torch-threads", type=positive,

@@ -1,4 +1,10 @@
-"""What a server worker embeds with: packcache's MiniLM, or sentence-transformers as the baseline.
+"""What a server worker embeds with: packcache's MiniLM, any sentence-transformers model through
+:func:`packcache.hf.sentence_transformer`, or sentence-transformers itself as the baseline.
+
+Which packcache loader a model takes is decided in the master, from its files alone (:func:`choose_loader`):
+the MiniLM fast path (:mod:`packcache.models.minilm`, a plain-torch BERT encoder with mean pooling) for the
+bundled model and for every checkpoint of its shape, ``packcache.hf`` for everything else (XLM-R, MPNet, CLS
+pooling, Dense modules, prompts, ...), with pooling, normalisation and prompts as the model's own config says.
 
 Each worker loads its own engine after the fork (gunicorn's ``preload_app`` is off), so
 the packcache engine opens the cache file in every worker: on an empty cache the first
@@ -12,9 +18,10 @@ shape, with every weight on each worker's heap. It has no packcache figures.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +31,32 @@ from .. import _defaults
 from ..packers import usable_cpus
 from ..stats import CacheStats
 
-__all__ = ["ENGINES", "Engine", "EngineSpec", "load_engine", "preimport", "usable_cpus", "worker_threads"]
+__all__ = [
+    "ENGINES",
+    "LOADERS",
+    "Engine",
+    "EngineSpec",
+    "choose_loader",
+    "load_engine",
+    "model_id_of",
+    "preimport",
+    "transformer_folder_of",
+    "usable_cpus",
+    "weights_source",
+    "worker_threads",
+]
 
 #: ``packcache``: all-MiniLM-L6-v2 on packed weights from the cache. ``sentence-transformers``: the
 #: unpacked float32 model as sentence-transformers loads it (the baseline).
 ENGINES = ("packcache", "sentence-transformers")
+
+#: How the ``packcache`` engine loads a model: ``minilm`` (:mod:`packcache.models.minilm`: the bundled
+#: all-MiniLM-L6-v2 and checkpoints of its shape, :func:`choose_loader`) or ``hf``
+#: (:func:`packcache.hf.sentence_transformer`: any sentence-transformers model or plain transformers encoder).
+LOADERS = ("minilm", "hf")
+
+#: What ``model_id`` is for the bundled model (no ``--model``).
+BUNDLED_MODEL_ID = "all-MiniLM-L6-v2"
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -55,6 +83,9 @@ class EngineSpec:
         remote, remote_timeout, trusted_keys, allow_unsigned: a store of published caches and how to
             trust it (:class:`packcache.WeightCache`'s arguments of the same names): on a local miss a
             worker fetches the file first (one per machine: the others wait on the build lock and map it).
+        loader: one of :data:`LOADERS` (the ``packcache`` engine's; ``serve`` sets it from :func:`choose_loader`).
+        model_id: the name :attr:`Engine.model_id` gives the model (``serve --served-model-name``); ``None``:
+            :func:`model_id_of` ``model``.
     """
 
     engine: str = "packcache"
@@ -69,6 +100,8 @@ class EngineSpec:
     remote_timeout: float = _defaults.REMOTE_TIMEOUT
     trusted_keys: tuple[str, ...] = ()
     allow_unsigned: bool = False
+    loader: str = "minilm"
+    model_id: str | None = None
 
 
 class Engine:
@@ -79,6 +112,7 @@ class Engine:
     kernel_path = ""
     cache_file = ""
     load_seconds = 0.0
+    model_id = ""
 
     def embed(self, texts: Sequence[str]) -> np.ndarray[Any, Any]:
         """float32 ``[len(texts), dim]``, L2-normalised rows."""
@@ -125,6 +159,258 @@ class _SentenceTransformers(Engine):
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
 
 
+class _PackedSentenceTransformer(Engine):
+    """Any sentence-transformers model whose Transformer module's weights come from the cache
+    (:func:`packcache.hf.sentence_transformer`): its own tokenizer, ``max_seq_length``, pooling, Dense modules,
+    normalisation and prompts, as ``SentenceTransformer.encode`` runs them."""
+
+    name = "packcache"
+
+    def __init__(self, model: Any, scheme: str, cache_file: str, load_seconds: float) -> None:
+        from sentence_transformers.base.modules import Normalize
+
+        self.model = model
+        self.scheme = scheme
+        self.cache_file = cache_file
+        self.load_seconds = load_seconds
+        self.kernel_path = str(model.packcache_report.kernel_path)
+        modules = list(model.named_children())
+        # A trailing Normalize is applied (or not) by embed(normalize=...): normalize=False is the output before it,
+        # as TEI's normalize=false. One in the middle of the pipeline stays where the model put it.
+        self.normalizes = bool(modules) and isinstance(modules[-1][1], Normalize)
+        self._modules = [module for _, module in (modules[:-1] if self.normalizes else modules)]
+        self.transformer = modules[0][1]
+        self.tokenizer = self.transformer.tokenizer
+        limit = model.max_seq_length
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{model}: the model has no max_seq_length (its tokenizer sets none)")
+        self.max_tokens = int(limit)
+        self.prompts = {str(k): str(v) for k, v in (model.prompts or {}).items() if v}
+        self.default_prompt_name = model.default_prompt_name
+        dimension = model.get_embedding_dimension()
+        self.dimension = int(dimension) if dimension else int(self.embed([""]).shape[1])
+
+    def tokens(self, texts: Sequence[str]) -> list[int]:
+        if not texts:
+            return []
+        # As encode() tokenizes (the Transformer module's tokenizer, special tokens added), without truncation;
+        # verbose=False: the tokenizer would log a warning for every text longer than max_seq_length.
+        encoded = self.tokenizer(list(texts), add_special_tokens=True, truncation=False, padding=False, verbose=False)
+        return [len(ids) for ids in encoded["input_ids"]]
+
+    def embed(self, texts: Sequence[str], *, normalize: bool = True, batch_size: int = 32) -> np.ndarray[Any, Any]:
+        import torch
+
+        texts = list(texts)
+        if not texts:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        # encode()'s order: longest first, so each batch pads the least; rows go back in the callers' order.
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        rows: list[Any] = [None] * len(texts)
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                chosen = order[start : start + batch_size]
+                features = self.model.preprocess([texts[i] for i in chosen])
+                for module in self._modules:
+                    features = module(features)
+                out = features["sentence_embedding"].float()
+                if normalize:
+                    out = torch.nn.functional.normalize(out, p=2, dim=1)
+                for i, row in zip(chosen, out, strict=True):
+                    rows[i] = row
+        return torch.stack(rows).numpy().astype(np.float32, copy=False).reshape(len(texts), -1)
+
+    def stats(self) -> CacheStats:
+        stats: CacheStats = self.model.packcache.stats()
+        return stats
+
+
+def model_id_of(model: str | None) -> str:
+    """The name a model is served under by default (``GET /v1/models``, each response's ``model``): a directory's
+    or cache file's base name (without ``.pcache``), a name that is no local path as given (a hub id, a published
+    name), the bundled model's own name without ``--model``.
+
+    >>> model_id_of(None), model_id_of("/srv/models/e5-small/"), model_id_of("/c/bert-int8-0123.pcache")
+    ('all-MiniLM-L6-v2', 'e5-small', 'bert-int8-0123')
+    >>> model_id_of("intfloat/multilingual-e5-small")
+    'intfloat/multilingual-e5-small'
+    """
+    if model is None:
+        return BUNDLED_MODEL_ID
+    if not os.path.exists(model):
+        return model
+    base = os.path.basename(os.path.normpath(model))
+    return base.removesuffix(".pcache") or base
+
+
+def transformer_folder_of(path: str | os.PathLike[str]) -> str:
+    """The folder of a sentence-transformers model's Transformer module, relative to ``path`` (``""``: the root, as
+    every save of sentence-transformers 3 and later has it, and a plain transformers checkpoint, which has no
+    ``modules.json``). What :func:`packcache.hf.pack_count` and :func:`packcache.hf.default_cache_path` take.
+
+    Raises:
+        FormatError: a malformed ``modules.json``, one with no Transformer module or more than one, or a folder
+            outside the model. UntrustedFileError, OSError: it cannot be read.
+    """
+    from .._boundedjson import load_file
+    from ..bundle import ST_TRANSFORMER_REFS
+    from ..errors import FormatError
+
+    listing = os.path.join(os.fspath(path), "modules.json")
+    if not os.path.lexists(listing):
+        return ""
+    modules = load_file(listing, what="modules.json", max_bytes=_MAX_JSON_BYTES)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise FormatError("not a JSON list of modules", path=listing)
+    folders = [m.get("path") for m in modules if m.get("type") in ST_TRANSFORMER_REFS]
+    if len(folders) != 1:
+        raise FormatError(f"{len(folders)} Transformer modules: packcache serves models with exactly one", path=listing)
+    folder = folders[0]
+    if not isinstance(folder, str) or os.path.isabs(folder) or ".." in folder.replace("\\", "/").split("/"):
+        raise FormatError(f"the Transformer module's path {folder!r} is not a folder inside the model", path=listing)
+    return folder.strip("/")
+
+
+def choose_loader(model: str | None) -> str:
+    """Which loader of :data:`LOADERS` ``serve`` loads ``model`` with, decided from its files alone (no weight read).
+
+    ``minilm`` (the fast path) for the bundled model (``None``), a path to a safetensors file, a cache file of
+    calibrated int4 packs (``packcache.models.minilm``'s alone), of a plain BERT checkpoint, or whose embedded files
+    have the shape below (a file either loader built serves both), and a checkpoint directory that
+    sentence-transformers runs exactly as the MiniLM
+    encoder does: ``config.json``'s ``model_type`` ``bert`` with ``hidden_act`` ``gelu`` and absolute positions,
+    one ``model.safetensors`` and a ``tokenizer.json`` at the root; ``modules.json`` absent (a plain checkpoint:
+    mean pooling) or the Transformer module at the root, mean pooling alone, then at most a Normalize; no prompt,
+    no ``do_lower_case``; and the truncation the MiniLM loader computes (``sentence_bert_config.json``'s
+    ``max_seq_length``, else the position limit) is sentence-transformers'. A checkpoint of that shape that is
+    malformed is the MiniLM loader's to refuse. Everything else is ``hf``: any model
+    :func:`packcache.hf.sentence_transformer` loads.
+
+    Raises:
+        FormatError: a malformed ``config.json``, ``modules.json`` or module config, or a cache file that is not
+            one. UntrustedFileError, OSError: a file cannot be read.
+    """
+    from ..bundle import is_cache_file, open_bundle
+
+    if model is None:
+        return "minilm"
+    if is_cache_file(model):
+        with open_bundle(model) as bundle:
+            record = bundle.record
+            if record.loader == "minilm":
+                return "minilm"  # calibrated int4: this loader's alone
+            if record.sentence_transformers is None:
+                # a plain checkpoint's file: MiniLM's loader reads a BERT's; packcache.hf refuses the others clearly
+                return "minilm" if record.model_type == "bert" else "hf"
+
+            def embedded(name: str) -> Any:
+                return bundle.read_json(name) if bundle.has_file(name) else None
+
+            shaped = _minilm_shaped(embedded, bundle.has_file, weights=False)
+        return "minilm" if shaped else "hf"
+    if not os.path.isdir(model):
+        return "minilm"  # a safetensors file, or nothing there: the MiniLM loader says what is wrong
+
+    def read(name: str) -> Any:
+        return _json_or_none(os.path.join(model, name))
+
+    return "minilm" if _minilm_shaped(read, lambda name: os.path.lexists(os.path.join(model, name))) else "hf"
+
+
+_MAX_JSON_BYTES = 1 << 20
+_MEAN_ONLY = {"pooling_mode_cls_token": False, "pooling_mode_max_tokens": False,
+              "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+              "pooling_mode_lasttoken": False}  # fmt: skip
+
+
+def _json_or_none(path: str) -> Any:
+    from .._boundedjson import load_file
+
+    if not os.path.lexists(path):
+        return None
+    return load_file(path, what=os.path.basename(path), max_bytes=_MAX_JSON_BYTES)
+
+
+def _minilm_shaped(read: Callable[[str], Any], has: Callable[[str], bool], *, weights: bool = True) -> bool:
+    """:func:`choose_loader`'s rule for a model's files (see there): ``read(name)`` parses one (``None``: absent),
+    ``has(name)`` says whether it is there; ``weights``: ``model.safetensors`` must be (a cache file holds packs)."""
+    from ..bundle import ST_TRANSFORMER_REFS
+
+    config = read("config.json")
+    if not isinstance(config, dict) or config.get("model_type") != "bert":
+        return False
+    if config.get("hidden_act", "gelu") != "gelu" or config.get("position_embedding_type", "absolute") != "absolute":
+        return False  # the MiniLM encoder computes neither; packcache.hf runs the model's own code
+    if (weights and not has("model.safetensors")) or not has("tokenizer.json"):
+        return False
+    modules = read("modules.json")
+    if modules is not None:
+        if not isinstance(modules, list) or not 2 <= len(modules) <= 3 or not all(isinstance(m, dict) for m in modules):
+            return False
+        types = [str(m.get("type", "")) for m in modules]
+        if types[0] not in ST_TRANSFORMER_REFS or modules[0].get("path") != "":
+            return False
+        if not (types[1].startswith("sentence_transformers.") and types[1].endswith(".Pooling")):
+            return False
+        if len(types) == 3 and not (types[2].startswith("sentence_transformers.") and types[2].endswith(".Normalize")):
+            return False
+        folder = str(modules[1].get("path") or "")
+        pooling = read(f"{folder}/config.json" if folder else "config.json")
+        if not isinstance(pooling, dict):
+            return False
+        if "pooling_mode" in pooling:
+            if pooling["pooling_mode"] not in ("mean", ["mean"]):
+                return False
+        elif pooling.get("pooling_mode_mean_tokens") is not True or any(pooling.get(k) for k in _MEAN_ONLY):
+            return False
+    settings = read("config_sentence_transformers.json")
+    if isinstance(settings, dict) and isinstance(settings.get("prompts"), dict) and any(settings["prompts"].values()):
+        return False  # the MiniLM engine has no prompts
+    bert_settings = read("sentence_bert_config.json")
+    bert_settings = bert_settings if isinstance(bert_settings, dict) else {}
+    if bert_settings.get("do_lower_case"):
+        return False
+    positions = config.get("max_position_embeddings", 512)
+    limit = bert_settings.get("max_seq_length")
+    if limit is None:
+        # sentence-transformers truncates to the tokenizer's model_max_length when it is under the position limit
+        tokenizer = read("tokenizer_config.json")
+        given = tokenizer.get("model_max_length") if isinstance(tokenizer, dict) else None
+        if isinstance(given, (int, float)) and isinstance(positions, int) and given < positions:
+            return False
+    return True
+
+
+def weights_source(stats: CacheStats | None) -> tuple[str, str]:
+    """Where a loaded worker's weights came from, from its cache's statistics: ``(source, why)``.
+
+    ``remote``: the file was fetched from the store first; ``stored``: this process packed the weights and
+    wrote them to the file; ``mapped``: the file held them and they are mapped; ``heap``: they were packed into
+    this process's memory, ``why`` saying why (caching off, or the cache's failure reason and error).
+
+    >>> weights_source(CacheStats(state="mapped"))
+    ('mapped', '')
+    >>> weights_source(CacheStats(state="off"))
+    ('heap', 'caching off')
+    >>> weights_source(None)
+    ('heap', 'the sentence-transformers engine (float32, no cache)')
+    """
+    if stats is None:
+        return "heap", "the sentence-transformers engine (float32, no cache)"
+    if stats.remote_hits:
+        return "remote", ""
+    if stats.state in ("stored", "mapped"):
+        return stats.state, ""
+    if stats.state == "off":
+        return "heap", "caching off"
+    why = f"{stats.state}: {stats.heap_reason}"
+    if stats.errno:
+        why += f", errno {stats.errno} ({errno.errorcode.get(stats.errno, '?')})"
+    if stats.error:
+        why += f", {stats.error}"
+    return "heap", why
+
+
 def worker_threads(workers: int, cpus: int | None = None) -> int:
     """Torch threads per worker by default: the CPUs this process may run on, shared out
     among the workers, at least one. N workers with one thread per core each would put
@@ -138,18 +424,21 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
     return max(1, cpus // max(1, workers))
 
 
-def preimport(engine: str) -> None:
-    """Import the engine's modules (torch, tokenizers, the model code) without loading a model.
+def preimport(engine: str, loader: str = "minilm") -> None:
+    """Import the engine's modules (torch, tokenizers, the model code; for the ``hf`` loader transformers and
+    sentence-transformers too) without loading a model.
 
     The gunicorn master calls it before forking: every worker then starts with them imported
     (shared pages, no per-worker import time). It starts no thread and runs no kernel, so the
     fork stays safe; each worker loads its own weights after the fork.
     """
-    if engine == "sentence-transformers":
+    if engine == "sentence-transformers" or loader == "hf":
         # A local directory only, never a hub: forced, not defaulted, so an operator's
         # HF_HUB_OFFLINE=0 cannot turn ``--model org/name`` into a download.
         os.environ["HF_HUB_OFFLINE"] = "1"
         import sentence_transformers  # noqa: F401
+    if engine == "packcache" and loader == "hf":
+        importlib.import_module("packcache.hf")
     importlib.import_module("packcache.models.minilm")
 
 
@@ -157,16 +446,26 @@ def load_engine(spec: EngineSpec) -> Engine:
     """Load ``spec``'s model in this (worker) process.
 
     Raises:
-        ValueError: unknown engine or scheme, a bad checkpoint; ModuleNotFoundError: the model
-        package or sentence-transformers is missing. Cache problems never raise: they are in
-        :meth:`Engine.stats`.
+        ValueError: unknown engine, loader or scheme, a bad checkpoint; ModuleNotFoundError: the model
+        package or sentence-transformers is missing. FormatError, OSError: a model file cannot be read. Cache
+        problems never raise: they are in :meth:`Engine.stats`.
     """
-    import time
-
     import torch
 
     torch.set_num_threads(spec.torch_threads)
+    engine = _load(spec)
+    engine.model_id = spec.model_id or model_id_of(spec.model)
+    return engine
+
+
+def _load(spec: EngineSpec) -> Engine:
+    import time
+
     minilm: Any = importlib.import_module("packcache.models.minilm")
+    if spec.loader not in LOADERS:
+        raise ValueError(f"unknown loader {spec.loader!r}: expected one of {', '.join(LOADERS)}")
+    if spec.engine == "packcache" and spec.loader == "hf":
+        return _load_hf(spec)
     if spec.engine == "packcache":
         from ..loader import resolve_scheme
 
@@ -205,6 +504,55 @@ def load_engine(spec: EngineSpec) -> Engine:
         model = SentenceTransformer(path, device="cpu", local_files_only=True)
         return _SentenceTransformers(model, time.perf_counter() - started)
     raise ValueError(f"unknown engine {spec.engine!r}: expected one of {', '.join(ENGINES)}")
+
+
+def _load_hf(spec: EngineSpec) -> Engine:
+    """The ``hf`` loader (:func:`packcache.hf.sentence_transformer`): a checkpoint directory through its
+    content-named cache file (named here, by what this worker loads, when ``cache_dir`` is set), or the cache file
+    ``spec.model`` that holds the model."""
+    import time
+
+    from ..bundle import is_cache_file, open_bundle
+    from ..cache import WeightCache
+    from ..loader import resolve_scheme
+    from ..torch import check_kernels
+
+    hf: Any = importlib.import_module("packcache.hf")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if spec.model is None:
+        raise ValueError("the hf loader needs a model: a directory or a cache file")
+    cache: Any
+    if is_cache_file(spec.model):
+        with open_bundle(spec.model) as bundle:
+            scheme = bundle.record.scheme
+        path: str | None = spec.model
+        cache = spec.model  # the file is its own cache
+        given_scheme = None if spec.scheme in (None, "auto") else spec.scheme
+    else:
+        scheme = given_scheme = resolve_scheme(spec.scheme)  # once: the file's name and the load agree on it
+        path = spec.cache
+        if path is not None and spec.cache_dir is not None:
+            folder = os.path.join(spec.model, transformer_folder_of(spec.model))
+            path = str(hf.default_cache_path(folder, scheme, cache_dir=spec.cache_dir))
+        if path is None:
+            cache = WeightCache(None)  # caching off, said as such (None may come to mean the default file)
+        elif spec.remote is not None:
+            cache = WeightCache(
+                path, platform=hf.platform(scheme), remote=spec.remote, remote_timeout=spec.remote_timeout,
+                trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
+            )  # fmt: skip
+        else:
+            cache = path
+    started = time.perf_counter()
+    model = hf.sentence_transformer(spec.model, given_scheme, cache, kernel_path=spec.kernel_path)
+    load_seconds = time.perf_counter() - started
+    # The kernel self-check a layer runs at its first forward, run now: a torch whose kernel misreads the
+    # layout fails the worker's boot (the master sees it), not its first request.
+    check_kernels(model)
+    engine = _PackedSentenceTransformer(model, scheme, path or "", load_seconds)
+    if spec.prefault:
+        _prefault(model)
+    return engine
 
 
 def _prefault(module: Any) -> None:

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from .app import Limits
-from .engines import EngineSpec, preimport
+from .engines import Engine, EngineSpec, preimport, weights_source
 from .metricsdir import HeldDirectory, hold_metrics_dir
 
-__all__ = ["ServeOptions", "exit_now", "serve"]
+__all__ = ["ServeOptions", "exit_now", "ready_line", "serve"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def serve(options: ServeOptions) -> int:
     try:
         from . import metrics  # imports prometheus_client, now in multiprocess mode
 
-        preimport(options.engine.engine)
+        preimport(options.engine.engine, options.engine.loader)
         application = _application(options, metrics.mark_process_dead, held, given_env)
         application.run()
     except SystemExit as exc:
@@ -196,13 +196,40 @@ def _application(
 
 
 def make_app(options: ServeOptions) -> Any:
-    """Load the model in this worker and return its WSGI application (gunicorn calls it after the fork)."""
+    """Load the model in this worker and return its WSGI application (gunicorn calls it after the fork); log the
+    worker's ready line (:func:`ready_line`) at INFO on gunicorn's error log."""
+    import logging
+
     from . import metrics
     from .app import EmbeddingApp
     from .engines import load_engine
 
     engine = load_engine(options.engine)
+    # gunicorn's own logger: the line goes where the server's other lines go (--log-level), never to a packcache
+    # logger (a clean load logs nothing there).
+    # pinned by tests/test_server_models.py::test_each_worker_logs_one_ready_line_naming_where_its_weights_came_from
+    logging.getLogger("gunicorn.error").info("%s", ready_line(engine, os.getpid()))
     worker = metrics.WorkerMetrics(
         engine.name, engine.scheme, engine.kernel_path, engine.cache_file, engine.load_seconds
     )
     return EmbeddingApp(engine, worker, metrics.exposition, options.limits)
+
+
+def ready_line(engine: Engine, pid: int) -> str:
+    """The line a worker logs once its model is loaded: its pid, the model, the cache's state, the load's seconds
+    and where the weights came from (:func:`~packcache.server.engines.weights_source`: ``mapped``, ``stored``,
+    ``remote``, or ``heap`` with the reason).
+
+    >>> from packcache.server.engines import Engine
+    >>> ready_line(Engine(), 7).startswith("packcache serve: worker 7 ready: model , engine engine, cache none, ")
+    True
+    """
+    stats = engine.stats()
+    source, why = weights_source(stats)
+    state = stats.state if stats is not None else "none"
+    where = f" {engine.cache_file}" if engine.cache_file else ""
+    scheme = f" {engine.scheme}" if engine.scheme else ""
+    return (
+        f"packcache serve: worker {pid} ready: model {engine.model_id}, engine {engine.name}{scheme}, "
+        f"cache {state}{where}, source {source}{f' ({why})' if why else ''}, loaded in {engine.load_seconds:.2f} s"
+    )

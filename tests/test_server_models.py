@@ -1,0 +1,193 @@
+"""``packcache serve --model`` on any sentence-transformers model, run the way it is deployed: real
+``packcache serve`` processes (``harness.serve``) on tiny random XLM-R, MPNet and BERT models made here,
+answering what ``SentenceTransformer(dir).encode`` answers; a cache file alone as the model; a plain
+transformers checkpoint (mean pooling); the sentence-transformers baseline on the same models; the line each
+worker logs when ready; a bad checkpoint refused by the master in one line, before any worker boots.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from harness.checkpoints import tiny_sentence_transformer, tiny_transformer
+from harness.serve import TEXTS, call, loaded_workers, server
+from test_cli import serve_until_exit
+
+#: Short and empty texts, and one past the tiny models' max_seq_length (64): truncated as encode truncates.
+SERVED = [*TEXTS, "the river city light market " * 60]
+#: Cosine to sentence-transformers' float32 embedding that the int8 scheme keeps on these models (measured:
+#: >= 0.99997 on each; int4 and bf16 are checked in process by tests/test_server_engines.py).
+INT8_COSINE = 0.9995
+READY = re.compile(
+    r"packcache serve: worker (\d+) ready: model (\S+), engine (\S+)(?: (\S+))?, cache (\S+)(?: (\S+))?, "
+    r"source (\S+)(?: \((.*)\))?, loaded in (\d+\.\d\d) s$"
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("models")
+    return {
+        "xlm-roberta": tiny_sentence_transformer(
+            base / "xlmr", "xlm-roberta", prompts={"query": "query: "}, default_prompt_name="query"
+        ),
+        "mpnet": tiny_sentence_transformer(base / "mpnet", "mpnet", pooling="cls", normalize=False),
+        "bert-dense": tiny_sentence_transformer(base / "bert", "bert", dense=16),
+        "plain": tiny_transformer(base / "plain", "xlm-roberta"),
+    }
+
+
+def _expected(directory: Path, texts: list[str]) -> np.ndarray[Any, Any]:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(1)
+    model = SentenceTransformer(str(directory), device="cpu", local_files_only=True)
+    # prompt="": the legacy route embeds the texts as given (no default prompt)
+    return np.asarray(model.encode(texts, prompt="", convert_to_numpy=True), dtype=np.float64)
+
+
+def _served(srv: Any, texts: list[str]) -> np.ndarray[Any, Any]:
+    status, (_, body) = call(srv, "POST", "/embed", json.dumps({"texts": texts}).encode())
+    assert status == 200, (status, body[:300])
+    return np.asarray(json.loads(body)["embeddings"], dtype=np.float64)
+
+
+def _cosines(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    result: np.ndarray[Any, Any] = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    return result
+
+
+def _ready_lines(srv: Any) -> dict[int, re.Match[str]]:
+    found: dict[int, re.Match[str]] = {}
+    for line in srv.err.read_text().splitlines():
+        if " ready: " in line:
+            match = READY.search(line)
+            assert match is not None, line
+            pid = int(match.group(1))
+            assert pid not in found, f"worker {pid} logged two ready lines"
+            assert "[INFO]" in line, line  # gunicorn's error log, as the server's other lines
+            found[pid] = match
+    return found
+
+
+def test_each_worker_logs_one_ready_line_naming_where_its_weights_came_from(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two workers on a cold cache: one packs and stores, the other waits and maps; each says so in one line,
+    and both serve what sentence-transformers encodes (XLM-R, mean pooling, Normalize, a default prompt)."""
+    from packcache import hf
+
+    directory, cache_dir = models["xlm-roberta"], tmp_path / "cache"
+    with server(tmp_path, "--model", str(directory), "--cache-dir", str(cache_dir), workers=2) as srv:
+        scrape = loaded_workers(srv, 2)
+        path = hf.default_cache_path(directory, "int8", cache_dir=cache_dir)  # named by content, as build names it
+        for w in scrape.workers.values():
+            assert w.info == {"engine": "packcache", "scheme": "int8", "kernel_path": w.info["kernel_path"],
+                              "cache_file": str(path)}  # fmt: skip
+        lines = _ready_lines(srv)
+        assert set(lines) == set(scrape.workers), (lines, srv.log())
+        sources = sorted((m.group(5), m.group(7)) for m in lines.values())
+        assert sources == [("mapped", "mapped"), ("stored", "stored")], sources
+        for pid, match in lines.items():
+            assert match.group(2) == "xlmr" and match.group(3, 4) == ("packcache", "int8")
+            assert match.group(6) == str(path) and match.group(8) is None
+            assert float(match.group(9)) == pytest.approx(scrape.workers[pid].values["load_seconds"], abs=0.006)
+        got = _served(srv, SERVED)
+    expected = _expected(directory, SERVED)
+    assert got.shape == expected.shape == (len(SERVED), 32)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert _cosines(got, expected).min() >= INT8_COSINE
+
+
+def test_mpnet_with_cls_pooling_and_no_normalize_serves_what_sentence_transformers_encodes(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The route's rows are unit length: the model's own output (not unit length), normalised."""
+    directory = models["mpnet"]
+    with server(tmp_path, "--model", str(directory), "--cache-dir", str(tmp_path / "cache"), workers=1) as srv:
+        got = _served(srv, SERVED)
+        ((_, match),) = _ready_lines(srv).items()
+        assert match.group(7) == "stored" and match.group(3) == "packcache"
+    expected = _expected(directory, SERVED)
+    assert got.shape == expected.shape
+    assert _cosines(got, expected).min() >= INT8_COSINE
+
+
+def test_a_cache_file_alone_serves_the_model_and_its_workers_map_it(models: dict[str, Path], tmp_path: Path) -> None:
+    """The file a load with a cache built holds every module's configuration, the tokenizer and the packs: served
+    with no checkpoint anywhere, read-only: the worker maps it."""
+    from packcache import hf
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(models["xlm-roberta"], checkpoint)
+    expected = _expected(checkpoint, SERVED)
+    file = tmp_path / "files" / "xlmr-int8.pcache"
+    hf.sentence_transformer(checkpoint, "int8", file).packcache.close()
+    shutil.rmtree(checkpoint)
+    with server(tmp_path, "--model", str(file), "--scheme", "auto", workers=1) as srv:
+        scrape = loaded_workers(srv, 1)
+        assert {w.info["cache_file"] for w in scrape.workers.values()} == {str(file)}
+        lines = _ready_lines(srv)
+        assert set(lines) == set(scrape.workers)
+        assert {m.group(7) for m in lines.values()} == {"mapped"} and {m.group(2) for m in lines.values()} == {
+            "xlmr-int8"
+        }
+        got = _served(srv, SERVED)
+    assert _cosines(got, expected).min() >= INT8_COSINE
+
+
+def test_a_plain_transformers_checkpoint_serves_mean_pooling(models: dict[str, Path], tmp_path: Path) -> None:
+    """No modules.json: sentence-transformers gives it mean pooling, and so does serve. Caching off: the ready line
+    says the weights are on the heap, and why."""
+    directory = models["plain"]
+    with server(tmp_path, "--model", str(directory), "--no-cache", "--served-model-name", "my-xlmr", workers=1) as srv:
+        got = _served(srv, SERVED)
+        ((_, match),) = _ready_lines(srv).items()
+        assert match.group(2) == "my-xlmr" and match.group(5) == "off" and match.group(6) is None
+        assert match.group(7, 8) == ("heap", "caching off")
+    expected = _expected(directory, SERVED)
+    assert _cosines(got, expected).min() >= INT8_COSINE
+
+
+def test_the_sentence_transformers_baseline_loads_the_same_models(models: dict[str, Path], tmp_path: Path) -> None:
+    """BERT with a Dense module: not MiniLM's shape, so the packcache engine takes packcache.hf; the baseline loads
+    it unpacked, float32, and says its weights are on the heap."""
+    directory = models["bert-dense"]
+    with server(tmp_path, "--model", str(directory), "--engine", "sentence-transformers", workers=1) as srv:
+        got = _served(srv, SERVED)
+        ((_, match),) = _ready_lines(srv).items()
+        assert match.group(3, 4, 5) == ("sentence-transformers", "fp32", "none") and match.group(7) == "heap"
+    np.testing.assert_allclose(got, _expected(directory, SERVED), atol=2e-5)
+
+
+def test_a_bad_checkpoint_is_refused_by_the_master_in_one_line(models: dict[str, Path], tmp_path: Path) -> None:
+    """Checked in the master before any worker is forked (no weight read): one line, exit 1, no worker booted."""
+    broken = tmp_path / "broken"
+    shutil.copytree(models["xlm-roberta"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))  # the checkpoint holds 2
+    modules = tmp_path / "modules"
+    shutil.copytree(models["mpnet"], modules)
+    (modules / "modules.json").write_text('{"not": "a list"}')
+    file = tmp_path / "plain.pcache"  # a cache file of a model that is no sentence-transformers one
+    from packcache import hf
+
+    hf.from_pretrained(models["plain"], "int8", file).packcache.close()
+    for argv, says in (
+        (["--model", str(broken)], "lacks"),
+        (["--model", str(modules)], "modules.json: not a JSON list of modules"),
+        (["--model", str(file)], "not a sentence-transformers one"),
+        (["--model", str(file), "--engine", "sentence-transformers"], "loads a checkpoint directory"),
+    ):
+        code, err = serve_until_exit([*argv, "--workers", "2", "--cache-dir", str(tmp_path / "cache")])
+        assert code == 1, f"serve did not stop with exit 1 (exit {code}): {err[-2000:]}"
+        assert err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
+        assert err.startswith("packcache serve: cannot load the model: ") and says in err, err
