@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,6 @@ import pytest
 import packcache
 from harness import without_build_compaction
 from packcache.cli import main
-from packcache.cli._report import Progress as _Progress
 from packcache.kernels import cpu_kernels
 from packcache.models import minilm
 from test_safetensors import HANG, HOSTILE, write
@@ -113,33 +109,6 @@ def test_run_says_when_superseded_packs_outweigh_live_ones(tmp_path: Path, capsy
     capsys.readouterr()
     third = run(capsys, *argv)
     assert third["file_reclaimable_bytes"] == 0 and third["warnings"] == []
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        raise OSError("no descriptor")  # terminal size falls back to a default width
-
-
-def test_progress_line_appears_only_after_a_second(tmp_path: Path) -> None:
-    stream = _Terminal()
-    cache = packcache.WeightCache(tmp_path / "m.pcache")
-    with _Progress(total=8, stream=stream), cache.session() as s:
-        for i in range(8):
-            s.get_or_pack(f"w{i}", lambda: np.ones(1000, np.float32))
-            if i == 0:
-                time.sleep(0.5)
-                assert stream.getvalue() == "", "nothing is drawn before a second has passed"
-        time.sleep(1.0)
-        assert "8/8" in stream.getvalue() and "packing [" in stream.getvalue()
-    assert stream.getvalue().endswith("\r\x1b[K"), "the line is cleared when the load ends"
-    cache.close()
-    quiet = io.StringIO()  # not a terminal: nothing at all
-    with _Progress(total=1, stream=quiet):
-        time.sleep(1.2)
-    assert quiet.getvalue() == "" and threading.active_count() >= 1
 
 
 @pytest.mark.parametrize("spelling", ["{d}", "{d}/", "{d}/./", "{rel}", "{copy}"])

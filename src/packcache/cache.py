@@ -584,6 +584,9 @@ class Session:
         self._inflight: dict[str, threading.Event] = {}
         self._thread = 0  # the thread that entered the session
         self._frame: FrameType | None = None  # the frame running the ``with`` block (see _abandoned)
+        #: Called with the number of requests just answered (hits, stores and heap packs alike), outside every
+        #: lock: a loader's progress bar (``packcache._progress``). ``None``: nothing is told.
+        self.progress: Callable[[int], object] | None = None
 
     @property
     def cache(self) -> WeightCache:
@@ -801,6 +804,14 @@ class Session:
             TypeError/ValueError: invalid ``name`` or ``key``.
             Whatever ``pack()`` raises. Cache problems are never raised.
         """
+        array = self._get_or_pack(name, pack, key)
+        if self.progress is not None:
+            self.progress(1)
+        return array
+
+    def _get_or_pack(
+        self, name: str | None, pack: PackFn, key: Mapping[str, Any] | PackKey | None
+    ) -> np.ndarray[Any, Any]:
         key_bytes = _request_key(name, key)
         cached = self._cache.enabled and self._store is not None
         me = threading.get_ident()
@@ -868,6 +879,8 @@ class Session:
                 if found is not None:
                     for i, array in zip(numbers, found, strict=True):
                         served[i] = array
+        if self.progress is not None:
+            self.progress(sum(array is not None for array in served))  # the rest count themselves in get_or_pack
         for i, request in enumerate(asked):
             if served[i] is None:
                 served[i] = self.get_or_pack(request[0], request[1], PackKey.from_canonical(keys[i]))

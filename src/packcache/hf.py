@@ -58,6 +58,7 @@ from transformers.pytorch_utils import Conv1D
 from . import _boundedjson as boundedjson
 from ._defaults import FETCH_DEADLINE, GROUP_SIZE, REMOTE_TIMEOUT
 from ._paths import default_cache_dir
+from ._progress import bar as progress_bar
 from .bundle import (
     ST_TRANSFORMER_REFS,
     Bundle,
@@ -576,7 +577,11 @@ def _load(
     try:
         model = _checked_skeleton(checkpoint, model_class, config)
         source = _renaming(model, parameter_groups(model), checkpoint)
-        with weight_cache.session() as session:  # one session, one generation: a fresh file has nothing superseded
+        with (
+            weight_cache.session() as session,  # one session, one generation: a fresh file has nothing superseded
+            progress_bar(lambda: _count(recipe, auto_class, bundle, embed), f"packing {recipe.scheme}") as tick,
+        ):
+            session.progress = tick
 
             def equal(a: str, b: str) -> bool:
                 return bool(session.get_many([_tie_check(source, a, b)])[0][0])
@@ -610,6 +615,21 @@ def _load(
     model.eval()
     model.config._name_or_path = os.fspath(directory)
     return _Loaded(model, weight_cache, owns_cache, report)
+
+
+def _count(
+    recipe: Recipe,
+    auto_class: str | type,
+    bundle: Bundle | None,
+    embed: tuple[str | os.PathLike[str], str | None] | None,
+) -> int:
+    """:func:`pack_count` of a load: the progress bar's total (counted only when a bar is drawn)."""
+    if bundle is not None or embed is None:
+        return bundle.entries if bundle is not None else 0
+    root, folder = embed
+    return pack_count(
+        root, recipe.scheme, auto_class=auto_class, group_size=recipe.group_size, sentence_transformers=folder
+    )
 
 
 def _model_requests(

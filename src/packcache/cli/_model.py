@@ -26,7 +26,7 @@ from ._common import (
     seconds,
     store_url,
 )
-from ._report import LoadReport, Progress, kernel_lines, remote_line
+from ._report import LoadReport, kernel_lines, remote_line
 
 __all__ = ["add_model_options", "add_parsers", "cache_file", "fetch_named_model", "kernel_path_arg"]
 
@@ -184,15 +184,14 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
         path = cache_file(args, scheme)
         # The tokenizer first, so the memory figures below are those of the weights.
         tokenizer = minilm.load_tokenizer(args.model)
-        total = minilm.pack_count(scheme, model_path=args.model)
         release_free_heap()
         before = smaps_rollup()
         started = time.perf_counter()
-        with Progress(total, sys.stderr):
-            cache = _cache_arg(args, path, minilm.platform(scheme))
-            model = minilm.load(
-                scheme=scheme, cache=cache, model_path=args.model, tokenizer=tokenizer, kernel_path=kernel_path
-            )
+        # A cold build draws tqdm's bar on a terminal from the loader itself (packcache._progress).
+        cache = _cache_arg(args, path, minilm.platform(scheme))
+        model = minilm.load(
+            scheme=scheme, cache=cache, model_path=args.model, tokenizer=tokenizer, kernel_path=kernel_path
+        )
     except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
         # A cache problem never lands here (it is reported in the stats); a bad model path does.
         print(f"packcache run: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
@@ -327,8 +326,7 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
         release_free_heap()
         before = smaps_rollup()
         started = time.perf_counter()
-        with Progress(total, sys.stderr):
-            built = load()
+        built = load()  # the loader draws the progress bar
     except ImportError as exc:  # the loader's extra is not installed (the core runs without it)
         extra = "hf" if args.loader == "hf" else "models"
         print(f"packcache build needs the {extra} extra ({exc}): pip install 'packcache[{extra}]'", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""What ``packcache run`` and ``build`` say about a load: progress while it packs, then the cache's
-figures against the kernel's (memory, superseded bytes, the store).
+"""What ``packcache run`` and ``build`` say about a load: the cache's figures against the kernel's (memory,
+superseded bytes, the store). The progress bar while it packs is the loader's (``packcache._progress``).
 """
 
 from __future__ import annotations
@@ -7,65 +7,14 @@ from __future__ import annotations
 import dataclasses
 import errno as errno_mod
 import os
-import threading
-import time
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import Any
 
-from ..cache import aggregate_stats
 from ..errors import PackCacheError
 from ..maintenance import InspectReport, inspect
 from ._common import mib, sanitize
 
-__all__ = ["LoadReport", "Progress", "kernel_lines", "remote_line"]
-
-
-class Progress:
-    """A progress line on stderr while packing takes longer than ~1 s (terminals only).
-
-    It reads the cache's lock-free statistics from its own thread, so it never
-    slows or blocks the load it reports on. ``total`` is the number of packs the
-    load requests (``minilm.pack_count``).
-    """
-
-    def __init__(self, total: int, stream: TextIO) -> None:
-        self.total, self.stream = total, stream
-        self.enabled = stream.isatty()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.drawn = False
-
-    def __enter__(self) -> Progress:
-        if self.enabled:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        if self.drawn:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-
-    def _run(self) -> None:
-        started = time.monotonic()
-        while not self._stop.wait(0.1):
-            if time.monotonic() - started < 1.0:
-                continue
-            s = aggregate_stats()  # the load's cache is created inside the loader; the aggregate sees it
-            done = s.hits + s.stored + s.heap_packs
-            try:
-                columns = os.get_terminal_size(self.stream.fileno()).columns
-            except (OSError, ValueError):
-                columns = 80
-            width = max(10, min(40, columns - 50))
-            shown = min(done, self.total)
-            filled = int(width * shown / self.total) if self.total else width
-            bar = f"[{'#' * filled}{' ' * (width - filled)}] {shown}/{self.total}"
-            self.stream.write(f"\rpacking {bar}  {mib(s.written_bytes)} written")
-            self.stream.flush()
-            self.drawn = True
+__all__ = ["LoadReport", "kernel_lines", "remote_line"]
 
 
 @dataclasses.dataclass

@@ -350,7 +350,10 @@ class DirectoryStore(Store):
         os.fsync(dfd)
         return True
 
-    def _copier(self, src: int, path: str, key: str, doing: str, deadline: float) -> Callable[[int], None]:
+    def _copier(
+        self, src: int, path: str, key: str, doing: str, deadline: float,
+        progress: Callable[[int], object] | None = None,
+    ) -> Callable[[int], None]:  # fmt: skip
         """A ``write`` for :meth:`_write_temp` that copies the regular file open at ``src``."""
         st = os.fstat(src)
         if not stat.S_ISREG(st.st_mode):
@@ -365,15 +368,19 @@ class DirectoryStore(Store):
                 if sent == 0:
                     raise OSError(errno_mod.EIO, f"{path} ended after {offset} of {st.st_size} bytes")
                 offset += sent
+                if progress is not None:
+                    progress(sent)
 
         return copy
 
-    def put_file(self, key: str, path: str, *, deadline: float) -> bool:
+    def put_file(
+        self, key: str, path: str, *, deadline: float, progress: Callable[[int], object] | None = None
+    ) -> bool:
         """See :meth:`Store.put_file`: copied into a temp file beside the key, fsynced, then linked."""
         check_key(key)
         src = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            copy = self._copier(src, path, key, "put_file", deadline)
+            copy = self._copier(src, path, key, "put_file", deadline, progress)
 
             def run() -> bool:
                 dfd, leaf = self._parent(key, create=True)

@@ -62,13 +62,14 @@ class _Stopped(Exception):
 
 def download_into(
     store: Store, key: str, fd: int, size: int, *, deadline: float, stall: float, streams: int, part_bytes: int,
-    where: str, write_error: Callable[[OSError], BaseException],
+    where: str, write_error: Callable[[OSError], BaseException], tick: Callable[[int], object] | None = None,
 ) -> str:  # fmt: skip
     """Bytes ``[0, size)`` of ``key`` written at their offsets into ``fd``; returns their sha256 (hex).
 
     Args:
         where: the blob as messages name it.
         write_error: what a failed ``pwrite`` raises instead (the caller's no-space or write-failed miss).
+        tick: told the bytes landed, in order, by the hashing (calling) thread: never by the workers.
 
     Raises:
         RemoteError: the store's error; ``remote_corrupt`` if it says the object is not ``size`` bytes
@@ -141,6 +142,8 @@ def download_into(
                         raise write_error(OSError(errno.EIO, "the temp file is shorter than what was written"))
                     digest.update(view[:got])
                     hashed += got
+                    if tick is not None:
+                        tick(got)
                 _start_writeback(fd, start, end - start)
                 part += 1
     finally:

@@ -343,7 +343,9 @@ class ObjectStore(Store):
 
     # -- writes
 
-    def put_file(self, key: str, path: str, *, deadline: float) -> bool:
+    def put_file(
+        self, key: str, path: str, *, deadline: float, progress: Callable[[int], object] | None = None
+    ) -> bool:
         """See :meth:`Store.put_file`. Up to 1 GiB: one create-only PUT (the file is held in memory while it
         is sent). Larger: a multipart upload after a HEAD finds no object; two publishers racing on the
         same key may then both write (blob keys are content hashes: the same bytes)."""
@@ -362,6 +364,8 @@ class ObjectStore(Store):
                 if exc.reason == "remote_conflict":
                     return False
                 raise
+            if progress is not None:  # obstore reports no bytes while it sends: the whole file, once sent
+                progress(size)
             return True
         finally:
             os.close(fd)

@@ -146,11 +146,14 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def put_file(self, key: str, path: str, *, deadline: float) -> bool:
+    def put_file(
+        self, key: str, path: str, *, deadline: float, progress: Callable[[int], object] | None = None
+    ) -> bool:
         """Upload the local file ``path`` to ``key``, create-only.
 
         Returns ``True`` if created, ``False`` if an object already existed at ``key`` (never
         overwritten: the caller compares). Problems with the local file itself raise ``OSError``.
+        ``progress`` is told the bytes sent as they go (a store that sends the file in one request: at its end).
         """
 
     @abc.abstractmethod

@@ -58,6 +58,7 @@ from .._paths import (
     user_cache_home,
     write_record,
 )
+from .._progress import bar as progress_bar
 from .._storeurl import StoreURL, parse_store_url
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from ..identity import hash_file
@@ -370,10 +371,12 @@ def _download(
         # Concurrent range reads written in place, hashed in order as they land (fleet/_download.py); no more
         # bytes than the manifest's size are ever asked for. pinned by
         #   tests/test_fleet_download.py::test_parts_land_at_their_offsets_in_a_blob_of_several_uneven_parts
-        sha256 = download_into(
-            store, blob, fd, manifest.size, deadline=deadline, stall=stall, streams=_defaults.FETCH_STREAMS,
-            part_bytes=_defaults.FETCH_PART_BYTES, where=where, write_error=functools.partial(_write_error, where=temp),
-        )  # fmt: skip
+        with progress_bar(manifest.size, f"fetching {os.path.basename(name)}", nbytes=True) as tick:
+            sha256 = download_into(
+                store, blob, fd, manifest.size, deadline=deadline, stall=stall, streams=_defaults.FETCH_STREAMS,
+                part_bytes=_defaults.FETCH_PART_BYTES, where=where, tick=tick,
+                write_error=functools.partial(_write_error, where=temp),
+            )  # fmt: skip
         seconds = time.monotonic() - began
         if sha256 != manifest.blob_sha256:
             raise RemoteError(

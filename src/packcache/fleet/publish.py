@@ -45,6 +45,7 @@ from .. import _defaults
 from .. import format as fmt
 from .._generations import read_committed
 from .._paths import acquire_build_lock, open_checked, still_linked
+from .._progress import bar as progress_bar
 from ..errors import FormatError, RemoteError
 from ..identity import hash_file, recorded_location
 from ..maintenance import verify
@@ -220,7 +221,8 @@ def publish(
             with open_store(location, timeout=timeout) as store:
                 manifest_name = manifest_key(model, cls)
                 blob = f"blobs/sha256/{sha256}.pcache"
-                uploaded = store.put_file(blob, real, deadline=deadline)
+                with progress_bar(size, f"publishing {os.path.basename(real)}", nbytes=True) as tick:
+                    uploaded = store.put_file(blob, real, deadline=deadline, progress=tick)
                 repaired = not uploaded and _repair_blob(store, blob, real, sha256, size, deadline)
                 previous, etag = _current_generation(store, manifest_name, deadline)
                 manifest = _manifest(model, cls, sha256, size, previous + 1, expires_in, draft.builder)

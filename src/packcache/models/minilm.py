@@ -61,6 +61,7 @@ import torch
 from .. import _boundedjson as boundedjson
 from .._defaults import GROUP_SIZE
 from .._paths import default_cache_dir, read_bounded
+from .._progress import bar as progress_bar
 from ..bundle import (
     Bundle,
     ModelRecord,
@@ -738,7 +739,11 @@ def _load(
         if linear_packer.uses_stats:
             identity = _calibration_identity(files, tokenizer.truncation)
             calibration = _calibration(config, tokenizer, source, prefix, identity)
-        with weight_cache.session() as session:  # one session, one generation: a fresh file has nothing superseded
+        with (
+            weight_cache.session() as session,  # one session, one generation: a fresh file has nothing superseded
+            progress_bar(lambda: _count(recipe, model_path, weight_cache), f"packing {recipe.scheme}") as tick,
+        ):
+            session.progress = tick
             report = convert(
                 encoder, weight_cache, linear_packer, source=source, source_prefix=prefix, other=other_packer,
                 embedding=recipe.embedding, calibration=calibration, kernel_path=path, session=session,
@@ -762,6 +767,12 @@ def _load(
     return MiniLM(
         recipe.scheme, weight_cache, encoder, tokenizer, report, time.perf_counter() - started, owns_cache=owns_cache
     )
+
+
+def _count(recipe: Recipe, model_path: str | os.PathLike[str] | None, weight_cache: WeightCache) -> int:
+    """:func:`pack_count` of a load: the progress bar's total (counted only when a bar is drawn)."""
+    cached = weight_cache.path is not None
+    return pack_count(recipe.scheme, model_path=model_path, group_size=recipe.group_size, cache=cached)
 
 
 def _packs_pooler(linear_packer: TorchPacker, source: SafetensorsFile | RecordSource, prefix: str) -> bool:
