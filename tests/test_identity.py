@@ -60,7 +60,7 @@ got = model.embed(texts)
 s = model.cache.stats()
 model.close()
 found = list(hashed)
-fresh = minilm.load(scheme, cache=None, model_path=checkpoint).embed(texts)
+fresh = minilm.load(scheme, cache=False, model_path=checkpoint).embed(texts)
 report(cache=cache, state=s.state, stored=s.stored, hits=s.hits, heap=s.heap_bytes, hashed=found,
        same_as_fresh=got.tobytes() == fresh.tobytes(), embedding=hashlib.sha256(got.tobytes()).hexdigest(),
        file_bytes=s.file_bytes, reclaimable=s.reclaimable_bytes)
@@ -278,7 +278,7 @@ def test_ten_alternations_of_two_checkpoints_on_one_file_stay_under_twice_the_li
     models: dict[str, Path], tmp_path: Path, digests: Path
 ) -> None:
     path = tmp_path / "shared.pcache"
-    fresh = {name: minilm.load("int8", cache=None, model_path=models[name]).embed(TEXTS) for name in ("a", "b")}
+    fresh = {name: minilm.load("int8", cache=False, model_path=models[name]).embed(TEXTS) for name in ("a", "b")}
     sizes = []
     for launch_number in range(10):
         name = "ab"[launch_number % 2]

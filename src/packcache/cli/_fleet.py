@@ -24,11 +24,13 @@ from ._common import (
     builder_text,
     chosen_scheme,
     days,
+    local_model,
     mib,
     sanitize,
     seconds,
     store_url,
 )
+from ._model import LOADERS, default_loader
 
 __all__ = ["add_parsers", "add_store_parsers"]
 
@@ -220,9 +222,10 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
         check_publish_target(args.file) if args.name is None else check_published_name(args.name)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    sources = [local_model(model, "--model") for model in args.model]
     try:
         report = publish(
-            args.file, args.url, private_key=args.sign or None, sources=args.model, builder=args.builder,
+            args.file, args.url, private_key=args.sign or None, sources=sources, builder=args.builder,
             expires_in=None if args.expires_days == 0 else args.expires_days * 86400.0, timeout=args.timeout,
             name=args.name,
         )  # fmt: skip
@@ -267,14 +270,22 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
             check_fetch_target(args.cache)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+    if args.model is not None:
+        args.model = local_model(args.model, "--model")
     scheme = chosen_scheme(args)
-    # No --loader: the minilm loader's file (what run/serve --model map) when it reads the checkpoint, else, or
-    # when nothing is published under its name, the hf loader's (what build makes of any architecture).
+    # --loader auto: the loader of build's rule (default_loader) first, then, when nothing is published under its
+    # file's name, the other (a file built with an explicit --loader).
     # pinned by tests/test_fleet.py::
     #   test_fetch_without_loader_picks_the_loader_that_reads_the_checkpoint_of_an_hf_built_file
     targets: list[tuple[str, str, bytes]] = []
     refused: list[str] = []
-    for loader in [args.loader] if args.loader else ["minilm", "hf"]:
+    order = [args.loader]
+    if args.loader == "auto":
+        ruled, ruled_why = default_loader(args.model, args.auto_class) if args.model else ("minilm", "")
+        order = [ruled, "hf" if ruled == "minilm" else "minilm"]
+        if ruled == "hf" and ruled_why:
+            refused.append(ruled_why)
+    for loader in order:
         try:
             if loader == "hf":
                 module: Any = importlib.import_module("packcache.hf")
@@ -285,8 +296,9 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
                 path = args.cache
             elif loader == "hf":
                 path = str(
-                    module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
-                )
+                    module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir,
+                                              auto_class=args.auto_class)
+                )  # fmt: skip
             else:
                 path = str(module.default_cache_path(scheme, model_path=args.model, group_size=args.group_size,
                                                      cache_dir=args.cache_dir))  # fmt: skip
@@ -320,7 +332,7 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
             continue
         break
     speed = f" (download {report.download_mbps:.0f} MB/s, {report.download_seconds:.2f} s)" if report.downloaded else ""
-    why = "as --loader says" if args.loader else "; ".join([*refused, *absent]) or "it reads the checkpoint"
+    why = "as --loader says" if args.loader != "auto" else "; ".join([*refused, *absent]) or "it reads the checkpoint"
     lines = [
         f"{'fetched' if report.downloaded else 'up to date'}    {sanitize(report.path)}",
         f"from          {sanitize(report.url)}: {report.model}, class {report.platform_class}, "
@@ -418,7 +430,10 @@ def add_store_parsers(sub: Any) -> None:
     fetch.add_argument(
         "url", type=store_url, help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory"
     )
-    fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
+    fetch.add_argument(
+        "--model", help="the checkpoint directory, or a hub id in the local hub cache (the cache file is named by its "
+        "content)",
+    )  # fmt: skip
     fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
     fetch.add_argument(
         "--name", metavar="NAME[@G]",
@@ -427,9 +442,14 @@ def add_store_parsers(sub: Any) -> None:
     )  # fmt: skip
     fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
     fetch.add_argument(
-        "--loader", choices=("minilm", "hf"), default=None,
-        help="whose cache file: minilm (run/serve --model, build --loader minilm) or hf (build's default). Default: "
-        "minilm when it reads the checkpoint and a file is published under its name, else hf (the output says which)",
+        "--loader", choices=LOADERS, default="auto",
+        help="whose cache file: minilm (run/serve --model) or hf (packcache.hf). Default auto, build's rule: minilm "
+        "where it reads the checkpoint and the auto class is AutoModel, else hf; when nothing is published under "
+        "that file's name, the other loader's (the output says which)",
+    )  # fmt: skip
+    fetch.add_argument(
+        "--auto-class", default="AutoModel",
+        help="the transformers auto class the file was built with (build --auto-class): it names the hf file",
     )  # fmt: skip
     fetch.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
