@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import re
 import sys
 from typing import Any
@@ -152,7 +153,7 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
             )
         return _platform_bytes(minilm, scheme, group_size)
 
-    if _URL.match(args.file):
+    if _URL.match(args.file) or _in_directory_store(args.file):
         from ..fleet.stores import parse_store_url
 
         try:  # checked before any store call; only the redacted form is shown
@@ -163,6 +164,13 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
         shown = location.display
         report = _probe_url(args, location, expected)
     else:
+        if os.path.isdir(args.file):
+            # pinned by tests/test_defaults_cli.py::test_probe_reads_a_plain_path_as_publish_and_fetch_do
+            raise UsageError(
+                f"{args.file} is a directory: give a cache file, or an object of a store (a plain path is a "
+                "directory store, as publish and fetch read it): STORE/manifests/<model>/<class>.json or "
+                "STORE/blobs/sha256/<hex>.pcache"
+            )
         shown = args.file
         report = probe_file(args.file, expected_platform=expected, expected_model=args.expected_model)
     if compared:
@@ -196,6 +204,14 @@ def _manifest_line(report: Any) -> str:
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
+def _in_directory_store(path: str) -> bool:
+    """Whether ``probe``'s plain path names an object of a directory store (a manifest, ``.json``, or anything under
+    a ``manifests/`` or ``blobs/`` folder): read there, as ``publish`` and ``fetch`` read a plain path, with the
+    store's checks (a manifest's signature, its blob's size and class); any other path is a local cache file."""
+    parts = os.path.abspath(path).split(os.sep)[:-1]
+    return path.endswith(".json") or "manifests" in parts or "blobs" in parts
+
+
 def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
     """``probe URL``: :func:`packcache.fleet.probe.probe_url` with the trusted keys given (``location``: the
     URL parsed once; only its redacted form is shown).
@@ -210,7 +226,12 @@ def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
         return probe_url(location, expected_platform=expected, trusted_keys=load_trusted_keys(args.trusted_key),
                          expected_model=args.expected_model, timeout=args.timeout)  # fmt: skip
     except ValueError as exc:  # the URL's key is none a store can hold
-        raise UsageError(str(exc)) from None
+        where = (
+            ""
+            if _URL.match(location.raw)
+            else " (a plain path is read in its directory store, as publish and fetch read one)"
+        )
+        raise UsageError(f"{exc}{where}") from None
 
 
 def cmd_publish(args: argparse.Namespace, out: Out) -> int:
@@ -512,7 +533,11 @@ def add_parsers(sub: Any) -> None:
         "whole; fetch does). This machine's platform is that of the file's own scheme, read from its packers, "
         "unless --scheme is given.",
     )
-    probe.add_argument("file", metavar="FILE_OR_URL", help="a cache file, or a manifest's or a blob's URL in a store")
+    probe.add_argument(
+        "file", metavar="FILE_OR_URL",
+        help="a cache file, or a manifest's or a blob's URL in a store; a plain path to a manifest (.json) or to "
+        "anything under manifests/ or blobs/ is read in its directory store, as publish and fetch read a plain path",
+    )  # fmt: skip
     add_trust_options(probe, unsigned=False)  # an unsigned manifest is probed all the same: 'unverified'
     probe.add_argument("--timeout", type=seconds, default=30.0, help="seconds for a URL's reads (default 30)")
     probe.add_argument(

@@ -9,8 +9,19 @@ import os
 import sys
 from typing import Any
 
+from .._defaults import GROUP_SIZE
 from ..errors import FormatError, RemoteError
-from ._common import EXIT_FAILED, EXIT_OK, Out, chosen_scheme, positive, sanitize, seconds
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Out,
+    UsageError,
+    chosen_group_size,
+    chosen_scheme,
+    positive,
+    sanitize,
+    seconds,
+)
 from ._model import add_model_options, cache_file, fetch_named_model, kernel_path_arg
 
 __all__ = ["add_parser"]
@@ -26,7 +37,7 @@ def _check_model(args: argparse.Namespace, scheme: str) -> None:
     """
     minilm: Any = importlib.import_module("packcache.models.minilm")
     minilm.load_tokenizer(args.model)
-    minilm.pack_count(scheme, model_path=args.model)
+    minilm.pack_count(scheme, model_path=args.model, group_size=chosen_group_size(args) or GROUP_SIZE)
 
 
 def cmd_serve(args: argparse.Namespace, out: Out) -> int:
@@ -57,8 +68,17 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
         except (ValueError, ModuleNotFoundError, FormatError, OSError, RemoteError) as exc:
             print(f"packcache serve: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
             return EXIT_FAILED
+    group_size = chosen_group_size(args)
+    more: dict[str, Any] = {}
+    if "group_size" in EngineSpec.__dataclass_fields__:
+        more["group_size"] = group_size
+    elif scheme == "int4" and group_size not in (None, GROUP_SIZE):
+        # pinned by tests/test_defaults_cli.py::test_group_size_is_offered_wherever_int4_is
+        raise UsageError(
+            f"--group-size {group_size}: this server's workers load int4 with group size {GROUP_SIZE} only"
+        )
     engine = EngineSpec(
-        engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path,
+        **more, engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path,
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
         cache_dir=os.path.dirname(path) if path is not None else None,
         remote=args.remote.raw if path is not None and args.remote is not None else None,
