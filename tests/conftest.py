@@ -24,6 +24,8 @@ os.environ["PACKCACHE_DIGEST_DIR"] = tempfile.mkdtemp(prefix="packcache-digests-
 # The default cache directory of this run: a load without cache= (hf.*, minilm.load, the CLI without --cache-dir)
 # writes its content-named file there, never into the user's ~/.cache; child processes inherit it.
 os.environ["PACKCACHE_DIR"] = tempfile.mkdtemp(prefix="packcache-cache-dir-")
+# And this user's cache home (fetch's accepted-generation records, the hub cache's default place): the run's own.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="packcache-xdg-")
 
 
 @pytest.fixture(autouse=True)

@@ -231,8 +231,9 @@ def test_build_and_run_prebuild_each_other_where_they_pack_alike_and_never_share
     models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], digests: Path
 ) -> None:
     """int8 packs alike in ``packcache.hf`` and the MiniLM loader: ``build`` prebuilds ``run --model``. int4 is
-    calibrated in one and not the other: two files, each converging, never replacing the other's packs; and
-    ``build --loader minilm`` prebuilds the calibrated one."""
+    calibrated in one and not the other: ``build --loader hf``'s file and run's are two files, each converging,
+    never replacing the other's packs; and ``build`` by its default rule (or ``--loader minilm``) prebuilds the
+    calibrated one."""
     model = str(models["a"])
 
     def cli(*argv: str) -> dict[str, Any]:
@@ -249,7 +250,7 @@ def test_build_and_run_prebuild_each_other_where_they_pack_alike_and_never_share
     for _ in range(2):
         rounds.append(
             (
-                cli("build", model, "--scheme", "int4", "--cache-dir", str(tmp_path / "c4")),
+                cli("build", model, "--loader", "hf", "--scheme", "int4", "--cache-dir", str(tmp_path / "c4")),
                 cli("run", "--model", model, "--scheme", "int4", "--cache-dir", str(tmp_path / "c4")),
             )
         )

@@ -849,15 +849,17 @@ def tokenizer(
     fetch_timeout: float | None = None,
     **kwargs: Any,
 ) -> Any:
-    """The model's ``transformers`` tokenizer (``AutoTokenizer``, loaded into memory) from a checkpoint directory,
-    a cache file (``*.pcache``: the tokenizer files it holds, checked, written to a private temporary directory
-    for the load and removed after it), or a published name with ``remote=`` (as :func:`from_pretrained`; the file
-    is fetched once, a later call finds it there). ``kwargs`` go to ``AutoTokenizer.from_pretrained``
-    (``local_files_only`` is always on; ``trust_remote_code`` is never).
+    """The model's ``transformers`` tokenizer (``AutoTokenizer``, loaded into memory) from a checkpoint directory (or
+    a hub id in the local hub cache, :func:`packcache.hub.resolve_model`), a cache file (``*.pcache``: the tokenizer
+    files it holds, checked, written to a private temporary directory for the load and removed after it), or a
+    published name with ``remote=`` (as :func:`from_pretrained`; the file is fetched once, a later call finds it
+    there). ``kwargs`` go to ``AutoTokenizer.from_pretrained`` (``local_files_only`` is always on;
+    ``trust_remote_code`` is never).
 
     Raises:
         FormatError: a cache file with no model record, or whose tokenizer files fail their checks or name remote
-            code. ValueError, RemoteError: as :func:`from_pretrained` for a name.
+            code. ValueError, RemoteError: as :func:`from_pretrained` for a name. FileNotFoundError: a hub id the
+            local hub cache does not hold.
     """
     given = {"remote": remote, "trusted_keys": trusted_keys, "allow_unsigned": allow_unsigned, "cache_dir": cache_dir,
              "remote_timeout": remote_timeout, "fetch_timeout": fetch_timeout}  # fmt: skip

@@ -164,7 +164,9 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
         shown = location.display
         report = _probe_url(args, location, expected)
     else:
-        if os.path.isdir(args.file):
+        # A directory named like a cache file is a cache problem (a bind mount of a missing host file): probed, it
+        # is not_applicable, as the cache counts it. Any other directory was given as a store.
+        if os.path.isdir(args.file) and not args.file.endswith(".pcache"):
             # pinned by tests/test_defaults_cli.py::test_probe_reads_a_plain_path_as_publish_and_fetch_do
             raise UsageError(
                 f"{args.file} is a directory: give a cache file, or an object of a store (a plain path is a "

@@ -162,7 +162,7 @@ def default_loader(checkpoint: str, auto_class: str = "AutoModel") -> tuple[str,
     """
     # pinned by tests/test_defaults_cli.py::test_build_publish_fetch_with_default_flags_hits
     if auto_class != "AutoModel":
-        return "hf", f"auto class {auto_class}"
+        return "hf", f"auto class {auto_class}: the minilm loader builds AutoModel files only"
     try:
         minilm: Any = importlib.import_module("packcache.models.minilm")
         minilm.check_checkpoint(checkpoint)
