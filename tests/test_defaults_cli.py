@@ -57,7 +57,8 @@ def test_build_publish_fetch_with_default_flags_hits(tmp_path: Path, keys: dict[
     assert built["loader"] == "minilm" and built["stats"]["state"] == "stored", built  # type: ignore[index]
     store = tmp_path / "store"
     store.mkdir()
-    _json(_cli("publish", str(built["cache_file"]), str(store), "--sign", str(keys["ci"]), "--json", env=a))
+    _json(_cli("publish", str(built["cache_file"]), str(store), "--model", str(checkpoint), "--sign", str(keys["ci"]),
+               "--json", env=a))  # fmt: skip
     trust = ["--trusted-key", str(keys["ci.pub"])]
     fetched = _json(_cli("fetch", str(store), "--model", str(checkpoint), *schemes, *trust, "--json", env=b))
     assert fetched["downloaded"] is True and fetched["loader"] == "minilm", fetched
@@ -76,7 +77,7 @@ def test_a_remote_fetch_is_not_counted_as_the_load_s_memory(tmp_path: Path) -> N
     built = _json(_cli("build", "--model", _shipped(), "--scheme", "int8", "--json", env=a))
     store = tmp_path / "store"
     store.mkdir()
-    _json(_cli("publish", str(built["cache_file"]), str(store), "--json", env=a))
+    _json(_cli("publish", str(built["cache_file"]), str(store), "--model", _shipped(), "--json", env=a))
     ran = _json(_cli("run", "--scheme", "int8", "--remote", str(store), "--allow-unsigned", "--json", env=b))
     stats, memory = ran["stats"], ran["memory"]
     assert (stats["remote_hits"], stats["stored"], stats["state"]) == (1, 0, "mapped"), stats  # type: ignore[index]
@@ -134,8 +135,8 @@ def test_probe_reads_a_plain_path_as_publish_and_fetch_do(tmp_path: Path, keys: 
     built = _json(_cli("build", str(checkpoint), "--scheme", "int8", "--json", env=env))
     store = tmp_path / "store"
     store.mkdir()
-    published = _json(_cli("publish", str(built["cache_file"]), str(store), "--sign", str(keys["ci"]), "--json",
-                           env=env))  # fmt: skip
+    published = _json(_cli("publish", str(built["cache_file"]), str(store), "--model", str(checkpoint), "--sign",
+                           str(keys["ci"]), "--json", env=env))  # fmt: skip
     manifest = store / str(published["manifest_key"])
     trust = ["--trusted-key", str(keys["ci.pub"])]
     probed = _cli("probe", str(manifest), *trust, "--json", env=env)
