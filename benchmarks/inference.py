@@ -22,7 +22,7 @@ Method (printed first when run):
 * Model load (in-process, page cache warm, interleaved): ``minilm.load(scheme, cache,
   tokenizer=...)`` from a warm cache, against (c) safetensors ``safe_open`` +
   ``get_tensor`` of every tensor of the source checkpoint and (a) repacking with
-  packcache's own packers (``minilm.load(scheme, cache=None)``, int4 including its
+  packcache's own packers (``minilm.load(scheme, cache=False)``, int4 including its
   calibration). A cProfile of the warm load splits its time between the core cache
   (``Session``/``WeightCache``/store/format/stats) and the rest.
 
@@ -338,7 +338,7 @@ def bench_model_load(directory: str, repeat: int, repack_repeat: dict[str, int])
             m.close()
 
         def repack(scheme: str = scheme) -> None:
-            minilm.load(scheme, cache=None, tokenizer=tokenizer).close()
+            minilm.load(scheme, cache=False, tokenizer=tokenizer).close()
 
         samples: dict[str, list[float]] = {"minilm_load_warm": [], "safetensors_source": [], "repack_own_packers": []}
         for round_ in range(repeat):

@@ -21,6 +21,11 @@ set_hypothesis_home_dir(tempfile.mkdtemp(prefix="packcache-hypothesis-"))
 # The per-user digest cache (packcache.identity) of this run, not the user's own; child processes inherit it.
 # Tests that count how a digest was found set their own.
 os.environ["PACKCACHE_DIGEST_DIR"] = tempfile.mkdtemp(prefix="packcache-digests-")
+# The default cache directory of this run: a load without cache= (hf.*, minilm.load, the CLI without --cache-dir)
+# writes its content-named file there, never into the user's ~/.cache; child processes inherit it.
+os.environ["PACKCACHE_DIR"] = tempfile.mkdtemp(prefix="packcache-cache-dir-")
+# And this user's cache home (fetch's accepted-generation records, the hub cache's default place): the run's own.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="packcache-xdg-")
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +64,7 @@ def env() -> Iterator[Env]:
 
 @pytest.fixture(scope="module")
 def reference() -> np.ndarray[Any, Any]:
-    """``harness.serve.TEXTS`` embedded in this process by ``minilm.load("int8", cache=None)``, one torch thread:
+    """``harness.serve.TEXTS`` embedded in this process by ``minilm.load("int8", cache=False)``, one torch thread:
     what every worker of ``packcache serve`` (one torch thread each) must answer."""
     import torch
 
@@ -69,7 +74,7 @@ def reference() -> np.ndarray[Any, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with minilm.load("int8", cache=None) as model:
+        with minilm.load("int8", cache=False) as model:
             result: np.ndarray[Any, Any] = model.embed(TEXTS)
     finally:
         torch.set_num_threads(threads)

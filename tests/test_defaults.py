@@ -240,7 +240,7 @@ def test_hf_minilm_the_command_line_and_serve_take_the_same_default_scheme(
     finally:
         torch.set_num_threads(threads)
     assert EngineSpec().scheme is None and engine.scheme == other_default
-    loaded = minilm.load(cache=None)
+    loaded = minilm.load(cache=False)
     try:
         assert loaded.scheme == other_default
     finally:

@@ -731,7 +731,8 @@ def test_fetch_without_loader_picks_the_loader_that_reads_the_checkpoint_of_an_h
                      "--sign", str(keys["ci"]), env=env)  # fmt: skip
     assert published.returncode == 0, published.stderr
     other = machine(tmp_path / "b")
-    common = ["--model", str(checkpoint), "--scheme", "int8", "--trusted-key", str(keys["ci.pub"])]
+    common = ["--model", str(checkpoint), "--scheme", "int8", "--trusted-key", str(keys["ci.pub"]), "--auto-class",
+              "AutoModelForCausalLM"]  # fmt: skip
     fetched = _cli("fetch", str(store), *common, "--cache-dir", str(tmp_path / "b" / "cache"), "--json", env=other)
     assert fetched.returncode == 0, fetched.stderr
     report = json.loads(fetched.stdout)

@@ -136,7 +136,7 @@ def test_cold_warm_and_heap_loads_are_bit_identical(
     auto = _tiny_configs()[arch][1]
     path = tmp_path / "c.pcache"
     results = {}
-    for launch, cache in (("cold", path), ("warm", path), ("heap", None)):
+    for launch, cache in (("cold", path), ("warm", path), ("heap", False)):
         model = hf.from_pretrained(checkpoints[arch], scheme, cache, auto_class=auto)
         stats = model.packcache.stats()
         results[launch] = outputs(model, ids_for())
@@ -241,7 +241,7 @@ def test_changed_checkpoint_is_repacked_not_served_stale(checkpoints: dict[str, 
     stats = model.packcache.stats()
     # Only the embedded config.json and generation_config.json hit: the same bytes, keyed by their sha256.
     assert stats.state == "stored" and stats.hits == 2, stats
-    fresh = hf.from_pretrained(directory, "int8", None, auto_class=CAUSAL)
+    fresh = hf.from_pretrained(directory, "int8", False, auto_class=CAUSAL)
     assert torch.equal(outputs(model, ids_for()), outputs(fresh, ids_for()))
     assert cosine(outputs(model, ids_for()), outputs(reference(directory, CAUSAL), ids_for())) >= THRESHOLDS["int8"]
     model.packcache.close()
@@ -312,7 +312,7 @@ def test_two_threads_building_skeletons_leave_torch_init_alone(tmp_path: Path) -
         try:
             if name == "B":
                 b_started.set()
-            model = hf.from_pretrained(directory, "int8", None)
+            model = hf.from_pretrained(directory, "int8", False)
             assert isinstance(model.proj, PackedLinear)
         except BaseException as exc:
             errors.append(exc)
@@ -335,7 +335,7 @@ def test_threads_loading_at_once_get_right_models(checkpoints: dict[str, Path], 
     """Eight threads load at once (half into one shared cache file): every model matches a heap load."""
     import threading
 
-    expected = {arch: outputs(hf.from_pretrained(checkpoints[arch], "int8", None, auto_class=CAUSAL), ids_for())
+    expected = {arch: outputs(hf.from_pretrained(checkpoints[arch], "int8", False, auto_class=CAUSAL), ids_for())
                 for arch in ("llama", "gpt2")}  # fmt: skip
     results: dict[int, Any] = {}
     start = threading.Barrier(8)
@@ -391,7 +391,7 @@ def test_save_pretrained_writes_a_checkpoint_plain_transformers_reloads_whole(
     its outputs are the packed model's, within the scheme's tolerance of the source's."""
     auto = _tiny_configs()[arch][1]
     ref = reference(checkpoints[arch], auto)
-    model = hf.from_pretrained(checkpoints[arch], scheme, None, auto_class=auto, kernel_path="fp32")
+    model = hf.from_pretrained(checkpoints[arch], scheme, False, auto_class=auto, kernel_path="fp32")
     assert _layout(model.state_dict()) == _layout(ref.state_dict())
     saved = tmp_path / "saved"
     model.save_pretrained(saved)
@@ -424,7 +424,7 @@ def test_torch_save_of_the_state_dict_loads_into_plain_transformers(
     ``weights_only=True`` into transformers' own model, strictly, and gives the packed model's hidden states;
     its head is the tie's float32 tensor (the packed model's head is that tensor packed): logits within int4's
     tolerance."""
-    model = hf.from_pretrained(checkpoints["gpt2"], "int4", None, auto_class=CAUSAL, kernel_path="fp32")
+    model = hf.from_pretrained(checkpoints["gpt2"], "int4", False, auto_class=CAUSAL, kernel_path="fp32")
     assert isinstance(model.transformer.h[0].attn.c_attn, PackedLinear)
     state = model.state_dict()
     assert state["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D's [in, out]
@@ -445,7 +445,7 @@ def test_load_state_dict_into_a_packed_model_is_refused_and_changes_nothing(
     """Its tensors are the cache's: a read-only mapping (a copy into one kills the process, see
     ``tests/test_torch.py``) or, here, the cache's own heap packs. ``load_state_dict`` raises before writing
     anything, on the model and on every module holding such tensors (packed, served, tied)."""
-    model = hf.from_pretrained(checkpoints["gpt2"], "int8", None, auto_class=CAUSAL)
+    model = hf.from_pretrained(checkpoints["gpt2"], "int8", False, auto_class=CAUSAL)
     before = outputs(model, ids_for())
     state = reference(save_tiny("gpt2", tmp_path / "other", seed=5), CAUSAL).state_dict()
     targets = {"": model, "transformer.wte.": model.transformer.wte, "lm_head.": model.lm_head}
@@ -457,7 +457,7 @@ def test_load_state_dict_into_a_packed_model_is_refused_and_changes_nothing(
 
 
 def test_a_sharded_save_pretrained_reloads_whole(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    model = hf.from_pretrained(checkpoints["llama"], "int8", None, auto_class=CAUSAL, kernel_path="fp32")
+    model = hf.from_pretrained(checkpoints["llama"], "int8", False, auto_class=CAUSAL, kernel_path="fp32")
     model.save_pretrained(tmp_path / "saved", max_shard_size="40KB")
     assert len(list((tmp_path / "saved").glob("model-*.safetensors"))) > 1
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", output_loading_info=True)
@@ -531,7 +531,7 @@ def test_sentence_transformer_needs_a_transformer_module(minilm_reference: dict[
     modules = json.loads((directory / "modules.json").read_text())
     (directory / "modules.json").write_text(json.dumps([m for m in modules if "Transformer" not in m["type"]]))
     with pytest.raises(ValueError, match="no sentence-transformers Transformer module"):
-        hf.sentence_transformer(directory, "int8", None)
+        hf.sentence_transformer(directory, "int8", False)
 
 
 #: Eight texts of about 40 tokens: one call is past every fused kernel's rows (see "saving a packed model").
@@ -564,7 +564,7 @@ def test_sentence_transformer_save_reloads_in_plain_sentence_transformers(
     expected = {n: (plain_files.meta(n).shape, plain_files.meta(n).dtype) for n in plain_files}
     packed, directories = {}, {}
     for scheme in hf.SCHEMES:
-        st = hf.sentence_transformer(minilm_reference["path"], scheme, None, kernel_path="fp32")
+        st = hf.sentence_transformer(minilm_reference["path"], scheme, False, kernel_path="fp32")
         packed[scheme] = torch.from_numpy(st.encode(LONG_TEXTS))
         directories[scheme] = tmp_path / scheme
         st.save(str(directories[scheme]))
@@ -588,7 +588,7 @@ def test_minilm_load_state_dict_loads_into_transformers_bert(
 ) -> None:
     """``minilm.load``'s encoder (calibrated int4 included) has a ``state_dict`` under ``BertModel``'s names:
     transformers' model loads it (all but the pooler, which the encoder has not) and gives its outputs."""
-    m = minilm.load(scheme, None, kernel_path="fp32")
+    m = minilm.load(scheme, False, kernel_path="fp32")
     torch.save(m.encoder.state_dict(), tmp_path / "encoder.pt")
     plain = reference(minilm_reference["path"], "AutoModel")
     result = plain.load_state_dict(torch.load(tmp_path / "encoder.pt", weights_only=True), strict=False)
@@ -688,33 +688,33 @@ def test_warm_load_reads_no_tensor_byte_of_the_source(tmp_path: Path) -> None:
 
 def test_missing_or_malformed_checkpoints_are_clear_errors(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        hf.from_pretrained(tmp_path / "nowhere", "int8", None)
+        hf.from_pretrained(tmp_path / "nowhere", "int8", False)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        hf.from_pretrained(empty, "int8", None)
+        hf.from_pretrained(empty, "int8", False)
     pickled = shutil.copytree(checkpoints["bert"], tmp_path / "pickled")
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin: pickle checkpoints are not loaded"):
-        hf.from_pretrained(pickled, "int8", None)
+        hf.from_pretrained(pickled, "int8", False)
     hostile = shutil.copytree(checkpoints["bert"], tmp_path / "hostile")
     index = {"weight_map": {"embeddings.word_embeddings.weight": "../../etc/passwd"}}
     (hostile / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FormatError, match="not a file name in this directory"):
-        hf.from_pretrained(hostile, "int8", None)
+        hf.from_pretrained(hostile, "int8", False)
     huge = {"weight_map": {"w": "x" * 1_000_000 + "/y"}}  # a hostile name stays out of the message
     (hostile / "model.safetensors.index.json").write_text(json.dumps(huge))
     with pytest.raises(FormatError, match="not a file name") as caught:
-        hf.from_pretrained(hostile, "int8", None)
+        hf.from_pretrained(hostile, "int8", False)
     assert len(str(caught.value)) < 500
     (hostile / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(FormatError, match=r"model\.safetensors\.index\.json"):
-        hf.from_pretrained(hostile, "int8", None)
+        hf.from_pretrained(hostile, "int8", False)
     truncated = shutil.copytree(checkpoints["bert"], tmp_path / "truncated")
     with open(truncated / "model.safetensors", "r+b") as f:
         f.truncate(100)
     with pytest.raises(FormatError, match=r"model\.safetensors"):
-        hf.from_pretrained(truncated, "int8", None)
+        hf.from_pretrained(truncated, "int8", False)
 
 
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors"])
@@ -742,10 +742,10 @@ def test_a_config_without_a_known_model_type_is_a_format_error(checkpoints: dict
     settings["model_type"] = "no-such-model"
     (directory / "config.json").write_text(json.dumps(settings))
     with pytest.raises(FormatError, match=r"config\.json.*model_type 'no-such-model'"):
-        hf.from_pretrained(directory, "int8", None)
+        hf.from_pretrained(directory, "int8", False)
     (directory / "config.json").write_text("[" * 100_000)
     with pytest.raises(FormatError, match=r"config\.json"):
-        hf.from_pretrained(directory, "int8", None)
+        hf.from_pretrained(directory, "int8", False)
 
 
 def test_a_missing_tensor_is_named_and_the_cache_is_untouched(checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -763,13 +763,13 @@ def test_a_missing_tensor_is_named_and_the_cache_is_untouched(checkpoints: dict[
 
 def test_bad_arguments(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown scheme"):
-        hf.from_pretrained(checkpoints["bert"], "int3", None)
+        hf.from_pretrained(checkpoints["bert"], "int3", False)
     with pytest.raises(ValueError, match="not a transformers AutoModel"):
-        hf.from_pretrained(checkpoints["bert"], "int8", None, auto_class="BertModel")
+        hf.from_pretrained(checkpoints["bert"], "int8", False, auto_class="BertModel")
     with pytest.raises(ValueError, match="AutoModelForImageClassification has no model class for a BertConfig"):
-        hf.from_pretrained(checkpoints["bert"], "int8", None, auto_class="AutoModelForImageClassification")
+        hf.from_pretrained(checkpoints["bert"], "int8", False, auto_class="AutoModelForImageClassification")
     with pytest.raises(ValueError, match=r"lacks 5 tensor\(s\) that BertLMHeadModel needs: cls\.predictions"):
-        hf.from_pretrained(checkpoints["bert"], "int8", None, auto_class=CAUSAL)
+        hf.from_pretrained(checkpoints["bert"], "int8", False, auto_class=CAUSAL)
     with pytest.raises(ValueError, match="is a directory"):
         hf.from_pretrained(checkpoints["bert"], "int8", tmp_path)
     other = WeightCache(tmp_path / "other.pcache", platform=hf.platform("int4"))
@@ -907,4 +907,4 @@ def test_a_hostile_generation_config_is_a_format_error_naming_it(checkpoints: di
     directory = shutil.copytree(checkpoints["gpt2"], tmp_path / "gpt2")
     (directory / "generation_config.json").write_text(json.dumps({"watermarking_config": "x"}))
     with pytest.raises(FormatError, match=r"generation_config\.json: not a generation config: .*validate"):
-        hf.from_pretrained(directory, "int8", None, auto_class=CAUSAL)
+        hf.from_pretrained(directory, "int8", False, auto_class=CAUSAL)

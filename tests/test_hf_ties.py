@@ -159,7 +159,7 @@ def test_a_tied_config_over_an_untied_checkpoint_loads_the_checkpoints_own_head(
     directory = cases[arch, True, "different head"]
     ref = reference(directory)
     assert not head_is_tied(ref)
-    model = hf.from_pretrained(directory, "fp32", None, auto_class=CAUSAL)
+    model = hf.from_pretrained(directory, "fp32", False, auto_class=CAUSAL)
     assert torch.allclose(logits(model), logits(ref), rtol=1e-4, atol=1e-5)
     packed = hf.from_pretrained(directory, "int8", tmp_path / "c.pcache", auto_class=CAUSAL)
     assert "lm_head" not in hf.load_report(packed).packed_ties

@@ -60,7 +60,7 @@ got = model.embed(texts)
 s = model.cache.stats()
 model.close()
 found = list(hashed)
-fresh = minilm.load(scheme, cache=None, model_path=checkpoint).embed(texts)
+fresh = minilm.load(scheme, cache=False, model_path=checkpoint).embed(texts)
 report(cache=cache, state=s.state, stored=s.stored, hits=s.hits, heap=s.heap_bytes, hashed=found,
        same_as_fresh=got.tobytes() == fresh.tobytes(), embedding=hashlib.sha256(got.tobytes()).hexdigest(),
        file_bytes=s.file_bytes, reclaimable=s.reclaimable_bytes)
@@ -231,8 +231,9 @@ def test_build_and_run_prebuild_each_other_where_they_pack_alike_and_never_share
     models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], digests: Path
 ) -> None:
     """int8 packs alike in ``packcache.hf`` and the MiniLM loader: ``build`` prebuilds ``run --model``. int4 is
-    calibrated in one and not the other: two files, each converging, never replacing the other's packs; and
-    ``build --loader minilm`` prebuilds the calibrated one."""
+    calibrated in one and not the other: ``build --loader hf``'s file and run's are two files, each converging,
+    never replacing the other's packs; and ``build`` by its default rule (or ``--loader minilm``) prebuilds the
+    calibrated one."""
     model = str(models["a"])
 
     def cli(*argv: str) -> dict[str, Any]:
@@ -249,7 +250,7 @@ def test_build_and_run_prebuild_each_other_where_they_pack_alike_and_never_share
     for _ in range(2):
         rounds.append(
             (
-                cli("build", model, "--scheme", "int4", "--cache-dir", str(tmp_path / "c4")),
+                cli("build", model, "--loader", "hf", "--scheme", "int4", "--cache-dir", str(tmp_path / "c4")),
                 cli("run", "--model", model, "--scheme", "int4", "--cache-dir", str(tmp_path / "c4")),
             )
         )
@@ -278,7 +279,7 @@ def test_ten_alternations_of_two_checkpoints_on_one_file_stay_under_twice_the_li
     models: dict[str, Path], tmp_path: Path, digests: Path
 ) -> None:
     path = tmp_path / "shared.pcache"
-    fresh = {name: minilm.load("int8", cache=None, model_path=models[name]).embed(TEXTS) for name in ("a", "b")}
+    fresh = {name: minilm.load("int8", cache=False, model_path=models[name]).embed(TEXTS) for name in ("a", "b")}
     sizes = []
     for launch_number in range(10):
         name = "ab"[launch_number % 2]

@@ -421,7 +421,7 @@ def test_an_explicit_kernel_path_wins_over_an_invalid_environment_value(tmp_path
                     got = model(torch.ones(2, 64))
                 assert float((got - reference).abs().max()) < 0.1, (scheme, choice)
                 cache.close()
-        m = minilm.load("int8", cache=None, kernel_path="fp32")
+        m = minilm.load("int8", cache=False, kernel_path="fp32")
         assert m.kernel_path == "fp32" and m.embed(["an explicit choice"]).shape == (1, 384)
         print("ok")
     """

@@ -66,7 +66,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dic
     for scheme in minilm.SCHEMES:
         path = directory / f"minilm-{scheme}.pcache"
         runs: dict[str, Any] = {"path": path}
-        for launch, cache in (("cold", path), ("warm", path), ("heap", None)):
+        for launch, cache in (("cold", path), ("warm", path), ("heap", False)):
             started = time.perf_counter()
             model = minilm.load(scheme, cache=cache, tokenizer=tokenizer)
             runs[f"{launch}_seconds"] = time.perf_counter() - started
@@ -138,7 +138,7 @@ def test_pack_count_is_what_a_load_requests(launches: dict[str, dict[str, Any]],
 
 def test_fp32_runs_the_fp32_path_only(launches: dict[str, dict[str, Any]]) -> None:
     with pytest.raises(ValueError, match="has no kernel path 'bf16'"):
-        minilm.load("fp32", cache=None, kernel_path="bf16")
+        minilm.load("fp32", cache=False, kernel_path="bf16")
     model = minilm.load("fp32", cache=launches["fp32"]["path"], kernel_path="fp32")
     assert model.kernel_path == "fp32" and model.kernels == "linear(float32)"
     assert model.embed(SENTENCES).tobytes() == launches["fp32"]["warm"].tobytes()
@@ -158,11 +158,11 @@ def test_int4_warm_launch_reads_no_source_byte_and_runs_no_calibration(
     assert model.embed(SENTENCES).tobytes() == launches["int4"]["warm"].tobytes()
     model.close()
     with pytest.raises(AssertionError, match="read source tensor"):
-        minilm.load("int8", cache=None)  # proves the patched reader is the one packs go through
+        minilm.load("int8", cache=False)  # proves the patched reader is the one packs go through
 
 
 def test_cache_argument_forms(tmp_path: Path) -> None:
-    off = minilm.load("int8", cache=None)
+    off = minilm.load("int8", cache=False)
     assert isinstance(off.cache, packcache.WeightCache) and off.cache.stats().state == "off"
     with pytest.raises(ValueError, match="is a directory") as refused:
         minilm.load("int8", cache=tmp_path)
@@ -172,7 +172,7 @@ def test_cache_argument_forms(tmp_path: Path) -> None:
     given = packcache.WeightCache(tmp_path / "y.pcache", platform=minilm.platform("int8"))
     assert minilm.load("int8", cache=given).cache is given
     with pytest.raises(ValueError, match="unknown scheme"):
-        minilm.load("int3", cache=None)
+        minilm.load("int3", cache=False)
     names = {scheme: minilm.default_cache_path(scheme).name for scheme in minilm.SCHEMES}
     assert all(name.startswith(f"bert-{scheme}-") and name.endswith(".pcache") for scheme, name in names.items())
     assert minilm.default_cache_path("int4", group_size=64).name not in names.values()  # another recipe, another file
@@ -208,7 +208,7 @@ def test_model_path_takes_a_checkpoint_with_bert_prefixed_names(
     (target / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + header_len :])
     for name in ("config.json", "tokenizer.json", "sentence_bert_config.json"):
         (target / name).write_bytes((shipped / name).read_bytes())
-    model = minilm.load("fp32", cache=None, model_path=target)
+    model = minilm.load("fp32", cache=False, model_path=target)
     assert len(source.names()) == len(renamed) - 1
     assert model.embed(SENTENCES).tobytes() == launches["fp32"]["heap"].tobytes()
 
@@ -228,7 +228,7 @@ def anonymous_kib():
             return int(line.split()[1])
     raise RuntimeError("no Anonymous line")
 
-scheme, path, wait = sys.argv[1], sys.argv[2] or None, sys.argv[3] == "wait"
+scheme, path, wait = sys.argv[1], sys.argv[2] or False, sys.argv[3] == "wait"
 # What every launch pays whatever the weights' origin happens before the baseline: the
 # tokenizer, the packers' fingerprints and the kernel self-check of the path the load runs (once
 # per process), and Python's allocator warmed by building and dropping one weightless (meta)
@@ -551,7 +551,7 @@ def test_a_config_the_weights_do_not_match_is_refused_before_the_skeleton_is_bui
     one_more = variant(base, tmp_path / "three", config(num_hidden_layers=3))
     monkeypatch.setattr(minilm, "BertEncoder", never)
     for call in (
-        lambda: minilm.load("int8", cache=None, model_path=one_more),
+        lambda: minilm.load("int8", cache=False, model_path=one_more),
         lambda: minilm.pack_count("int8", model_path=one_more),
         lambda: minilm.default_cache_path("int8", model_path=one_more),
     ):
@@ -567,7 +567,7 @@ def test_library_errors_are_the_librarys_own(base: Path, tmp_path: Path) -> None
     an OSError): a caller catches them as documented."""
     bad = variant(base, tmp_path / "bad", config(num_attention_heads=0))
     with pytest.raises(FormatError, match=r"config\.json: num_attention_heads") as caught:
-        minilm.load("int8", cache=None, model_path=bad)
+        minilm.load("int8", cache=False, model_path=bad)
     assert caught.value.path == str(bad / "config.json")
     planted = variant(base, tmp_path / "fifo", fifo("tokenizer.json"))
     with pytest.raises(UntrustedFileError, match=r"untrusted tokenizer .*tokenizer\.json: not a regular file"):
@@ -581,5 +581,5 @@ def test_a_well_formed_checkpoint_still_loads_and_its_optional_file_may_be_missi
     tokenizer = minilm.load_tokenizer(plain)
     assert tokenizer.truncation is not None and tokenizer.truncation["max_length"] == 512  # the position limit
     assert minilm.load_tokenizer(base).truncation["max_length"] == 256  # sentence_bert_config.json's
-    model = minilm.load("fp32", cache=None, model_path=plain)
+    model = minilm.load("fp32", cache=False, model_path=plain)
     assert model.embed(["the", ""]).shape == (2, 32)

@@ -364,7 +364,7 @@ def _poison(checkpoint: Path, tensor: str, row: int, column: int) -> None:
     [
         ["run", "--model", "{model}", "--no-cache", "--scheme", "int8"],
         ["build", "{model}", "--loader", "minilm", "--cache-dir", "{tmp}", "--scheme", "int8"],
-        ["build", "{model}", "--cache-dir", "{tmp}", "--scheme", "int4"],
+        ["build", "{model}", "--loader", "hf", "--cache-dir", "{tmp}", "--scheme", "int4"],
     ],
     ids=["run", "build-minilm", "build-hf"],
 )

@@ -28,7 +28,9 @@ are read-only). See ``docs/HF.md``, "Saving a packed model".
 This module imports ``transformers`` (and, for :func:`sentence_transformer`,
 ``sentence_transformers``); ``import packcache`` and ``import packcache.torch`` do not.
 Nothing is fetched from a model hub: ``path`` is a local directory as ``save_pretrained``
-writes it. See ``docs/HF.md``.
+writes it, or a hub id the local hub cache already holds (:mod:`packcache.hub`). Without
+``cache=`` a load uses the content-named file in the default cache directory, as the CLI does;
+``cache=False`` turns caching off. See ``docs/HF.md``.
 
 Example (run by ``tests/test_hf.py``, not as a doctest: it needs a checkpoint)::
 
@@ -73,6 +75,7 @@ from .bundle import (
 )
 from .cache import PackKey, Request, WeightCache
 from .errors import FormatError
+from .hub import resolve_model
 from .identity import model_cache_name
 from .loader import Recipe, open_cache, open_model_file, resolve
 from .packers import SCHEMES, to_float32
@@ -530,7 +533,7 @@ def _auto_name(auto_class: str | type) -> str:
 def _load(
     directory: str | os.PathLike[str],
     scheme: str | None,
-    cache: WeightCache | str | os.PathLike[str] | None,
+    cache: WeightCache | str | os.PathLike[str] | bool | None,
     *,
     auto_class: str | type,
     config: Any,
@@ -571,7 +574,7 @@ def _load(
         local = checkpoint
         weight_cache, owns_cache = open_cache(
             cache, recipe.platform(),
-            suggested_name=lambda: _cache_name(local, str(config.model_type), recipe),
+            suggested_name=lambda: _cache_name(local, str(config.model_type), recipe, auto_class),
             remedy=recipe.remedy("packcache.hf"),
         )  # fmt: skip
     try:
@@ -662,35 +665,44 @@ def default_cache_path(
     *,
     group_size: int = GROUP_SIZE,
     cache_dir: str | os.PathLike[str] | None = None,
+    auto_class: str | type = "AutoModel",
 ) -> Path:
-    """The cache file of this checkpoint and scheme by default (``packcache build`` opens it):
+    """The cache file of this checkpoint, scheme and auto class by default (what :func:`from_pretrained` and
+    :func:`sentence_transformer` open without ``cache=``, and ``packcache build``):
     ``<model type>-<scheme>-<16 hex>.pcache`` in ``cache_dir``, else :func:`packcache._paths.default_cache_dir`.
-    ``scheme`` ``None``/``"auto"`` is this machine's default, and the name says which it resolved to.
+    ``scheme`` ``None``/``"auto"`` is this machine's default, and the name says which it resolved to. ``path``
+    may be a hub id (:func:`packcache.hub.resolve_model`: the local hub cache's snapshot).
 
-    The hex digits name the shards' content digests and the packers
+    The hex digits name the shards' content digests, the packers and an auto class other than ``AutoModel``
     (:func:`packcache.identity.model_cache_name`), never the directory: every copy of the
-    checkpoint opens the same file, another scheme or group size another. For int8, bf16 and fp32
-    it is the file :func:`packcache.models.minilm.default_cache_path` names for the same checkpoint:
-    both loaders pack those entries alike. Reads ``config.json`` and the safetensors headers, and
+    checkpoint opens the same file, another scheme, group size or auto class another. For int8, bf16 and fp32
+    and ``AutoModel`` it is the file :func:`packcache.models.minilm.default_cache_path` names for the same
+    checkpoint: both loaders pack those entries alike. Reads ``config.json`` and the safetensors headers, and
     finds the shards' digests (hashed once per version of a file, looked up afterwards).
 
     Raises:
-        As :func:`from_pretrained` for an unknown scheme or a missing or malformed checkpoint.
+        As :func:`from_pretrained` for an unknown scheme or a missing or malformed checkpoint or hub id.
     """
     recipe = resolve(scheme, group_size)  # an unknown scheme fails here
-    checkpoint = Checkpoint(path)
+    checkpoint = Checkpoint(resolve_model(path))
     settings = _read_json(checkpoint.config_path, "config")
     model_type = settings.get("model_type") if isinstance(settings, dict) else None
     if not isinstance(model_type, str):
         raise FormatError(f"model_type {_short(model_type)} is not a string", path=str(checkpoint.config_path))
-    name = _cache_name(checkpoint, model_type, recipe)
+    name = _cache_name(checkpoint, model_type, recipe, auto_class)
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
 
 
-def _cache_name(checkpoint: Checkpoint, model_type: str, recipe: Recipe) -> str:
-    """The one naming rule of this loader's cache files: content, packers, no calibration."""
+def _cache_name(checkpoint: Checkpoint, model_type: str, recipe: Recipe, auto_class: str | type) -> str:
+    """The one naming rule of this loader's cache files: content, packers, no calibration, and the auto class
+    (its model record is the class's: an ``AutoModelForCausalLM`` load must not open, and rewrite the record of,
+    the file an ``AutoModel`` load built). ``AutoModel`` adds nothing, so that file stays the one
+    :func:`packcache.models.minilm.default_cache_path` names for int8, bf16 and fp32."""
+    # pinned by tests/test_defaults_loaders.py::test_the_cache_name_includes_the_auto_class
     sources = [file.identity for file in checkpoint.files]
-    return model_cache_name(model_type, recipe.scheme, sources, recipe.packers)
+    name = _auto_name(auto_class)
+    recipe_of = None if name == "AutoModel" else {"auto_class": name}
+    return model_cache_name(model_type, recipe.scheme, sources, recipe.packers, recipe_of)
 
 
 def _missing(groups: list[list[str]], source: _Renamed) -> list[str]:
@@ -712,7 +724,7 @@ def _refuse_missing(directory: object, model_class: type[Any], groups: list[list
 def from_pretrained(
     path: str | os.PathLike[str],
     scheme: str | None = None,
-    cache: WeightCache | str | os.PathLike[str] | None = None,
+    cache: WeightCache | str | os.PathLike[str] | bool | None = None,
     *,
     auto_class: str | type | None = None,
     group_size: int | None = None,
@@ -729,25 +741,30 @@ def from_pretrained(
 
     Args:
         path: a directory written by ``save_pretrained`` (``config.json`` and ``model.safetensors`` or a sharded
-            ``model.safetensors.index.json``; nothing is fetched from a hub), or a cache file (``*.pcache``) that
-            ``packcache build`` or a load with ``cache=`` made: it holds the config and every pack, so no
-            checkpoint is read (docs/HF.md, "A cache file is the model").
+            ``model.safetensors.index.json``); a hub id (``org/name``, ``org/name@revision``) already in the local
+            Hugging Face hub cache, resolved offline to its snapshot (:func:`packcache.hub.resolve_model`: nothing
+            is fetched from a hub); or a cache file (``*.pcache``) that ``packcache build`` or a load made: it
+            holds the config and every pack, so no checkpoint is read (docs/HF.md, "A cache file is the model").
         scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``, the packer of the linear layers
             (:func:`packcache.loader.scheme_packer`) and of the embedding tables
             (:data:`packcache.loader.EMBEDDING_PACKERS`); every other parameter is float32. ``None`` or ``"auto"``
             (the default): for a checkpoint the scheme fast on this CPU (:func:`packcache.loader.resolve_scheme`),
             as ``packcache build`` chooses it; for a cache file the one it holds (another scheme raises).
-        cache: for a checkpoint, a cache file path (created if missing), a :class:`~packcache.WeightCache` made with
-            ``platform=packcache.hf.platform(scheme, group_size)``, or ``None`` (caching off: packed to heap). The
-            cache file then also holds the model's config, generation config and tokenizer files, so it can be
-            loaded alone. For a cache file ``path``: ``None`` (the file is its own cache, opened read-only).
+        cache: for a checkpoint, ``None`` (the default, as transformers' ``cache_dir=None``): the content-named
+            file :func:`default_cache_path` names (in ``$PACKCACHE_DIR``, else ``$XDG_CACHE_HOME/packcache``), the
+            one ``packcache build`` makes; a cache file path (created if missing); a :class:`~packcache.WeightCache`
+            made with ``platform=packcache.hf.platform(scheme, group_size)``; or ``False`` (caching off: packed to
+            heap, state ``off``). The cache file also holds the model's config, generation config and tokenizer
+            files, so it can be loaded alone. For a cache file ``path``: ``None`` (the file is its own cache, opened
+            read-only).
         auto_class: the ``transformers`` auto class (name or class) that picks the model class, e.g.
             ``"AutoModelForCausalLM"``. ``None``: ``"AutoModel"`` for a checkpoint, the one a cache file was built
             with.
         group_size: int4 group size (32, 64 or 128; ``None``: 32, or a cache file's); ignored by the other schemes.
         kernel_path: ``"bf16"``, ``"fp32"`` or ``None``/``"auto"`` (:mod:`packcache.kernels`).
         remote: for a published name as ``path`` (``org/model-int8``, optionally ``@GENERATION``; anything that is
-            not a local path, :func:`packcache.fleet.names.is_local_path`): ``remote=URL`` (the store),
+            not a local path, :func:`packcache.hub.is_local_path`; without ``remote=`` it is a hub id): ``remote=URL``
+            (the store),
             ``trusted_keys=[PUB, ...]`` (PEM bytes or ``.pub.pem`` paths), ``allow_unsigned=False``,
             ``cache_dir=`` (where the file lands; default :func:`packcache._paths.default_cache_dir`),
             ``remote_timeout=`` (seconds the store may make no progress) and ``fetch_timeout=`` (the whole fetch).
@@ -761,7 +778,8 @@ def from_pretrained(
         ``model.packcache_report`` (the :class:`~packcache.torch.ConversionReport`).
 
     Raises:
-        FileNotFoundError: no checkpoint directory, ``config.json`` or safetensors weights; no cache file.
+        FileNotFoundError: no checkpoint directory, ``config.json`` or safetensors weights; no cache file; a hub id
+            the local hub cache has no snapshot of (one line naming where it looked).
         FormatError: a malformed safetensors header or index (naming file and offset); a cache file that is not
             one, holds no model record, or whose record or embedded files are malformed; a config naming remote
             code (``auto_map``), which is never stored nor run.
@@ -801,12 +819,14 @@ def from_pretrained(
 def _named(
     path: str | os.PathLike[str], scheme: str | None, group_size: int | None, options: dict[str, Any]
 ) -> tuple[str | os.PathLike[str], Any]:
-    """``(path, None)`` for a local path; for a published name with ``remote=``, the local cache file it names once
-    fetched (:func:`packcache.fleet.names.fetch_name`) and the fetch's report. ``options``: the remote keywords as
-    given (``None``, ``()`` and ``False`` are "not given").
+    """``(path, None)`` for a local path; for a hub id without ``remote=``, its snapshot directory in the local hub
+    cache (:func:`packcache.hub.resolve_model`) and ``None``; for a published name with ``remote=``, the local cache
+    file it names once fetched (:func:`packcache.fleet.names.fetch_name`) and the fetch's report. ``options``: the
+    remote keywords as given (``None``, ``()`` and ``False`` are "not given").
 
     Raises:
-        ValueError: remote options with a local path, a name without ``remote=``, or a malformed name or URL.
+        ValueError: remote options with a local path or without ``remote=``, or a malformed name, hub id or URL.
+        FileNotFoundError: a hub id the local hub cache does not hold (one line naming where it looked).
         RemoteError: the fetch failed.
     """
     options = {k: v for k, v in options.items() if v not in (None, (), [], False)}
@@ -820,10 +840,10 @@ def _named(
             )
         return path, None
     if options.get("remote") is None:
-        raise ValueError(
-            f"{os.fspath(path)!r} is neither a local checkpoint or cache file nor, without remote=URL, a name "
-            "packcache can fetch (nothing is fetched from a model hub)"
-        )
+        if options:
+            raise ValueError(f"{sorted(options)} given without remote=URL: they are for a published name's store")
+        # pinned by tests/test_hub.py::test_a_hub_id_loads_from_the_local_hub_cache_offline
+        return resolve_model(path), None
     report = fetch_name(
         options["remote"], os.fspath(path), cache_dir=options.get("cache_dir"),
         trusted_keys=options.get("trusted_keys", ()), allow_unsigned=bool(options.get("allow_unsigned", False)),
@@ -852,15 +872,17 @@ def tokenizer(
     fetch_timeout: float | None = None,
     **kwargs: Any,
 ) -> Any:
-    """The model's ``transformers`` tokenizer (``AutoTokenizer``, loaded into memory) from a checkpoint directory,
-    a cache file (``*.pcache``: the tokenizer files it holds, checked, written to a private temporary directory
-    for the load and removed after it), or a published name with ``remote=`` (as :func:`from_pretrained`; the file
-    is fetched once, a later call finds it there). ``kwargs`` go to ``AutoTokenizer.from_pretrained``
-    (``local_files_only`` is always on; ``trust_remote_code`` is never).
+    """The model's ``transformers`` tokenizer (``AutoTokenizer``, loaded into memory) from a checkpoint directory (or
+    a hub id in the local hub cache, :func:`packcache.hub.resolve_model`), a cache file (``*.pcache``: the tokenizer
+    files it holds, checked, written to a private temporary directory for the load and removed after it), or a
+    published name with ``remote=`` (as :func:`from_pretrained`; the file is fetched once, a later call finds it
+    there). ``kwargs`` go to ``AutoTokenizer.from_pretrained`` (``local_files_only`` is always on;
+    ``trust_remote_code`` is never).
 
     Raises:
         FormatError: a cache file with no model record, or whose tokenizer files fail their checks or name remote
-            code. ValueError, RemoteError: as :func:`from_pretrained` for a name.
+            code. ValueError, RemoteError: as :func:`from_pretrained` for a name. FileNotFoundError: a hub id the
+            local hub cache does not hold.
     """
     given = {"remote": remote, "trusted_keys": trusted_keys, "allow_unsigned": allow_unsigned, "cache_dir": cache_dir,
              "remote_timeout": remote_timeout, "fetch_timeout": fetch_timeout}  # fmt: skip
@@ -911,7 +933,8 @@ def pack_count(
         As :func:`from_pretrained` for a missing or malformed checkpoint, scheme or auto class.
     """
     recipe = resolve(scheme, group_size)
-    folder = os.path.join(os.fspath(path), sentence_transformers or "")
+    path = resolve_model(path)
+    folder = os.path.join(path, sentence_transformers or "")
     checkpoint = Checkpoint(folder)
     config = checkpoint.config()  # a missing or malformed checkpoint fails here, naming the file
     model_class = _model_class(auto_class, config)
@@ -929,7 +952,7 @@ def pack_count(
 def sentence_transformer(
     path: str | os.PathLike[str],
     scheme: str | None = None,
-    cache: WeightCache | str | os.PathLike[str] | None = None,
+    cache: WeightCache | str | os.PathLike[str] | bool | None = None,
     *,
     group_size: int | None = None,
     kernel_path: str | None = None,
@@ -947,7 +970,8 @@ def sentence_transformer(
     ``path`` is a directory written by ``SentenceTransformer.save`` (``modules.json``, the
     Transformer module's checkpoint, pooling and normalisation), a plain transformers checkpoint (no
     ``modules.json``: its model and mean pooling, last-token pooling for a causal LM, as sentence-transformers
-    loads one), or a cache file (``*.pcache``) a load of one with
+    loads one), a hub id in the local hub cache (as :func:`from_pretrained`), or a cache file (``*.pcache``) a
+    load of one with
     ``cache=`` (or ``packcache build``) made: it holds every module's configuration and small weights, the
     tokenizer and the packs. sentence-transformers loads
     every module itself (tokenizer, pooling, its configuration files), except that the
@@ -956,7 +980,9 @@ def sentence_transformer(
     copies it holds, written to a private temporary directory for the load and removed after it).
     ``kwargs`` go to ``SentenceTransformer`` (``device`` defaults to ``"cpu"``;
     ``local_files_only`` is always on). A published name with ``remote=`` and its options is fetched and loaded as
-    its cache file, as :func:`from_pretrained` does (``st.packcache_fetch``: the fetch's report).
+    its cache file, as :func:`from_pretrained` does (``st.packcache_fetch``: the fetch's report). ``cache`` as
+    :func:`from_pretrained`'s: ``None`` (the default) is the content-named file of the Transformer module's
+    checkpoint in the default cache directory, ``False`` caching off.
 
     Returns:
         A ``sentence_transformers.SentenceTransformer`` (its Transformer module is exactly
@@ -989,7 +1015,7 @@ def sentence_transformer(
 def _sentence_transformer(
     base: str,
     scheme: str | None,
-    cache: WeightCache | str | os.PathLike[str] | None,
+    cache: WeightCache | str | os.PathLike[str] | bool | None,
     group_size: int | None,
     kernel_path: str | None,
     bundle: Bundle | None,

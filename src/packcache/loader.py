@@ -10,7 +10,8 @@ here now:
 2. :func:`resolve`: the :class:`Recipe` of a scheme: the packer of its linear layers (:func:`scheme_packer`),
    of its embedding tables (:data:`EMBEDDING_PACKERS`: the scheme's form, ``None`` for fp32) and of every other
    parameter (float32), the int4 group size, and the cache's ``platform=`` mapping.
-3. :func:`open_cache`: the :class:`~packcache.WeightCache` a load uses, from what the caller gave as ``cache=``.
+3. :func:`open_cache`: the :class:`~packcache.WeightCache` a load uses, from what the caller gave as ``cache=``:
+   ``None`` (the default) is the content-named file in the default cache directory, ``False`` is caching off.
 
 Imports torch (the packers' kernels); ``import packcache`` does not import this module.
 
@@ -30,6 +31,7 @@ from typing import Any
 
 from . import _defaults
 from . import format as fmt
+from ._paths import default_cache_dir
 from .bundle import Bundle, is_cache_file
 from .cache import WeightCache
 from .fleet.platform import differences
@@ -147,7 +149,7 @@ def resolve(scheme: str | None = None, group_size: int = _defaults.GROUP_SIZE) -
 
 
 def open_cache(
-    cache: WeightCache | str | os.PathLike[str] | None,
+    cache: WeightCache | str | os.PathLike[str] | bool | None,
     platform: Mapping[str, Any],
     *,
     remedy: str,
@@ -155,9 +157,11 @@ def open_cache(
 ) -> tuple[WeightCache, bool]:
     """The :class:`~packcache.WeightCache` a model loader uses, and whether the loader opened it (and closes it).
 
-    ``cache`` is a path to a cache *file* (opened with ``platform``), a ``WeightCache`` (which
-    must have been made with ``platform``: packs of other packers would be refused at every
-    launch), or ``None`` (caching off).
+    ``cache`` is ``None`` (the default, as transformers' ``cache_dir=None`` is; ``True`` says the same): the
+    content-named file ``suggested_name()`` in :func:`packcache._paths.default_cache_dir` (``$PACKCACHE_DIR``,
+    else ``$XDG_CACHE_HOME/packcache``), the file the CLI opens; ``False`` (caching off: packed to heap, state
+    ``off``); a path to a cache *file* (opened with ``platform``); or a ``WeightCache`` (which must have been
+    made with ``platform``: packs of other packers would be refused at every launch).
 
     A directory at a path named like a cache file (``*.pcache``, as every default name is) is a cache
     problem, not a mistake of argument: it is what a container runtime leaves when it bind-mounts a
@@ -170,8 +174,11 @@ def open_cache(
             ``suggested_name()`` names in it: the loader's default name), or the ``WeightCache``
             was made with another platform mapping (the message says ``remedy``).
     """
-    if cache is None:
+    # pinned by tests/test_defaults_loaders.py::test_cache_none_is_the_content_named_file_and_false_is_off
+    if cache is False:
         return WeightCache(None), True
+    if cache is None or cache is True:
+        cache = os.path.join(default_cache_dir(), suggested_name())
     if isinstance(cache, WeightCache):
         if cache.path is not None and cache.platform != fmt.canonical_key(platform):
             raise ValueError(f"the WeightCache for {cache.path} was made with another platform mapping; {remedy}")

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["tiny_bert", "tiny_sentence_transformer", "tiny_transformer"]
+__all__ = ["hub_snapshot", "tiny_bert", "tiny_sentence_transformer", "tiny_transformer"]
 
 
 def tiny_bert(directory: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
@@ -141,3 +141,30 @@ def tiny_sentence_transformer(
     model.save(str(directory))
     shutil.rmtree(plain)
     return directory
+
+
+def hub_snapshot(
+    hub: Path, repo: str, source: Path, *, commit: str = "a" * 40, refs: tuple[str, ...] = ("main",)
+) -> Path:
+    """Lay ``source`` (a checkpoint directory) out as the Hugging Face hub client caches a download of ``repo``
+    (its documented layout): each file's bytes in ``models--ORG--NAME/blobs/<sha256>``, a relative symlink to it at
+    ``snapshots/<commit>/<path>``, and ``refs/<ref>`` holding the commit for each of ``refs``. Returns the
+    snapshot directory."""
+    import hashlib
+    import os
+
+    folder = hub / ("models--" + repo.replace("/", "--"))
+    blobs, snapshot = folder / "blobs", folder / "snapshots" / commit
+    blobs.mkdir(parents=True, exist_ok=True)
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        relative = path.relative_to(source)
+        data = path.read_bytes()
+        blob = blobs / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / relative
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (folder / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / ref).write_text(commit)  # the hub client writes it without a newline
+    return snapshot

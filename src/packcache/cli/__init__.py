@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 a check failed or the work could not be done, 2 usage error. probe: 0 "
         "compatible, 3 compatible_suboptimal, 4 incompatible, 5 not_applicable, 6 unverified.",
     )
+    parser.add_argument(
+        "--version", action=_Version, help="print the installed distribution's version (and where it runs from)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _model.add_parsers(sub)  # run, build
@@ -63,6 +66,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UntrustedFileError, LockTimeoutError, OSError) as exc:
         print(f"packcache {args.command}: {sanitize(_describe(exc))}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def version_text() -> str:
+    """``packcache VERSION (PATH)``: the installed distribution's version (``importlib.metadata``; the source tree's
+    ``packcache.__version__`` when it is not installed, said so), and the package directory that runs."""
+    import importlib.metadata
+    import os
+
+    from .. import __file__ as package_file
+    from .. import __version__
+
+    where = os.path.dirname(os.path.abspath(package_file))
+    try:
+        return f"packcache {importlib.metadata.version('packcache')} ({where})"
+    except importlib.metadata.PackageNotFoundError:
+        return f"packcache {__version__} (not installed: the source tree {where})"
+
+
+class _Version(argparse.Action):
+    """``--version``: :func:`version_text`, read only when asked (``packcache --help`` reads no metadata)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=str(kwargs.get("help", "")))
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        # pinned by tests/test_defaults_cli.py::test_version_is_the_installed_distribution_s
+        print(version_text())
+        parser.exit()
 
 
 #: Commands whose FormatError is about a key or a manifest, not a cache file.

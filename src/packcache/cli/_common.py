@@ -7,8 +7,8 @@ import json
 from typing import Any, TextIO
 
 __all__ = [
-    "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "Out", "UsageError", "add_trust_options", "chosen_scheme", "mib",
-    "builder_text", "days", "positive", "sanitize", "seconds", "store_url",
+    "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "Out", "UsageError", "add_trust_options", "chosen_group_size",
+    "chosen_scheme", "mib", "builder_text", "days", "local_model", "positive", "sanitize", "seconds", "store_url",
 ]  # fmt: skip
 
 
@@ -65,6 +65,38 @@ def chosen_scheme(args: argparse.Namespace) -> str:
         with open_bundle(model) as bundle:  # a cache file holds one scheme: auto means that one
             return bundle.record.scheme
     return resolve_scheme(args.scheme)
+
+
+def chosen_group_size(args: argparse.Namespace) -> int | None:
+    """``--group-size`` of ``run`` and ``serve``: as given, else ``None`` for a ``--model`` cache file (the file's
+    own), else :data:`packcache._defaults.GROUP_SIZE`."""
+    from .._defaults import GROUP_SIZE
+
+    given: int | None = getattr(args, "group_size", None)
+    if given is not None:
+        return given
+    model = getattr(args, "model", None)
+    if model is not None and model.endswith(".pcache"):  # packcache.bundle.is_cache_file, without its imports
+        return None
+    return GROUP_SIZE
+
+
+def local_model(model: str, option: str, *, hint: str = "") -> str:
+    """A model argument as a local path: itself when it is one, else the snapshot of the hub id it is in the
+    local Hugging Face hub cache (:func:`packcache.hub.resolve_model`: offline, never the network).
+
+    Raises:
+        UsageError: neither a local path nor a hub id the hub cache holds: one line naming where it looked,
+            then ``hint`` (``--remote URL`` for a published name, where the command fetches one).
+    """
+    from ..errors import FormatError, UntrustedFileError
+    from ..hub import resolve_model
+
+    # pinned by tests/test_hub.py::test_the_cli_takes_a_hub_id_and_says_in_one_line_where_it_looked
+    try:
+        return resolve_model(model)
+    except (ValueError, FormatError, UntrustedFileError, OSError) as exc:
+        raise UsageError(f"{option} {sanitize(str(exc))}{hint}") from None
 
 
 def positive(text: str) -> int:

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import re
 import sys
 from typing import Any
@@ -24,11 +25,13 @@ from ._common import (
     builder_text,
     chosen_scheme,
     days,
+    local_model,
     mib,
     sanitize,
     seconds,
     store_url,
 )
+from ._model import LOADERS, default_loader
 
 __all__ = ["add_parsers", "add_store_parsers"]
 
@@ -150,7 +153,7 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
             )
         return _platform_bytes(minilm, scheme, group_size)
 
-    if _URL.match(args.file):
+    if _URL.match(args.file) or _in_directory_store(args.file):
         from ..fleet.stores import parse_store_url
 
         try:  # checked before any store call; only the redacted form is shown
@@ -161,6 +164,15 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
         shown = location.display
         report = _probe_url(args, location, expected)
     else:
+        # A directory named like a cache file is a cache problem (a bind mount of a missing host file): probed, it
+        # is not_applicable, as the cache counts it. Any other directory was given as a store.
+        if os.path.isdir(args.file) and not args.file.endswith(".pcache"):
+            # pinned by tests/test_defaults_cli.py::test_probe_reads_a_plain_path_as_publish_and_fetch_do
+            raise UsageError(
+                f"{args.file} is a directory: give a cache file, or an object of a store (a plain path is a "
+                "directory store, as publish and fetch read it): STORE/manifests/<model>/<class>.json or "
+                "STORE/blobs/sha256/<hex>.pcache"
+            )
         shown = args.file
         report = probe_file(args.file, expected_platform=expected, expected_model=args.expected_model)
     if compared:
@@ -194,6 +206,14 @@ def _manifest_line(report: Any) -> str:
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
+def _in_directory_store(path: str) -> bool:
+    """Whether ``probe``'s plain path names an object of a directory store (a manifest, ``.json``, or anything under
+    a ``manifests/`` or ``blobs/`` folder): read there, as ``publish`` and ``fetch`` read a plain path, with the
+    store's checks (a manifest's signature, its blob's size and class); any other path is a local cache file."""
+    parts = os.path.abspath(path).split(os.sep)[:-1]
+    return path.endswith(".json") or "manifests" in parts or "blobs" in parts
+
+
 def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
     """``probe URL``: :func:`packcache.fleet.probe.probe_url` with the trusted keys given (``location``: the
     URL parsed once; only its redacted form is shown).
@@ -208,7 +228,12 @@ def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
         return probe_url(location, expected_platform=expected, trusted_keys=load_trusted_keys(args.trusted_key),
                          expected_model=args.expected_model, timeout=args.timeout)  # fmt: skip
     except ValueError as exc:  # the URL's key is none a store can hold
-        raise UsageError(str(exc)) from None
+        where = (
+            ""
+            if _URL.match(location.raw)
+            else " (a plain path is read in its directory store, as publish and fetch read one)"
+        )
+        raise UsageError(f"{exc}{where}") from None
 
 
 def cmd_publish(args: argparse.Namespace, out: Out) -> int:
@@ -220,9 +245,10 @@ def cmd_publish(args: argparse.Namespace, out: Out) -> int:
         check_publish_target(args.file) if args.name is None else check_published_name(args.name)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    sources = [local_model(model, "--model") for model in args.model]
     try:
         report = publish(
-            args.file, args.url, private_key=args.sign or None, sources=args.model, builder=args.builder,
+            args.file, args.url, private_key=args.sign or None, sources=sources, builder=args.builder,
             expires_in=None if args.expires_days == 0 else args.expires_days * 86400.0, timeout=args.timeout,
             name=args.name,
         )  # fmt: skip
@@ -267,14 +293,22 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
             check_fetch_target(args.cache)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+    if args.model is not None:
+        args.model = local_model(args.model, "--model")
     scheme = chosen_scheme(args)
-    # No --loader: the minilm loader's file (what run/serve --model map) when it reads the checkpoint, else, or
-    # when nothing is published under its name, the hf loader's (what build makes of any architecture).
+    # --loader auto: the loader of build's rule (default_loader) first, then, when nothing is published under its
+    # file's name, the other (a file built with an explicit --loader).
     # pinned by tests/test_fleet.py::
     #   test_fetch_without_loader_picks_the_loader_that_reads_the_checkpoint_of_an_hf_built_file
     targets: list[tuple[str, str, bytes]] = []
     refused: list[str] = []
-    for loader in [args.loader] if args.loader else ["minilm", "hf"]:
+    order = [args.loader]
+    if args.loader == "auto":
+        ruled, ruled_why = default_loader(args.model, args.auto_class) if args.model else ("minilm", "")
+        order = [ruled, "hf" if ruled == "minilm" else "minilm"]
+        if ruled == "hf" and ruled_why:
+            refused.append(ruled_why)
+    for loader in order:
         try:
             if loader == "hf":
                 module: Any = importlib.import_module("packcache.hf")
@@ -285,8 +319,9 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
                 path = args.cache
             elif loader == "hf":
                 path = str(
-                    module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
-                )
+                    module.default_cache_path(args.model, scheme, group_size=args.group_size, cache_dir=args.cache_dir,
+                                              auto_class=args.auto_class)
+                )  # fmt: skip
             else:
                 path = str(module.default_cache_path(scheme, model_path=args.model, group_size=args.group_size,
                                                      cache_dir=args.cache_dir))  # fmt: skip
@@ -320,7 +355,7 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
             continue
         break
     speed = f" (download {report.download_mbps:.0f} MB/s, {report.download_seconds:.2f} s)" if report.downloaded else ""
-    why = "as --loader says" if args.loader else "; ".join([*refused, *absent]) or "it reads the checkpoint"
+    why = "as --loader says" if args.loader != "auto" else "; ".join([*refused, *absent]) or "it reads the checkpoint"
     lines = [
         f"{'fetched' if report.downloaded else 'up to date'}    {sanitize(report.path)}",
         f"from          {sanitize(report.url)}: {report.model}, class {report.platform_class}, "
@@ -418,7 +453,10 @@ def add_store_parsers(sub: Any) -> None:
     fetch.add_argument(
         "url", type=store_url, help="the store: s3://bucket/prefix, gs://..., az://..., file:///dir or a directory"
     )
-    fetch.add_argument("--model", help="the checkpoint directory (the cache file is named by its content)")
+    fetch.add_argument(
+        "--model", help="the checkpoint directory, or a hub id in the local hub cache (the cache file is named by its "
+        "content)",
+    )  # fmt: skip
     fetch.add_argument("--cache", help="the local cache file (its name is the model's: as published)")
     fetch.add_argument(
         "--name", metavar="NAME[@G]",
@@ -427,9 +465,14 @@ def add_store_parsers(sub: Any) -> None:
     )  # fmt: skip
     fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
     fetch.add_argument(
-        "--loader", choices=("minilm", "hf"), default=None,
-        help="whose cache file: minilm (run/serve --model, build --loader minilm) or hf (build's default). Default: "
-        "minilm when it reads the checkpoint and a file is published under its name, else hf (the output says which)",
+        "--loader", choices=LOADERS, default="auto",
+        help="whose cache file: minilm (run/serve --model) or hf (packcache.hf). Default auto, build's rule: minilm "
+        "where it reads the checkpoint and the auto class is AutoModel, else hf; when nothing is published under "
+        "that file's name, the other loader's (the output says which)",
+    )  # fmt: skip
+    fetch.add_argument(
+        "--auto-class", default="AutoModel",
+        help="the transformers auto class the file was built with (build --auto-class): it names the hf file",
     )  # fmt: skip
     fetch.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
@@ -492,7 +535,11 @@ def add_parsers(sub: Any) -> None:
         "whole; fetch does). This machine's platform is that of the file's own scheme, read from its packers, "
         "unless --scheme is given.",
     )
-    probe.add_argument("file", metavar="FILE_OR_URL", help="a cache file, or a manifest's or a blob's URL in a store")
+    probe.add_argument(
+        "file", metavar="FILE_OR_URL",
+        help="a cache file, or a manifest's or a blob's URL in a store; a plain path to a manifest (.json) or to "
+        "anything under manifests/ or blobs/ is read in its directory store, as publish and fetch read a plain path",
+    )  # fmt: skip
     add_trust_options(probe, unsigned=False)  # an unsigned manifest is probed all the same: 'unverified'
     probe.add_argument("--timeout", type=seconds, default=30.0, help="seconds for a URL's reads (default 30)")
     probe.add_argument(

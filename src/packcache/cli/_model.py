@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -21,14 +22,19 @@ from ._common import (
     Out,
     UsageError,
     add_trust_options,
+    chosen_group_size,
     chosen_scheme,
+    local_model,
     sanitize,
     seconds,
     store_url,
 )
 from ._report import LoadReport, kernel_lines, remote_line
 
-__all__ = ["add_model_options", "add_parsers", "cache_file", "fetch_named_model", "kernel_path_arg"]
+__all__ = [
+    "LOADERS", "add_model_options", "add_parsers", "cache_file", "default_loader", "fetch_named_model",
+    "kernel_path_arg",
+]  # fmt: skip
 
 
 #: What ``run`` embeds without ``--text`` (the empty text included: it must embed too).
@@ -93,16 +99,21 @@ def cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     if args.no_cache:
         return None
     minilm: Any = importlib.import_module("packcache.models.minilm")
-    return str(minilm.default_cache_path(scheme, model_path=args.model, cache_dir=args.cache_dir))
+    group_size = chosen_group_size(args)
+    return str(
+        minilm.default_cache_path(scheme, model_path=args.model, cache_dir=args.cache_dir, group_size=group_size)
+    )
 
 
 def fetch_named_model(args: argparse.Namespace, command: str) -> str | None:
     """``--model NAME --remote URL``: fetch the cache file the store publishes under the name (docs/FLEET.md,
     "Published names"), checked, into ``--cache-dir``, and make ``--model`` that file (read-only from there: the
-    store is not asked again). Returns a line for the report, or ``None`` when ``--model`` is a local path.
+    store is not asked again). Returns a line for the report, or ``None`` when ``--model`` is a local path. A name
+    without ``--remote`` is a hub id: ``--model`` becomes its snapshot in the local hub cache (offline).
 
     Raises:
-        UsageError: a name without ``--remote``, or a malformed name. RemoteError: the fetch failed.
+        UsageError: a name without ``--remote`` the local hub cache does not hold (one line naming where it looked),
+            or a malformed name. RemoteError: the fetch failed.
     """
     model = getattr(args, "model", None)
     if model is None:
@@ -112,10 +123,10 @@ def fetch_named_model(args: argparse.Namespace, command: str) -> str | None:
     if is_local_path(model):
         return None
     if args.remote is None:
-        raise UsageError(
-            f"{command}: --model {model!r} is neither a local checkpoint nor a cache file; to fetch it as a published "
-            "name give --remote URL (and --trusted-key PUB.pem)"
+        args.model = local_model(
+            model, "--model", hint="; for a published name give --remote URL (and --trusted-key PUB.pem)"
         )
+        return None
     try:
         report = fetch_name(
             args.remote, model, cache_dir=args.cache_dir, trusted_keys=args.trusted_key,
@@ -136,6 +147,37 @@ def _model_file(model: str | None) -> bool:
     from ..bundle import is_cache_file  # not at import: `packcache --help` loads no cache module
 
     return model is not None and is_cache_file(model)
+
+
+#: ``--loader``'s choices (build, fetch); ``auto``, the default, is :func:`default_loader`'s rule.
+LOADERS = ("auto", "minilm", "hf")
+
+
+def default_loader(checkpoint: str, auto_class: str = "AutoModel") -> tuple[str, str]:
+    """The loader of a checkpoint when none is given, the one rule of every command (``build``, ``fetch``; ``run``
+    and ``serve`` map the MiniLM loader's file): ``minilm`` where the MiniLM loader reads the checkpoint
+    (:func:`packcache.models.minilm.check_checkpoint`), the auto class is ``AutoModel`` and ``serve`` runs it on the
+    MiniLM engine (:func:`packcache.server.engines.choose_loader`), the file ``run`` and
+    ``serve`` map (calibrated int4 included); else ``hf`` (any transformers architecture). So ``build``,
+    ``publish`` and ``fetch`` with default flags name one file. Returns the loader and why (for the report).
+    """
+    # pinned by tests/test_defaults_cli.py::test_build_publish_fetch_with_default_flags_hits
+    if auto_class != "AutoModel":
+        return "hf", f"auto class {auto_class}: the minilm loader builds AutoModel files only"
+    try:
+        minilm: Any = importlib.import_module("packcache.models.minilm")
+        minilm.check_checkpoint(checkpoint)
+    except ImportError as exc:
+        return "hf", f"the minilm loader needs the models extra ({exc})"
+    except (ValueError, FormatError, OSError) as exc:
+        return "hf", f"the minilm loader does not read it: {exc}"
+    from ..server.engines import choose_loader
+
+    # serve's own rule (pooling, prompts, truncation as sentence-transformers runs the model): a BERT the MiniLM
+    # encoder reads but would pool otherwise is served by packcache.hf, so it is built by it too
+    if choose_loader(checkpoint) != "minilm":
+        return "hf", "sentence-transformers runs it otherwise than the MiniLM engine (pooling, prompts or truncation)"
+    return "minilm", "the minilm loader reads it: the file run and serve map"
 
 
 def _embed_timed(model: Any, texts: list[str]) -> tuple[Any, dict[str, Any]]:
@@ -181,6 +223,7 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
 
     try:
         scheme = chosen_scheme(args)
+        group_size = chosen_group_size(args)
         path = cache_file(args, scheme)
         # The tokenizer first, so the memory figures below are those of the weights.
         tokenizer = minilm.load_tokenizer(args.model)
@@ -188,10 +231,12 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
         before = smaps_rollup()
         started = time.perf_counter()
         # A cold build draws tqdm's bar on a terminal from the loader itself (packcache._progress).
-        cache = _cache_arg(args, path, minilm.platform(scheme))
-        model = minilm.load(
-            scheme=scheme, cache=cache, model_path=args.model, tokenizer=tokenizer, kernel_path=kernel_path
-        )
+        cache = _cache_arg(args, path, minilm.platform(scheme, group_size or GROUP_SIZE))
+        with _FetchMemory(cache) as fetch_memory:
+            model = minilm.load(
+                scheme=scheme, cache=cache, model_path=args.model, tokenizer=tokenizer, kernel_path=kernel_path,
+                group_size=group_size,
+            )  # fmt: skip
     except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
         # A cache problem never lands here (it is reported in the stats); a bad model path does.
         print(f"packcache run: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
@@ -207,7 +252,7 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
         print(f"packcache run: cannot embed: {sanitize(str(exc))}", file=sys.stderr)
         model.close()
         return EXIT_FAILED
-    loaded = LoadReport.of(model.cache, path, load_seconds, before, after_load)
+    loaded = LoadReport.of(model.cache, path, load_seconds, before, after_load, fetch_memory.sample)
     cpu = cpu_kernels().flags()
     data = {
         **loaded.data,
@@ -251,37 +296,41 @@ class _Built:
     how: str  # which loader, as the text report says it
 
 
-def _build_with_hf(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any]:
+def _build_with_hf(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any, Any]:
     hf: Any = importlib.import_module("packcache.hf")  # by name: the core type-checks without the hf extra
     path = args.cache or str(
-        hf.default_cache_path(args.checkpoint, scheme, group_size=args.group_size, cache_dir=args.cache_dir)
+        hf.default_cache_path(
+            args.checkpoint, scheme, group_size=args.group_size, cache_dir=args.cache_dir, auto_class=args.auto_class
+        )
     )
     total = hf.pack_count(args.checkpoint, scheme, auto_class=args.auto_class, group_size=args.group_size)
 
+    cache = _cache_arg(args, path, hf.platform(scheme, args.group_size))
+
     def load() -> _Built:
-        cache = _cache_arg(args, path, hf.platform(scheme, args.group_size))
         model = hf.from_pretrained(
             args.checkpoint, scheme, cache, auto_class=args.auto_class, group_size=args.group_size
         )
         return _Built(model.packcache, hf.load_report(model), type(model).__name__, args.auto_class)
 
-    return path, total, load
+    return path, total, cache, load
 
 
-def _build_with_minilm(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any]:
+def _build_with_minilm(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any, Any]:
     minilm: Any = importlib.import_module("packcache.models.minilm")
     where = {"model_path": args.checkpoint, "group_size": args.group_size}
     path = args.cache or str(minilm.default_cache_path(scheme, cache_dir=args.cache_dir, **where))
     total = minilm.pack_count(scheme, **where)
+    cache = _cache_arg(args, path, minilm.platform(scheme, args.group_size))
 
     def load() -> _Built:
-        model = minilm.load(scheme, cache=_cache_arg(args, path, minilm.platform(scheme, args.group_size)), **where)
-        return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, as run/serve --model")
+        model = minilm.load(scheme, cache=cache, **where)
+        return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, as run/serve map it")
 
-    return path, total, load
+    return path, total, cache, load
 
 
-def _build_from_file(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any]:
+def _build_from_file(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any, Any]:
     """``build FILE.pcache``: load the model the file holds (no checkpoint) with the loader that built it, so the
     exit status says whether the file alone holds the whole model; it is opened read-only, never changed."""
     from ..bundle import open_bundle
@@ -297,14 +346,14 @@ def _build_from_file(args: argparse.Namespace, scheme: str) -> tuple[str, int, A
             model = minilm.load(scheme, model_path=args.checkpoint)
             return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, from the file")
 
-        return args.checkpoint, total, load
+        return args.checkpoint, total, None, load
     hf: Any = importlib.import_module("packcache.hf")
 
     def load_hf() -> _Built:
         model = hf.from_pretrained(args.checkpoint, scheme)
         return _Built(model.packcache, hf.load_report(model), type(model).__name__, f"{args.auto_class}, from the file")
 
-    return args.checkpoint, total, load_hf
+    return args.checkpoint, total, None, load_hf
 
 
 def cmd_build(args: argparse.Namespace, out: Out) -> int:
@@ -317,16 +366,21 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
         args.checkpoint = args.model
     if args.checkpoint is None:
         raise UsageError("give a checkpoint directory (or --model DIR or FILE.pcache)")
+    args.checkpoint = local_model(args.checkpoint, "the checkpoint")
+    why = "as --loader says"
     try:
         scheme = chosen_scheme(argparse.Namespace(scheme=args.scheme, model=args.checkpoint))
         if _model_file(args.checkpoint):
-            path, total, load = _build_from_file(args, scheme)
+            path, total, cache, load = _build_from_file(args, scheme)
         else:
-            path, total, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
+            if args.loader == "auto":
+                args.loader, why = default_loader(args.checkpoint, args.auto_class)
+            path, total, cache, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
         release_free_heap()
         before = smaps_rollup()
         started = time.perf_counter()
-        built = load()  # the loader draws the progress bar
+        with _FetchMemory(cache) as fetch_memory:
+            built = load()  # the loader draws the progress bar
     except ImportError as exc:  # the loader's extra is not installed (the core runs without it)
         extra = "hf" if args.loader == "hf" else "models"
         print(f"packcache build needs the {extra} extra ({exc}): pip install 'packcache[{extra}]'", file=sys.stderr)
@@ -337,13 +391,14 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
         return EXIT_FAILED
     load_seconds = time.perf_counter() - started
     release_free_heap()
-    loaded = LoadReport.of(built.cache, path, load_seconds, before, smaps_rollup())
+    loaded = LoadReport.of(built.cache, path, load_seconds, before, smaps_rollup(), fetch_memory.sample)
     report = built.report
     stats = built.cache.stats()
     data = {
         **loaded.data,
         "checkpoint": args.checkpoint,
         "loader": args.loader,
+        "loader_why": why,
         "model_class": built.model_class,
         "auto_class": args.auto_class,
         "scheme": scheme,
@@ -367,6 +422,8 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
         *remote_line(stats, args.remote and args.remote.display),
         *loaded.warning_lines,
     ]
+    if why != "as --loader says" and not _model_file(args.checkpoint):
+        lines.insert(1, f"loader        {args.loader} ({sanitize(why)})")
     out.emit(data, "\n".join(lines))
     built.cache.close()
     # A deploy step fails when the cache file does not hold the model afterwards.
@@ -385,12 +442,17 @@ def add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> None
         help=f"kernel path (default: ${_KERNEL_PATH_ENV}, else auto: bf16 with native bfloat16, else fp32; the fp32 "
         "scheme runs fp32); given, it wins over the variable",
     )  # fmt: skip
+    parser.add_argument(
+        "--group-size", type=int, default=None, choices=GROUP_SIZES,
+        help=f"int4 group size (default {GROUP_SIZE}, or a --model cache file's)",
+    )  # fmt: skip
     parser.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
     parser.add_argument("--no-cache", action="store_true", help=no_cache)
     parser.add_argument(
         "--model",
-        help="a local safetensors BERT-family checkpoint of the same architecture, or a cache file (*.pcache) that "
-        "holds one (packcache build made it): the file alone is the model, no checkpoint is read",
+        help="a local safetensors BERT-family checkpoint of the same architecture, a hub id already in the local "
+        "Hugging Face hub cache (ORG/NAME[@REVISION], resolved offline), or a cache file (*.pcache) that holds one "
+        "(packcache build made it): the file alone is the model, no checkpoint is read",
     )
     _add_remote_options(parser)
 
@@ -410,10 +472,52 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
     add_trust_options(parser)
 
 
+class _FetchMemory:
+    """The smaps reading (:func:`packcache.memory.smaps_rollup`, after :func:`~packcache.memory.release_free_heap`)
+    taken when ``cache``'s remote fetch has ended: a ``--remote`` load fetches at its first miss, inside the load,
+    and the fetch's anonymous memory (the download's buffers and threads, its hashing: ~7 MiB for a 23 MiB file)
+    is not the load's. ``sample`` stays ``None`` without a remote or when nothing was asked of the store.
+
+    A thread polls the cache's lock-free statistics every few milliseconds (as the progress line reads them), so it
+    never blocks the load; the loader's own cache (a path) has no remote and is not watched.
+    """
+
+    def __init__(self, cache: Any) -> None:
+        from ..cache import WeightCache
+
+        self.cache = cache if isinstance(cache, WeightCache) and cache.remote is not None else None
+        self.sample: dict[str, int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="packcache-fetch-memory")
+
+    def __enter__(self) -> _FetchMemory:
+        if self.cache is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        from ..memory import release_free_heap, smaps_rollup
+
+        assert self.cache is not None
+        while not self._stop.wait(0.002):
+            stats = self.cache.stats()
+            if stats.remote_hits or any(stats.remote_misses_by_reason.values()):
+                release_free_heap()  # as the readings around the load are taken
+                self.sample = smaps_rollup()
+                return
+
+
 def _cache_arg(args: argparse.Namespace, path: str | None, platform: Any) -> Any:
-    """What a loader's ``cache=`` gets: the path, or with ``--remote`` a WeightCache that fetches on a miss
-    (made with the loader's own platform mapping, as the loader would make it)."""
-    if path is None or getattr(args, "remote", None) is None or _model_file(getattr(args, "model", None)):
+    """What a loader's ``cache=`` gets: the path (``False`` for none: ``--no-cache``), or with ``--remote`` a
+    WeightCache that fetches on a miss (made with the loader's own platform mapping, as the loader would make it)."""
+    if path is None:
+        return False  # --no-cache: caching off (None would be the loader's default file)
+    if getattr(args, "remote", None) is None or _model_file(getattr(args, "model", None)):
         return path
     from ..cache import WeightCache
 
@@ -441,15 +545,16 @@ def add_parsers(sub: Any) -> None:
     )
     build.add_argument(
         "checkpoint", nargs="?",
-        help="a local save_pretrained directory (config.json, *.safetensors); or a cache file (*.pcache) that holds "
-        "its model: it is loaded alone, read-only, and the exit status says whether it holds the whole model",
+        help="a local save_pretrained directory (config.json, *.safetensors), or a hub id already in the local "
+        "Hugging Face hub cache; or a cache file (*.pcache) that holds its model: it is loaded alone, read-only, and "
+        "the exit status says whether it holds the whole model",
     )  # fmt: skip
     build.add_argument("--model", help="the same as CHECKPOINT (as run and serve take it)")
     build.add_argument(
-        "--loader", choices=("hf", "minilm"), default="hf",
-        help="hf (default): packcache.hf, what hf.from_pretrained maps (any transformers model); minilm: the "
-        "BERT loader of 'run/serve --model', what they map (its int4 is calibrated, so only this builds their "
-        "int4 file)",
+        "--loader", choices=LOADERS, default="auto",
+        help="auto (default, the rule of every command): minilm where the MiniLM loader reads the checkpoint and "
+        "the auto class is AutoModel, else hf; minilm: the BERT loader of 'run/serve --model', what they map (its "
+        "int4 is calibrated); hf: packcache.hf, what hf.from_pretrained maps (any transformers model)",
     )  # fmt: skip
     build.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default=SCHEME,

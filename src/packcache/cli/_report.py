@@ -27,18 +27,31 @@ class LoadReport:
 
     @classmethod
     def of(
-        cls, cache: Any, path: str | None, load_seconds: float, before: dict[str, int], after: dict[str, int]
+        cls,
+        cache: Any,
+        path: str | None,
+        load_seconds: float,
+        before: dict[str, int],
+        after: dict[str, int],
+        fetched: dict[str, int] | None = None,
     ) -> LoadReport:
+        """The report of a load between the smaps readings ``before`` and ``after``; ``fetched``: the reading when
+        the cache's remote fetch ended (the load's first miss with ``--remote``), if it fetched: the load's growth
+        is counted from there, and the fetch's (its download's buffers, threads and hashing) reported apart."""
         from ..memory import file_mapping_usage
 
         stats = cache.stats()
         mapping = file_mapping_usage(path) if path and os.path.exists(path) else None
-        anon_growth = after["Anonymous"] - before["Anonymous"]
-        memory = {
+        # pinned by tests/test_defaults_cli.py::test_a_remote_fetch_is_not_counted_as_the_load_s_memory
+        start = fetched if fetched is not None else before
+        anon_growth = after["Anonymous"] - start["Anonymous"]
+        fetch_growth = fetched["Anonymous"] - before["Anonymous"] if fetched is not None else None
+        memory: dict[str, Any] = {
             "anonymous_before": before["Anonymous"],
             "anonymous_after_load": after["Anonymous"],
             "anonymous_growth_load": anon_growth,
-            "rss_file_growth_load": (after["Rss"] - after["Anonymous"]) - (before["Rss"] - before["Anonymous"]),
+            "anonymous_growth_fetch": fetch_growth,
+            "rss_file_growth_load": (after["Rss"] - after["Anonymous"]) - (start["Rss"] - start["Anonymous"]),
             "cache_mapping_size": mapping.size if mapping else 0,
             "cache_mapping_rss": mapping.rss if mapping else 0,
             "cache_mapping_pss": mapping.pss if mapping else 0,
@@ -72,11 +85,17 @@ class LoadReport:
             f"packed        mapped {mib(stats.mapped_bytes)}   heap {mib(stats.heap_bytes)}",
             f"heap reasons  {reasons or 'none'}{sanitize(errno_text)}",
             f"file          {mib(stats.file_bytes)}" + (f", {mib(reclaimable)} superseded" if reclaimable else ""),
-            f"memory        anonymous +{mib(anon_growth)} during the load (reported heap {mib(stats.heap_bytes)})",
+            f"memory        anonymous {_signed(anon_growth)} during the load (reported heap {mib(stats.heap_bytes)})"
+            + (f", {_signed(fetch_growth)} during the fetch before it" if fetch_growth is not None else ""),
             f"              cache file mapped {mib(memory['cache_mapping_size'])} (reported mapped "
             f"{mib(stats.mapped_bytes)}), resident now {mib(memory['cache_mapping_rss'])}",
         ]
         return cls(data, lines, [f"WARNING       {w}" for w in warnings])
+
+
+def _signed(n: int) -> str:
+    """A growth as the reports show it: ``+12.3 MiB``, ``-0.4 MiB`` (a trimmed heap can shrink)."""
+    return ("-" if n < 0 else "+") + mib(abs(n))
 
 
 def _superseded(path: str | None) -> InspectReport | None:
@@ -99,7 +118,8 @@ def _memory_warnings(heap: int, mapped: int, anon_growth: int, mapping_size: int
     """Compare reported figures with the kernel's; more than 5 % apart is worth a warning.
 
     * Anonymous memory that grew during the load and is not explained by heap
-      packs (or heap packs that did not grow it) — beyond 5 % of the packed bytes.
+      packs (or heap packs that did not grow it) — beyond 5 % of the packed bytes. ``anon_growth`` is the
+      load's: a remote fetch's growth (its download and hashing) is not the load's, and is not compared.
     * Reported mapped bytes that the process does not actually map from the cache
       file. (Resident pages are reported but not compared: a mapped page is read
       in only when touched, so a table the inputs barely used is partly resident.)

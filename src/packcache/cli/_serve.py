@@ -9,8 +9,18 @@ import os
 import sys
 from typing import Any
 
+from .._defaults import GROUP_SIZE
 from ..errors import FormatError, RemoteError
-from ._common import EXIT_FAILED, EXIT_OK, Out, chosen_scheme, positive, sanitize, seconds
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Out,
+    chosen_group_size,
+    chosen_scheme,
+    positive,
+    sanitize,
+    seconds,
+)
 from ._model import add_model_options, cache_file, fetch_named_model, kernel_path_arg
 
 __all__ = ["add_parser"]
@@ -29,7 +39,7 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
     if loader == "minilm":
         minilm: Any = importlib.import_module("packcache.models.minilm")
         minilm.load_tokenizer(args.model)
-        minilm.pack_count(scheme, model_path=args.model)
+        minilm.pack_count(scheme, model_path=args.model, group_size=chosen_group_size(args) or GROUP_SIZE)
         return
     hf: Any = importlib.import_module("packcache.hf")
     from ..bundle import is_cache_file, open_bundle
@@ -46,7 +56,7 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
         return
     folder = transformer_folder_of(args.model)
     # pinned by tests/test_server_models.py::test_a_bad_checkpoint_is_refused_by_the_master_in_one_line
-    hf.pack_count(args.model, scheme, sentence_transformers=folder)
+    hf.pack_count(args.model, scheme, sentence_transformers=folder, group_size=chosen_group_size(args) or GROUP_SIZE)
     hf.tokenizer(os.path.join(args.model, folder))
 
 
@@ -63,7 +73,9 @@ def _hf_cache_file(args: argparse.Namespace, scheme: str) -> str | None:
         return None
     hf: Any = importlib.import_module("packcache.hf")
     folder = os.path.join(args.model, transformer_folder_of(args.model))
-    return str(hf.default_cache_path(folder, scheme, cache_dir=args.cache_dir))
+    return str(hf.default_cache_path(
+        folder, scheme, group_size=chosen_group_size(args) or GROUP_SIZE, cache_dir=args.cache_dir
+    ))  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace, out: Out) -> int:
@@ -109,7 +121,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
         return EXIT_FAILED
     engine = EngineSpec(
         engine=args.engine, scheme=scheme, cache=path, model=args.model, kernel_path=kernel_path, loader=loader,
-        model_id=model_id,
+        model_id=model_id, group_size=chosen_group_size(args),
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
         cache_dir=os.path.dirname(path) if path is not None else None,
         remote=args.remote.raw if path is not None and args.remote is not None else None,

