@@ -14,13 +14,14 @@ import base64
 import http.client
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from harness.serve import TEXTS, Server, call, embed, loaded_workers, scrape, server
+from harness.serve import TEXTS, Server, call, embed, loaded_workers, long, scrape, server
 
 MODEL = "all-MiniLM-L6-v2"
 LONG = " ".join(["river"] * 300)  # 302 tokens with [CLS] and [SEP]: over the model's 256
@@ -280,3 +281,26 @@ def test_batching_options_refuse_bad_values(tmp_path: Path) -> None:
             env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
         )  # fmt: skip
         assert done.returncode == 2 and option in done.stderr, (option, value, done.stderr[-300:])
+
+
+def test_kept_alive_clients_connecting_at_once_are_all_served_soon(tmp_path: Path) -> None:
+    """32 clients connect while the model runs a long forward, each sending one request with its connection: a
+    batching worker accepts them several per forward. Accepting one at a time (while no request waited) took a
+    forward per client: 32 forwards before the last client's first answer, seconds in the kernel's queue."""
+    clients = 32
+    body = json.dumps({"texts": TEXTS[:2]}).encode()
+    with server(tmp_path, "--cache-dir", str(tmp_path / "cache"), workers=1) as srv:
+        loaded_workers(srv, 1)
+        before = _forwards(srv)
+        slow = threading.Thread(
+            target=call, args=(srv, "POST", "/embed", json.dumps({"texts": long(64, 2000)}).encode())
+        )
+        slow.start()
+        time.sleep(
+            0.5
+        )  # the long forward runs: the clients' requests wait in the kernel's queue with their connections
+        answers = _concurrent(srv, [body] * clients, clients, 1)
+        slow.join(60)
+        after = {key: value - before[key] for key, value in _forwards(srv).items()}
+    assert [a[0][0] for a in answers] == [200] * clients
+    assert after["requests_sum"] == clients + 1 and after["requests_count"] <= clients / 3, after

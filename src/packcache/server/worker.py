@@ -51,9 +51,10 @@ The master's ``timeout`` still bounds the application: the loop tells the master
 alive only while no request has been in the application longer than ``timeout``, so a model
 that hangs gets its worker replaced, as before. Slow clients never get it killed.
 
-A worker accepts a new connection only while no request waits for its ``main`` lane (one forward may be
-running: a request accepted then joins the next forward), so the kernel hands connections to the workers
-with room; with batching off, only while the lane is idle (as a ``sync`` worker does). It keeps at most
+A worker accepts a new connection only while fewer than :data:`ACCEPT_WAITING` (8) requests wait for its
+``main`` lane (a forward may be running: a request accepted then joins the next forward), so the kernel
+hands connections to the workers with room; with batching off, only while the lane is idle (as a ``sync``
+worker does). It keeps at most
 ``max_connections`` open; past it, the oldest connection still sending its request is
 closed for the new one. HTTP/1.1 connections are kept alive (one request at a time, an
 idle connection closed after ``header_timeout``); ``Connection: close`` and HTTP/1.0 close.
@@ -89,6 +90,11 @@ MAX_HEAD_BYTES = 32 << 10  # request line and headers
 MAX_FIELDS = 100
 MAX_CHUNK_LINE = 1024  # a chunk-size line with its extensions, and one trailer line
 MAX_TRAILER_BYTES = 8 << 10
+#: With batching, a worker accepts new connections while fewer requests than this wait for its model. One
+#: accepted at a time (accept, read the request, stop: it waits) took 32 kept-alive clients a connection per
+#: forward, and the last ones waited seconds in the kernel's queue (benchmarks/serve.py, p99 13.9 s at 32 clients);
+#: no bound lets one worker take a whole burst another worker could serve.
+ACCEPT_WAITING = 8
 LINGER_SECONDS = 2.0  # after an error answer: read and drop what the client still sends, so it gets the answer
 _READ = 65536
 
@@ -452,12 +458,14 @@ class BufferingWorker(Worker):  # type: ignore[misc]
             )  # fmt: skip
 
     def _may_accept(self, now: float) -> bool:
-        # With batching, while no request waits for the model's lane (a forward may run: a request accepted
-        # now joins the next one); without, only while the lane is idle, as a sync worker accepts only when
-        # free. Either way the kernel hands each new connection to a worker with room. A stalled client never
-        # makes the lane busy.
-        waiting = self.main.pending - (self.main.running if isinstance(self.main, _BatchLane) else 0)
-        if not self.alive or waiting > 0 or now < self.accept_paused_until:
+        # With batching, while fewer than ACCEPT_WAITING requests wait for the model's lane (a forward may run:
+        # a request accepted now joins the next one); without, only while the lane is idle, as a sync worker
+        # accepts only when free. Either way the kernel hands new connections to workers with room. A stalled
+        # client never makes the lane busy.
+        batched = isinstance(self.main, _BatchLane)
+        waiting = self.main.pending - (self.main.running if batched else 0)
+        # pinned by tests/test_server_api.py::test_kept_alive_clients_connecting_at_once_are_all_served_soon
+        if not self.alive or waiting >= (ACCEPT_WAITING if batched else 1) or now < self.accept_paused_until:
             return False
         return len(self.conns) < self.max_connections or any(c.state in _EVICTABLE for c in self.conns.values())
 
