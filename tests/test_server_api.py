@@ -217,7 +217,8 @@ def _concurrent(srv: Server, bodies: list[bytes], clients: int, rounds: int) -> 
             for _ in range(rounds):
                 conn.request("POST", "/embed", bodies[index], {"Content-Type": "application/json"})
                 response = conn.getresponse()
-                answers[index].append((response.status, json.loads(response.read())))
+                forward = int(response.getheader("X-Packcache-Forward-Texts", "-1"))
+                answers[index].append((response.status, json.loads(response.read()), forward))
         finally:
             conn.close()
 
@@ -256,11 +257,13 @@ def test_concurrent_requests_share_forwards_within_the_budget_and_answer_as_unba
             else:
                 assert after["le_2.0"] == after["requests_count"], f"at most two requests fit the budget: {after}"
                 assert after["requests_count"] < clients * rounds, f"two requests did share: {after}"
+    assert max(a[2] for client in answers["batched"] for a in client) > 2, "the header says when a forward is shared"
+    assert max(a[2] for client in answers["budget"] for a in client) <= 4
     for name in ("batched", "budget"):
         for index in range(clients):
             unbatched = answers["unbatched"][index]
-            for (status, got), (base_status, base) in zip(answers[name][index], unbatched, strict=True):
-                assert status == base_status == 200
+            for (status, got, forward), (base_status, base, alone) in zip(answers[name][index], unbatched, strict=True):
+                assert status == base_status == 200 and alone == 2 and forward >= 2
                 # The same texts in a bigger forward: int8 kernels per row count, so equal within float rounding.
                 a, b = np.asarray(got["embeddings"]), np.asarray(base["embeddings"])
                 assert a.shape == b.shape == (2, 384)

@@ -31,7 +31,8 @@ JSON error in the shape of the API it was sent to, instead of an exception in th
   40 digits: parsed by :func:`packcache._boundedjson.loads`) is refused (400); 413 for a body over
   ``max_body_bytes`` (read no further), 400 for an empty body or a bad ``Content-Length``. Vectors are
   JSON numbers, exact (each float32 written as the shortest decimal that reads back as the same
-  double). The header ``X-Packcache-Worker`` names the worker pid that computed them.
+  double). The header ``X-Packcache-Worker`` names the worker pid that computed them, and
+  ``X-Packcache-Forward-Texts`` how many texts its forward carried (batching: this request's and others').
   Under ``packcache serve`` the worker (:mod:`.worker`) has read the whole body before this runs
   and refuses framing problems, oversized bodies and clients past their deadlines (408) itself;
   these checks stay for any other WSGI server.
@@ -271,6 +272,7 @@ class EmbeddingApp:
 
         Never raises: a failure of the model answers 500 to every job of the forward (logged)."""
         rows: dict[int, np.ndarray[Any, Any]] = {}
+        shared: dict[int, int] = {}  # texts in the job's forward
         failed = False
         for normalize in (True, False):
             chosen = [job for job in jobs if job.normalize is normalize]
@@ -288,10 +290,13 @@ class EmbeddingApp:
             at = 0
             for job in chosen:
                 rows[id(job)] = vectors[at : at + len(job.texts)] if vectors is not None else _empty(self.engine)
+                shared[id(job)] = len(texts)
                 at += len(job.texts)
         answers = []
         for job in jobs:
-            headers = [("X-Packcache-Worker", str(self.pid))]
+            # The forward's size: a row's last bits can depend on the texts it shared a forward with.
+            forward = str(shared.get(id(job), 0))
+            headers = [("X-Packcache-Worker", str(self.pid)), ("X-Packcache-Forward-Texts", forward)]
             try:
                 if id(job) not in rows:
                     raise RuntimeError("the forward failed")
