@@ -1,46 +1,50 @@
-"""Multi-worker server: ``packcache serve`` with packcache int8 against sentence-transformers fp32.
+"""Multi-worker server: ``packcache serve`` with batching, without it (as before), and sentence-transformers.
 
 Method (printed first when run):
 
 * Servers: ``python -m packcache serve`` (gunicorn, ``preload_app`` off, serve's own worker: an
-  event loop reads each whole request before the application runs) with 1, 2 and 4 workers, for
-  three configurations in the same server shape: ``--engine packcache`` (MiniLM, scheme int8,
-  this machine's default kernel path, weights mapped from a cache file), ``packcache-sync`` (the
-  same, with gunicorn's ``sync`` worker as serve had before issue 20: the cost of the new worker
-  is packcache over packcache-sync) and ``--engine sentence-transformers``
-  (``SentenceTransformer(<the same model dir>)``, float32, every weight on each worker's heap).
-  Torch threads per worker: serve's default, the CPUs divided among the workers (at least 1).
-  Each packcache server has its own copy of one cache file built beforehand by ``packcache run``
-  (a prebuilt cache, as docs/DEPLOY.md deploys it), so every worker starts warm. All servers
-  (``--engines`` chooses; all three by default) are started first, then measured in rounds, the
-  order of the configurations rotating each round, so drift hits all alike.
-* Load: a closed loop of ``--clients`` client threads in this process (default 8, the same for
-  every configuration), each sending ``POST /embed`` with 8 texts and waiting for the whole
-  response before sending the next; a new connection per request (as before issue 20: the sync
-  worker closed it). The texts are ``benchmarks/inference.py``'s 64 deterministic sentences of 6
-  to 48 words, taken 8 at a time in order. Before the first round every server answers 4 requests per worker
-  per client (warm-up: first forwards, page faults). A measurement window is a fixed number of
-  requests (``--requests``, 300; ``--quick`` 100): requests/s = requests / wall time of the
-  window; latency = client-side time from connect to the last byte of the response, p50 and p99
-  over the window. Figures are the median over the rounds (5; ``--quick`` 2), with min-max.
-  Ratios are over sentence-transformers with the same number of workers ("vs ST"), and packcache
-  over packcache-sync ("vs sync").
-* Stalled clients (``--stalled``, 50; 0 skips it), after the rounds, for the 2-worker servers of
-  packcache and packcache-sync: that many clients each send the headers and 13 bytes of a
-  1000-byte body and stall, then the same closed loop sends 40 requests with a 5 s client
-  timeout; answered requests, failures, p50 and p99 of the answered. The stalled clients are
-  closed afterwards.
-* The client runs on the same machine as the server and takes CPU from it (it reads each
-  response but does not parse it during the window); with more workers than cores the workers
-  also compete with each other (4 workers on 2 cores oversubscribe them).
+  event loop reads each whole request before the application runs) with 2 workers (``--workers``),
+  for three configurations in the same server shape: ``packcache`` (MiniLM, scheme int8, this
+  machine's default kernel path, weights mapped from a cache file; concurrent requests in a worker
+  merged into one forward, serve's defaults ``--max-batch-tokens 16384 --batch-wait 0.001``),
+  ``packcache-unbatched`` (the same with ``--max-batch-tokens 0``: one forward per request and a
+  worker accepting only while idle, the server as it was before batching) and
+  ``sentence-transformers`` (``--engine sentence-transformers``: ``SentenceTransformer(<the same model
+  dir>)``, float32, every weight on each worker's heap, batching as ``packcache``).
+  ``packcache-sync`` (gunicorn's ``sync`` worker, as serve ran before issue 20) can be added with
+  ``--engines``. Torch threads per worker: serve's default, the CPUs divided among the workers (at
+  least 1). Each packcache server has its own copy of one cache file built beforehand by
+  ``packcache run`` (a prebuilt cache, as docs/DEPLOY.md deploys it), so every worker starts warm.
+  All servers are started first, then measured in rounds, the order of the configurations
+  rotating each round, so drift hits all alike.
+* Load: a closed loop of 1, 8 and 32 client threads (``--clients``) in this process, each on its own
+  kept-alive connection (as the openai client and TEI clients keep theirs), sending ``POST /embed``
+  with 8 texts (``{"texts": [...]}``) and waiting for the whole response before sending the next;
+  a connection the server closed is opened again. The texts are ``benchmarks/inference.py``'s 64
+  deterministic sentences of 6 to 48 words, taken 8 at a time in order. Before the first round every
+  server answers 4 requests per client at each client count (warm-up: first forwards, page faults,
+  connections). A measurement window is a fixed number of requests per client count (``--requests``;
+  default 100, 300, 600; ``--quick`` 60, 120, 240): requests/s = requests / wall time of the window,
+  texts/s = 8 x requests/s; latency = client-side time from sending a request to the last byte of its
+  response, p50 and p99 over the window. Figures are the median over the rounds (3; ``--quick`` 2),
+  with min-max. Ratios: ``packcache`` over ``packcache-unbatched`` ("vs unbatched") and every
+  configuration over ``sentence-transformers`` ("vs ST"), at the same client count. Each server's
+  ``/metrics`` gives the texts per forward during the rounds (``packcache_forward_texts``).
+* Stalled clients (``--stalled``, 50; 0 skips it), after the rounds, for ``packcache`` and
+  ``packcache-unbatched``: that many clients each send the headers and 13 bytes of a 1000-byte body and
+  stall, then 8 closed-loop clients send 40 requests with a 5 s client timeout; answered requests,
+  failures, p50 and p99 of the answered. The stalled clients are closed afterwards.
+* The client runs on the same machine as the server and takes CPU from it (it reads each response but
+  does not parse it during the window); 2 workers on 2 cores leave the client none of its own.
 * Quality: the 64 texts in the same 8-text requests, packcache int8 against sentence-transformers
-  fp32 (the 4-worker servers): cosine per text, min and mean.
+  fp32: cosine per text, min and mean.
 * Memory, after the warm-up: per worker, ``Pss`` and ``Anonymous`` of ``/proc/<pid>/smaps_rollup``
   (median over the workers of a server), and for packcache the PSS of the cache file's mapping.
   Startup: from spawning the server to every worker reporting its model loaded on ``/metrics``,
   and the workers' own ``packcache_load_seconds`` (median).
 
-Usage: python benchmarks/serve.py [--quick] [--json FILE] [--plot FILE] [--clients K] [--engines A,B] [--stalled N]
+Usage: python benchmarks/serve.py [--quick] [--json FILE] [--plot FILE] [--clients 1,8,32] [--workers N]
+       [--engines A,B] [--stalled N] [--requests N]
 """
 
 from __future__ import annotations
@@ -70,15 +74,19 @@ sys.path.insert(0, HERE)
 import inference  # noqa: E402  (benchmarks/inference.py: bench_texts, cpu_report)
 
 SRC = str(Path(HERE).parent / "src")
-ENGINES = ("sentence-transformers", "packcache-sync", "packcache")
+ENGINES = ("sentence-transformers", "packcache-unbatched", "packcache", "packcache-sync")
+DEFAULT_ENGINES = ("sentence-transformers", "packcache-unbatched", "packcache")
 #: packcache-sync: serve with gunicorn's sync worker, as before issue 20 (a benchmark baseline only:
 #: serve itself has no switch for it, since a slow client can hold a sync worker until it is killed).
 _SYNC = (
-    "import sys; import packcache.server.worker as w; w.worker_class = lambda limits: 'sync'; "
+    "import sys; import packcache.server.worker as w; w.worker_class = lambda limits, batching=None: 'sync'; "
     "from packcache.cli import main; sys.exit(main(sys.argv[1:]))"
 )
-WORKERS = (1, 2, 4)
+CLIENTS = (1, 8, 32)
+#: Requests per measurement window by client count (full, quick).
+REQUESTS = {1: (100, 60), 8: (300, 120), 32: (600, 240)}
 BATCH = 8
+GOAL_THROUGHPUT = 2.0  # packcache over packcache-unbatched at the most clients
 
 
 @dataclass
@@ -108,6 +116,8 @@ def start(engine: str, workers: int, directory: Path, cache_file: Path) -> Serve
         cache_dir.mkdir(mode=0o700)
         shutil.copy2(cache_file, cache_dir / cache_file.name)
         args += ["--cache-dir", str(cache_dir), "--scheme", "int8"]
+    if engine == "packcache-unbatched":
+        args += ["--max-batch-tokens", "0"]
     log = directory / f"{engine}-{workers}.log"
     env = {**os.environ, "PYTHONPATH": SRC, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -171,7 +181,7 @@ def bodies(texts: list[str]) -> list[bytes]:
 def load(
     port: int, payloads: list[bytes], requests: int, clients: int, timeout: float = 300, tolerate: bool = False
 ) -> dict[str, Any]:
-    """A closed loop: ``clients`` threads send ``requests`` requests in all; wall time and latencies.
+    """A closed loop: ``clients`` threads, each on a kept-alive connection, send ``requests`` requests in all.
 
     ``tolerate``: count failed requests (``failed``) instead of raising."""
     latencies: list[float] = []
@@ -180,23 +190,42 @@ def load(
     sent = [0]
 
     def client() -> None:
-        while True:
-            with lock:
-                index = sent[0]
-                if index >= requests:
-                    return
-                sent[0] += 1
-            began = time.perf_counter()
-            try:
-                status, _ = request(port, "POST", "/embed", payloads[index % len(payloads)], timeout)
-            except (OSError, http.client.HTTPException) as exc:
-                status, _ = 0, repr(exc).encode()
-            elapsed = time.perf_counter() - began
-            with lock:
-                if status == 200:
-                    latencies.append(elapsed)
-                else:
-                    failures.append(str(status))
+        conn: http.client.HTTPConnection | None = None
+        try:
+            while True:
+                with lock:
+                    index = sent[0]
+                    if index >= requests:
+                        return
+                    sent[0] += 1
+                if conn is None:
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+                began = time.perf_counter()
+                try:
+                    conn.request(
+                        "POST", "/embed", payloads[index % len(payloads)], {"Content-Type": "application/json"}
+                    )
+                    response = conn.getresponse()
+                    response.read()
+                    status = response.status
+                    if response.will_close:
+                        conn.close()
+                        conn = None
+                except (OSError, http.client.HTTPException) as exc:
+                    status = 0
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    failure = repr(exc)
+                elapsed = time.perf_counter() - began
+                with lock:
+                    if status == 200:
+                        latencies.append(elapsed)
+                    else:
+                        failures.append(str(status) if status else failure)
+        finally:
+            if conn is not None:
+                conn.close()
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     began = time.perf_counter()
@@ -218,6 +247,14 @@ def load(
         "p50_s": float(np.percentile(ordered, 50)),
         "p99_s": float(np.percentile(ordered, 99)),
     }
+
+
+def forwards(server: Server) -> tuple[float, float]:
+    """(forwards, texts) the server's workers ran so far, from ``/metrics`` (zeros without the batching metrics)."""
+    text = request(server.port, "GET", "/metrics")[1].decode()
+    count = sum(float(v) for v in re.findall(r"^packcache_forward_texts_count\{[^}]*\} (\S+)", text, re.M))
+    total = sum(float(v) for v in re.findall(r"^packcache_forward_texts_sum\{[^}]*\} (\S+)", text, re.M))
+    return count, total
 
 
 def stalled_phase(server: Server, payloads: list[bytes], stalled: int, clients: int) -> dict[str, Any]:
@@ -267,16 +304,20 @@ def quality(packcache: Server, baseline: Server, payloads: list[bytes]) -> dict[
 def run(
     directory: str,
     quick: bool,
-    clients: int = 8,
+    clients: tuple[int, ...] = CLIENTS,
     requests: int | None = None,
-    engines: tuple[str, ...] = ENGINES,
+    engines: tuple[str, ...] = DEFAULT_ENGINES,
     stalled: int = 50,
+    workers: int = 2,
 ) -> list[dict[str, Any]]:
-    """Every measurement of this file, in ``directory``; one result dict with a row per configuration."""
+    """Every measurement of this file, in ``directory``: one result dict, a row per configuration and client count."""
     from packcache.server import worker_threads
 
-    requests = requests or (100 if quick else 300)
-    rounds = 2 if quick else 5
+    rounds = 2 if quick else 3
+
+    def window(count: int) -> int:
+        return requests or REQUESTS.get(count, (max(100, 20 * count), max(60, 8 * count)))[1 if quick else 0]
+
     work = Path(directory) / "serve-bench"
     work.mkdir()
     texts = inference.bench_texts()
@@ -288,80 +329,97 @@ def run(
         capture_output=True, text=True, env=env, check=True,
     )  # fmt: skip
     cache_file = Path(json.loads(built.stdout)["cache_file"])
-    servers: dict[tuple[str, int], Server] = {}
+    servers: dict[str, Server] = {}
     try:
-        for workers in WORKERS:
-            for engine in engines:
-                server = start(engine, workers, work, cache_file)
-                servers[(engine, workers)] = server
-                wait_ready(server)
-                print(f"  {server.label}: ready in {server.ready_s:.2f} s {server.info}", flush=True)
+        for engine in engines:
+            servers[engine] = start(engine, workers, work, cache_file)
+        for server in servers.values():
+            wait_ready(server)
+            print(f"  {server.label}: ready in {server.ready_s:.2f} s {server.info}", flush=True)
         for server in servers.values():  # warm-up: every worker runs its first forwards
-            load(server.port, payloads, 4 * server.workers * clients, clients)
+            for count in clients:
+                load(server.port, payloads, 4 * count, count)
         mem = {
-            key: memory(s, work / f"cache-{s.engine}-{s.workers}" if s.engine.startswith("packcache") else None)
-            for key, s in servers.items()
+            engine: memory(s, work / f"cache-{engine}-{workers}" if engine.startswith("packcache") else None)
+            for engine, s in servers.items()
         }
-        samples: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in servers}
+        samples: dict[tuple[str, int], list[dict[str, Any]]] = {(e, c): [] for e in servers for c in clients}
         order = list(servers)
         for round_ in range(rounds):
             rotated = order[round_ % len(order) :] + order[: round_ % len(order)]
-            for key in rotated:
-                r = load(servers[key].port, payloads, requests, clients)
-                samples[key].append(r)
-                print(
-                    f"  round {round_ + 1}/{rounds} {servers[key].label}: {r['requests_per_s']:.1f} req/s, "
-                    f"p50 {r['p50_s'] * 1e3:.1f} ms, p99 {r['p99_s'] * 1e3:.1f} ms",
-                    flush=True,
-                )
+            for count in clients:
+                for engine in rotated:
+                    before = forwards(servers[engine])
+                    r = load(servers[engine].port, payloads, window(count), count)
+                    after = forwards(servers[engine])
+                    r["texts_per_forward"] = (after[1] - before[1]) / max(1.0, after[0] - before[0])
+                    samples[(engine, count)].append(r)
+                    print(
+                        f"  round {round_ + 1}/{rounds} {engine}, {count} clients: {r['requests_per_s']:.1f} req/s, "
+                        f"p50 {r['p50_s'] * 1e3:.1f} ms, p99 {r['p99_s'] * 1e3:.1f} ms, "
+                        f"{r['texts_per_forward']:.1f} texts/forward",
+                        flush=True,
+                    )
         under_stall = {}
-        for engine in ("packcache", "packcache-sync"):
-            if stalled and (engine, 2) in servers:
-                r = under_stall[engine] = stalled_phase(servers[(engine, 2)], payloads, stalled, clients)
-                print(f"  {stalled} stalled clients, {engine} x2: {r['answered']}/{r['requests']} answered, "
+        for engine in ("packcache", "packcache-unbatched"):
+            if stalled and engine in servers:
+                r = under_stall[engine] = stalled_phase(servers[engine], payloads, stalled, 8)
+                print(f"  {stalled} stalled clients, {engine}: {r['answered']}/{r['requests']} answered, "
                       f"p50 {r['p50_s'] * 1e3:.1f} ms, p99 {r['p99_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
         q = {}
-        if ("packcache", 4) in servers and ("sentence-transformers", 4) in servers:
-            q = quality(servers[("packcache", 4)], servers[("sentence-transformers", 4)], payloads)
-        infos = {key: s.info | {"ready_s": s.ready_s} for key, s in servers.items()}
+        if "packcache" in servers and "sentence-transformers" in servers:
+            q = quality(servers["packcache"], servers["sentence-transformers"], payloads)
+        infos = {engine: s.info | {"ready_s": s.ready_s} for engine, s in servers.items()}
     finally:
         for server in servers.values():
             stop(server)
     rows = []
-    for (engine, workers), found in samples.items():
+    for (engine, count), found in samples.items():
         rps = [s["requests_per_s"] for s in found]
         p50 = [s["p50_s"] for s in found]
         p99 = [s["p99_s"] for s in found]
         rows.append({
-            "engine": engine, "workers": workers, "torch_threads": worker_threads(workers),
+            "engine": engine, "clients": count, "workers": workers, "torch_threads": worker_threads(workers),
             "requests_per_s": float(np.median(rps)), "requests_per_s_min": min(rps), "requests_per_s_max": max(rps),
             "texts_per_s": float(np.median(rps)) * BATCH,
             "p50_ms": float(np.median(p50)) * 1e3, "p50_ms_min": min(p50) * 1e3, "p50_ms_max": max(p50) * 1e3,
             "p99_ms": float(np.median(p99)) * 1e3, "p99_ms_min": min(p99) * 1e3, "p99_ms_max": max(p99) * 1e3,
-            **mem[(engine, workers)], **infos[(engine, workers)], "rounds": found,
+            "texts_per_forward": float(np.median([s["texts_per_forward"] for s in found])),
+            **mem[engine], **infos[engine], "rounds": found,
         })  # fmt: skip
     for row in rows:
-        for key, engine in (("st", "sentence-transformers"), ("sync", "packcache-sync")):
-            base = next((r for r in rows if r["engine"] == engine and r["workers"] == row["workers"]), None)
-            if base is None or not row["engine"].startswith("packcache" if key == "sync" else ""):
+        for key, engine in (("st", "sentence-transformers"), ("unbatched", "packcache-unbatched")):
+            base = next((r for r in rows if r["engine"] == engine and r["clients"] == row["clients"]), None)
+            if base is None or base is row or (key == "unbatched" and row["engine"] != "packcache"):
                 continue
             row[f"throughput_vs_{key}"] = row["requests_per_s"] / base["requests_per_s"]
             row[f"p50_vs_{key}"] = row["p50_ms"] / base["p50_ms"]
             row[f"p99_vs_{key}"] = row["p99_ms"] / base["p99_ms"]
     from packcache.kernels import cpu_kernels
 
+    goals = {}
+    by = {(r["engine"], r["clients"]): r for r in rows}
+    if ("packcache", max(clients)) in by and ("packcache-unbatched", max(clients)) in by:
+        most, least = by[("packcache", max(clients))], by[("packcache", min(clients))]
+        goals = {
+            f"throughput_x{GOAL_THROUGHPUT:g}_at_{max(clients)}_clients": most["throughput_vs_unbatched"]
+            >= GOAL_THROUGHPUT,
+            f"p99_no_worse_at_{min(clients)}_client": least["p99_vs_unbatched"] <= 1.0,
+        }
     return [
         {
-            "workload": f"multi-worker server: {BATCH} texts per request, {clients} closed-loop clients, "
-            f"{requests} requests per window, {rounds} rounds",
-            "clients": clients,
-            "requests_per_window": requests,
+            "workload": f"multi-worker server, {workers} workers: {BATCH} texts per request, closed-loop clients on "
+            f"kept-alive connections, {rounds} rounds",
+            "clients": list(clients),
+            "workers": workers,
+            "requests_per_window": {c: window(c) for c in clients},
             "rounds": rounds,
             "kernel_path": cpu_kernels().default_path,
             "cpus": len(os.sched_getaffinity(0)),
-            "rows": sorted(rows, key=lambda r: (r["workers"], engines.index(r["engine"]))),
+            "rows": sorted(rows, key=lambda r: (r["clients"], engines.index(r["engine"]))),
             "quality": q,
             "stalled": under_stall,
+            "goals": goals,
             "load_average": [list(load_before), list(os.getloadavg())],
         }
     ]
@@ -374,29 +432,38 @@ def _ratio(row: dict[str, Any], key: str) -> str:
 def print_results(results: list[dict[str, Any]]) -> None:
     for r in results:
         print(f"\n{r['workload']} (kernel path {r['kernel_path']}, {r['cpus']} CPUs)")
-        print("| workers | engine | torch threads | requests/s (min-max) | texts/s | vs ST | vs sync "
-              "| p50 ms (min-max) | vs ST | vs sync | p99 ms (min-max) | vs ST | vs sync | PSS/worker MiB "
-              "| Anonymous/worker MiB | ready s |")  # fmt: skip
-        print("|" + "---|" * 16)
+        print("| clients | engine | requests/s (min-max) | texts/s | vs unbatched | vs ST | p50 ms (min-max) "
+              "| vs unbatched | p99 ms (min-max) | vs unbatched | vs ST | texts/forward |")  # fmt: skip
+        print("|" + "---|" * 12)
         for row in r["rows"]:
             print(
-                f"| {row['workers']} | {row['engine']} | {row['torch_threads']} "
+                f"| {row['clients']} | {row['engine']} "
                 f"| {row['requests_per_s']:.1f} ({row['requests_per_s_min']:.1f}-{row['requests_per_s_max']:.1f}) "
-                f"| {row['texts_per_s']:.0f} | {_ratio(row, 'throughput_vs_st')} | {_ratio(row, 'throughput_vs_sync')} "
+                f"| {row['texts_per_s']:.0f} | {_ratio(row, 'throughput_vs_unbatched')} "
+                f"| {_ratio(row, 'throughput_vs_st')} "
                 f"| {row['p50_ms']:.1f} ({row['p50_ms_min']:.1f}-{row['p50_ms_max']:.1f}) "
-                f"| {_ratio(row, 'p50_vs_st')} | {_ratio(row, 'p50_vs_sync')} "
+                f"| {_ratio(row, 'p50_vs_unbatched')} "
                 f"| {row['p99_ms']:.1f} ({row['p99_ms_min']:.1f}-{row['p99_ms_max']:.1f}) "
-                f"| {_ratio(row, 'p99_vs_st')} | {_ratio(row, 'p99_vs_sync')} "
-                f"| {row['pss_mib']:.1f} | {row['anonymous_mib']:.1f} | {row['ready_s']:.2f} |"
+                f"| {_ratio(row, 'p99_vs_unbatched')} | {_ratio(row, 'p99_vs_st')} | {row['texts_per_forward']:.1f} |"
             )
+        print("\n| engine | torch threads | PSS/worker MiB | Anonymous/worker MiB | ready s |")
+        print("|---|---|---|---|---|")
+        seen = set()
+        for row in r["rows"]:
+            if row["engine"] not in seen:
+                seen.add(row["engine"])
+                print(f"| {row['engine']} | {row['torch_threads']} | {row['pss_mib']:.1f} | {row['anonymous_mib']:.1f} "
+                      f"| {row['ready_s']:.2f} |")  # fmt: skip
         for engine, s in r["stalled"].items():
-            print(f"{s['stalled']} stalled clients, {engine} with 2 workers: {s['answered']} of {s['requests']} "
-                  f"requests answered ({s['failed']} failed, 5 s client timeout), p50 {s['p50_s'] * 1e3:.1f} ms, "
-                  f"p99 {s['p99_s'] * 1e3:.1f} ms")  # fmt: skip
+            print(f"{s['stalled']} stalled clients, {engine} with {r['workers']} workers: {s['answered']} of "
+                  f"{s['requests']} requests answered ({s['failed']} failed, 5 s client timeout), "
+                  f"p50 {s['p50_s'] * 1e3:.1f} ms, p99 {s['p99_s'] * 1e3:.1f} ms")  # fmt: skip
         q = r["quality"]
         if q:
             print(f"quality: packcache int8 vs sentence-transformers fp32 on {q['texts']} texts: "
                   f"min cosine {q['min_cosine']:.5f}, mean {q['mean_cosine']:.5f}")  # fmt: skip
+        for goal, met in r["goals"].items():
+            print(f"goal {goal}: {'met' if met else 'NOT met'}")
         print(f"load average before {r['load_average'][0]}, after {r['load_average'][1]}")
 
 
@@ -409,36 +476,36 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     (r,) = results
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     labels = {
-        "packcache": "packcache int8 (mapped)",
+        "packcache": "packcache int8, batching",
+        "packcache-unbatched": "packcache int8, one forward per request",
         "packcache-sync": "packcache int8, sync worker",
-        "sentence-transformers": "sentence-transformers fp32",
+        "sentence-transformers": "sentence-transformers fp32, batching",
     }
-    for engine, color, marker in (
-        ("packcache", "C0", "o"),
-        ("packcache-sync", "C2", "^"),
-        ("sentence-transformers", "C1", "s"),
-    ):
+    styles = {"packcache": ("C0", "o"), "packcache-unbatched": ("C2", "^"), "packcache-sync": ("C3", "v"),
+              "sentence-transformers": ("C1", "s")}  # fmt: skip
+    for engine, (color, marker) in styles.items():
         rows = [row for row in r["rows"] if row["engine"] == engine]
         if not rows:
             continue
-        workers = [row["workers"] for row in rows]
+        clients = [row["clients"] for row in rows]
         label = labels[engine]
         left.errorbar(
-            workers, [row["requests_per_s"] for row in rows], color=color, marker=marker, capsize=3, label=label,
-            yerr=[[row["requests_per_s"] - row["requests_per_s_min"] for row in rows],
-                  [row["requests_per_s_max"] - row["requests_per_s"] for row in rows]],
+            clients, [row["texts_per_s"] for row in rows], color=color, marker=marker, capsize=3, label=label,
+            yerr=[[BATCH * (row["requests_per_s"] - row["requests_per_s_min"]) for row in rows],
+                  [BATCH * (row["requests_per_s_max"] - row["requests_per_s"]) for row in rows]],
         )  # fmt: skip
-        right.plot(workers, [row["p50_ms"] for row in rows], color=color, marker=marker, label=f"{label}, p50")
-        right.plot(workers, [row["p99_ms"] for row in rows], color=color, marker=marker, ls="--", label=f"{label}, p99")
-    left.set(xlabel="workers", ylabel="requests/s (8 texts each)", xticks=WORKERS, title="throughput (median, min-max)")
-    right.set(xlabel="workers", ylabel="latency, ms", xticks=WORKERS, title=f"latency, {r['clients']} clients")
-    left.set_ylim(bottom=0)
-    right.set_ylim(bottom=0)
-    left.legend(fontsize=8)
-    right.legend(fontsize=7)
-    fig.suptitle(
-        f"packcache serve on {r['cpus']} CPUs ({inference.core.cpu_model()}); more workers than CPUs oversubscribe"
-    )
+        right.plot(clients, [row["p50_ms"] for row in rows], color=color, marker=marker, label=f"{label}, p50")
+        right.plot(clients, [row["p99_ms"] for row in rows], color=color, marker=marker, ls="--", label=f"{label}, p99")
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(r["clients"], [str(c) for c in r["clients"]])
+        axis.set_ylim(bottom=0)
+    left.set(xlabel="concurrent clients", ylabel="texts/s (8 per request)", title="throughput (median, min-max)")
+    right.set(xlabel="concurrent clients", ylabel="latency, ms", title="latency")
+    right.set_yscale("log")
+    left.legend(fontsize=7)
+    right.legend(fontsize=6)
+    fig.suptitle(f"packcache serve, {r['workers']} workers on {r['cpus']} CPUs ({inference.core.cpu_model()})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -446,14 +513,16 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="100 requests per window, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="shorter windows (60, 120, 240 requests), 2 rounds")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--plot", default=os.path.join(HERE, "..", "docs", "serve_throughput.png"), help="the plot")
-    parser.add_argument("--clients", type=int, default=8, help="closed-loop client threads (default 8)")
-    parser.add_argument("--requests", type=int, help="requests per measurement window (default 300; --quick 100)")
+    parser.add_argument("--clients", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
+    parser.add_argument("--workers", type=int, default=2, help="workers per server (default 2)")
+    parser.add_argument("--requests", type=int, help="requests per measurement window, at every client count")
     parser.add_argument(
-        "--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)} (default: all)"
-    )
+        "--engines", default=",".join(DEFAULT_ENGINES),
+        help=f"comma-separated, of {', '.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)})",
+    )  # fmt: skip
     parser.add_argument(
         "--stalled", type=int, default=50, help="stalled clients in the last phase (default 50; 0: none)"
     )
@@ -461,11 +530,19 @@ def main() -> None:
     engines = tuple(e for e in ENGINES if e in args.engines.split(","))
     if not engines or set(args.engines.split(",")) - set(ENGINES):
         parser.error(f"--engines: choose from {', '.join(ENGINES)}")
+    try:
+        clients = tuple(sorted({int(c) for c in args.clients.split(",")}))
+    except ValueError:
+        parser.error("--clients: comma-separated positive integers")
+    if not clients or min(clients) < 1:
+        parser.error("--clients: comma-separated positive integers")
+    # SIGTERM unwinds like Ctrl-C, so run()'s finally stops the servers (each in its own session).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     began = time.perf_counter()
     print(__doc__.split("Usage:")[0].strip())
     print(f"\ncpu: {inference.cpu_report()}")
     with tempfile.TemporaryDirectory(prefix="packcache-serve-bench-") as d:
-        results = run(d, args.quick, args.clients, args.requests, engines, args.stalled)
+        results = run(d, args.quick, clients, args.requests, engines, args.stalled, args.workers)
     print_results(results)
     elapsed = time.perf_counter() - began
     if args.json:  # before the plot: a missing matplotlib must not lose the figures

@@ -277,7 +277,9 @@ def loaded_workers(
 
 
 def embed_from_every_worker(srv: Server, pids: set[int], texts: list[str], timeout: float = 30.0) -> dict[int, Any]:
-    """Send the same request from 2 threads per worker until every pid in ``pids`` answered once."""
+    """Send the same request from 2 threads per worker until every pid in ``pids`` answered once in a forward of
+    its own: the answers of those (a worker may merge concurrent requests into one forward, and a row's last bits
+    can depend on the texts it shares a forward with)."""
     seen: dict[int, Any] = {}
     lock = threading.Lock()
     deadline = time.monotonic() + timeout
@@ -287,9 +289,12 @@ def embed_from_every_worker(srv: Server, pids: set[int], texts: list[str], timeo
             with lock:
                 if pids <= set(seen):
                     return
-            pid, embeddings = embed(srv, texts)
+            status, (headers, body) = call(srv, "POST", "/embed", json.dumps({"texts": texts}).encode(), 60.0)
+            assert status == 200, (status, body[:300])
+            if headers.get("X-Packcache-Forward-Texts", str(len(texts))) != str(len(texts)):
+                continue  # merged with another request
             with lock:
-                seen.setdefault(pid, []).append(embeddings)
+                seen.setdefault(int(headers["X-Packcache-Worker"]), []).append(json.loads(body)["embeddings"])
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(2 * len(pids))]
     for t in threads:

@@ -78,6 +78,24 @@ def _hf_cache_file(args: argparse.Namespace, scheme: str) -> str | None:
     ))  # fmt: skip
 
 
+def _tokens(text: str) -> int:
+    """``--max-batch-tokens``: a non-negative integer."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of tokens (0 turns batching off), got {text[:40]!r}")
+    return int(text)
+
+
+def _wait(text: str) -> float:
+    """``--batch-wait``: seconds in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 1, got {text[:40]!r}")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace, out: Out) -> int:
     kernel_path = kernel_path_arg(args)  # in the master, at startup: not once per worker that fails to boot
     # Checked by name, without importing: prometheus_client must not be imported before serve() sets
@@ -90,7 +108,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
             print(f"packcache serve needs the {extra} extra ({module} is missing): "
                   f"pip install 'packcache[{extra}]' (bash scripts/setup.sh installs it)", file=sys.stderr)  # fmt: skip
             return EXIT_FAILED
-    from ..server import EngineSpec, Limits, ServeOptions, serve, worker_threads
+    from ..server import Batching, EngineSpec, Limits, ServeOptions, serve, worker_threads
     from ..server.engines import choose_loader, model_id_of
 
     scheme, path, loader = "fp32", None, "minilm"
@@ -131,10 +149,12 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
     limits = Limits(
         max_texts=args.max_texts, max_text_chars=args.max_text_chars, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, send_timeout=args.send_timeout,
+        auto_truncate=args.auto_truncate,
     )  # fmt: skip
+    batching = Batching(max_batch_tokens=args.max_batch_tokens, batch_wait=args.batch_wait)
     options = ServeOptions(
         engine=engine, workers=args.workers, host=args.host, port=args.port, timeout=args.timeout,
-        limits=limits, metrics_dir=args.metrics_dir, log_level=args.log_level,
+        limits=limits, batching=batching, metrics_dir=args.metrics_dir, log_level=args.log_level,
     )  # fmt: skip
     try:
         code = serve(options)
@@ -154,9 +174,10 @@ def add_parser(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="an embedding service of several gunicorn workers on one shared cache file, with Prometheus metrics",
-        description='POST /embed {"texts": [...]} -> {"embeddings": [[...], ...]}; GET /metrics (every worker\'s '
-        "cache state, heap bytes per reason, mapped bytes and errno, request counts and latency, by pid); "
-        "GET /healthz. "
+        description="POST /v1/embeddings (OpenAI's API), POST /embed (TEI's {\"inputs\": ...}, or "
+        '{"texts": [...]} -> {"embeddings": [[...], ...]}), GET /v1/models, GET /info; GET /metrics (every '
+        "worker's cache state, heap bytes per reason, mapped bytes and errno, request counts and latency, by pid); "
+        "GET /healthz. Concurrent requests in a worker share one forward of the model (--max-batch-tokens). "
         "Each worker loads the model (all-MiniLM-L6-v2 by default; --model: any sentence-transformers model) through "
         "the cache file after the fork: on an empty cache one builds and the others map, and each logs one line "
         "when ready (state, load seconds, where the weights came from). A cache problem never stops a worker: it "
@@ -221,6 +242,24 @@ def add_parser(sub: Any) -> None:
     serve.add_argument(
         "--send-timeout", type=seconds, default=10.0,
         help="seconds a client gets to take a whole response; then the connection is closed (default 10)",
+    )  # fmt: skip
+    from ..server.app import Batching
+
+    serve.add_argument(
+        "--max-batch-tokens", type=_tokens, default=Batching.max_batch_tokens,
+        help="tokens per forward: concurrent requests in a worker are merged into one forward up to this many "
+        f"tokens (TEI's option and default, {Batching.max_batch_tokens}); 0 turns batching off (one forward per "
+        "request)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--batch-wait", type=_wait, default=Batching.batch_wait,
+        help="seconds a forward with room left may wait for more requests, only while another connection of the "
+        f"worker is sending one (default {Batching.batch_wait:g}; a lone client never waits; 0: never)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--auto-truncate", action="store_true",
+        help="truncate texts longer than the model reads on /v1/embeddings and TEI's /embed instead of refusing "
+        'them (TEI\'s option; a TEI request\'s "truncate" still wins; {"texts": [...]} always truncates)',
     )  # fmt: skip
     serve.add_argument(
         "--metrics-dir",

@@ -514,6 +514,7 @@ class MiniLM:
         self.load_seconds = load_seconds
         self.kernel_path = report.kernel_path
         self._owns_cache = owns_cache
+        self._counting: tokenizers.Tokenizer | None = None
 
     @property
     def kernels(self) -> str:
@@ -528,8 +529,29 @@ class MiniLM:
         """Width of an embedding (384)."""
         return self.encoder.config.hidden_size
 
-    def embed(self, texts: Sequence[str], batch_size: int = 32, max_tokens: int = 8192) -> np.ndarray[Any, Any]:
-        """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over their tokens, L2-normalised.
+    @property
+    def max_seq_length(self) -> int:
+        """Tokens per text the encoder reads, special tokens included (256); :meth:`embed` truncates to it."""
+        truncation = self.tokenizer.truncation
+        return int(truncation["max_length"]) if truncation else self.encoder.config.max_position_embeddings
+
+    def tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text before truncation, special tokens included, tokenized as :meth:`embed` does
+        (stripped): a text is truncated by :meth:`embed` iff its count is over :attr:`max_seq_length`."""
+        if isinstance(texts, str):
+            raise TypeError("tokens() takes a sequence of strings; wrap a single text in a list")
+        counting = self._counting
+        if counting is None:
+            # A copy without truncation: the embedding tokenizer keeps 256 tokens and cannot say how many there were.
+            counting = self._counting = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
+            counting.no_truncation()
+        return [len(e.ids) for e in counting.encode_batch([str(t).strip() for t in texts])]
+
+    def embed(
+        self, texts: Sequence[str], batch_size: int = 32, max_tokens: int = 8192, *, normalize: bool = True
+    ) -> np.ndarray[Any, Any]:
+        """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over their tokens, L2-normalised
+        (``normalize=False``: the mean-pooled vectors, before the model's Normalize module).
 
         Texts are stripped of surrounding whitespace and truncated to the tokenizer's
         limit (256 tokens), as sentence-transformers does. The encoder runs on packed tokens
@@ -554,7 +576,9 @@ class MiniLM:
                 owner = torch.repeat_interleave(torch.arange(len(order)), lengths)
                 pooled = hidden.new_zeros(len(order), hidden.shape[1]).index_add_(0, owner, hidden)
                 pooled /= lengths[:, None].to(pooled.dtype)
-                result[order] = torch.nn.functional.normalize(pooled, p=2.0, dim=1).numpy()
+                if normalize:
+                    pooled = torch.nn.functional.normalize(pooled, p=2.0, dim=1)
+                result[order] = pooled.numpy()
         return result
 
     def close(self) -> None:

@@ -18,8 +18,8 @@ and the model extras.
 
 from __future__ import annotations
 
-from .app import Limits
+from .app import Batching, Limits
 from .engines import ENGINES, EngineSpec, worker_threads
 from .master import ServeOptions, serve
 
-__all__ = ["ENGINES", "EngineSpec", "Limits", "ServeOptions", "serve", "worker_threads"]
+__all__ = ["ENGINES", "Batching", "EngineSpec", "Limits", "ServeOptions", "serve", "worker_threads"]

@@ -1,20 +1,43 @@
-"""The WSGI application of one worker: ``POST /embed``, ``GET /metrics``, ``GET /healthz``.
+"""The WSGI application of one worker: the OpenAI and TEI embedding APIs, today's ``POST /embed``, metrics, health.
 
-No web framework: three routes, a JSON body, and checks that turn every bad request into
-a 4xx with a JSON error (``{"error": "..."}``) instead of an exception in the worker.
+No web framework: a few routes, a JSON body, and checks that turn every bad request into a 4xx with a
+JSON error in the shape of the API it was sent to, instead of an exception in the worker.
 
-* ``POST /embed`` with ``{"texts": ["...", ...]}`` answers ``{"embeddings": [[...], ...]}``:
-  one L2-normalised float32 vector per text, in order, as JSON numbers (exact: each float32
-  written as the shortest decimal that reads back as the same double). The header
-  ``X-Packcache-Worker`` names the worker pid that computed it. Refused with 400: a body
-  that is not JSON (or nested deeper than 4 levels, or an integer over 40 digits: parsed by
-  :func:`packcache._boundedjson.loads`), not an object with exactly the key ``texts``, texts
-  that are not a list of strings, more than ``max_texts`` texts, a text longer than
-  ``max_text_chars`` characters or not encodable as UTF-8 (a lone surrogate). 413 for a
-  body over ``max_body_bytes`` (read no further), 400 for an empty body or a bad ``Content-Length``.
+* ``POST /v1/embeddings`` (OpenAI's): ``{"input": str | [str, ...], "model": ..., "encoding_format":
+  "float" | "base64", "dimensions": N, "user": ...}`` answers ``{"object": "list", "data": [{"object":
+  "embedding", "index": i, "embedding": [...] | "<base64>"}], "model": ..., "usage": {"prompt_tokens": N,
+  "total_tokens": N}}``. ``base64`` is the little-endian float32 bytes, as OpenAI sends them;
+  ``dimensions`` keeps the first N values and L2-normalises them again (OpenAI's shortened embeddings),
+  refused over the model's width. ``model`` must be the served name (:attr:`Engine.model_id`, listed by
+  ``GET /v1/models``) or absent: another name is refused with 404 ``model_not_found``, as OpenAI and vLLM
+  do (TEI ignores it), so a client never gets vectors of a model it did not ask for. Token-id inputs
+  are refused (texts only). A text over the model's ``max_tokens`` is refused (OpenAI refuses over the
+  context length) unless the server runs with ``--auto-truncate``. ``usage`` counts the tokens the
+  model read (at most ``max_tokens`` per text). Errors: ``{"error": {"message", "type":
+  "invalid_request_error", "param", "code"}}`` (OpenAI's shape), 400 (404 for an unknown model).
+* ``POST /embed`` with TEI's ``{"inputs": str | [str, ...], "normalize": true, "truncate": false,
+  "truncation_direction": "Right", "prompt_name": null}`` answers a bare ``[[...], ...]`` as TEI does.
+  ``truncate`` defaults to ``--auto-truncate`` (off): a text over ``max_tokens`` is refused unless it
+  is set. ``normalize: false`` gives the model's output before its Normalize module. ``prompt_name``
+  prefixes one of the model's prompts (the model's default prompt when it has one and none is named).
+  Errors in TEI's shape and codes: ``{"error": "...", "error_type": "Validation"}`` with 413 (too many
+  inputs, a text too long), 400 ``Empty`` (no input), 422 (a field of the wrong type).
+* ``POST /embed`` with ``{"texts": ["...", ...]}`` (this server's first shape) answers ``{"embeddings":
+  [[...], ...]}``: one L2-normalised float32 vector per text, in order; texts over ``max_tokens`` are
+  truncated, as always. Refused with 400 and ``{"error": "..."}``: not an object with exactly the key
+  ``texts``, texts that are not a list of strings. A body that is neither shape is answered in this one.
+* Every embedding route: at most ``max_texts`` texts of at most ``max_text_chars`` characters, each
+  encodable as UTF-8; a body that is not JSON (or nested deeper than 4 levels, or an integer over
+  40 digits: parsed by :func:`packcache._boundedjson.loads`) is refused (400); 413 for a body over
+  ``max_body_bytes`` (read no further), 400 for an empty body or a bad ``Content-Length``. Vectors are
+  JSON numbers, exact (each float32 written as the shortest decimal that reads back as the same
+  double). The header ``X-Packcache-Worker`` names the worker pid that computed them, and
+  ``X-Packcache-Forward-Texts`` how many texts its forward carried (batching: this request's and others').
   Under ``packcache serve`` the worker (:mod:`.worker`) has read the whole body before this runs
   and refuses framing problems, oversized bodies and clients past their deadlines (408) itself;
   these checks stay for any other WSGI server.
+* ``GET /v1/models``: ``{"object": "list", "data": [{"id": model_id, "object": "model", "created": ...,
+  "owned_by": "packcache"}]}``. ``GET /info``: TEI's, with the fields that apply.
 * ``GET /metrics``: the Prometheus exposition of every worker (:mod:`.metrics`); this
   worker's cache figures are written first, so the scraping worker is never stale.
 * ``GET /healthz``: 200 ``{"status": "ok", ...}`` once the worker has loaded its model,
@@ -22,29 +45,40 @@ a 4xx with a JSON error (``{"error": "..."}``) instead of an exception in the wo
   heap) and a restart would not fix a full disk: that is for alerts on ``/metrics``, not
   for a health check that would take the worker out of rotation.
 
-Anything else: 404, or 405 with ``Allow`` for a known path and another method. An
-exception inside the model answers 500 and is logged; the worker keeps serving.
+Anything else: 404, or 405 with ``Allow`` for a known path and another method (``{"error": ...}``). An
+exception inside the model answers 500 (in the route's error shape) and is logged; the worker keeps serving.
+
+Batching: :meth:`EmbeddingApp.prepare` turns an embedding request into a :class:`Job` (its final texts,
+their token count, how to answer), and :meth:`EmbeddingApp.complete` runs the jobs of several requests
+in one forward (one ``engine.embed`` call per ``normalize`` value) and answers each. The worker
+(:mod:`.worker`) gathers the jobs up to :class:`Batching`'s token budget; any other WSGI server calls
+the application, which prepares and completes one request at a time.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .._boundedjson import loads
 from ..errors import FormatError
 from .engines import Engine
 
-__all__ = ["EmbeddingApp", "Limits"]
+__all__ = ["Batching", "EmbeddingApp", "Job", "Limits"]
 
 logger = logging.getLogger("packcache.server")
 
 StartResponse = Callable[..., Any]
+#: An answer: the status line, headers, body.
+Answer = tuple[str, list[tuple[str, str]], bytes]
 
 _STATUS = {
     200: "200 OK",
@@ -52,9 +86,20 @@ _STATUS = {
     404: "404 Not Found",
     405: "405 Method Not Allowed",
     413: "413 Content Too Large",
+    422: "422 Unprocessable Content",
     500: "500 Internal Server Error",
 }
-_METHODS = {"/embed": "POST", "/metrics": "GET", "/healthz": "GET"}
+_METHODS = {
+    "/embed": "POST",
+    "/v1/embeddings": "POST",
+    "/v1/models": "GET",
+    "/info": "GET",
+    "/metrics": "GET",
+    "/healthz": "GET",
+}
+_LEGACY, _TEI, _OPENAI = "legacy", "tei", "openai"
+_OPENAI_KEYS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
+_TEI_KEYS = frozenset({"inputs", "normalize", "truncate", "truncation_direction", "prompt_name"})
 
 
 @dataclass(frozen=True)
@@ -62,14 +107,16 @@ class Limits:
     """What one request may ask for, and how long its client may take (:mod:`.worker` keeps the deadlines).
 
     Attributes:
-        max_texts: texts per ``POST /embed`` (256: a batch that takes seconds, not minutes, on one core).
-        max_text_chars: characters per text (10,000; the tokenizer keeps the first 256 tokens).
+        max_texts: texts per request (256: a batch that takes seconds, not minutes, on one core).
+        max_text_chars: characters per text (10,000; the model reads its first ``max_tokens`` tokens).
         max_body_bytes: bytes of request body (4 MiB).
         header_timeout: seconds for the request line and headers, from the connection being ready
             for a request (accepted, or its previous response sent); then 408, or a quiet close
             if nothing came.
         body_timeout: seconds for the whole body, from the end of the headers; then 408.
         send_timeout: seconds for the client to take the whole response; then the connection is closed.
+        auto_truncate: truncate texts over the model's ``max_tokens`` on the OpenAI and TEI routes instead
+            of refusing them (TEI's ``--auto-truncate``; a TEI request's ``truncate`` still wins).
     """
 
     max_texts: int = 256
@@ -78,6 +125,7 @@ class Limits:
     header_timeout: float = 10.0
     body_timeout: float = 10.0
     send_timeout: float = 10.0
+    auto_truncate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_texts", "max_text_chars", "max_body_bytes"):
@@ -88,12 +136,66 @@ class Limits:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
                 raise ValueError(f"Limits.{name} must be seconds in (0, 3600], not {value!r}")  # NaN fails too
+        if not isinstance(self.auto_truncate, bool):
+            raise ValueError(f"Limits.auto_truncate must be True or False, not {self.auto_truncate!r}")
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a worker merges concurrent requests into one forward (:mod:`.worker`).
+
+    Attributes:
+        max_batch_tokens: tokens per forward (each text's, at most the model's ``max_tokens``; TEI's
+            ``--max-batch-tokens`` and default, 16384). A request over it alone still runs, alone.
+            0 turns batching off: one forward per request, as before.
+        batch_wait: seconds the model's thread may wait for more requests before a forward that still
+            has room, and only while another connection of the worker could send one (1 ms): a lone
+            client never waits. Requests that come while a forward runs join the next one without it.
+    """
+
+    max_batch_tokens: int = 16384
+    batch_wait: float = 0.001
+
+    def __post_init__(self) -> None:
+        value = self.max_batch_tokens
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"Batching.max_batch_tokens must be a non-negative integer, not {value!r}")
+        wait = self.batch_wait
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= 1:
+            raise ValueError(f"Batching.batch_wait must be seconds in [0, 1], not {wait!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_batch_tokens > 0
 
 
 class _Refusal(Exception):
-    def __init__(self, code: int, message: str) -> None:
+    """A bad request. ``param``, ``kind``: OpenAI's ``param`` and ``code``, or TEI's ``error_type`` (``kind``)."""
+
+    def __init__(self, code: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.param = param
+        self.kind = kind
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's texts, waiting for a forward, and how to answer it (:meth:`EmbeddingApp.complete`).
+
+    Attributes:
+        texts: the final texts (prompts applied), as the engine embeds them.
+        tokens: the tokens the model reads for them (each at most ``max_tokens``): the batch budget's count.
+        normalize: L2-normalised rows, or the model's output before its Normalize module.
+    """
+
+    texts: list[str]
+    tokens: int
+    normalize: bool
+    route: str
+    api: str
+    started: float
+    answer: Callable[[np.ndarray[Any, Any]], bytes] = field(repr=False)
 
 
 class EmbeddingApp:
@@ -101,71 +203,294 @@ class EmbeddingApp:
     anything with its ``publish``/``observe``); ``exposition`` returns the ``/metrics`` body and type.
 
     ``express_routes`` tells the worker (:mod:`.worker`) which requests never wait behind a batch.
+    :meth:`prepare` and :meth:`complete` are the two halves of :meth:`__call__` the worker's batcher uses.
     """
 
-    express_routes = frozenset({("GET", "/healthz"), ("GET", "/metrics")})
+    express_routes = frozenset({("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/info")})
 
     def __init__(
-        self, engine: Engine, metrics: Any, exposition: Callable[[], tuple[bytes, str]], limits: Limits | None = None
+        self,
+        engine: Engine,
+        metrics: Any,
+        exposition: Callable[[], tuple[bytes, str]],
+        limits: Limits | None = None,
+        batching: Batching | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.exposition = exposition
         self.limits = limits or Limits()
+        self.batching = batching or Batching()
         self.pid = os.getpid()
+        self.created = int(time.time())
         metrics.publish(engine.stats())
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        started = time.perf_counter()
-        path = environ.get("PATH_INFO") or "/"
-        route = path if path in _METHODS else "other"
-        headers: list[tuple[str, str]] = []
-        try:
-            code, body, content_type = self._dispatch(route, environ, headers)
-        except _Refusal as refusal:
-            code, body, content_type = refusal.code, _error(str(refusal)), "application/json"
-        except Exception:  # a request must never take the worker down
-            logger.exception("packcache serve: %s %s failed", environ.get("REQUEST_METHOD"), route)
-            code, body, content_type = 500, _error("internal error (logged by the worker)"), "application/json"
-        try:
-            self.metrics.observe(route, code, time.perf_counter() - started)
-            self.metrics.publish(self.engine.stats())
-        except Exception:  # metrics are reported, never a reason to fail the request
-            logger.exception("packcache serve: updating the metrics failed")
-        headers += [("Content-Type", content_type), ("Content-Length", str(len(body)))]
-        start_response(_STATUS[code], headers)
+        prepared = self.prepare(environ)
+        status, headers, body = self.complete([prepared])[0] if isinstance(prepared, Job) else prepared
+        start_response(status, headers)
         return [body]
 
     def refused(self, route: str, code: int, seconds: float) -> None:
         """Count a request the worker answered itself (408, 413, ...), as :meth:`__call__` counts its own."""
         self.metrics.observe(route if route in _METHODS else "other", code, seconds)
 
-    def _dispatch(self, route: str, environ: dict[str, Any], headers: list[tuple[str, str]]) -> tuple[int, bytes, str]:
-        if route == "other":
-            raise _Refusal(404, "not found: the routes are POST /embed, GET /metrics, GET /healthz")
-        method = environ.get("REQUEST_METHOD", "GET")
-        if method != _METHODS[route]:
-            headers.append(("Allow", _METHODS[route]))
-            raise _Refusal(405, f"{route} takes {_METHODS[route]}, not {method[:16]}")
+    # ------------------------------------------------------------ the two halves of a request
+
+    def prepare(self, environ: dict[str, Any]) -> Answer | Job:
+        """Read and check a request: its answer, or for an embedding request the :class:`Job` to run
+        (:meth:`complete`). Never raises: a bad request is a 4xx answer, a failure a 500."""
+        started = time.perf_counter()
+        path = environ.get("PATH_INFO") or "/"
+        route = path if path in _METHODS else "other"
+        headers: list[tuple[str, str]] = []
+        api = _LEGACY
+        try:
+            if route == "other":
+                raise _Refusal(404, f"not found: the routes are {', '.join(f'{m} {p}' for p, m in _METHODS.items())}")
+            method = environ.get("REQUEST_METHOD", "GET")
+            if method != _METHODS[route]:
+                headers.append(("Allow", _METHODS[route]))
+                raise _Refusal(405, f"{route} takes {_METHODS[route]}, not {method[:16]}")
+            if route == "/v1/embeddings":
+                api = _OPENAI
+                return self._openai(self._json(environ), route, started)
+            if route == "/embed":
+                request = self._json(environ)
+                api = _TEI if isinstance(request, dict) and "inputs" in request else _LEGACY
+                return self._tei(request, route, started) if api == _TEI else self._legacy(request, route, started)
+            code, body, content_type = 200, *self._info(route)
+        except _Refusal as refusal:
+            code, body, content_type = refusal.code, _error(api, refusal), "application/json"
+        except Exception:  # a request must never take the worker down
+            logger.exception("packcache serve: %s %s failed", environ.get("REQUEST_METHOD"), route)
+            code, body, content_type = 500, _error(api, _internal()), "application/json"
+        return self._answer(route, code, body, content_type, headers, started)
+
+    def complete(self, jobs: Sequence[Job]) -> list[Answer]:
+        """Embed every job's texts in one forward per ``normalize`` value, and answer each job.
+
+        Never raises: a failure of the model answers 500 to every job of the forward (logged)."""
+        rows: dict[int, np.ndarray[Any, Any]] = {}
+        shared: dict[int, int] = {}  # texts in the job's forward
+        failed = False
+        for normalize in (True, False):
+            chosen = [job for job in jobs if job.normalize is normalize]
+            texts = [text for job in chosen for text in job.texts]
+            if not chosen:
+                continue
+            try:
+                vectors = self.engine.embed(texts, normalize=normalize) if texts else None
+            except Exception:
+                logger.exception("packcache serve: a forward of %d texts failed", len(texts))
+                failed = True
+                continue
+            if texts:
+                self._count_forward(len(chosen), len(texts), sum(job.tokens for job in chosen))
+            at = 0
+            for job in chosen:
+                rows[id(job)] = vectors[at : at + len(job.texts)] if vectors is not None else _empty(self.engine)
+                shared[id(job)] = len(texts)
+                at += len(job.texts)
+        answers = []
+        for job in jobs:
+            # The forward's size: a row's last bits can depend on the texts it shared a forward with.
+            forward = str(shared.get(id(job), 0))
+            headers = [("X-Packcache-Worker", str(self.pid)), ("X-Packcache-Forward-Texts", forward)]
+            try:
+                if id(job) not in rows:
+                    raise RuntimeError("the forward failed")
+                code, body = 200, job.answer(rows[id(job)])
+            except Exception:
+                if not failed:
+                    logger.exception("packcache serve: answering %s failed", job.route)
+                code, body, headers = 500, _error(job.api, _internal()), []
+            answers.append(self._answer(job.route, code, body, "application/json", headers, job.started))
+        return answers
+
+    def _answer(
+        self, route: str, code: int, body: bytes, content_type: str, headers: list[tuple[str, str]], started: float
+    ) -> Answer:
+        try:
+            self.metrics.observe(route, code, time.perf_counter() - started)
+            self.metrics.publish(self.engine.stats())
+        except Exception:  # metrics are reported, never a reason to fail the request
+            logger.exception("packcache serve: updating the metrics failed")
+        return _STATUS[code], [*headers, ("Content-Type", content_type), ("Content-Length", str(len(body)))], body
+
+    def _count_forward(self, requests: int, texts: int, tokens: int) -> None:
+        observe = getattr(self.metrics, "forward", None)
+        if observe is not None:
+            try:
+                observe(requests, texts, tokens)
+            except Exception:
+                logger.exception("packcache serve: updating the metrics failed")
+
+    # ------------------------------------------------------------ routes without the model
+
+    def _info(self, route: str) -> tuple[bytes, str]:
         if route == "/metrics":
             self.metrics.publish(self.engine.stats())
-            body, content_type = self.exposition()
-            return 200, body, content_type
+            return self.exposition()
+        engine = self.engine
         if route == "/healthz":
-            return 200, self._health(), "application/json"
-        texts = self._texts(environ)
-        embeddings = self.engine.embed(texts)
-        headers.append(("X-Packcache-Worker", str(self.pid)))
-        body = json.dumps({"embeddings": embeddings.tolist()}, separators=(",", ":")).encode()
-        return 200, body, "application/json"
+            stats = engine.stats()
+            answer: dict[str, Any] = {
+                "status": "ok", "pid": self.pid, "engine": engine.name, "scheme": engine.scheme,
+                "state": stats.state if stats is not None else None,
+                "heap_reason": stats.heap_reason if stats is not None else None,
+            }  # fmt: skip
+        elif route == "/v1/models":
+            answer = {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": self.created,
+                                                  "owned_by": "packcache"}]}  # fmt: skip
+        else:  # /info, TEI's
+            from .. import __version__
 
-    def _health(self) -> bytes:
-        stats = self.engine.stats()
-        return json.dumps({
-            "status": "ok", "pid": self.pid, "engine": self.engine.name, "scheme": self.engine.scheme,
-            "state": stats.state if stats is not None else None,
-            "heap_reason": stats.heap_reason if stats is not None else None,
-        }).encode()  # fmt: skip
+            answer = {
+                "model_id": engine.model_id, "model_sha": None, "model_dtype": engine.scheme,
+                "model_type": {"embedding": {"pooling": None}}, "max_concurrent_requests": None,
+                "max_input_length": engine.max_tokens, "max_batch_tokens": self.batching.max_batch_tokens,
+                "max_batch_requests": None, "max_client_batch_size": self.limits.max_texts,
+                "auto_truncate": self.limits.auto_truncate, "tokenization_workers": 1,
+                "prompts": sorted(engine.prompts), "default_prompt_name": engine.default_prompt_name,
+                "dimension": engine.dimension, "engine": engine.name, "version": __version__,
+            }  # fmt: skip
+        return json.dumps(answer).encode(), "application/json"
+
+    # ------------------------------------------------------------ the three request shapes
+
+    def _legacy(self, request: Any, route: str, started: float) -> Job:
+        if not isinstance(request, dict) or set(request) != {"texts"}:
+            keys = [key[:40] for key in sorted(request)[:5]] if isinstance(request, dict) else None
+            raise _Refusal(
+                400, f'expected an object with exactly the key "texts", got {keys or type(request).__name__}'
+            )
+        texts = request["texts"]
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise _Refusal(400, '"texts" must be a list of strings')
+        self._check_texts(texts, "texts", 400)
+        final = self._prompted(texts, None)
+        counts = self.engine.tokens(final) if final else []
+
+        def answer(vectors: np.ndarray[Any, Any]) -> bytes:
+            return json.dumps({"embeddings": vectors.tolist()}, separators=(",", ":")).encode()
+
+        return Job(final, self._read(counts), True, route, _LEGACY, started, answer)
+
+    def _tei(self, request: dict[str, Any], route: str, started: float) -> Job:
+        unknown = sorted(set(request) - _TEI_KEYS)
+        if unknown:
+            raise _Refusal(422, f"unknown field {unknown[0][:40]!r}: TEI's /embed takes {', '.join(sorted(_TEI_KEYS))}",
+                           kind="Validation")  # fmt: skip
+        inputs = request["inputs"]
+        texts = [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise _Refusal(422, "`inputs` must be a string or a list of strings (token ids are not served)",
+                           kind="Validation")  # fmt: skip
+        if not texts:
+            raise _Refusal(400, "`inputs` cannot be empty", kind="Empty")
+        normalize = self._flag(request, "normalize", True)
+        truncate = self._flag(request, "truncate", self.limits.auto_truncate)
+        direction = request.get("truncation_direction")
+        if direction is not None and direction not in ("Right", "right"):
+            raise _Refusal(422, "`truncation_direction` must be \"Right\": this server truncates the end of a text",
+                           kind="Validation")  # fmt: skip
+        if len(texts) > self.limits.max_texts:
+            raise _Refusal(413, f"batch size {len(texts)} > maximum allowed batch size {self.limits.max_texts}",
+                           kind="Validation")  # fmt: skip
+        self._check_texts(texts, "inputs", 413)
+        prompt = request.get("prompt_name")
+        if prompt is not None and not isinstance(prompt, str):
+            raise _Refusal(422, "`prompt_name` must be a string or null", kind="Validation")
+        final = self._prompted(texts, prompt)
+        counts = self.engine.tokens(final)
+        if not truncate:
+            self._refuse_long(counts, lambda i, n, m: _Refusal(
+                413, f"Input validation error: `inputs` must have less than {m + 1} tokens. Given: {n} (input {i}; "
+                "send \"truncate\": true to keep the first tokens)", kind="Validation"))  # fmt: skip
+
+        def answer(vectors: np.ndarray[Any, Any]) -> bytes:
+            return json.dumps(vectors.tolist(), separators=(",", ":")).encode()
+
+        return Job(final, self._read(counts), normalize, route, _TEI, started, answer)
+
+    def _openai(self, request: Any, route: str, started: float) -> Job:
+        if not isinstance(request, dict):
+            raise _Refusal(400, f"the body must be a JSON object, not {type(request).__name__}")
+        unknown = sorted(set(request) - _OPENAI_KEYS)
+        if unknown:
+            raise _Refusal(400, f"Unrecognized request argument supplied: {unknown[0][:40]}", param=unknown[0][:40])
+        if "input" not in request:
+            raise _Refusal(400, "'input' is a required property", param="input")
+        model = request.get("model")
+        if model is not None and model != self.engine.model_id:
+            served = f"this server serves {self.engine.model_id!r} (GET /v1/models)"
+            raise _Refusal(
+                404, f"The model {str(model)[:100]!r} does not exist: {served}", param="model", kind="model_not_found"
+            )
+        inputs = request["input"]
+        texts = [inputs] if isinstance(inputs, str) else inputs
+        if isinstance(texts, list) and texts and all(isinstance(t, (int, list)) for t in texts):
+            raise _Refusal(400, "token-id input is not served: send the text (a string or a list of strings)",
+                           param="input")  # fmt: skip
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise _Refusal(400, "'input' must be a string or a list of strings", param="input")
+        if not texts:
+            raise _Refusal(400, "'input' must not be an empty list", param="input")
+        if any(not t for t in texts):
+            raise _Refusal(400, "'input' must not contain an empty string", param="input")
+        if len(texts) > self.limits.max_texts:
+            raise _Refusal(400, f"{len(texts)} inputs; at most {self.limits.max_texts} per request", param="input")
+        self._check_texts(texts, "input", 400)
+        encoding = request.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise _Refusal(400, f"'encoding_format' must be 'float' or 'base64', not {str(encoding)[:40]!r}",
+                           param="encoding_format")  # fmt: skip
+        dimensions = request.get("dimensions")
+        width = self.engine.dimension
+        if dimensions is not None and (
+            not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= width
+        ):
+            raise _Refusal(400, f"'dimensions' must be an integer from 1 to the model's {width}, not "
+                           f"{str(dimensions)[:40]}", param="dimensions")  # fmt: skip
+        user = request.get("user")
+        if user is not None and not isinstance(user, str):
+            raise _Refusal(400, "'user' must be a string", param="user")
+        final = self._prompted(texts, None)
+        counts = self.engine.tokens(final)
+        if not self.limits.auto_truncate:
+            self._refuse_long(counts, lambda i, n, m: _Refusal(
+                400, f"This model's maximum context length is {m} tokens, however input {i} has {n} tokens; "
+                "shorten it (or run the server with --auto-truncate)", param="input",
+                kind="context_length_exceeded"))  # fmt: skip
+        used = self._read(counts)
+        served = self.engine.model_id
+
+        def answer(vectors: np.ndarray[Any, Any]) -> bytes:
+            if dimensions is not None and dimensions < vectors.shape[1]:
+                vectors = vectors[:, :dimensions]
+                norms = np.linalg.norm(vectors.astype(np.float64), axis=1, keepdims=True)
+                vectors = (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+            data: list[Any] = (
+                [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in vectors]
+                if encoding == "base64" else vectors.tolist()
+            )  # fmt: skip
+            body = {
+                "object": "list",
+                "data": [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(data)],
+                "model": served, "usage": {"prompt_tokens": used, "total_tokens": used},
+            }  # fmt: skip
+            return json.dumps(body, separators=(",", ":")).encode()
+
+        return Job(final, used, True, route, _OPENAI, started, answer)
+
+    # ------------------------------------------------------------ checks
+
+    def _json(self, environ: dict[str, Any]) -> Any:
+        try:
+            return loads(self._body(environ), what="request body", max_depth=4)
+        except FormatError as exc:
+            raise _Refusal(400, str(exc)) from None
 
     def _body(self, environ: dict[str, Any]) -> bytes:
         limit = self.limits.max_body_bytes
@@ -183,34 +508,75 @@ class EmbeddingApp:
             if len(body) > limit:
                 raise _Refusal(413, f"the body is over {limit} bytes")
         if not body:
-            raise _Refusal(400, 'send a JSON body: {"texts": ["..."]}')
+            raise _Refusal(400, 'send a JSON body: {"texts": ["..."]}, {"inputs": ...} or {"input": ...}')
         return body
 
-    def _texts(self, environ: dict[str, Any]) -> list[str]:
-        try:
-            request = loads(self._body(environ), what="request body", max_depth=4)
-        except FormatError as exc:
-            raise _Refusal(400, str(exc)) from None
-        if not isinstance(request, dict) or set(request) != {"texts"}:
-            keys = [key[:40] for key in sorted(request)[:5]] if isinstance(request, dict) else None
-            raise _Refusal(
-                400, f'expected an object with exactly the key "texts", got {keys or type(request).__name__}'
-            )
-        texts = request["texts"]
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise _Refusal(400, '"texts" must be a list of strings')
+    def _check_texts(self, texts: list[str], name: str, too_many: int) -> None:
         limits = self.limits
         if len(texts) > limits.max_texts:
-            raise _Refusal(400, f"{len(texts)} texts; at most {limits.max_texts} per request")
+            raise _Refusal(too_many, f"{len(texts)} texts; at most {limits.max_texts} per request", param=name)
         for index, text in enumerate(texts):
             if len(text) > limits.max_text_chars:
-                raise _Refusal(400, f"text {index} has {len(text)} characters; at most {limits.max_text_chars}")
+                raise _Refusal(
+                    too_many, f"text {index} has {len(text)} characters; at most {limits.max_text_chars}", param=name,
+                    kind="Validation",
+                )  # fmt: skip
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
-                raise _Refusal(400, f"text {index} is not valid Unicode (a lone surrogate)") from None
-        return texts
+                raise _Refusal(
+                    too_many if too_many == 400 else 422, f"text {index} is not valid Unicode (a lone surrogate)",
+                    param=name, kind="Validation",
+                ) from None  # fmt: skip
+
+    def _flag(self, request: dict[str, Any], name: str, default: bool) -> bool:
+        value = request.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise _Refusal(422, f"`{name}` must be true or false", kind="Validation")
+        return value
+
+    def _prompted(self, texts: list[str], prompt_name: str | None) -> list[str]:
+        """``texts`` with the named prompt (else the model's default prompt) before each, as sentence-transformers'
+        ``encode(prompt_name=...)`` does."""
+        engine = self.engine
+        name = prompt_name if prompt_name is not None else engine.default_prompt_name
+        if name is None:
+            return texts
+        if name not in engine.prompts:
+            known = ", ".join(sorted(engine.prompts)) or "none"
+            message = f"prompt {name[:40]!r} is not one of the model's prompts ({known})"
+            raise _Refusal(422 if prompt_name is not None else 500, message, kind="Validation")
+        prefix = engine.prompts[name]
+        return [prefix + text for text in texts] if prefix else texts
+
+    def _refuse_long(self, counts: list[int], refusal: Callable[[int, int, int], _Refusal]) -> None:
+        limit = self.engine.max_tokens
+        for index, count in enumerate(counts):
+            if count > limit:
+                raise refusal(index, count, limit)
+
+    def _read(self, counts: list[int]) -> int:
+        """Tokens the model reads of texts of ``counts`` tokens (each truncated to its ``max_tokens``)."""
+        limit = self.engine.max_tokens
+        return sum(min(count, limit) for count in counts)
 
 
-def _error(message: str) -> bytes:
+def _empty(engine: Engine) -> np.ndarray[Any, Any]:
+    return np.zeros((0, engine.dimension), dtype=np.float32)
+
+
+def _internal() -> _Refusal:
+    return _Refusal(500, "internal error (logged by the worker)", kind="Backend")
+
+
+def _error(api: str, refusal: _Refusal) -> bytes:
+    message = str(refusal)
+    if api == _OPENAI:
+        kind = "server_error" if refusal.code >= 500 else "invalid_request_error"
+        code = refusal.kind if refusal.kind not in (None, "Validation", "Backend", "Empty") else None
+        return json.dumps({"error": {"message": message, "type": kind, "param": refusal.param, "code": code}}).encode()
+    if api == _TEI:
+        return json.dumps({"error": message, "error_type": refusal.kind or "Validation"}).encode()
     return json.dumps({"error": message}).encode()

@@ -107,7 +107,17 @@ class EngineSpec:
 
 
 class Engine:
-    """A loaded model: :meth:`embed` texts; :meth:`stats` of its cache (``None`` when it has none)."""
+    """A loaded model, the one surface the application (:mod:`.app`) and the batcher use.
+
+    Attributes:
+        name: ``packcache`` or ``sentence-transformers``.
+        scheme, kernel_path, cache_file, load_seconds: what ``/metrics`` reports (``cache_file`` ``""`` when none).
+        model_id: the name ``GET /v1/models`` lists and responses echo as ``model``.
+        dimension: the width of one embedding.
+        max_tokens: tokens per text the model reads, special tokens included; :meth:`embed` truncates longer texts.
+        prompts: the model's prompts by name (``config_sentence_transformers.json``), ``{}`` if none.
+        default_prompt_name: the prompt applied when a request names none, or ``None``.
+    """
 
     name = "engine"
     scheme = ""
@@ -115,9 +125,23 @@ class Engine:
     cache_file = ""
     load_seconds = 0.0
     model_id = ""
+    dimension = 0
+    max_tokens = 0
+    prompts: dict[str, str] = {}  # noqa: RUF012  (read only: each engine sets its own)
+    default_prompt_name: str | None = None
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray[Any, Any]:
-        """float32 ``[len(texts), dim]``, L2-normalised rows."""
+    def tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text before truncation, special tokens included, tokenized exactly as :meth:`embed`
+        tokenizes it: a text is too long iff its count is over :attr:`max_tokens`."""
+        raise NotImplementedError
+
+    def embed(self, texts: Sequence[str], *, normalize: bool = True) -> np.ndarray[Any, Any]:
+        """float32 ``[len(texts), dimension]``, in order, each text truncated to :attr:`max_tokens`.
+
+        ``normalize=True``: L2-normalised rows; ``False``: the model's output before its Normalize module
+        (the pooled output). A row does not depend on the other texts of the call beyond float rounding:
+        the batcher merges several requests' texts into one call.
+        """
         raise NotImplementedError
 
     def stats(self) -> CacheStats | None:
@@ -134,9 +158,17 @@ class _Packcache(Engine):
         self.kernel_path = str(model.kernel_path)
         self.cache_file = cache_file or ""
         self.load_seconds = float(model.load_seconds)
+        self.dimension = int(model.dimension)
+        self.max_tokens = int(model.max_seq_length)
+        self.prompts = {}
+        self.default_prompt_name = None
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray[Any, Any]:
-        result: np.ndarray[Any, Any] = self.model.embed(texts)
+    def tokens(self, texts: Sequence[str]) -> list[int]:
+        counts: list[int] = self.model.tokens(texts)
+        return counts
+
+    def embed(self, texts: Sequence[str], *, normalize: bool = True) -> np.ndarray[Any, Any]:
+        result: np.ndarray[Any, Any] = self.model.embed(texts, normalize=normalize)
         return result
 
     def stats(self) -> CacheStats:
@@ -152,13 +184,44 @@ class _SentenceTransformers(Engine):
     def __init__(self, model: Any, load_seconds: float) -> None:
         self.model = model
         self.load_seconds = load_seconds
+        self.dimension = int(model.get_sentence_embedding_dimension())
+        self.max_tokens = int(model.max_seq_length)
+        self.prompts = dict(getattr(model, "prompts", None) or {})
+        self.default_prompt_name = getattr(model, "default_prompt_name", None)
+        self._unnormalized: Any = None
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray[Any, Any]:
+    def tokens(self, texts: Sequence[str]) -> list[int]:
+        # As sentence-transformers' Transformer.tokenize prepares a text (stripped, lowercased when its config
+        # says so), without truncation. verbose=False: no warning that a text is longer than the model reads.
+        do_lower_case = bool(getattr(self.model[0], "do_lower_case", False))
+        prepared = [str(t).strip().lower() if do_lower_case else str(t).strip() for t in texts]
+        ids = self.model.tokenizer(prepared, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        return [len(row) for row in ids]
+
+    def embed(self, texts: Sequence[str], *, normalize: bool = True) -> np.ndarray[Any, Any]:
         import torch
 
+        model = self.model if normalize else self._without_normalize()
         with torch.inference_mode():
-            out = self.model.encode(list(texts), batch_size=32, convert_to_numpy=True, show_progress_bar=False)
+            out = model.encode(
+                list(texts), batch_size=32, convert_to_numpy=True, show_progress_bar=False,
+                normalize_embeddings=normalize, prompt="",  # the app prefixes the prompt; never the default again
+            )  # fmt: skip
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
+
+    def _without_normalize(self) -> Any:
+        """The pipeline without its Normalize module (the same modules, nothing copied), made once."""
+        if self._unnormalized is None:
+            from sentence_transformers import SentenceTransformer
+
+            # By name: the module moved between sentence-transformers versions (models -> base.modules).
+            modules = [m for m in self.model if type(m).__name__ != "Normalize"]
+            if len(modules) == len(self.model):
+                self._unnormalized = self.model
+            else:
+                self._unnormalized = SentenceTransformer(modules=modules, device="cpu")
+                self._unnormalized.max_seq_length = self.model.max_seq_length
+        return self._unnormalized
 
 
 class _PackedSentenceTransformer(Engine):

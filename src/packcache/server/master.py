@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from .app import Limits
+from .app import Batching, Limits
 from .engines import Engine, EngineSpec, preimport, weights_source
 from .metricsdir import HeldDirectory, hold_metrics_dir
 
@@ -49,6 +49,7 @@ class ServeOptions:
             (30 s): a worker waiting for another's build must not be killed for it.
         graceful_timeout: seconds workers get to finish their request after SIGTERM.
         limits: what one request may ask for, and the client deadlines (header, body, send).
+        batching: how each worker merges concurrent requests into one forward.
         metrics_dir: prometheus_client's directory; ``None``: ``$PROMETHEUS_MULTIPROC_DIR``
             if set (its ``*.db`` files are removed at start, as the client library requires
             between runs; refused unless this user's or root's and writable by no one else, or
@@ -65,6 +66,7 @@ class ServeOptions:
     timeout: float = 60.0
     graceful_timeout: float = 30.0
     limits: Limits = field(default_factory=Limits)
+    batching: Batching = field(default_factory=Batching)
     metrics_dir: str | None = None
     log_level: str = "info"
 
@@ -162,7 +164,7 @@ def _application(
     settings: dict[str, Any] = {
         "bind": [_bind(options.host, options.port)],
         "workers": options.workers,
-        "worker_class": worker_class(options.limits),
+        "worker_class": worker_class(options.limits, options.batching),
         "preload_app": False,
         "timeout": int(max(1, options.timeout)),
         "graceful_timeout": int(max(1, options.graceful_timeout)),
@@ -212,7 +214,7 @@ def make_app(options: ServeOptions) -> Any:
     worker = metrics.WorkerMetrics(
         engine.name, engine.scheme, engine.kernel_path, engine.cache_file, engine.load_seconds
     )
-    return EmbeddingApp(engine, worker, metrics.exposition, options.limits)
+    return EmbeddingApp(engine, worker, metrics.exposition, options.limits, options.batching)
 
 
 def ready_line(engine: Engine, pid: int) -> str:

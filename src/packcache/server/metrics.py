@@ -74,6 +74,7 @@ _STATES = tuple(s.value for s in CacheState)
 _REASONS = tuple(r.value for r in HeapReason)
 #: Seconds: an 8-text batch takes milliseconds, a 256-text batch of long texts seconds.
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def _gauge(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
@@ -103,6 +104,19 @@ class WorkerMetrics:
             registry=None,
             buckets=_BUCKETS,
         )
+        # Forwards of the model and what each carried: requests merged by the batcher, texts, tokens read.
+        self.forward_requests = Histogram(
+            "packcache_forward_requests", "Requests merged into one forward of the model", ("pid",),
+            registry=None, buckets=_COUNT_BUCKETS,
+        )  # fmt: skip
+        self.forward_texts = Histogram(
+            "packcache_forward_texts", "Texts in one forward of the model", ("pid",),
+            registry=None, buckets=_COUNT_BUCKETS,
+        )  # fmt: skip
+        self.forward_tokens = Counter(
+            "packcache_forward_tokens", "Tokens the model read (each text's, at most its max_tokens)", ("pid",),
+            registry=None,
+        )  # fmt: skip
         self._cache: tuple[Gauge, ...] | None = None
         self._published: tuple[object, ...] | None = None
 
@@ -173,6 +187,12 @@ class WorkerMetrics:
             remote_misses.labels(name).set(stats.remote_misses_by_reason.get(name, 0))
         self._published = key
         self._announce()
+
+    def forward(self, requests: int, texts: int, tokens: int) -> None:
+        """Count one forward of the model: the requests it answered, their texts and tokens."""
+        self.forward_requests.labels(self.pid).observe(requests)
+        self.forward_texts.labels(self.pid).observe(texts)
+        self.forward_tokens.labels(self.pid).inc(tokens)
 
     def observe(self, route: str, code: int, seconds: float) -> None:
         """Count one request and its latency."""

@@ -6,10 +6,19 @@ headers and part of the body, then stalls, holds the worker until the master kil
 (:mod:`selectors`, in a thread of its own) owns every socket: it accepts, reads the request
 line, headers and body without blocking, and hands a request to the application only once
 the whole body is in memory. The application runs in one of two threads (*lanes*): ``main``
-(the worker's main thread, see :meth:`BufferingWorker.run`) for ``POST /embed`` and everything
-else, ``express`` for ``GET /healthz`` and ``GET /metrics``, so neither a batch nor a slow
-client delays a probe or a scrape. The loop writes the response
+(the worker's main thread, see :meth:`BufferingWorker.run`) for the embedding routes and everything
+else, ``express`` for the application's ``express_routes`` (``GET /healthz``, ``/metrics``, ...), so
+neither a batch nor a slow client delays a probe or a scrape. The loop writes the response
 without blocking too. A stalled client costs a buffer and a descriptor, never a thread.
+
+Batching (:class:`~packcache.server.app.Batching`): the ``main`` lane takes every request queued for it
+and runs their texts in one forward (the application's ``prepare`` and ``complete``), up to
+``max_batch_tokens`` tokens; a request that would pass the budget waits for the next forward (one over
+the budget alone runs alone). Requests that come while a forward runs are queued and make the next one:
+under load batches form without waiting. Before a forward with room left the lane waits up to
+``batch_wait`` for more, only while another connection of the worker could still send one (it is sending
+a request, or it got an answer within the last second): a lone client never waits. ``max_batch_tokens=0``
+turns batching off: one request per forward, as before.
 
 Deadlines (:class:`~packcache.server.app.Limits`), each checked by the loop, so a client that
 trickles one byte at a time meets them as one that sends nothing:
@@ -61,8 +70,10 @@ The master's ``timeout`` still bounds the application: the loop tells the master
 alive only while no request has been in the application longer than ``timeout``, so a model
 that hangs gets its worker replaced, as before. Slow clients never get it killed.
 
-A worker accepts a new connection only while its ``main`` lane is idle (as a ``sync`` worker
-does), so the kernel hands connections to idle workers. It keeps at most
+A worker accepts a new connection only while fewer than :data:`ACCEPT_WAITING` (8) requests wait for its
+``main`` lane (a forward may be running: a request accepted then joins the next forward), so the kernel
+hands connections to the workers with room; with batching off, only while the lane is idle (as a ``sync``
+worker does). It keeps at most
 ``max_connections`` open; past it, the oldest connection still sending its request is
 closed for the new one. HTTP/1.1 connections are kept alive (one request at a time, an
 idle connection closed after ``header_timeout``); ``Connection: close`` and HTTP/1.0 close.
@@ -91,7 +102,7 @@ from urllib.parse import unquote_to_bytes
 import h11
 from gunicorn.workers.base import Worker  # type: ignore[import-untyped]
 
-from .app import Limits
+from .app import Batching, Limits
 
 __all__ = ["BufferingWorker", "worker_class"]
 
@@ -101,6 +112,11 @@ MAX_METHOD = 32
 MAX_TARGET = 8192
 MAX_CHUNK_LINE = 1024  # a chunk-size line with its extensions, and one trailer line
 MAX_TRAILER_BYTES = 8 << 10
+#: With batching, a worker accepts new connections while fewer requests than this wait for its model. One
+#: accepted at a time (accept, read the request, stop: it waits) took 32 kept-alive clients a connection per
+#: forward, and the last ones waited seconds in the kernel's queue (benchmarks/serve.py, p99 13.9 s at 32 clients);
+#: no bound lets one worker take a whole burst another worker could serve.
+ACCEPT_WAITING = 8
 LINGER_SECONDS = 2.0  # after an error answer: read and drop what the client still sends, so it gets the answer
 _READ = 65536
 
@@ -232,6 +248,8 @@ class _Lane:
         if own_thread:
             threading.Thread(target=self.serve, name=f"packcache-{name}", daemon=True).start()
 
+    running = 0  # requests the lane has taken from its queue and not answered yet (its thread alone changes it)
+
     def submit(self, request: _Request) -> None:
         request.lane = self
         self.pending += 1
@@ -256,6 +274,87 @@ class _Lane:
         self.queue.put(None)
 
 
+class _BatchLane(_Lane):
+    """The ``main`` lane with batching: every queued request up to the token budget, in one forward.
+
+    ``prepare`` turns a request into a job (or answers it: a bad request never waits for a forward);
+    ``complete`` runs a list of jobs and answers each. A job that does not fit the budget is held for
+    the next forward, ahead of the queue, so requests are answered in the order they came.
+    """
+
+    def __init__(
+        self,
+        prepare: Callable[[_Request], Any],
+        complete: Callable[[list[tuple[_Request, Any]]], None],
+        batching: Batching,
+        could_send: Callable[[], bool],
+    ) -> None:
+        super().__init__("main", lambda request: None, own_thread=False)
+        self._prepare, self._complete, self._could_send = prepare, complete, could_send
+        self._budget, self._wait = batching.max_batch_tokens, batching.batch_wait
+        self._held: list[tuple[_Request, Any]] = []
+
+    def serve(self) -> None:
+        """Run forwards until :meth:`stop`."""
+        while True:
+            first: _Request | None = None
+            if not self._held:
+                try:
+                    first = self.queue.get(timeout=self._poll)
+                except queue.Empty:
+                    continue
+                if first is None:
+                    return
+            self.started = time.monotonic()
+            try:
+                stopped = self._forward(first)
+            finally:
+                self.started = None
+                self.running = 0
+            if stopped:
+                return
+
+    def _forward(self, first: _Request | None) -> bool:
+        """Gather jobs from ``first``, the held ones and the queue, then run them; True when told to stop."""
+        jobs, self._held = self._held, []
+        tokens = sum(job.tokens for _, job in jobs)
+        incoming = [first] if first is not None else []
+        self.running = len(jobs) + len(incoming)
+        until = time.monotonic() + self._wait
+        stopped = False
+        request: _Request | None
+        while True:
+            for request in incoming:
+                job = self._prepare(request)
+                if job is None:
+                    continue  # answered already
+                if self._held or (jobs and tokens + job.tokens > self._budget):
+                    self._held.append((request, job))
+                else:
+                    jobs.append((request, job))
+                    tokens += job.tokens
+            if self._held or tokens >= self._budget:
+                break
+            try:
+                request = self.queue.get_nowait()
+            except queue.Empty:
+                left = until - time.monotonic()
+                if left <= 0 or not jobs or not self._could_send():
+                    break
+                try:
+                    request = self.queue.get(timeout=left)
+                except queue.Empty:
+                    break
+            if request is None:
+                stopped = True
+                break
+            self.running += 1
+            incoming = [request]
+        if jobs:
+            self._complete(jobs)
+        return stopped
+
+
 # ---------------------------------------------------------------- the worker
 
 
@@ -268,6 +367,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
     """
 
     limits: Limits = Limits()
+    batching: Batching = Batching()
 
     def init_process(self) -> None:
         self.conns: dict[int, _Conn] = {}
@@ -275,6 +375,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         self.selector = selectors.DefaultSelector()
         self.accepting = False
         self.accept_paused_until = 0.0
+        self.could_send = 0  # connections that may send a request soon (the loop counts them; the batcher reads)
         self.body_budget = 16 * self.limits.max_body_bytes
         self.body_held = 0
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -295,7 +396,11 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         """
         express: Iterable[tuple[str, str]] = getattr(self.wsgi, "express_routes", ())
         self.express_routes: frozenset[tuple[str, str]] = frozenset(express)
-        self.main = _Lane("main", self._call_app, own_thread=False)
+        batched = self.batching.enabled and hasattr(self.wsgi, "prepare") and hasattr(self.wsgi, "complete")
+        self.main: _Lane = (
+            _BatchLane(self._prepare, self._complete, self.batching, lambda: self.could_send > 0)
+            if batched else _Lane("main", self._call_app, own_thread=False)
+        )  # fmt: skip
         self.express = _Lane("express", self._call_app)
         failed: list[BaseException] = []
 
@@ -343,6 +448,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
                     self._dispatch(key, mask)
                 self._finish_done()
                 self._expire(time.monotonic())
+                self._count_could_send(time.monotonic())
         finally:
             self.main.stop()
             self.express.stop()
@@ -365,10 +471,24 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         deadlines = [c.deadline for c in self.conns.values() if c.state != _APP]
         return max(0.0, min([1.0, *(d - now for d in deadlines)]))
 
+    def _count_could_send(self, now: float) -> None:
+        """How many connections may send a request soon: sending one, or answered within the last second (a
+        client in a loop). The batcher waits for more requests only while there is one (``batch_wait``)."""
+        if self.main.pending:
+            self.could_send = sum(
+                1 for c in self.conns.values()
+                if c.state == _BODY or (c.state == _HEAD and (c.buf or (c.served and now - c.began < 1.0)))
+            )  # fmt: skip
+
     def _may_accept(self, now: float) -> bool:
-        # Only while the model's lane is idle, as a sync worker accepts only when free: the kernel then
-        # hands each new connection to an idle worker. A stalled client never makes the lane busy.
-        if not self.alive or self.main.pending or now < self.accept_paused_until:
+        # With batching, while fewer than ACCEPT_WAITING requests wait for the model's lane (a forward may run:
+        # a request accepted now joins the next one); without, only while the lane is idle, as a sync worker
+        # accepts only when free. Either way the kernel hands new connections to workers with room. A stalled
+        # client never makes the lane busy.
+        batched = isinstance(self.main, _BatchLane)
+        waiting = self.main.pending - (self.main.running if batched else 0)
+        # pinned by tests/test_server_api.py::test_kept_alive_clients_connecting_at_once_are_all_served_soon
+        if not self.alive or waiting >= (ACCEPT_WAITING if batched else 1) or now < self.accept_paused_until:
             return False
         return len(self.conns) < self.max_connections or any(c.state in _EVICTABLE for c in self.conns.values())
 
@@ -774,25 +894,67 @@ class BufferingWorker(Worker):  # type: ignore[misc]
 
     def _call_app(self, request: _Request) -> None:
         """Run the application on one request (in a lane's thread); the loop sends the answer."""
-        keep_alive = False
         try:
-            response, keep_alive = self._response(request)
+            answer = self._application(request.environ)
         except BaseException as exc:  # the lane must answer and go on whatever happens, or the worker stops accepting
-            if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
-                raise  # gunicorn's SIGABRT/SIGQUIT/SIGINT handlers exit from the main thread: a hung model included
-            self.log.exception("packcache serve: the application failed")
-            keep_alive = False
-            body = _error("internal error (logged by the worker)")
-            response = (
-                "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            ).encode() + body
+            self._fail(request, exc)
+            return
+        self._answer(request, answer)
+
+    def _prepare(self, request: _Request) -> Any:
+        """The batcher's first half, in the ``main`` lane: the application's job for ``request``, or ``None``
+        once the request is answered (a bad request, a route without the model)."""
+        try:
+            prepared = self.wsgi.prepare(request.environ)
+        except BaseException as exc:
+            self._fail(request, exc)
+            return None
+        if isinstance(prepared, tuple):
+            self._answer(request, prepared)
+            return None
+        return prepared
+
+    def _complete(self, jobs: list[tuple[_Request, Any]]) -> None:
+        """The batcher's second half: one forward for every job, then each request's answer to the loop."""
+        try:
+            answers = self.wsgi.complete([job for _, job in jobs])
+        except BaseException as exc:
+            for request, _ in jobs[1:]:
+                self._fail(request, Exception())
+            self._fail(jobs[0][0], exc)
+            return
+        for (request, _), answer in zip(jobs, answers, strict=True):
+            self._answer(request, answer)
+
+    def _answer(self, request: _Request, answer: tuple[str, list[tuple[str, str]], bytes]) -> None:
+        try:
+            response, keep_alive = self._response(request, *answer)
+        except Exception as exc:
+            self._fail(request, exc)
+            return
+        self._deliver(request, response, keep_alive)
+
+    def _fail(self, request: _Request, exc: BaseException) -> None:
+        """Answer 500 and close, for an application that raised ``exc`` (logged)."""
+        if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
+            raise exc  # gunicorn's SIGABRT/SIGQUIT/SIGINT handlers exit from the main thread: a hung model included
+        self.log.error("packcache serve: the application failed", exc_info=exc)
+        body = _error("internal error (logged by the worker)")
+        response = (
+            "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode() + body
+        self._deliver(request, response, False)
+
+    def _deliver(self, request: _Request, response: bytes, keep_alive: bool) -> None:
         self.done.put((request, response, keep_alive))
         with contextlib.suppress(OSError):
             os.write(self.PIPE[1], b".")  # wake the loop
 
-    def _response(self, request: _Request) -> tuple[bytes, bool]:
-        status, headers, body = self._application(request.environ)
+    def _response(
+        self, request: _Request, status: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[bytes, bool]:
+        """The HTTP response bytes of an application's answer, and whether the connection stays open."""
         keep_alive = request.conn.keep_alive and self.alive  # after the application: a SIGTERM meanwhile closes
         names = {name.lower() for name, _ in headers}
         if "content-length" not in names:
@@ -892,7 +1054,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
 
     def _route(self, conn: _Conn) -> str:
         path = conn.target.partition("?")[0]
-        return path if path in ("/embed", "/metrics", "/healthz") else "other"
+        return path[:64]  # the application's ``refused`` names it ("other" for a path it does not serve)
 
     def _linger(self, conn: _Conn) -> None:
         # Closing with unread bytes in the receive buffer sends a reset, which can destroy the answer
@@ -908,6 +1070,7 @@ def _error(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
-def worker_class(limits: Limits) -> type[BufferingWorker]:
-    """A :class:`BufferingWorker` subclass with the server's limits (gunicorn instantiates it per worker)."""
-    return type("PackcacheWorker", (BufferingWorker,), {"limits": limits})
+def worker_class(limits: Limits, batching: Batching | None = None) -> type[BufferingWorker]:
+    """A :class:`BufferingWorker` subclass with the server's limits and batching (gunicorn instantiates it per
+    worker)."""
+    return type("PackcacheWorker", (BufferingWorker,), {"limits": limits, "batching": batching or Batching()})
