@@ -191,3 +191,35 @@ def test_a_bad_checkpoint_is_refused_by_the_master_in_one_line(models: dict[str,
         assert code == 1, f"serve did not stop with exit 1 (exit {code}): {err[-2000:]}"
         assert err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
         assert err.startswith("packcache serve: cannot load the model: ") and says in err, err
+
+
+def test_a_hub_id_serves_from_the_local_hub_cache_under_its_own_name(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model org/name`` is read from the local hub cache (``HF_HUB_CACHE``; refs/main -> the snapshot), offline,
+    and served under the id as given; the OpenAI route applies the model's default prompt as ``encode`` does. A hub
+    id that is not there is one line in the master, naming where it looked."""
+    from harness.checkpoints import hub_snapshot
+
+    hub = tmp_path / "hub"
+    hub_snapshot(hub, "org/xlmr", models["xlm-roberta"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # packcache reads the cache itself: the hub client never runs
+    texts = [t for t in TEXTS if t]  # within the context length: the OpenAI route refuses longer ones
+    with server(tmp_path, "--model", "org/xlmr", "--cache-dir", str(tmp_path / "cache"), workers=1) as srv:
+        status, (_, body) = call(srv, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["org/xlmr"], body
+        request = json.dumps({"input": texts, "model": "org/xlmr"}).encode()
+        status, (_, body) = call(srv, "POST", "/v1/embeddings", request)
+        assert status == 200, body[:300]
+        answer = json.loads(body)
+        assert answer["model"] == "org/xlmr"
+        got = np.asarray([row["embedding"] for row in answer["data"]], dtype=np.float64)
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(models["xlm-roberta"]), device="cpu", local_files_only=True)
+    expected = np.asarray(reference.encode(texts, convert_to_numpy=True), dtype=np.float64)  # the default prompt
+    assert _cosines(got, expected).min() >= INT8_COSINE
+    code, err = serve_until_exit(["--model", "org/absent", "--workers", "1", "--cache-dir", str(tmp_path / "cache")])
+    assert code is not None and code != 0 and "Traceback" not in err, err[-2000:]
+    assert err.count("\n") == 1 and str(hub) in err, err
