@@ -467,8 +467,8 @@ def add_store_parsers(sub: Any) -> None:
     fetch.add_argument(
         "--loader", choices=LOADERS, default="auto",
         help="whose cache file: minilm (run/serve --model) or hf (packcache.hf). Default auto, build's rule: minilm "
-        "where it reads the checkpoint and the auto class is AutoModel, else hf; when nothing is published under "
-        "that file's name, the other loader's (the output says which)",
+        "where it reads the checkpoint, the auto class is AutoModel and serve runs it on MiniLM, else hf; when "
+        "nothing is published under that file's name, the other loader's (the output says which)",
     )  # fmt: skip
     fetch.add_argument(
         "--auto-class", default="AutoModel",

@@ -552,9 +552,10 @@ def add_parsers(sub: Any) -> None:
     build.add_argument("--model", help="the same as CHECKPOINT (as run and serve take it)")
     build.add_argument(
         "--loader", choices=LOADERS, default="auto",
-        help="auto (default, the rule of every command): minilm where the MiniLM loader reads the checkpoint and "
-        "the auto class is AutoModel, else hf; minilm: the BERT loader of 'run/serve --model', what they map (its "
-        "int4 is calibrated); hf: packcache.hf, what hf.from_pretrained maps (any transformers model)",
+        help="auto (default, the rule of every command): minilm where the MiniLM loader reads the checkpoint, "
+        "the auto class is AutoModel and serve runs it on the MiniLM engine, else hf; minilm: the BERT loader of "
+        "'run/serve --model', what they map (its int4 is calibrated); hf: packcache.hf, what hf.from_pretrained "
+        "maps (any transformers model)",
     )  # fmt: skip
     build.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default=SCHEME,
