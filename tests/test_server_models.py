@@ -50,8 +50,8 @@ def _expected(directory: Path, texts: list[str]) -> np.ndarray[Any, Any]:
 
     torch.set_num_threads(1)
     model = SentenceTransformer(str(directory), device="cpu", local_files_only=True)
-    # prompt="": the legacy route embeds the texts as given (no default prompt)
-    return np.asarray(model.encode(texts, prompt="", convert_to_numpy=True), dtype=np.float64)
+    # every route applies the model's default prompt, as encode() does (XLM-R's "query: ")
+    return np.asarray(model.encode(texts, convert_to_numpy=True), dtype=np.float64)
 
 
 def _served(srv: Any, texts: list[str]) -> np.ndarray[Any, Any]:
