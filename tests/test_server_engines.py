@@ -21,7 +21,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -496,12 +497,29 @@ def test_the_hf_engine_counts_tokens_as_encode_tokenizes_and_truncates_to_max_se
         assert engine.tokens([]) == []
 
 
+def test_a_default_prompt_that_is_empty_is_kept_so_requests_are_not_refused(tmp_path: Path) -> None:
+    """A model whose default prompt is the empty string (sentence-transformers' own are): the engine keeps it, so
+    the app finds the default prompt by its name (dropping empty prompts answered every request with a 500)."""
+    from packcache.server.app import EmbeddingApp
+
+    directory = tiny_sentence_transformer(
+        tmp_path / "m", "bert", prompts={"query": "", "passage": "passage: "}, default_prompt_name="query"
+    )
+    engine = _hf_engine(directory)
+    assert engine.default_prompt_name == "query" and engine.prompts["query"] == ""
+    # pinned here: the app's prompt step, as every route runs it
+    assert EmbeddingApp._prompted(cast(Any, SimpleNamespace(engine=engine)), ["a text"], None) == ["a text"]
+
+
 def test_the_hf_engine_takes_prompts_and_dimension_from_the_model(st_models: dict[str, Path]) -> None:
     xlmr = _hf_engine(st_models["xlm-roberta"], model_id="served-name")
-    assert xlmr.prompts == {"query": "query: ", "passage": "passage: "} and xlmr.default_prompt_name == "query"
+    # The model's own prompts, and the empty ones sentence-transformers adds (a default prompt may name one).
+    assert xlmr.prompts == {**xlmr.model.prompts, "query": "query: ", "passage": "passage: "}
+    others = set(xlmr.prompts) - {"query", "passage"}
+    assert xlmr.default_prompt_name == "query" and not any(xlmr.prompts[k] for k in others)
     assert xlmr.model_id == "served-name" and xlmr.dimension == 32
     dense = _hf_engine(st_models["bert-dense"])
-    assert dense.prompts == {} and dense.default_prompt_name is None and dense.dimension == 16
+    assert not any(dense.prompts.values()) and dense.default_prompt_name is None and dense.dimension == 16
     # The caller prefixes a prompt (as encode(prompt_name=...) does): the same embedding as sentence-transformers'.
     reference = _reference(st_models["xlm-roberta"])
     expected = np.asarray(reference.encode(TEXTS[:3], prompt_name="passage"), dtype=np.float64)

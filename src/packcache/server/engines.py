@@ -250,7 +250,9 @@ class _PackedSentenceTransformer(Engine):
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"{model}: the model has no max_seq_length (its tokenizer sets none)")
         self.max_tokens = int(limit)
-        self.prompts = {str(k): str(v) for k, v in (model.prompts or {}).items() if v}
+        # empty prompts kept: a default prompt name may name one (it then prefixes nothing); pinned by
+        # tests/test_server_engines.py::test_a_default_prompt_that_is_empty_is_kept_so_requests_are_not_refused
+        self.prompts = {str(k): str(v) for k, v in (model.prompts or {}).items()}
         self.default_prompt_name = model.default_prompt_name
         dimension = model.get_embedding_dimension()
         self.dimension = int(dimension) if dimension else int(self.embed([""]).shape[1])
