@@ -124,7 +124,7 @@ def test_the_remedy_names_the_platform_function_to_call() -> None:
 PLATFORM = loader.resolve("int8").platform()
 
 
-def _open(cache: WeightCache | str | os.PathLike[str] | None) -> tuple[WeightCache, bool]:
+def _open(cache: WeightCache | str | os.PathLike[str] | bool | None) -> tuple[WeightCache, bool]:
     return loader.open_cache(cache, PLATFORM, remedy="make it right", suggested_name=lambda: "model-int8.pcache")
 
 
@@ -133,12 +133,26 @@ def _store_one(cache: WeightCache) -> np.ndarray:
         return s.get_or_pack("w", lambda: np.arange(16, dtype=np.float32))
 
 
-def test_cache_none_is_caching_off_and_the_loaders_to_close() -> None:
-    cache, opened = _open(None)
+def test_cache_false_is_caching_off_and_the_loaders_to_close() -> None:
+    cache, opened = _open(False)
     try:
         assert opened and cache.path is None
         _store_one(cache)
         assert cache.stats().state == "off"
+    finally:
+        cache.close()
+
+
+def test_cache_none_is_the_suggested_file_in_the_default_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As transformers' ``cache_dir=None``: the default, not off (``$PACKCACHE_DIR``, the file the loader names)."""
+    monkeypatch.setenv("PACKCACHE_DIR", str(tmp_path / "caches"))
+    cache, opened = _open(None)
+    try:
+        assert opened and cache.path == str(tmp_path / "caches" / "model-int8.pcache")
+        _store_one(cache)
+        assert cache.stats().state == "stored"
     finally:
         cache.close()
 

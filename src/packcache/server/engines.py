@@ -302,9 +302,11 @@ def model_id_of(model: str | None) -> str:
     >>> model_id_of("intfloat/multilingual-e5-small")
     'intfloat/multilingual-e5-small'
     """
+    from ..hub import is_local_path
+
     if model is None:
         return BUNDLED_MODEL_ID
-    if not os.path.exists(model):
+    if not is_local_path(model):
         return model
     base = os.path.basename(os.path.normpath(model))
     return base.removesuffix(".pcache") or base
