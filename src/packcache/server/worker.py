@@ -258,17 +258,32 @@ class _Lane:
     def serve(self) -> None:
         """Run the lane's requests until :meth:`stop`."""
         while True:
-            try:
-                request = self.queue.get(timeout=self._poll)
-            except queue.Empty:
-                continue
-            if request is None:
-                return
+            request: _Request | None = None
+            if not self._has_held():
+                try:
+                    request = self.queue.get(timeout=self._poll)
+                except queue.Empty:
+                    continue
+                if request is None:
+                    return
             self.started = time.monotonic()
             try:
-                self._run(request)
+                stopped = self._step(request)
             finally:
                 self.started = None
+                self.running = 0
+            if stopped:
+                return
+
+    def _has_held(self) -> bool:
+        """Whether work taken from the queue earlier waits to run (then :meth:`serve` steps without a request)."""
+        return False
+
+    def _step(self, request: _Request | None) -> bool:
+        """Run one request; True when the lane was told to stop meanwhile."""
+        assert request is not None
+        self._run(request)
+        return False
 
     def stop(self) -> None:
         self.queue.put(None)
@@ -294,28 +309,12 @@ class _BatchLane(_Lane):
         self._budget, self._wait = batching.max_batch_tokens, batching.batch_wait
         self._held: list[tuple[_Request, Any]] = []
 
-    def serve(self) -> None:
-        """Run forwards until :meth:`stop`."""
-        while True:
-            first: _Request | None = None
-            if not self._held:
-                try:
-                    first = self.queue.get(timeout=self._poll)
-                except queue.Empty:
-                    continue
-                if first is None:
-                    return
-            self.started = time.monotonic()
-            try:
-                stopped = self._forward(first)
-            finally:
-                self.started = None
-                self.running = 0
-            if stopped:
-                return
+    def _has_held(self) -> bool:
+        return bool(self._held)
 
-    def _forward(self, first: _Request | None) -> bool:
-        """Gather jobs from ``first``, the held ones and the queue, then run them; True when told to stop."""
+    def _step(self, first: _Request | None) -> bool:
+        """One forward: gather jobs from ``first``, the held ones and the queue, then run them; True when told to
+        stop."""
         jobs, self._held = self._held, []
         tokens = sum(job.tokens for _, job in jobs)
         incoming = [first] if first is not None else []
