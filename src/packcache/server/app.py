@@ -368,6 +368,8 @@ class EmbeddingApp:
         texts = request["texts"]
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise _Refusal(400, '"texts" must be a list of strings')
+        if len(texts) > self.limits.max_texts:
+            raise _Refusal(400, f"{len(texts)} texts; at most {self.limits.max_texts} per request", param="texts")
         self._check_texts(texts, "texts", 400)
         final = self._prompted(texts, None)
         counts = self.engine.tokens(final) if final else []
@@ -511,21 +513,20 @@ class EmbeddingApp:
             raise _Refusal(400, 'send a JSON body: {"texts": ["..."]}, {"inputs": ...} or {"input": ...}')
         return body
 
-    def _check_texts(self, texts: list[str], name: str, too_many: int) -> None:
+    def _check_texts(self, texts: list[str], name: str, status: int) -> None:
+        """Each text within ``max_text_chars`` and encodable (the count is each route's own check, in its words)."""
         limits = self.limits
-        if len(texts) > limits.max_texts:
-            raise _Refusal(too_many, f"{len(texts)} texts; at most {limits.max_texts} per request", param=name)
         for index, text in enumerate(texts):
             if len(text) > limits.max_text_chars:
                 raise _Refusal(
-                    too_many, f"text {index} has {len(text)} characters; at most {limits.max_text_chars}", param=name,
+                    status, f"text {index} has {len(text)} characters; at most {limits.max_text_chars}", param=name,
                     kind="Validation",
                 )  # fmt: skip
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 raise _Refusal(
-                    too_many if too_many == 400 else 422, f"text {index} is not valid Unicode (a lone surrogate)",
+                    status if status == 400 else 422, f"text {index} is not valid Unicode (a lone surrogate)",
                     param=name, kind="Validation",
                 ) from None  # fmt: skip
 
