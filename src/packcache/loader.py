@@ -39,7 +39,10 @@ from .kernels import default_scheme
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
 
-__all__ = ["EMBEDDING_PACKERS", "Recipe", "open_cache", "open_model_file", "resolve", "resolve_scheme", "scheme_packer"]
+__all__ = [
+    "EMBEDDING_PACKERS", "Recipe", "cache_for", "open_cache", "open_model_file", "resolve", "resolve_scheme",
+    "scheme_packer",
+]  # fmt: skip
 
 
 def resolve_scheme(scheme: str | None = None) -> str:
@@ -146,6 +149,29 @@ def resolve(scheme: str | None = None, group_size: int = _defaults.GROUP_SIZE) -
     return Recipe(
         name, group_size, _SCHEME_PACKERS[name](group_size), Float32(), embedding() if embedding is not None else None
     )
+
+
+def cache_for(
+    path: str | None,
+    platform: Mapping[str, Any],
+    *,
+    remote: Any = None,
+    remote_timeout: float = _defaults.REMOTE_TIMEOUT,
+    trusted_keys: Any = (),
+    allow_unsigned: bool = False,
+) -> WeightCache | str | bool:
+    """What a loader's ``cache=`` gets for the cache file a command or a server worker chose: ``False`` for none
+    (caching off: ``None`` would be the loader's default file), the path itself, or with ``remote`` a
+    :class:`~packcache.WeightCache` that fetches on a miss, made with the loader's own ``platform`` mapping as the
+    loader would make it. The caller passes ``remote=None`` for a cache file that is itself the model."""
+    if path is None:
+        return False
+    if remote is None:
+        return path
+    return WeightCache(
+        path, platform=platform, remote=remote, remote_timeout=remote_timeout, trusted_keys=trusted_keys,
+        allow_unsigned=allow_unsigned,
+    )  # fmt: skip
 
 
 def open_cache(

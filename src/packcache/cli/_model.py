@@ -83,23 +83,31 @@ def _why_path(kernel_path: str | None, runs: str, cpu: dict[str, Any]) -> str:
     return "native bf16" if cpu["native_bf16"] else "no native bf16"
 
 
-def cache_file(args: argparse.Namespace, scheme: str) -> str | None:
+def cache_file(args: argparse.Namespace, scheme: str, loader: str = "minilm") -> str | None:
     """The cache file of ``run`` and ``serve`` (``--no-cache``: none): the one
     :func:`packcache.models.minilm.default_cache_path` names for ``--model`` (or the bundled model) in
-    ``--cache-dir``. It is named by content (the weights' digest, the scheme's packers, the int4
-    calibration), so every copy of one checkpoint, wherever it lies, opens one file, and ``packcache
-    build DIR`` of the same checkpoint opens it too where both loaders pack alike (``--loader minilm``
-    always). Imports the model extras.
+    ``--cache-dir``; for ``loader="hf"`` (a model ``serve`` loads through ``packcache.hf``) the one
+    :func:`packcache.hf.default_cache_path` names for its Transformer module's checkpoint. It is named by content
+    (the weights' digest, the scheme's packers, the int4 calibration), so every copy of one checkpoint, wherever
+    it lies, opens one file, and ``packcache build DIR`` of the same checkpoint opens it too (the loader rule is
+    one). Imports the model extras.
 
     Raises:
-        As :func:`packcache.models.minilm.default_cache_path` for a missing or malformed checkpoint.
+        As :func:`packcache.models.minilm.default_cache_path` (or :func:`packcache.hf.default_cache_path` and
+        :func:`packcache.server.engines.transformer_folder_of`) for a missing or malformed checkpoint.
     """
     if _model_file(args.model):
         return str(args.model)  # a cache file is its own cache, whatever --no-cache and --cache-dir say
     if args.no_cache:
         return None
-    minilm: Any = importlib.import_module("packcache.models.minilm")
     group_size = chosen_group_size(args)
+    if loader == "hf":
+        hf: Any = importlib.import_module("packcache.hf")
+        from ..server.engines import transformer_folder_of
+
+        folder = os.path.join(args.model, transformer_folder_of(args.model))
+        return str(hf.default_cache_path(folder, scheme, group_size=group_size or GROUP_SIZE, cache_dir=args.cache_dir))
+    minilm: Any = importlib.import_module("packcache.models.minilm")
     return str(
         minilm.default_cache_path(scheme, model_path=args.model, cache_dir=args.cache_dir, group_size=group_size)
     )
@@ -515,15 +523,14 @@ class _FetchMemory:
 def _cache_arg(args: argparse.Namespace, path: str | None, platform: Any) -> Any:
     """What a loader's ``cache=`` gets: the path (``False`` for none: ``--no-cache``), or with ``--remote`` a
     WeightCache that fetches on a miss (made with the loader's own platform mapping, as the loader would make it)."""
-    if path is None:
-        return False  # --no-cache: caching off (None would be the loader's default file)
-    if getattr(args, "remote", None) is None or _model_file(getattr(args, "model", None)):
-        return path
-    from ..cache import WeightCache
+    from ..loader import cache_for
 
-    return WeightCache(
-        path, platform=platform, remote=args.remote, remote_timeout=args.remote_timeout,
-        trusted_keys=args.trusted_key, allow_unsigned=args.allow_unsigned,
+    remote = None if _model_file(getattr(args, "model", None)) else getattr(args, "remote", None)
+    if remote is None:
+        return cache_for(path, platform)
+    return cache_for(
+        path, platform, remote=remote, remote_timeout=args.remote_timeout, trusted_keys=args.trusted_key,
+        allow_unsigned=args.allow_unsigned,
     )  # fmt: skip
 
 

@@ -60,24 +60,6 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
     hf.tokenizer(os.path.join(args.model, folder))
 
 
-def _hf_cache_file(args: argparse.Namespace, scheme: str) -> str | None:
-    """The cache file of an ``hf``-loaded ``--model``: the file itself, none with ``--no-cache``, else the one
-    :func:`packcache.hf.default_cache_path` names for its Transformer module's checkpoint in ``--cache-dir``
-    (named by content, as ``packcache build`` names it)."""
-    from ..bundle import is_cache_file
-    from ..server.engines import transformer_folder_of
-
-    if is_cache_file(args.model):
-        return str(args.model)
-    if args.no_cache:
-        return None
-    hf: Any = importlib.import_module("packcache.hf")
-    folder = os.path.join(args.model, transformer_folder_of(args.model))
-    return str(hf.default_cache_path(
-        folder, scheme, group_size=chosen_group_size(args) or GROUP_SIZE, cache_dir=args.cache_dir
-    ))  # fmt: skip
-
-
 def _tokens(text: str) -> int:
     """``--max-batch-tokens``: a non-negative integer."""
     if not text.isdigit():
@@ -127,7 +109,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
                 )
             scheme = chosen_scheme(args)
             # Named here, in the master, by content: the workers open one file (and find the digest it took).
-            path = cache_file(args, scheme) if loader == "minilm" else _hf_cache_file(args, scheme)
+            path = cache_file(args, scheme, loader)
             _check_model(args, scheme, loader)
         elif args.model is not None and args.model.endswith(".pcache"):
             raise ValueError(

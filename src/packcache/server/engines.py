@@ -176,27 +176,44 @@ class _Packcache(Engine):
         return stats
 
 
-class _SentenceTransformers(Engine):
+class _OverSentenceTransformer(Engine):
+    """What every engine over a ``SentenceTransformer`` reads from it alike: its tokenizer and how texts are
+    counted, ``max_seq_length``, prompts and width. Subclasses set up what :meth:`embed` needs, then call
+    :meth:`_read_model`."""
+
+    def _read_model(self, model: Any) -> None:
+        self.model = model
+        self.tokenizer = model.tokenizer  # the Transformer module's, as encode() tokenizes with it
+        limit = model.max_seq_length
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{model}: the model has no max_seq_length (its tokenizer sets none)")
+        self.max_tokens = int(limit)
+        # empty prompts kept: a default prompt name may name one (it then prefixes nothing); pinned by
+        # tests/test_server_engines.py::test_a_default_prompt_that_is_empty_is_kept_so_requests_are_not_refused
+        self.prompts = {str(k): str(v) for k, v in (model.prompts or {}).items()}
+        self.default_prompt_name = model.default_prompt_name
+        dimension = model.get_embedding_dimension()
+        self.dimension = int(dimension) if dimension else int(self.embed([""]).shape[1])
+
+    def tokens(self, texts: Sequence[str]) -> list[int]:
+        if not texts:
+            return []
+        # As encode() tokenizes (the Transformer module's tokenizer, its normaliser lower-casing where the model
+        # says so, special tokens added), without truncation; verbose=False: the tokenizer would log a warning for
+        # every text longer than max_seq_length.
+        encoded = self.tokenizer(list(texts), add_special_tokens=True, truncation=False, padding=False, verbose=False)
+        return [len(ids) for ids in encoded["input_ids"]]
+
+
+class _SentenceTransformers(_OverSentenceTransformer):
     name = "sentence-transformers"
     scheme = "fp32"
     kernel_path = "fp32"
 
     def __init__(self, model: Any, load_seconds: float) -> None:
-        self.model = model
         self.load_seconds = load_seconds
-        self.dimension = int(model.get_sentence_embedding_dimension())
-        self.max_tokens = int(model.max_seq_length)
-        self.prompts = dict(getattr(model, "prompts", None) or {})
-        self.default_prompt_name = getattr(model, "default_prompt_name", None)
         self._unnormalized: Any = None
-
-    def tokens(self, texts: Sequence[str]) -> list[int]:
-        # As sentence-transformers' Transformer.tokenize prepares a text (stripped, lowercased when its config
-        # says so), without truncation. verbose=False: no warning that a text is longer than the model reads.
-        do_lower_case = bool(getattr(self.model[0], "do_lower_case", False))
-        prepared = [str(t).strip().lower() if do_lower_case else str(t).strip() for t in texts]
-        ids = self.model.tokenizer(prepared, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
-        return [len(row) for row in ids]
+        self._read_model(model)
 
     def embed(self, texts: Sequence[str], *, normalize: bool = True) -> np.ndarray[Any, Any]:
         import torch
@@ -224,7 +241,7 @@ class _SentenceTransformers(Engine):
         return self._unnormalized
 
 
-class _PackedSentenceTransformer(Engine):
+class _PackedSentenceTransformer(_OverSentenceTransformer):
     """Any sentence-transformers model whose Transformer module's weights come from the cache
     (:func:`packcache.hf.sentence_transformer`): its own tokenizer, ``max_seq_length``, pooling, Dense modules,
     normalisation and prompts, as ``SentenceTransformer.encode`` runs them."""
@@ -234,7 +251,6 @@ class _PackedSentenceTransformer(Engine):
     def __init__(self, model: Any, scheme: str, cache_file: str, load_seconds: float) -> None:
         from sentence_transformers.base.modules import Normalize
 
-        self.model = model
         self.scheme = scheme
         self.cache_file = cache_file
         self.load_seconds = load_seconds
@@ -244,26 +260,7 @@ class _PackedSentenceTransformer(Engine):
         # as TEI's normalize=false. One in the middle of the pipeline stays where the model put it.
         self.normalizes = bool(modules) and isinstance(modules[-1][1], Normalize)
         self._modules = [module for _, module in (modules[:-1] if self.normalizes else modules)]
-        self.transformer = modules[0][1]
-        self.tokenizer = self.transformer.tokenizer
-        limit = model.max_seq_length
-        if not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"{model}: the model has no max_seq_length (its tokenizer sets none)")
-        self.max_tokens = int(limit)
-        # empty prompts kept: a default prompt name may name one (it then prefixes nothing); pinned by
-        # tests/test_server_engines.py::test_a_default_prompt_that_is_empty_is_kept_so_requests_are_not_refused
-        self.prompts = {str(k): str(v) for k, v in (model.prompts or {}).items()}
-        self.default_prompt_name = model.default_prompt_name
-        dimension = model.get_embedding_dimension()
-        self.dimension = int(dimension) if dimension else int(self.embed([""]).shape[1])
-
-    def tokens(self, texts: Sequence[str]) -> list[int]:
-        if not texts:
-            return []
-        # As encode() tokenizes (the Transformer module's tokenizer, special tokens added), without truncation;
-        # verbose=False: the tokenizer would log a warning for every text longer than max_seq_length.
-        encoded = self.tokenizer(list(texts), add_special_tokens=True, truncation=False, padding=False, verbose=False)
-        return [len(ids) for ids in encoded["input_ids"]]
+        self._read_model(model)
 
     def embed(self, texts: Sequence[str], *, normalize: bool = True, batch_size: int = 32) -> np.ndarray[Any, Any]:
         import torch
@@ -548,17 +545,9 @@ def _load(spec: EngineSpec) -> Engine:
             path = str(minilm.default_cache_path(
                 scheme, model_path=spec.model, group_size=group_size, cache_dir=spec.cache_dir
             ))  # fmt: skip
-        # None is the default file to the loaders; a model file is its own cache (None), else no path is caching off
-        # pinned by tests/test_server_engines.py::
-        # test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_workers
-        cache: Any = path if path is not None or model_file else False
-        if spec.remote is not None and path is not None and not model_file:
-            from ..cache import WeightCache
-
-            cache = WeightCache(
-                path, platform=minilm.platform(scheme, group_size), remote=spec.remote,
-                remote_timeout=spec.remote_timeout, trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
-            )  # fmt: skip
+        # A model file is its own cache; else no path is caching off (False: None is the default file), pinned by
+        # tests/test_server_engines.py::test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_workers
+        cache = path if model_file else _cache_for(spec, path, minilm.platform(scheme, group_size))
         model = minilm.load(
             scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path, group_size=spec.group_size
         )
@@ -590,7 +579,6 @@ def _load_hf(spec: EngineSpec) -> Engine:
     import time
 
     from ..bundle import is_cache_file, open_bundle
-    from ..cache import WeightCache
     from ..loader import resolve_scheme
     from ..torch import check_kernels
 
@@ -599,7 +587,8 @@ def _load_hf(spec: EngineSpec) -> Engine:
     if spec.model is None:
         raise ValueError("the hf loader needs a model: a directory or a cache file")
     cache: Any
-    if is_cache_file(spec.model):
+    model_file = is_cache_file(spec.model)
+    if model_file:
         with open_bundle(spec.model) as bundle:
             scheme = bundle.record.scheme
         path: str | None = spec.model
@@ -612,19 +601,11 @@ def _load_hf(spec: EngineSpec) -> Engine:
         if path is not None and spec.cache_dir is not None:
             folder = os.path.join(spec.model, transformer_folder_of(spec.model))
             path = str(hf.default_cache_path(folder, scheme, group_size=group_size, cache_dir=spec.cache_dir))
-        if path is None:
-            cache = False  # caching off (None is the default file)
-        elif spec.remote is not None:
-            cache = WeightCache(
-                path, platform=hf.platform(scheme, group_size), remote=spec.remote, remote_timeout=spec.remote_timeout,
-                trusted_keys=spec.trusted_keys, allow_unsigned=spec.allow_unsigned,
-            )  # fmt: skip
-        else:
-            cache = path
+        cache = _cache_for(spec, path, hf.platform(scheme, group_size))
     started = time.perf_counter()
     model = hf.sentence_transformer(
         spec.model, given_scheme, cache, kernel_path=spec.kernel_path,
-        group_size=None if is_cache_file(spec.model) else spec.group_size,
+        group_size=None if model_file else spec.group_size,
     )  # fmt: skip
     load_seconds = time.perf_counter() - started
     # The kernel self-check a layer runs at its first forward, run now: a torch whose kernel misreads the
@@ -634,6 +615,17 @@ def _load_hf(spec: EngineSpec) -> Engine:
     if spec.prefault:
         _prefault(model)
     return engine
+
+
+def _cache_for(spec: EngineSpec, path: str | None, platform: Any) -> Any:
+    """:func:`packcache.loader.cache_for` with ``spec``'s store options: what this worker's loader gets as ``cache=``
+    for the checkpoint's file ``path``."""
+    from ..loader import cache_for
+
+    return cache_for(
+        path, platform, remote=spec.remote, remote_timeout=spec.remote_timeout, trusted_keys=spec.trusted_keys,
+        allow_unsigned=spec.allow_unsigned,
+    )  # fmt: skip
 
 
 def _prefault(module: Any) -> None:
