@@ -30,6 +30,10 @@ __all__ = [
     "GROUP_SIZE",
     "GROUP_SIZES",
     "KERNEL_PATH",
+    "LLM_MAX_BATCH_TOKENS",
+    "LLM_MAX_MODEL_LEN",
+    "LLM_MAX_SEQS",
+    "LLM_PAGE_SIZE",
     "LOCK_TIMEOUT",
     "OPTIONS",
     "REMOTE_TIMEOUT",
@@ -52,6 +56,22 @@ GROUP_SIZES = (32, 64, 128)
 #: The kernel path: ``None`` lets ``$PACKCACHE_KERNEL_PATH``, then the machine's rule, choose
 #: (:mod:`packcache.kernels`).
 KERNEL_PATH: str | None = None
+
+# --------------------------------------------------------------------------- generating (serve, a causal LM)
+
+#: Sequences one worker generates together (``max_seqs``): the width of a step and, with :data:`LLM_MAX_MODEL_LEN`,
+#: the size of the KV cache.
+LLM_MAX_SEQS = 16
+
+#: Prompt and completion tokens of one sequence when none is given (``max_model_len``): the model's
+#: ``max_position_embeddings``, at most this.
+LLM_MAX_MODEL_LEN = 4096
+
+#: Tokens per block of the paged KV cache.
+LLM_PAGE_SIZE = 64
+
+#: Tokens one step reads at most: a longer prompt is read in chunks of this many, between decode steps.
+LLM_MAX_BATCH_TOKENS = 512
 
 # --------------------------------------------------------------------------- a cache (WeightCache)
 

@@ -11,7 +11,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["hub_snapshot", "tiny_bert", "tiny_sentence_transformer", "tiny_transformer"]
+__all__ = [
+    "CHAT_TEMPLATE", "hub_snapshot", "tiny_bert", "tiny_causal_lm", "tiny_sentence_transformer", "tiny_transformer",
+]  # fmt: skip
 
 
 def tiny_bert(directory: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
@@ -104,6 +106,50 @@ def tiny_transformer(directory: Path, arch: str, *, seed: int = 0, hidden: int =
             shutil.copy(shipped / name, directory / name)
     else:
         tokenizer.save_pretrained(directory)
+    return directory
+
+
+#: A ChatML-style chat template: each message between ``<|im_start|>ROLE`` and ``<|im_end|>``, the assistant's turn
+#: opened when ``add_generation_prompt`` is set; a role other than system, user and assistant is refused.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def tiny_causal_lm(
+    directory: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, chat_template: bool = True,
+    max_positions: int = 256,
+) -> Path:
+    """A tiny random ``LlamaForCausalLM`` (``save_pretrained``) with :func:`_small_tokenizer`'s byte-level BPE
+    tokenizer (``<s>`` BOS 0, ``</s>`` EOS 2), :data:`CHAT_TEMPLATE` as its chat template unless ``chat_template`` is
+    false, and a generation config naming the EOS id: what ``--model`` takes for a causal LM, made in seconds.
+    Weights are scaled up so greedy decoding varies its tokens instead of repeating one."""
+    import torch
+
+    transformers: Any = importlib.import_module("transformers")
+    tokenizer = _small_tokenizer(max_positions)
+    tokenizer.add_bos_token = True
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    config: Any = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, bos_token_id=0,
+        eos_token_id=2, pad_token_id=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model: Any = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.3 if "embed" in name or "lm_head" in name else 0.12)
+    model.generation_config = transformers.GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     return directory
 
 

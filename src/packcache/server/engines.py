@@ -39,7 +39,9 @@ __all__ = [
     "choose_loader",
     "load_engine",
     "model_id_of",
+    "prefault",
     "preimport",
+    "spec_cache",
     "transformer_folder_of",
     "usable_cpus",
     "weights_source",
@@ -87,6 +89,9 @@ class EngineSpec:
         group_size: the int4 group size (``None``: :data:`packcache._defaults.GROUP_SIZE`, or a cache file's own).
         model_id: the name :attr:`Engine.model_id` gives the model (``serve --served-model-name``); ``None``:
             :func:`model_id_of` ``model``.
+        max_seqs, max_model_len, page_size: the ``causal`` loader's (:func:`packcache.server.llm.load_llm`):
+            sequences generated together, tokens one sequence may hold (``None``: the model's position limit, at
+            most :data:`packcache._defaults.LLM_MAX_MODEL_LEN`), tokens per block of the paged KV cache.
     """
 
     engine: str = "packcache"
@@ -104,6 +109,9 @@ class EngineSpec:
     loader: str = "minilm"
     model_id: str | None = None
     group_size: int | None = None
+    max_seqs: int = _defaults.LLM_MAX_SEQS
+    max_model_len: int | None = None
+    page_size: int = _defaults.LLM_PAGE_SIZE
 
 
 class Engine:
@@ -547,7 +555,7 @@ def _load(spec: EngineSpec) -> Engine:
             ))  # fmt: skip
         # A model file is its own cache; else no path is caching off (False: None is the default file), pinned by
         # tests/test_server_engines.py::test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_workers
-        cache = path if model_file else _cache_for(spec, path, minilm.platform(scheme, group_size))
+        cache = path if model_file else spec_cache(spec, path, minilm.platform(scheme, group_size))
         model = minilm.load(
             scheme, cache=cache, model_path=spec.model, kernel_path=spec.kernel_path, group_size=spec.group_size
         )
@@ -558,7 +566,7 @@ def _load(spec: EngineSpec) -> Engine:
         check_kernels(model.encoder)
         engine: Engine = _Packcache(model, path)
         if spec.prefault:
-            _prefault(model.encoder)
+            prefault(model.encoder)
         return engine
     if spec.engine == "sentence-transformers":
         os.environ["HF_HUB_OFFLINE"] = "1"
@@ -601,7 +609,7 @@ def _load_hf(spec: EngineSpec) -> Engine:
         if path is not None and spec.cache_dir is not None:
             folder = os.path.join(spec.model, transformer_folder_of(spec.model))
             path = str(hf.default_cache_path(folder, scheme, group_size=group_size, cache_dir=spec.cache_dir))
-        cache = _cache_for(spec, path, hf.platform(scheme, group_size))
+        cache = spec_cache(spec, path, hf.platform(scheme, group_size))
     started = time.perf_counter()
     model = hf.sentence_transformer(
         spec.model, given_scheme, cache, kernel_path=spec.kernel_path,
@@ -613,11 +621,11 @@ def _load_hf(spec: EngineSpec) -> Engine:
     check_kernels(model)
     engine = _PackedSentenceTransformer(model, scheme, path or "", load_seconds)
     if spec.prefault:
-        _prefault(model)
+        prefault(model)
     return engine
 
 
-def _cache_for(spec: EngineSpec, path: str | None, platform: Any) -> Any:
+def spec_cache(spec: EngineSpec, path: str | None, platform: Any) -> Any:
     """:func:`packcache.loader.cache_for` with ``spec``'s store options: what this worker's loader gets as ``cache=``
     for the checkpoint's file ``path``."""
     from ..loader import cache_for
@@ -628,7 +636,7 @@ def _cache_for(spec: EngineSpec, path: str | None, platform: Any) -> Any:
     )  # fmt: skip
 
 
-def _prefault(module: Any) -> None:
+def prefault(module: Any) -> None:
     """Read one byte of every page of every tensor of ``module`` (a stride view, nothing copied).
 
     Mapped weights are faulted in lazily, page by page, by the requests that read them; an
