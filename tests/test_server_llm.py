@@ -573,6 +573,24 @@ def test_the_pinned_transformers_internals_are_what_the_engine_uses(loaded: tupl
     assert engine.kv_bytes == engine._processor.cache.cache_tensor.numel()
 
 
+def test_without_psutil_and_numa_sizes_transformers_refuses_the_kv_cache(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why the serve extra has psutil: transformers checks the KV cache we size against the memory it finds, from
+    psutil on a CPU, else from the NUMA nodes' sizes in /sys; with neither (a container without /sys/devices/system/
+    node) it finds 0 bytes and refuses any cache."""
+    import importlib
+
+    utils: Any = importlib.import_module("transformers.generation.continuous_batching.utils")
+    monkeypatch.setattr(utils, "is_psutil_available", lambda: False)
+    monkeypatch.setattr(utils, "_get_numa_nodes_memory", lambda nodes: None)
+    with pytest.raises(MemoryError, match="more than available memory 0"):
+        make(loaded, warmup=False)
+    monkeypatch.undo()
+    assert utils.is_psutil_available(), "psutil is installed (the serve extra)"
+    assert make(loaded, warmup=False).kv_bytes > 0
+
+
 @pytest.fixture(autouse=True)
 def _no_stray_threads() -> Iterator[None]:
     before = set(threading.enumerate())

@@ -171,7 +171,7 @@ class _Request:
         """Add decoded text; return what no stop string can still claim (all of it when ``final``), and whether a
         stop string ended the request (the text then ends where the stop string begins)."""
         self.text += new
-        stops = self.sampling.stop
+        stops = tuple(s for s in self.sampling.stop if s)
         if stops:
             found = [i for i in (self.text.find(s, self.sent) for s in stops) if i >= 0]
             if found:
@@ -270,6 +270,7 @@ class LLMEngine:
         kv_bytes: bytes of the KV cache (allocated, and zero-filled, at load).
         has_chat_template: whether the tokenizer has a chat template (:meth:`chat_prompt`).
         eos_token_ids: the token ids that end a generation (the generation config's, else the tokenizer's).
+        setup_seconds: continuous batching's setup at load (the KV cache allocated and zero-filled).
         warmup_seconds: the warm-up request's time at load.
     """
 
@@ -297,7 +298,6 @@ class LLMEngine:
             ValueError: ``max_seqs``, ``max_model_len`` or ``page_size`` out of range (named), a model without a
                 position limit and no ``max_model_len``.
         """
-        import torch
 
         transformers: Any = importlib.import_module("transformers")  # untyped calls, as a value
         self.model = model
@@ -337,6 +337,7 @@ class LLMEngine:
         self._step_started: float | None = None
         self._running = False
 
+        started = time.perf_counter()
         blocks = math.ceil(max_seqs * max_model_len / page_size)
         generation = transformers.GenerationConfig(
             max_new_tokens=max_model_len, do_sample=False, eos_token_id=self.eos_token_ids or -1
@@ -346,7 +347,6 @@ class LLMEngine:
             max_requests_per_batch=max_seqs, use_async_batching=False, use_cuda_graph=False,
             allow_block_sharing=False, scheduler_type="fifo",
         )  # fmt: skip
-        torch.set_grad_enabled(False)
         self._manager: Any = model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
         )
@@ -361,6 +361,7 @@ class LLMEngine:
         self._manager.current_batch = 0
         kv = self._processor.cache.cache_tensor
         self.kv_bytes = int(kv.numel() * kv.element_size())
+        self.setup_seconds = time.perf_counter() - started
         self.warmup_seconds = 0.0
         if warmup:
             started = time.perf_counter()
@@ -439,10 +440,11 @@ class LLMEngine:
             request = _Request(f"gen-{number}", number, list(prompt), sampling, sink, self.tokenizer)
             self._requests[request.id] = request
             self._slots[request.slot] = request
-        self._manager.add_request(
-            list(prompt), request_id=request.id, max_new_tokens=sampling.max_tokens, streaming=True,
-            eos_token_id=self.eos_token_ids or -1,
-        )  # fmt: skip
+            # under the lock: a hard stop that has cancelled every request it knows never misses this one
+            self._manager.add_request(
+                list(prompt), request_id=request.id, max_new_tokens=sampling.max_tokens, streaming=True,
+                eos_token_id=self.eos_token_ids or -1,
+            )  # fmt: skip
         return request.id
 
     def cancel(self, request_id: str) -> None:
