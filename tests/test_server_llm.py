@@ -301,15 +301,30 @@ def test_temperature_zero_is_greedy_whatever_top_p_and_seed(loaded: tuple[Any, A
     assert sampled.text != expected
 
 
-def test_top_p_keeps_only_the_nucleus() -> None:
+def test_sampling_follows_the_distribution_and_top_p_keeps_only_the_nucleus() -> None:
+    from collections import Counter
+
     from packcache.server.llm import _sample
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     generator = torch.Generator().manual_seed(0)
-    drawn = {_sample(logits, Sampling(max_tokens=1, top_p=0.7), generator) for _ in range(400)}
-    assert drawn == {0, 1}
-    drawn = {_sample(logits, Sampling(max_tokens=1, top_p=1.0), generator) for _ in range(400)}
-    assert drawn == {0, 1, 2, 3}
+    draws = 4000
+
+    def frequencies(sampling: Sampling) -> dict[int, float]:
+        counts = Counter(_sample(logits, sampling, generator) for _ in range(draws))
+        return {token: count / draws for token, count in sorted(counts.items())}
+
+    everything = frequencies(Sampling(max_tokens=1, top_p=1.0))
+    assert list(everything) == [0, 1, 2, 3]
+    assert all(abs(everything[t] - p) < 0.03 for t, p in enumerate([0.5, 0.3, 0.15, 0.05]))
+    nucleus = frequencies(Sampling(max_tokens=1, top_p=0.7))  # 0.5 + 0.3 reach 0.7: renormalised to 5/8, 3/8
+    assert list(nucleus) == [0, 1] and abs(nucleus[0] - 0.625) < 0.03
+    sharp = frequencies(Sampling(max_tokens=1, temperature=0.05))
+    assert sharp == {0: 1.0}
+    wide = torch.zeros(5000)
+    wide[4321] = 3.0  # a nucleus past the first topk: the search widens
+    drawn = {_sample(wide, Sampling(max_tokens=1, top_p=0.999), generator) for _ in range(50)}
+    assert len(drawn) > 10
 
 
 # --------------------------------------------------------------------------- cancel, stop, errors

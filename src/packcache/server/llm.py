@@ -242,18 +242,35 @@ def _sampler_class() -> type:
 
 def _sample(logits: Any, sampling: Sampling, generator: Any) -> int:
     """One token from ``logits`` (one row) at ``sampling``'s temperature and top_p, with one uniform draw of
-    ``generator``."""
+    ``generator`` (so a seeded request's draws do not depend on the other rows of its steps).
+
+    No sort of the vocabulary (18 ms for 128k tokens, per row and step, on 2 cores): without top_p the draw is
+    inverted on the cumulative probabilities in vocabulary order; with top_p the nucleus comes from ``topk`` over
+    a growing ``k`` (most of the mass is in a few hundred tokens), and only a flat distribution reaches the whole
+    vocabulary."""
     import torch
 
-    probs = torch.softmax(logits.double() / sampling.temperature, dim=-1)
-    probs, order = torch.sort(probs, descending=True)
-    cumulative = torch.cumsum(probs, dim=-1)
-    if sampling.top_p < 1.0:
-        keep = int(torch.searchsorted(cumulative, torch.tensor([sampling.top_p], dtype=cumulative.dtype))[0]) + 1
-        probs, order, cumulative = probs[:keep], order[:keep], cumulative[:keep]
-    draw = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
-    index = min(int(torch.searchsorted(cumulative, draw, right=True)[0]), len(order) - 1)
-    return int(order[index])
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    draw = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+    if sampling.top_p >= 1.0:
+        cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        index = int(torch.searchsorted(cumulative, torch.tensor([draw * float(cumulative[-1])]), right=True)[0])
+        return min(index, probs.numel() - 1)
+    k = min(_NUCLEUS_START, probs.numel())
+    while True:
+        values, order = torch.topk(probs, k)  # sorted, largest first
+        cumulative = torch.cumsum(values, dim=-1, dtype=torch.float64)
+        if float(cumulative[-1]) >= sampling.top_p or k == probs.numel():
+            break
+        k = min(k * 8, probs.numel())
+    keep = min(int(torch.searchsorted(cumulative, torch.tensor([sampling.top_p], dtype=torch.float64))[0]) + 1, k)
+    total = float(cumulative[keep - 1])
+    index = int(torch.searchsorted(cumulative[:keep], torch.tensor([draw * total]), right=True)[0])
+    return int(order[min(index, keep - 1)])
+
+
+#: The first ``k`` of the nucleus search (:func:`_sample`).
+_NUCLEUS_START = 256
 
 
 class LLMEngine:
