@@ -385,7 +385,25 @@ def test_a_hard_stop_cancels_the_running_requests_and_returns(loaded: tuple[Any,
     assert all(s.final.completion_tokens < 100 for s in sinks)
 
 
-def test_an_error_in_a_step_fails_that_steps_requests_and_the_engine_goes_on(
+def test_stop_and_cancel_from_a_signal_handler_while_the_loop_holds_its_lock(loaded: tuple[Any, Any]) -> None:
+    """A signal handler runs in the main thread, between two bytecodes of run(), maybe inside its lock."""
+    engine = make(loaded, warmup=False)
+
+    def handler_inside_the_lock() -> None:
+        with engine._lock:
+            engine.cancel("gen-0")
+            engine.stop(drain=True)
+            engine.stop(drain=False)
+
+    thread = threading.Thread(target=handler_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "stop() deadlocked on the lock its own thread holds"
+    assert engine._stopping == "hard"
+    engine.run()  # returns at once
+
+
+def test_an_error_in_a_step_fails_that_steps_requests_and_the_engine_goes_on_busy_since_marks_steps(
     loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make(loaded)
@@ -393,7 +411,10 @@ def test_an_error_in_a_step_fails_that_steps_requests_and_the_engine_goes_on(
     forward = model.forward
     failing = threading.Event()
 
+    busy: list[float | None] = []
+
     def flaky(*args: Any, **kwargs: Any) -> Any:
+        busy.append(engine.busy_since())
         if failing.is_set():
             failing.clear()
             raise RuntimeError("injected kernel failure")
@@ -414,6 +435,8 @@ def test_an_error_in_a_step_fails_that_steps_requests_and_the_engine_goes_on(
 
     drive(engine, client)
     assert [a.final.finish_reason, b.final.finish_reason] == ["error", "error"]
+    assert busy and all(b is not None and b <= time.monotonic() for b in busy), "busy_since is set during a step"
+    assert engine.busy_since() is None
     assert "injected kernel failure" in (a.final.error or "")
     assert c.final.finish_reason == "length" and c.text == text_of(loaded, reference(loaded, prompt, 10))
 

@@ -345,7 +345,8 @@ class LLMEngine:
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
-        self._lock = threading.Lock()
+        # reentrant: stop() and cancel() may run in a signal handler, in the thread that holds it in run()
+        self._lock = threading.RLock()
         self._requests: dict[str, _Request] = {}  # live requests, by id
         self._slots: dict[int, _Request] = {}  # the same, by slot (what the sampler reads)
         self._counter = itertools.count()
@@ -499,8 +500,9 @@ class LLMEngine:
                 self._running = False
 
     def stop(self, *, drain: bool) -> None:
-        """Make :meth:`run` return (any thread): with ``drain`` once every running request has finished, else at
-        once, each running request ending ``"cancelled"``. New requests are refused from now on."""
+        """Make :meth:`run` return (any thread, a signal handler too): with ``drain`` once every running request has
+        finished, else at once, each running request ending ``"cancelled"``. New requests are refused from now on;
+        a hard stop after a drain still cancels what is left."""
         with self._lock:
             if self._stopping != "hard":
                 self._stopping = "drain" if drain else "hard"
