@@ -354,6 +354,7 @@ class LLMEngine:
         self._stopping: str | None = None  # "drain" or "hard"
         self._step_started: float | None = None
         self._running = False
+        self._loop_thread: threading.Thread | None = None
 
         started = time.perf_counter()
         blocks = math.ceil(max_seqs * max_model_len / page_size)
@@ -468,8 +469,8 @@ class LLMEngine:
     def cancel(self, request_id: str) -> None:
         """Cancel a request (any thread; an unknown or finished one is ignored): its sequence is gone by the next
         step and its sink gets its last :class:`Output`, ``finish_reason`` ``"cancelled"``."""
-        self._cancels.put(request_id)
-        self._manager._wake_up_loop.set()
+        self._cancels.put(request_id)  # SimpleQueue: safe in a signal handler
+        self._wake()
 
     def run(self) -> None:
         """Generate, in the calling thread, until :meth:`stop`.
@@ -481,6 +482,7 @@ class LLMEngine:
             if self._running:
                 raise RuntimeError("the engine's loop is already running")
             self._running = True
+            self._loop_thread = threading.current_thread()
         try:
             while True:
                 self._take_cancels()
@@ -498,6 +500,7 @@ class LLMEngine:
         finally:
             with self._lock:
                 self._running = False
+                self._loop_thread = None
 
     def stop(self, *, drain: bool) -> None:
         """Make :meth:`run` return (any thread, a signal handler too): with ``drain`` once every running request has
@@ -506,7 +509,13 @@ class LLMEngine:
         with self._lock:
             if self._stopping != "hard":
                 self._stopping = "drain" if drain else "hard"
-        self._manager._wake_up_loop.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the loop from its wait for work. Not from the loop's own thread (a signal handler there): the
+        event's lock may be held by the code the handler interrupted, and the loop looks again within 0.1 s."""
+        if threading.current_thread() is not self._loop_thread:
+            self._manager._wake_up_loop.set()
 
     def busy_since(self) -> float | None:
         """``time.monotonic()`` when the current step began, ``None`` between steps."""
