@@ -8,6 +8,7 @@ request samples the same tokens alone and batched; cancelling frees the slot; a 
 from __future__ import annotations
 
 import inspect
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -521,10 +522,13 @@ def test_the_chat_template_is_applied_and_a_model_without_one_is_refused(
     assert loaded[1].chat_template == CHAT_TEMPLATE
 
 
-def test_load_llm_from_a_checkpoint_then_from_its_cache_file_alone(lm_dir: Path, tmp_path: Path) -> None:
+def test_load_llm_from_a_checkpoint_then_from_its_cache_file_alone(tmp_path: Path) -> None:
+    checkpoint = tiny_causal_lm(tmp_path / "tiny-llama")
     cache_file = tmp_path / "tiny-int8.pcache"
     started = time.perf_counter()
-    built = load_llm(EngineSpec(scheme="int8", cache=str(cache_file), model=str(lm_dir), max_seqs=2, max_model_len=64))
+    built = load_llm(
+        EngineSpec(scheme="int8", cache=str(cache_file), model=str(checkpoint), max_seqs=2, max_model_len=64)
+    )
     first_load = time.perf_counter() - started
     assert built.cache_file == str(cache_file) and cache_file.exists()
     assert built.stats() is not None and built.stats().state == "stored"  # type: ignore[union-attr]
@@ -533,6 +537,7 @@ def test_load_llm_from_a_checkpoint_then_from_its_cache_file_alone(lm_dir: Path,
     alone = tmp_path / "elsewhere" / "served.pcache"
     alone.parent.mkdir()
     alone.write_bytes(cache_file.read_bytes())
+    shutil.rmtree(checkpoint)  # the file alone: no checkpoint to read
     started = time.perf_counter()
     engine = load_llm(EngineSpec(model=str(alone), max_seqs=2, max_model_len=64))
     second_load = time.perf_counter() - started
