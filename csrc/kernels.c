@@ -486,11 +486,93 @@ typedef struct {
             }                                                                                                     \
     }
 
+/* The unit for M activation rows (out [M, 64]): per block of 32 input features the nibbles are unpacked once (into
+ * codes, 2 KiB: L1) and the scales and offsets computed once, then each row runs only its vpdpbusd (or vpmaddubsw +
+ * vpmaddwd) over them; the unit above redoes the 16 unpacks per 128 bytes for every row. Each row's numbers are the
+ * unit's, bit for bit (the same int32 sums, the same float operations in the same order). */
+#define INT4_ROWS(NAME, TARGET, DOT)                                                                              \
+    TARGET static void NAME(const int4_unit *u, int K, int group, int N, int M, const int8_t *q,                  \
+                            const float *ascale, const float *bsum, const uint16_t *sz, float *out) {             \
+        const __m256i low = _mm256_set1_epi8(0x0f), high16 = _mm256_set1_epi32((int)0xffff0000u);                \
+        const uint8_t *lane0 = u->lane[0], *lane1 = u->lane[1];                                                   \
+        const size_t kstride = (size_t)u->kstride;                                                                \
+        const int contiguous = lane1 == lane0 + 16 && kstride == 32;                                              \
+        const int per_group = group / QBLOCK, blocks = K / QBLOCK;                                                \
+        __m256 y[MAX_ROWS][8];                                                                                    \
+        for (int m = 0; m < M; m++)                                                                               \
+            for (int i = 0; i < 8; i++) y[m][i] = _mm256_setzero_ps();                                            \
+        for (int b = 0; b < K; b += QBLOCK) {                                                                     \
+            __m256i codes[QBLOCK / 4][8];                                                                         \
+            for (int k = b; k < b + QBLOCK; k += 4) {                                                             \
+                __m256i v[4];                                                                                     \
+                for (int t = 0; t < 4; t++) {                                                                     \
+                    size_t off = (size_t)(k + t) * kstride;                                                      \
+                    v[t] = contiguous ? _mm256_loadu_si256((const __m256i *)(lane0 + off))                       \
+                                      : _mm256_inserti128_si256(                                                  \
+                                            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(lane0 + off))), \
+                                            _mm_loadu_si128((const __m128i *)(lane1 + off)), 1);                  \
+                }                                                                                                 \
+                _mm_prefetch((const char *)(lane0 + k * kstride) + PREFETCH, _MM_HINT_T0);                       \
+                if (!contiguous) _mm_prefetch((const char *)(lane1 + k * kstride) + PREFETCH, _MM_HINT_T0);      \
+                __m256i *c4 = codes[(k - b) / 4];                                                                 \
+                for (int h = 0; h < 2; h++) {                                                                     \
+                    __m256i c[4];                                                                                 \
+                    for (int t = 0; t < 4; t++)                                                                   \
+                        c[t] = h ? _mm256_and_si256(_mm256_srli_epi16(v[t], 4), low) : _mm256_and_si256(v[t], low); \
+                    __m256i a01 = _mm256_unpacklo_epi8(c[0], c[1]), b01 = _mm256_unpackhi_epi8(c[0], c[1]);      \
+                    __m256i a23 = _mm256_unpacklo_epi8(c[2], c[3]), b23 = _mm256_unpackhi_epi8(c[2], c[3]);      \
+                    c4[4 * h + 0] = _mm256_unpacklo_epi16(a01, a23);                                              \
+                    c4[4 * h + 1] = _mm256_unpackhi_epi16(a01, a23);                                              \
+                    c4[4 * h + 2] = _mm256_unpacklo_epi16(b01, b23);                                              \
+                    c4[4 * h + 3] = _mm256_unpackhi_epi16(b01, b23);                                              \
+                }                                                                                                 \
+            }                                                                                                     \
+            const uint16_t *szg = sz + (size_t)(b / QBLOCK / per_group) * N * 2;                                  \
+            __m256 scale[8], offset[8];                                                                           \
+            for (int h = 0; h < 2; h++)                                                                           \
+                for (int i = 0; i < 4; i++) {                                                                     \
+                    __m256i pairs = _mm256_inserti128_si256(                                                      \
+                        _mm256_castsi128_si256(                                                                   \
+                            _mm_loadu_si128((const __m128i *)(szg + (size_t)(u->base + u->rows[2 * h] + 4 * i) * 2))),       \
+                        _mm_loadu_si128((const __m128i *)(szg + (size_t)(u->base + u->rows[2 * h + 1] + 4 * i) * 2)), 1);    \
+                    scale[4 * h + i] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));                         \
+                    offset[4 * h + i] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale[4 * h + i],                  \
+                                                         _mm256_castsi256_ps(_mm256_and_si256(pairs, high16)));   \
+                }                                                                                                 \
+            for (int m = 0; m < M; m++) {                                                                         \
+                const int8_t *qm = q + (size_t)m * K;                                                             \
+                __m256i acc[8];                                                                                   \
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();                                      \
+                for (int k = b; k < b + QBLOCK; k += 4) {                                                         \
+                    int32_t four;                                                                                 \
+                    memcpy(&four, qm + k, 4);                                                                     \
+                    const __m256i act = _mm256_set1_epi32(four);                                                  \
+                    const __m256i *c4 = codes[(k - b) / 4];                                                       \
+                    for (int i = 0; i < 8; i++) acc[i] = DOT(acc[i], c4[i], act);                                 \
+                }                                                                                                 \
+                const __m256 as = _mm256_set1_ps(ascale[(size_t)m * blocks + b / QBLOCK]),                        \
+                             bs = _mm256_set1_ps(bsum[(size_t)m * blocks + b / QBLOCK]);                          \
+                for (int i = 0; i < 8; i++) {                                                                     \
+                    __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(scale[i], as), y[m][i]); \
+                    y[m][i] = _mm256_fmadd_ps(offset[i], bs, t);                                                  \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < M; m++)                                                                               \
+            for (int h = 0; h < 2; h++)                                                                           \
+                for (int i = 0; i < 4; i++) {                                                                     \
+                    _mm_storeu_ps(out + m * 64 + u->rows[2 * h] + 4 * i, _mm256_castps256_ps128(y[m][4 * h + i])); \
+                    _mm_storeu_ps(out + m * 64 + u->rows[2 * h + 1] + 4 * i, _mm256_extractf128_ps(y[m][4 * h + i], 1)); \
+                }                                                                                                 \
+    }
+
 #define DOT_VNNI(acc, codes, act) _mm256_dpbusd_epi32(acc, codes, act)
 #define DOT_AVX2(acc, codes, act) \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, act), _mm256_set1_epi16(1)))
 INT4_UNIT(int4_unit_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma"))), DOT_VNNI)
 INT4_UNIT(int4_unit_avx2, __attribute__((target("avx2,fma,f16c"))), DOT_AVX2)
+INT4_ROWS(int4_rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma"))), DOT_VNNI)
+INT4_ROWS(int4_rows_avx2, __attribute__((target("avx2,fma,f16c"))), DOT_AVX2)
 
 /* ------------------------------------------------------------------ threads */
 
@@ -660,6 +742,18 @@ static void int4_task(void *p, int n0, int n1) {
             u = (int4_unit){{first, first + 16}, 32, {0, 16, 32, 48}, base};
         } else { /* blocks base / 32 and base / 32 + 1 */
             u = (int4_unit){{first, first + 32 * half_k}, 16, {0, 32, 16, 48}, base};
+        }
+        if (j->M > 1) {
+            float out[MAX_ROWS * 64];
+            if (j->isa == 2)
+                int4_rows_avx512(&u, j->K, j->group, j->N, j->M, j->q, j->bscale, j->bsum, j->sz, out);
+            else
+                int4_rows_avx2(&u, j->K, j->group, j->N, j->M, j->q, j->bscale, j->bsum, j->sz, out);
+            for (int m = 0; m < j->M; m++)
+                for (int r = 0; r < 64; r++)
+                    store(j->y, (size_t)m * j->N + base + r,
+                          j->bias ? out[m * 64 + r] + j->bias[base + r] : out[m * 64 + r], j->ydtype);
+            continue;
         }
         for (int m = 0; m < j->M; m++) {
             float out[64];

@@ -328,6 +328,38 @@ def test_int4_products_read_torchs_layout_on_this_cpu(isa, group, rows, k, n):
     np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("rows", [2, 3, 16, 33])
+def test_int4_products_of_several_rows_are_each_rows_own_product_bit_for_bit(isa, rows):
+    # Several rows unpack each block's nibbles once for all of them; every row's numbers stay those of a one-row call.
+    from packcache.kernels import int4_layout
+
+    layout = int4_layout()
+    assert layout is not None
+    packer = Int4WeightOnly(64, activation_aware=False)
+    rng = np.random.default_rng(rows)
+    k, n = 256, 192
+    source = rng.standard_normal((n, k)).astype(np.float32)
+    parts = packer.pack(source, "F32")
+    weight = as_tensor(parts["weight"])
+    sz = as_tensor(parts["scales_and_zeros"], torch.bfloat16)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    lib = native._library()
+
+    def product(xs: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(xs.shape[0], n)
+        rc = lib.pc_int4(xs.data_ptr(), 0, xs.shape[0], k, weight.data_ptr(), sz.data_ptr(), n, 64, layout.block,
+                         None, bias.data_ptr(), y.data_ptr(), 0, _LEVEL[isa])  # fmt: skip
+        assert rc == 0, os.strerror(-rc)
+        return y
+
+    together = product(x)
+    assert torch.equal(together, torch.cat([product(x[m : m + 1].contiguous()) for m in range(rows)]))
+    expected = _int4_reference(x.numpy(), packer, source) + bias.numpy()
+    np.testing.assert_allclose(together.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
 def test_int4_layers_run_the_compiled_kernel_on_a_torch_avx2_layout_too():
     # torch on an AVX2 CPU (ATEN_CPU_CAPABILITY=avx2 here) packs int4 in blocks of 32 rows: the kernel reads those as
     # pairs of neighbouring blocks. The packer's own self-check runs at the first forward and passes.
