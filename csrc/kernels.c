@@ -174,21 +174,25 @@ static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
             for (int j = 0; j < NR; j++) acc_io[i * NR + j] = acc[i][j];                                         \
     }
 
-/* sums[j] = the sum of v[j]'s lanes, j < count (1 or 4): four at once by transposing adds. */
+/* sums[j] = the sum of v[j]'s lanes, j < count (1 or 4), added in _mm512_reduce_add_ps's order (256-bit halves,
+ * 128-bit halves, then (e0 + e2) + (e1 + e3)), so a row's result has the same bits whichever kernel ran it: four
+ * at once share the last steps. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma")))
 static inline void hsum512_row(const __m512 *v, int count, float *sums) {
     if (count != 4) {
         for (int j = 0; j < count; j++) sums[j] = hsum512(v[j]);
         return;
     }
-    /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then [a, b, c, d]; then the four 128-bit lanes added */
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-    _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+    __m128 e[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v[j]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[j]), 1)));
+        e[j] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    }
+    /* [a0 + a2, b0 + b2, a1 + a3, b1 + b3], the same for c, d; then the pairs added */
+    __m128 ab = _mm_add_ps(_mm_unpacklo_ps(e[0], e[1]), _mm_unpackhi_ps(e[0], e[1]));
+    __m128 cd = _mm_add_ps(_mm_unpacklo_ps(e[2], e[3]), _mm_unpackhi_ps(e[2], e[3]));
+    _mm_storeu_ps(sums, _mm_add_ps(_mm_movelh_ps(ab, cd), _mm_movehl_ps(cd, ab)));
 }
 
 INT8_AVX512_TILE(4, 1)
@@ -200,6 +204,28 @@ INT8_AVX512_TILE(1, 2)
 INT8_AVX512_TILE(1, 3)
 INT8_AVX512_TILE(1, 4)
 
+/* One activation row (a single sequence's decode step): one weight row at a time, start to end, as one sequential
+ * stream. The weights come from memory here, not the caches, and this reads them ~15 % faster than the 4 x 1 tile
+ * (a 128256 x 2048 output head, one thread: 8.2 against 9.7 ms), whose four rows are four streams. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma")))
+static void int8_row_avx512(const int8_t *W, const float *scales, const float *bias, int K, const int8_t *q,
+                            const float *ls, float correction, void *y, int ydtype, int n0, int n1) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int n = n0; n < n1; n++) {
+        const int8_t *w = W + (size_t)n * K;
+        if (n + 1 < n1) prefetch_next_row(w + K);
+        __m512 acc = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 64) {
+            _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
+            __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + k)), flip);
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512((const void *)(q + k)));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(ls + k / 4), acc);
+        }
+        float v = (hsum512(acc) - correction) * scales[n];
+        store(y, n, bias ? v + bias[n] : v, ydtype);
+    }
+}
+
 /* Input bytes a pass of the tiles covers before the next activation rows take the weight tile: 4 weight rows and
  * 16 activation rows (codes and lane scales) of it stay in L1 (36 KiB of 48), where whole rows of K = 8192 did not. */
 #define INT8_K_CHUNK 1024
@@ -210,6 +236,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma")))
 static void int8_rows_avx512(const int8_t *W, const float *scales, const float *bias, int K, int M,
                              const int8_t *q, const float *lane_scale, const float *correction, void *y, int ydtype,
                              int N, int n0, int n1) {
+    if (M == 1) {
+        int8_row_avx512(W, scales, bias, K, q, lane_scale, correction[0], y, ydtype, n0, n1);
+        return;
+    }
     __m512 acc[MAX_ROWS * 4]; /* activation row i, weight row j of the tile: acc[i * nr + j] */
     for (int n = n0; n < n1;) {
         const int nr = n1 - n >= 4 ? 4 : 1;

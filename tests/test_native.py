@@ -119,6 +119,10 @@ def test_int8_tiles_of_every_row_count_equal_the_reference(isa, rows):
         got = _call("int8", torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(scales),
                     torch.from_numpy(bias), isa, threads)  # fmt: skip
         np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    # A row's numbers do not depend on the rows beside it (a sequence's tokens on what else is in the batch).
+    alone = [_call("int8", torch.from_numpy(x[m : m + 1]), torch.from_numpy(w), torch.from_numpy(scales),
+                   torch.from_numpy(bias), isa) for m in range(rows)]  # fmt: skip
+    assert torch.equal(got, torch.cat(alone))
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
