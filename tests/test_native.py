@@ -103,6 +103,29 @@ def test_int8_products_equal_the_reference_with_the_same_activation_quantisation
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("rows", [*range(1, 21), 33])
+def test_int8_tiles_of_every_row_count_equal_the_reference(isa, rows):
+    # The int8 kernels run tiles of several weight rows x up to 4 activation rows, a chunk of K at a time: every
+    # remainder of activation rows (1..4 past each tile), weight rows past the last whole tile (n = 4 * 9 + 3 on
+    # each thread's share) and a K past whole chunks (1024 + 1024 + 64) meet the reference.
+    rng = np.random.default_rng(rows)
+    k, n = 2112, 83
+    x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 4.0, (rows, 1))).astype(np.float32)
+    w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    scales = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    expected = _int8_reference(x, w, scales, bias)
+    for threads in (1, 2):
+        got = _call("int8", torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(scales),
+                    torch.from_numpy(bias), isa, threads)  # fmt: skip
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    # A row's numbers do not depend on the rows beside it (a sequence's tokens on what else is in the batch).
+    alone = [_call("int8", torch.from_numpy(x[m : m + 1]), torch.from_numpy(w), torch.from_numpy(scales),
+                   torch.from_numpy(bias), isa) for m in range(rows)]  # fmt: skip
+    assert torch.equal(got, torch.cat(alone))
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("rows,k,n", SHAPES)
 def test_bf16_products_equal_float64_products_of_the_bf16_operands(isa, rows, k, n):
     rng = np.random.default_rng(rows + k * 31 + n)
@@ -118,9 +141,10 @@ def test_bf16_products_equal_float64_products_of_the_bf16_operands(isa, rows, k,
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
-def test_one_thread_and_two_threads_compute_the_same_bits(isa):
+@pytest.mark.parametrize("rows", [2, 16])
+def test_one_thread_and_two_threads_compute_the_same_bits(isa, rows):
     rng = np.random.default_rng(3)
-    x = torch.from_numpy(rng.standard_normal((2, 512)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
     w = torch.from_numpy(rng.integers(-127, 128, (4099, 512), dtype=np.int8))
     scales = torch.from_numpy(rng.uniform(1e-3, 1e-1, 4099).astype(np.float32))
     one = _call("int8", x, w, scales, None, isa, threads=1)
@@ -306,6 +330,38 @@ def test_int4_products_read_torchs_layout_on_this_cpu(isa, group, rows, k, n):
     )  # fmt: skip
     assert rc == 0, os.strerror(-rc)
     np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("rows", [2, 3, 16, 33])
+def test_int4_products_of_several_rows_are_each_rows_own_product_bit_for_bit(isa, rows):
+    # Several rows unpack each block's nibbles once for all of them; every row's numbers stay those of a one-row call.
+    from packcache.kernels import int4_layout
+
+    layout = int4_layout()
+    assert layout is not None
+    packer = Int4WeightOnly(64, activation_aware=False)
+    rng = np.random.default_rng(rows)
+    k, n = 256, 192
+    source = rng.standard_normal((n, k)).astype(np.float32)
+    parts = packer.pack(source, "F32")
+    weight = as_tensor(parts["weight"])
+    sz = as_tensor(parts["scales_and_zeros"], torch.bfloat16)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    lib = native._library()
+
+    def product(xs: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(xs.shape[0], n)
+        rc = lib.pc_int4(xs.data_ptr(), 0, xs.shape[0], k, weight.data_ptr(), sz.data_ptr(), n, 64, layout.block,
+                         None, bias.data_ptr(), y.data_ptr(), 0, _LEVEL[isa])  # fmt: skip
+        assert rc == 0, os.strerror(-rc)
+        return y
+
+    together = product(x)
+    assert torch.equal(together, torch.cat([product(x[m : m + 1].contiguous()) for m in range(rows)]))
+    expected = _int4_reference(x.numpy(), packer, source) + bias.numpy()
+    np.testing.assert_allclose(together.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
 def test_int4_layers_run_the_compiled_kernel_on_a_torch_avx2_layout_too():

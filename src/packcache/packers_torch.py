@@ -80,7 +80,10 @@ FUSED_MAX_ROWS_INT8 = {"bf16": 16, "fp32": 32}
 FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
 #: Per compiled operation (:mod:`packcache.native`), the most rows it is called for; more rows are a GEMM (torch's
 #: dequantise-and-multiply, or oneDNN's bf16 GEMM), faster from there (``docs/TORCH.md``, "Compiled kernels").
-NATIVE_MAX_ROWS = {"int8": 2, "bf16": 4, "int4": 1}
+#: int8 and int4: every row count the kernels take (``native.max_rows()``, 64): int8's register tiles beat torch's
+#: fused kernel and the per-call dequantisation at 1-64 rows on a 1.24 B Llama's shapes, the output head included;
+#: int4 (where it runs: AVX2) unpacks each block once for all rows and beats torch's AVX2 kernel at 1-64 rows.
+NATIVE_MAX_ROWS = {"int8": 64, "bf16": 4, "int4": 64}
 #: Per compiled operation, the codes (``native.status().isa``) it is used on. int4 only on AVX2: over torch's int4
 #: layout it streams ~21 GiB/s on AVX512 where torch's own AVX512 kernel streams ~26 (a 1.24 B Llama's decode step
 #: 45 against 40 ms), and ~22 on AVX2 where torch's AVX2 kernel streams ~10 (``benchmarks/decode_kernels.py``).
