@@ -43,7 +43,9 @@ Method (printed first when run):
 * ``--rounds`` rounds (default 1), the order of the systems rotated each round; medians over rounds.
   Ratios are of figures measured in the same run: packcache against llama.cpp at the matching
   quantisation (int8 - Q8_0, int4 - Q4_0) and against transformers bf16, and every system against its
-  own single-client rate. The client threads run on the same 2 cores as the server.
+  own single-client rate. The client threads run on the same 2 cores as the server. "others' CPU":
+  the share of the CPUs that processes other than this one and the server's tree took during the window
+  (``/proc/stat`` less both; above ~0.05 the window was contended: the machine is shared).
 * ``--memory``: a separate mode. packcache serve int8 with ``--workers 4``; 4 transformers processes,
   each ``AutoModelForCausalLM.from_pretrained(model/, dtype=torch.bfloat16)`` generating 4 tokens;
   ``llama_cpp.server`` with the Q8_0 GGUF (one process; llama.cpp maps the file, ``use_mmap``). After a
@@ -460,14 +462,30 @@ def window(server: Server, prompts: list[str], clients: int, per_client: int, ma
             conn.close()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    cpu_before, server_before = core.cpu_seconds(), tree_cpu_seconds(server.proc.pid)
     began = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    cpu_after, server_after = core.cpu_seconds(), tree_cpu_seconds(server.proc.pid)
     if failures:
         raise RuntimeError(f"{server.system}, {clients} clients: {len(failures)} requests failed: {failures[:3]}")
-    return summarise(tallies, max_tokens, began)
+    result = summarise(tallies, max_tokens, began)
+    busy = cpu_after[0] - cpu_before[0]
+    mine = cpu_after[1] - cpu_before[1] + server_after - server_before
+    result["others_cpu_share"] = max(0.0, busy - mine) / (result["wall_s"] * len(os.sched_getaffinity(0)))
+    return result
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid``'s process tree (processes alive now)."""
+    total = 0
+    for p in tree(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def summarise(tallies: list[Tally], max_tokens: int, began: float) -> dict[str, Any]:
@@ -609,8 +627,8 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                     wait_ready(server)
                     warm = warm_up(server, warm_prompt, args.max_tokens)
                 except (RuntimeError, OSError, http.client.HTTPException) as exc:
-                    skipped[system] = " ".join(str(exc).split())[:400]
-                    print(f"  {system}: cannot run, skipped: {skipped[system]}", flush=True)
+                    skipped[system] = "cannot run: " + " ".join(str(exc).split())[:400]
+                    print(f"  {system}: {skipped[system]}", flush=True)
                     continue
                 idle = tree_memory(server.proc.pid)
                 info = {"ready_s": server.ready_s, **warm, "idle": idle, "model": server.model}
@@ -618,22 +636,29 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                       flush=True)  # fmt: skip
                 for count in args.clients:
                     sampler = Sampler(server.proc.pid) if count == most else None
-                    with sampler or contextlib.nullcontext():
-                        r = window(server, prompts, count, args.requests[count], args.max_tokens)
+                    try:
+                        with sampler or contextlib.nullcontext():
+                            r = window(server, prompts, count, args.requests[count], args.max_tokens)
+                    except RuntimeError as exc:  # the other systems are still measured; this one is said failed
+                        skipped[system] = f"failed at {count} clients: " + " ".join(str(exc).split())[:400]
+                        print(f"  {system}: {skipped[system]}", flush=True)
+                        break
                     if sampler is not None:
                         r["peak"] = dict(sampler.peak)
                         info["peak"] = dict(sampler.peak)
                     samples.setdefault((system, count), []).append(r)
                     print(f"    {count} clients: {r['tok_s']:.2f} tok/s, ttft p50 {_s(r['ttft_p50_s'])} "
                           f"p99 {_s(r['ttft_p99_s'])}, {r['full_length']}/{r['requests']} full length, "
-                          f"tokens from {r['tokens_from']}" + (f", peak {r['peak']}" if "peak" in r else ""),
+                          f"tokens from {r['tokens_from']}, others' CPU share {r['others_cpu_share']:.2f}"
+                          + (f", peak {r['peak']}" if "peak" in r else ""),
                           flush=True)  # fmt: skip
                 servers[system].append(info)
             finally:
                 stop(server)
     rows = []
     for (system, count), found in samples.items():
-        med = {k: _median([f[k] for f in found]) for k in ("tok_s", "ttft_p50_s", "ttft_p99_s", "wall_s")}
+        keys = ("tok_s", "ttft_p50_s", "ttft_p99_s", "wall_s", "others_cpu_share")
+        med = {k: _median([f[k] for f in found]) for k in keys}
         row: dict[str, Any] = {"system": system, "clients": count, **med, "rounds": found,
                                "full_length": sum(f["full_length"] for f in found),
                                "requests": sum(f["requests"] for f in found),
@@ -689,14 +714,15 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['prompt_tokens']}-token prompts, max_tokens {result['max_tokens']}, requests per client "
           f"{result['requests_per_client']}, {result['rounds']} round(s)\n")  # fmt: skip
     print("| clients | system | tok/s | vs own 1 client | vs llama.cpp (same quant) | vs transformers bf16 "
-          "| TTFT p50 | TTFT p99 | full length | tokens from | peak tree RSS MiB | peak tree PSS MiB |")  # fmt: skip
-    print("|" + "---|" * 12)
+          "| TTFT p50 | TTFT p99 | full length | tokens from | peak tree RSS MiB | peak tree PSS MiB "
+          "| others' CPU |")  # fmt: skip
+    print("|" + "---|" * 13)
     for r in result["rows"]:
         peak = ("-", "-") if "peak_rss_mib" not in r else (f"{r['peak_rss_mib']:.0f}", f"{r['peak_pss_mib']:.0f}")
         print(f"| {r['clients']} | {r['system']} | {r['tok_s']:.2f} | {_x(r, 'vs_single')} | {_x(r, 'vs_llamacpp')} "
               f"| {_x(r, 'vs_transformers')} | {_s(r['ttft_p50_s'])} | {_s(r['ttft_p99_s'])} "
               f"| {r['full_length']}/{r['requests']} | {','.join(r['tokens_from'])} "
-              f"| {peak[0]} | {peak[1]} |")  # fmt: skip
+              f"| {peak[0]} | {peak[1]} | {r['others_cpu_share']:.2f} |")  # fmt: skip
     print("\n| system | ready s | prompt tokens (usage) | usage in stream | idle tree RSS MiB | idle tree PSS MiB |")
     print("|---|---|---|---|---|---|")
     for system, infos in result["servers"].items():
@@ -705,7 +731,7 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"| {system} | {_median([x['ready_s'] for x in infos]):.1f} | {i['prompt_tokens']} "
                   f"| {i['stream_usage']} | {i['idle']['rss_mib']:.0f} | {i['idle']['pss_mib']:.0f} |")  # fmt: skip
     for system, why in result["skipped"].items():
-        print(f"{system}: not measured: {why}")
+        print(f"{system}: {why}")
     for g in result["goals"]:
         shown = "missing" if g["value"] is None else f"{g['value']:.2f}"
         print(f"goal {g['what']}: {shown} ({'-' if g['met'] is None else 'met' if g['met'] else 'NOT met'})")
