@@ -124,3 +124,22 @@ def test_bad_arguments_exit_with_a_message(argv: list[str], message: str, capsys
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_memory_readers_see_a_mapped_file_and_this_process(tmp_path: Path) -> None:
+    import mmap
+    import os
+
+    from serve_llm import mapping_pss_kib, rollup_kib, tree, tree_memory
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert sum(mm[i] for i in range(0, len(mm), 4096)) >= 0  # fault every page in
+        pss = mapping_pss_kib(os.getpid(), path)
+        assert 8 * 1024 - 64 <= pss <= 8 * 1024, pss  # this process alone maps it
+        assert mapping_pss_kib(os.getpid(), tmp_path / "other.bin") == 0
+        roll = rollup_kib(os.getpid())
+        assert roll["Rss"] >= 8 * 1024 and roll["Pss"] >= pss
+    assert os.getpid() in tree(os.getpid()) and tree_memory(os.getpid())["processes"] >= 1
+    assert rollup_kib(2**22 + 12345) == {}  # no such process: nothing, not an error
