@@ -461,7 +461,7 @@ def window(server: Server, prompts: list[str], clients: int, per_client: int, ma
         finally:
             conn.close()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]  # SIGTERM: no wait
     cpu_before, server_before = core.cpu_seconds(), tree_cpu_seconds(server.proc.pid)
     began = time.perf_counter()
     for t in threads:
