@@ -35,8 +35,9 @@ Method (printed first when run):
   ``finish_reason: "length"``, else its token events (said in the ``tokens from`` column). Time to
   first token (TTFT), client side: from sending the request to the first event carrying a token. The
   random model's tokens lie almost all outside its 482-piece tokenizer, so their text is empty: a
-  token event is any event with a choice before the final one, text or not; a server that sends no
-  event for an empty text (``transformers serve``) has no TTFT here ("n/a"). p50 and p99 over the
+  token event is any event with a choice before the final one, text or not; only streams with as many
+  token events as tokens count (a server that sends no event for an empty text, ``transformers serve``,
+  shows its first text late, not its first token: "n/a"). p50 and p99 over the
   window's requests (with few requests p99 is near the maximum). Memory: the server's whole process
   tree (the started process and all its descendants), RSS and PSS summed over ``/proc/PID/smaps_rollup``,
   sampled every 0.2 s during the window with the most clients; the peak of each sum.
@@ -493,7 +494,12 @@ def summarise(tallies: list[Tally], max_tokens: int, began: float) -> dict[str, 
     counted = [t.tokens(max_tokens) for t in tallies]
     tokens = sum(n for n, _ in counted)
     wall = max(t.done for t in tallies) - began
-    ttfts = [t.ttft for t in tallies if t.ttft is not None]
+    # A stream with fewer token events than tokens skipped some (empty texts): its first event may be late.
+    ttfts = [
+        t.first_token - t.sent
+        for t, (n, _) in zip(tallies, counted, strict=True)
+        if t.first_token is not None and t.token_events >= n
+    ]
     return {
         "requests": len(tallies),
         "tokens": tokens,
@@ -502,6 +508,7 @@ def summarise(tallies: list[Tally], max_tokens: int, began: float) -> dict[str, 
         "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
         "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
         "ttft_measured": len(ttfts),
+        "token_events_per_token": sum(t.token_events for t in tallies) / max(1, tokens),
         "tokens_from": sorted({source for _, source in counted}),
         "finish_reasons": dict(Counter(str(t.finish_reason) for t in tallies)),
         "full_length": sum(n == max_tokens for n, _ in counted),

@@ -143,3 +143,17 @@ def test_memory_readers_see_a_mapped_file_and_this_process(tmp_path: Path) -> No
         assert roll["Rss"] >= 8 * 1024 and roll["Pss"] >= pss
     assert os.getpid() in tree(os.getpid()) and tree_memory(os.getpid())["processes"] >= 1
     assert rollup_kib(2**22 + 12345) == {}  # no such process: nothing, not an error
+
+
+def test_ttft_counts_only_streams_that_showed_every_token() -> None:
+    from serve_llm import summarise
+
+    every = _tally(OPENAI)  # 2 token events, usage 2
+    every.done = 5.0
+    late = _tally(TRANSFORMERS)  # usage 8, no token event
+    late.first_token, late.done = 4.0, 6.0  # as if one late token had text: not a first token
+    r = summarise([every, late], 64, began=0.0)
+    assert (r["tokens"], r["wall_s"], r["tok_s"]) == (10, 6.0, 10 / 6.0)
+    assert r["ttft_measured"] == 1 and r["ttft_p50_s"] == 1.0 and r["token_events_per_token"] == 0.2
+    assert r["full_length"] == 0 and r["finish_reasons"] == {"stop": 1, "length": 1}
+    assert summarise([late], 64, began=0.0)["ttft_p50_s"] is None
