@@ -26,7 +26,7 @@ Method (printed first when run):
   request when one ends, a fixed number of requests per client (``--requests``; default 3 at 1 client,
   2 at 4, 1 at 16; ``--quick`` 2 at 1 client, 1 at 4). The prompts: texts of 32 words that are one
   tokenizer piece each (checked with the tokenizer: 32 tokens; every server's ``usage.prompt_tokens``
-  is checked in the warm-up), deterministic, a different one for every request of a window (so no
+  is reported from the warm-up), deterministic, a different one for every request of a round (so no
   server reuses a previous request's KV cache for a prefix), the same set for every system.
   Before the windows each server answers one non-streaming and one streaming request (warm-up).
 * Figures per system and client count: aggregate tokens/s = generated tokens / wall time of the window
@@ -435,8 +435,10 @@ def stream(conn: http.client.HTTPConnection, body: bytes) -> Tally:
     return tally
 
 
-def window(server: Server, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict[str, Any]:
-    """``clients`` closed-loop streaming clients, ``per_client`` requests each, prompt ``k`` for the ``k``-th.
+def window(
+    server: Server, prompts: list[str], clients: int, per_client: int, max_tokens: int, first: int = 0
+) -> dict[str, Any]:
+    """``clients`` closed-loop streaming clients, ``per_client`` requests each, prompt ``first + k`` for the ``k``-th.
 
     Raises:
         RuntimeError: a request failed (the first failures quoted).
@@ -449,7 +451,8 @@ def window(server: Server, prompts: list[str], clients: int, per_client: int, ma
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=1800)
         try:
             for j in range(per_client):
-                body = completion_body(server.model, prompts[(index * per_client + j) % len(prompts)], max_tokens)
+                prompt = prompts[(first + index * per_client + j) % len(prompts)]
+                body = completion_body(server.model, prompt, max_tokens)
                 try:
                     t = stream(conn, body)
                 except (OSError, http.client.HTTPException, RuntimeError, ValueError) as exc:
@@ -641,11 +644,13 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                 info = {"ready_s": server.ready_s, **warm, "idle": idle, "model": server.model}
                 print(f"  round {round_ + 1}/{args.rounds} {system}: ready in {server.ready_s:.1f} s, {warm}",
                       flush=True)  # fmt: skip
+                first = 0  # every request of a run its own prompt: no server reuses a previous prompt's KV cache
                 for count in args.clients:
                     sampler = Sampler(server.proc.pid) if count == most else None
                     try:
                         with sampler or contextlib.nullcontext():
-                            r = window(server, prompts, count, args.requests[count], args.max_tokens)
+                            r = window(server, prompts, count, args.requests[count], args.max_tokens, first)
+                        first += count * args.requests[count]
                     except RuntimeError as exc:  # the other systems are still measured; this one is said failed
                         skipped[system] = f"failed at {count} clients: " + " ".join(str(exc).split())[:400]
                         print(f"  {system}: {skipped[system]}", flush=True)
