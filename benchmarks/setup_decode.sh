@@ -15,6 +15,18 @@ if [ ! -x "$ENV/venv/bin/python" ]; then
 fi
 py="$ENV/venv/bin/python"
 stamp="$ENV/venv/.installed-$LLAMA_CPP_PYTHON"
+# benchmarks/serve_llm.py: packcache's serve extra, and the peers as servers: llama-cpp-python's server extra
+# (its requirements, pinned at what ran here) and transformers serve's (openai, accelerate; protobuf, without which
+# transformers cannot read the checkpoint's sentencepiece tokenizer.model). Their own stamp: an environment whose
+# llama.cpp is built already gets them without a rebuild.
+SERVE_PEERS="fastapi==0.165.0 uvicorn==0.55.0 sse-starlette==3.7.1 starlette-context==0.3.6 pydantic-settings==2.16.3
+openai==3.57.0 accelerate==1.16.0 protobuf==7.36.2"
+serve_stamp="$ENV/venv/.installed-serve-peers"
+if [ "$(cat "$serve_stamp" 2>/dev/null)" != "$SERVE_PEERS" ]; then
+    # shellcheck disable=SC2086  # one word per requirement
+    "$py" -m pip install --quiet -c <(echo torch==2.13.0) -e '.[hf,serve]' sentencepiece==0.2.3 $SERVE_PEERS
+    echo "$SERVE_PEERS" >"$serve_stamp"
+fi
 # AMX off unless asked for: llama.cpp's AMX kernels crash when built by GCC (ggml_tile_config_init keeps the tile
 # config on the stack and GCC 12 drops its stores, so ldtilecfg faults: llama.cpp issue #20824, PR #26954).
 # PACKCACHE_DECODE_AMX=on keeps them (a compiler known to be safe, or a llama.cpp with that fix).
@@ -30,7 +42,7 @@ if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$(cat "$stamp")" = "
 fi
 "$py" -m pip install --quiet --upgrade pip
 # torch==2.13.0 is the CPU build on local disk; the constraint keeps every other resolution on it.
-"$py" -m pip install --quiet -c <(echo torch==2.13.0) -e '.[hf]' sentencepiece==0.2.3
+"$py" -m pip install --quiet -c <(echo torch==2.13.0) -e '.[hf,serve]' sentencepiece==0.2.3
 if [ ! -d "$ENV/src/llama_cpp_python-$LLAMA_CPP_PYTHON" ]; then
     "$py" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$ENV/sdist"
     mkdir -p "$ENV/src"
