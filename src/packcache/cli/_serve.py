@@ -262,7 +262,7 @@ def add_parser(sub: Any) -> None:
         help="truncate texts longer than the model reads on /v1/embeddings and TEI's /embed instead of refusing "
         'them (TEI\'s option; a TEI request\'s "truncate" still wins; {"texts": [...]} always truncates)',
     )  # fmt: skip
-    from .._defaults import MAX_SEQS
+    from .._defaults import LLM_MAX_SEQS as MAX_SEQS
     from ..server.completions import Generation
 
     serve.add_argument(

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 from .app import Batching, Limits
 from .completions import Generation
-from .engines import Engine, EngineSpec, preimport, weights_source
+from .engines import EngineSpec, preimport, weights_source
 from .metricsdir import HeldDirectory, hold_metrics_dir
 
 __all__ = ["ServeOptions", "exit_now", "ready_line", "serve"]
@@ -219,7 +219,7 @@ def make_app(options: ServeOptions) -> Any:
         engine.name, engine.scheme, engine.kernel_path, engine.cache_file, engine.load_seconds
     )
     if getattr(engine, "kind", "embed") == "generate":
-        return CompletionApp(engine, worker, metrics.exposition, options.limits, options.generation)
+        return CompletionApp(engine, worker, metrics.exposition, options.limits, options.generation)  # type: ignore[arg-type]
     return EmbeddingApp(engine, worker, metrics.exposition, options.limits, options.batching)
 
 
