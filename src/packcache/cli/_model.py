@@ -101,6 +101,12 @@ def cache_file(args: argparse.Namespace, scheme: str, loader: str = "minilm") ->
     if args.no_cache:
         return None
     group_size = chosen_group_size(args)
+    if loader == "causal":  # a causal LM serve generates with: its own auto class, its own file
+        hf_causal: Any = importlib.import_module("packcache.hf")
+        return str(hf_causal.default_cache_path(
+            args.model, scheme, group_size=group_size or GROUP_SIZE, cache_dir=args.cache_dir,
+            auto_class="AutoModelForCausalLM",
+        ))  # fmt: skip
     if loader == "hf":
         hf: Any = importlib.import_module("packcache.hf")
         from ..server.engines import transformer_folder_of

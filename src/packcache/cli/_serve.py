@@ -36,6 +36,15 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
         ``minilm`` loader), :func:`packcache.hf.pack_count` and :func:`packcache.hf.tokenizer` (``hf``);
         ValueError: a cache file of a model that is not a sentence-transformers one.
     """
+    if loader == "causal":
+        hf_causal: Any = importlib.import_module("packcache.hf")
+        from ..bundle import is_cache_file as is_model_file
+
+        if not is_model_file(args.model):
+            hf_causal.pack_count(args.model, scheme, auto_class="AutoModelForCausalLM",
+                                 group_size=chosen_group_size(args) or GROUP_SIZE)  # fmt: skip
+        hf_causal.tokenizer(args.model)
+        return
     if loader == "minilm":
         minilm: Any = importlib.import_module("packcache.models.minilm")
         minilm.load_tokenizer(args.model)
@@ -49,8 +58,9 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
         with open_bundle(args.model) as bundle:
             if bundle.record.sentence_transformers is None:
                 raise ValueError(
-                    f"{args.model} holds a {bundle.record.model_type} model, not a sentence-transformers one: serve "
-                    "loads embedding models (build the file from a sentence-transformers model or a plain encoder)"
+                    f"{args.model} holds a {bundle.record.model_type} model, neither a sentence-transformers one nor "
+                    "a causal LM: serve loads embedding models and causal LMs (build the file from a "
+                    "sentence-transformers model, or from a causal LM with --auto-class AutoModelForCausalLM)"
                 )
         hf.tokenizer(args.model)
         return
@@ -91,7 +101,9 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
                   f"pip install 'packcache[{extra}]' (bash scripts/setup.sh installs it)", file=sys.stderr)  # fmt: skip
             return EXIT_FAILED
     from ..server import Batching, EngineSpec, Limits, ServeOptions, serve, worker_threads
+    from ..server.completions import Generation
     from ..server.engines import choose_loader, model_id_of
+    from ..server.llm import is_causal_lm
 
     scheme, path, loader = "fp32", None, "minilm"
     model_id = args.served_model_name or model_id_of(args.model)  # the name as given, before a fetch replaces it
@@ -101,7 +113,12 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
             fetched = fetch_named_model(args, "packcache serve")
             if fetched:
                 print(fetched, file=sys.stderr)
-            loader = choose_loader(args.model)
+            loader = "causal" if is_causal_lm(args.model) else choose_loader(args.model)
+            if loader == "causal" and importlib.util.find_spec("transformers") is None:
+                raise ModuleNotFoundError(
+                    f"{args.model} is a causal LM: serving it needs the hf extra (transformers is missing): "
+                    "pip install 'packcache[hf]'"
+                )
             if loader == "hf" and importlib.util.find_spec("sentence_transformers") is None:
                 raise ModuleNotFoundError(
                     f"{args.model} is not a MiniLM-shaped BERT: serving it needs the hf extra (sentence_transformers "
@@ -127,6 +144,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
         remote=args.remote.raw if path is not None and args.remote is not None else None,
         remote_timeout=args.remote_timeout,
         trusted_keys=tuple(args.trusted_key), allow_unsigned=args.allow_unsigned,
+        max_seqs=args.max_seqs, max_model_len=args.max_model_len,
     )  # fmt: skip
     limits = Limits(
         max_texts=args.max_texts, max_text_chars=args.max_text_chars, max_body_bytes=args.max_body_bytes,
@@ -137,6 +155,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
     options = ServeOptions(
         engine=engine, workers=args.workers, host=args.host, port=args.port, timeout=args.timeout,
         limits=limits, batching=batching, metrics_dir=args.metrics_dir, log_level=args.log_level,
+        generation=Generation(max_tokens=args.max_tokens), graceful_timeout=args.graceful_timeout,
     )  # fmt: skip
     try:
         code = serve(options)
@@ -242,6 +261,29 @@ def add_parser(sub: Any) -> None:
         "--auto-truncate", action="store_true",
         help="truncate texts longer than the model reads on /v1/embeddings and TEI's /embed instead of refusing "
         'them (TEI\'s option; a TEI request\'s "truncate" still wins; {"texts": [...]} always truncates)',
+    )  # fmt: skip
+    from .._defaults import LLM_MAX_SEQS as MAX_SEQS
+    from ..server.completions import Generation
+
+    serve.add_argument(
+        "--max-seqs", type=positive, default=MAX_SEQS,
+        help=f"causal LMs: sequences a worker generates at once (continuous batching; default {MAX_SEQS}); the KV "
+        "cache is sized for this many sequences of --max-model-len tokens",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-model-len", type=positive, default=None,
+        help="causal LMs: prompt plus completion tokens of one sequence (default: the model's context, at most "
+        "4096); a longer request is refused (400 context_length_exceeded)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-tokens", type=positive, default=Generation.max_tokens,
+        help="causal LMs: the most tokens one request may generate, and a chat request's default "
+        f"(default {Generation.max_tokens})",
+    )  # fmt: skip
+    serve.add_argument(
+        "--graceful-timeout", type=seconds, default=30.0,
+        help="seconds the workers get after SIGTERM (or SIGHUP's rolling restart) to finish their requests and "
+        "generations (default 30); a generation still running 2 s before the end is ended with an error event",
     )  # fmt: skip
     serve.add_argument(
         "--metrics-dir",

@@ -55,7 +55,7 @@ ENGINES = ("packcache", "sentence-transformers")
 #: How the ``packcache`` engine loads a model: ``minilm`` (:mod:`packcache.models.minilm`: the bundled
 #: all-MiniLM-L6-v2 and checkpoints of its shape, :func:`choose_loader`) or ``hf``
 #: (:func:`packcache.hf.sentence_transformer`: any sentence-transformers model or plain transformers encoder).
-LOADERS = ("minilm", "hf")
+LOADERS = ("minilm", "hf", "causal")
 
 #: What ``model_id`` is for the bundled model (no ``--model``).
 BUNDLED_MODEL_ID = "all-MiniLM-L6-v2"
@@ -511,7 +511,7 @@ def preimport(engine: str, loader: str = "minilm") -> None:
         # HF_HUB_OFFLINE=0 cannot turn ``--model org/name`` into a download.
         os.environ["HF_HUB_OFFLINE"] = "1"
         import sentence_transformers  # noqa: F401
-    if engine == "packcache" and loader == "hf":
+    if engine == "packcache" and loader in ("hf", "causal"):
         importlib.import_module("packcache.hf")
     importlib.import_module("packcache.models.minilm")
 
@@ -540,6 +540,10 @@ def _load(spec: EngineSpec) -> Engine:
         raise ValueError(f"unknown loader {spec.loader!r}: expected one of {', '.join(LOADERS)}")
     if spec.engine == "packcache" and spec.loader == "hf":
         return _load_hf(spec)
+    if spec.engine == "packcache" and spec.loader == "causal":
+        from .llm import load_llm
+
+        return load_llm(spec)  # type: ignore[return-value]
     if spec.engine == "packcache":
         from ..loader import resolve_scheme
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from .app import Batching, Limits
-from .engines import Engine, EngineSpec, preimport, weights_source
+from .completions import Generation
+from .engines import EngineSpec, preimport, weights_source
 from .metricsdir import HeldDirectory, hold_metrics_dir
 
 __all__ = ["ServeOptions", "exit_now", "ready_line", "serve"]
@@ -49,7 +50,8 @@ class ServeOptions:
             (30 s): a worker waiting for another's build must not be killed for it.
         graceful_timeout: seconds workers get to finish their request after SIGTERM.
         limits: what one request may ask for, and the client deadlines (header, body, send).
-        batching: how each worker merges concurrent requests into one forward.
+        batching: how each worker merges concurrent requests into one forward (embedding models).
+        generation: what one request may ask a causal LM for (:class:`~packcache.server.completions.Generation`).
         metrics_dir: prometheus_client's directory; ``None``: ``$PROMETHEUS_MULTIPROC_DIR``
             if set (its ``*.db`` files are removed at start, as the client library requires
             between runs; refused unless this user's or root's and writable by no one else, or
@@ -67,6 +69,7 @@ class ServeOptions:
     graceful_timeout: float = 30.0
     limits: Limits = field(default_factory=Limits)
     batching: Batching = field(default_factory=Batching)
+    generation: Generation = field(default_factory=Generation)
     metrics_dir: str | None = None
     log_level: str = "info"
 
@@ -204,6 +207,7 @@ def make_app(options: ServeOptions) -> Any:
 
     from . import metrics
     from .app import EmbeddingApp
+    from .completions import CompletionApp
     from .engines import load_engine
 
     engine = load_engine(options.engine)
@@ -214,10 +218,12 @@ def make_app(options: ServeOptions) -> Any:
     worker = metrics.WorkerMetrics(
         engine.name, engine.scheme, engine.kernel_path, engine.cache_file, engine.load_seconds
     )
+    if getattr(engine, "kind", "embed") == "generate":
+        return CompletionApp(engine, worker, metrics.exposition, options.limits, options.generation)  # type: ignore[arg-type]
     return EmbeddingApp(engine, worker, metrics.exposition, options.limits, options.batching)
 
 
-def ready_line(engine: Engine, pid: int) -> str:
+def ready_line(engine: Any, pid: int) -> str:
     """The line a worker logs once its model is loaded: its pid, the model, the cache's state, the load's seconds
     and where the weights came from (:func:`~packcache.server.engines.weights_source`: ``mapped``, ``stored``,
     ``remote``, or ``heap`` with the reason).

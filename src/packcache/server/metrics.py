@@ -43,7 +43,12 @@ files; the label keeps each worker's figures apart, ``sum without (pid)`` gives 
 service's): ``packcache_http_requests_total{route,code,pid}`` and
 ``packcache_http_request_duration_seconds{route,pid}`` (a histogram of the time from the
 request's arrival in the application to its response body being ready). ``route`` is
-``/embed``, ``/metrics``, ``/healthz`` or ``other``, never the raw path. A replaced
+one of the application's paths (``/embed``, ``/v1/embeddings``, ``/v1/chat/completions``, ``/metrics``, ...) or
+``other``, never a raw path the client chose. A worker serving a causal LM adds
+``packcache_prompt_tokens_total{pid}`` and ``packcache_completion_tokens_total{pid}`` (tokens read and generated), the
+histogram
+``packcache_time_to_first_token_seconds{pid}`` (a request's arrival in the application to its first text), and the
+gauge ``packcache_generation_tokens_per_second{pid}`` (tokens it generated over the last 10 s, per second). A replaced
 worker's request series stay in the files (totals never go back) until the server
 restarts, as the client library keeps them.
 """
@@ -69,7 +74,10 @@ from ..stats import REMOTE_REASONS, CacheState, CacheStats, HeapReason
 
 __all__ = ["ROUTES", "WorkerMetrics", "exposition", "mark_process_dead"]
 
-ROUTES = ("/embed", "/metrics", "/healthz", "other")
+ROUTES = (
+    "/embed", "/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/models", "/info", "/metrics",
+    "/healthz", "other",
+)  # fmt: skip
 _STATES = tuple(s.value for s in CacheState)
 _REASONS = tuple(r.value for r in HeapReason)
 #: Seconds: an 8-text batch takes milliseconds, a 256-text batch of long texts seconds.
@@ -118,6 +126,7 @@ class WorkerMetrics:
             registry=None,
         )  # fmt: skip
         self._cache: tuple[Gauge, ...] | None = None
+        self._generation: tuple[Counter, Counter, Histogram, Gauge] | None = None  # made by a causal LM's first count
         self._published: tuple[object, ...] | None = None
 
     def _cache_gauges(self) -> tuple[Gauge, ...]:
@@ -193,6 +202,33 @@ class WorkerMetrics:
         self.forward_requests.labels(self.pid).observe(requests)
         self.forward_texts.labels(self.pid).observe(texts)
         self.forward_tokens.labels(self.pid).inc(tokens)
+
+    def generated(
+        self, *, prompt_tokens: int, completion_tokens: int, first_token_seconds: float | None, rate: float
+    ) -> None:
+        """Count a causal LM's tokens: a finished request's prompt, new completion tokens, a first token's latency,
+        and set the worker's recent generation rate (tokens per second)."""
+        if self._generation is None:
+            self._generation = (
+                Counter("packcache_prompt_tokens", "Prompt tokens of finished generations", ("pid",), registry=None),
+                Counter("packcache_completion_tokens", "Tokens generated", ("pid",), registry=None),
+                Histogram(
+                    "packcache_time_to_first_token_seconds",
+                    "Seconds from a generation request's arrival in the application to its first text",
+                    ("pid",),
+                    registry=None,
+                    buckets=_BUCKETS,
+                ),
+                _gauge("packcache_generation_tokens_per_second", "Tokens this worker generated per second, last 10 s"),
+            )
+        prompt, completion, first, rate_gauge = self._generation
+        if prompt_tokens:
+            prompt.labels(self.pid).inc(prompt_tokens)
+        if completion_tokens:
+            completion.labels(self.pid).inc(completion_tokens)
+        if first_token_seconds is not None:
+            first.labels(self.pid).observe(first_token_seconds)
+        rate_gauge.set(rate)
 
     def observe(self, route: str, code: int, seconds: float) -> None:
         """Count one request and its latency."""

@@ -190,6 +190,7 @@ class _Body:
 
 
 _HEAD, _BODY, _APP, _WRITE, _LINGER = "head", "body", "app", "write", "linger"
+_STREAM = "stream"  # a generation's answer, sent as the engine makes it
 _EVICTABLE = (_HEAD, _BODY, _LINGER)  # still sending a request, or done: never one the application works on
 
 
@@ -219,14 +220,22 @@ class _Conn:
     out: memoryview | None = None
     closed: bool = False
     served: int = 0  # responses written on this connection
+    # a streamed answer (_STREAM): bytes not sent yet, chunked framing, whether its last bytes came
+    pending: bytearray = field(default_factory=bytearray)
+    chunked: bool = False
+    ended: bool = False
+    generating: _Request | None = None  # the generation this connection's answer comes from, until it ends
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     conn: _Conn
     environ: dict[str, Any]
     head_only: bool
     lane: _Lane | None = None
+    # a generation: the engine's id for it, and whether its client went away (either thread may see it first)
+    generation: str | None = None
+    cancelled: bool = False
 
 
 class _Lane:
@@ -354,6 +363,50 @@ class _BatchLane(_Lane):
         return stopped
 
 
+class _GenerateLane(_Lane):
+    """The ``main`` lane of a worker serving a causal LM: the engine's loop runs in the main thread (continuous
+    batching: every running generation advances one token per step), and a thread of its own reads each request
+    (:meth:`~packcache.server.completions.CompletionApp.prepare`: the JSON, the chat template, the tokenizer) and
+    hands it to the engine, so a long prompt never holds a step.
+
+    ``pending`` counts the generations from their request's arrival to their last bytes; ``started`` is when the
+    engine's current step began (the master's ``timeout`` bounds a step, not a generation, which may run for
+    minutes).
+    """
+
+    def __init__(self, engine: Any, start: Callable[[_Request], None]) -> None:
+        self.engine = engine
+        self.reader = _Lane("prepare", start)  # its own thread
+        super().__init__("main", lambda request: None, own_thread=False)
+
+    def submit(self, request: _Request) -> None:
+        request.lane = self
+        self.pending += 1
+        self.reader.queue.put(request)
+
+    @property  # type: ignore[override]
+    def started(self) -> float | None:
+        """Since when the engine's current step or the reading thread's request runs (the earlier)."""
+        times = [t for t in (self.engine.busy_since(), self.reader.started) if t is not None]
+        return min(times) if times else None
+
+    @started.setter
+    def started(self, value: float | None) -> None:
+        pass  # :class:`_Lane` sets it; here it is the engine's and the reader's
+
+    def serve(self) -> None:
+        """Run the engine's loop (the worker's main thread) until :meth:`stop`."""
+        self.engine.run()
+
+    def stop(self) -> None:
+        self.reader.stop()
+        self.engine.stop(drain=False)
+
+    def cancel_all(self) -> None:
+        """End every generation now (a shutdown past its grace): each answer ends with an error event."""
+        self.engine.stop(drain=False)
+
+
 # ---------------------------------------------------------------- the worker
 
 
@@ -371,6 +424,9 @@ class BufferingWorker(Worker):  # type: ignore[misc]
     def init_process(self) -> None:
         self.conns: dict[int, _Conn] = {}
         self.done: queue.SimpleQueue[tuple[_Request, bytes, bool]] = queue.SimpleQueue()
+        # a generation's bytes as the engine makes them: (request, bytes, headers of its answer, whether the last)
+        self.streamed: queue.SimpleQueue[tuple[_Request, bytes, list[tuple[str, str]], bool]] = queue.SimpleQueue()
+        self.cut_off = False  # a shutdown's grace ran out for the generations: they were ended
         self.selector = selectors.DefaultSelector()
         self.accepting = False
         self.accept_paused_until = 0.0
@@ -396,10 +452,13 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         express: Iterable[tuple[str, str]] = getattr(self.wsgi, "express_routes", ())
         self.express_routes: frozenset[tuple[str, str]] = frozenset(express)
         batched = self.batching.enabled and hasattr(self.wsgi, "prepare") and hasattr(self.wsgi, "complete")
-        self.main: _Lane = (
-            _BatchLane(self._prepare, self._complete, self.batching, lambda: self.could_send > 0)
-            if batched else _Lane("main", self._call_app, own_thread=False)
-        )  # fmt: skip
+        self.main: _Lane
+        if getattr(self.wsgi, "generation_routes", None):
+            self.main = _GenerateLane(self.wsgi.engine, self._start_generation)
+        elif batched:
+            self.main = _BatchLane(self._prepare, self._complete, self.batching, lambda: self.could_send > 0)
+        else:
+            self.main = _Lane("main", self._call_app, own_thread=False)
         self.express = _Lane("express", self._call_app)
         failed: list[BaseException] = []
 
@@ -438,6 +497,8 @@ class BufferingWorker(Worker):  # type: ignore[misc]
                     self._stop_accepting_idle()
                 if stop_by is not None and (not self.conns or now >= stop_by):
                     break
+                if stop_by is not None and not self.cut_off and now >= stop_by - _cut_off_margin(self.cfg):
+                    self._cut_off()  # the generations still running end with an error event, sent before the exit
                 if self.ppid != os.getppid():
                     self.log.info("Parent changed, shutting down: %s", self)
                     break
@@ -446,6 +507,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
                 for key, mask in self.selector.select(self._wait(now)):
                     self._dispatch(key, mask)
                 self._finish_done()
+                self._finish_streams()
                 self._expire(time.monotonic())
                 self._count_could_send(time.monotonic())
         finally:
@@ -467,7 +529,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
             self.notify()
 
     def _wait(self, now: float) -> float:
-        deadlines = [c.deadline for c in self.conns.values() if c.state != _APP]
+        deadlines = [c.deadline for c in self.conns.values() if c.state != _APP and c.deadline]
         return max(0.0, min([1.0, *(d - now for d in deadlines)]))
 
     def _count_could_send(self, now: float) -> None:
@@ -486,8 +548,11 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         # client never makes the lane busy.
         batched = isinstance(self.main, _BatchLane)
         waiting = self.main.pending - (self.main.running if batched else 0)
+        room = ACCEPT_WAITING if batched else 1
+        if isinstance(self.main, _GenerateLane):  # the engine's sequences, and a few more reading or queued
+            room = self.main.engine.max_seqs + ACCEPT_WAITING
         # pinned by tests/test_server_api.py::test_kept_alive_clients_connecting_at_once_are_all_served_soon
-        if not self.alive or waiting >= (ACCEPT_WAITING if batched else 1) or now < self.accept_paused_until:
+        if not self.alive or waiting >= room or now < self.accept_paused_until:
             return False
         return len(self.conns) < self.max_connections or any(c.state in _EVICTABLE for c in self.conns.values())
 
@@ -525,11 +590,13 @@ class BufferingWorker(Worker):  # type: ignore[misc]
             conn: _Conn = key.data
             if mask & selectors.EVENT_WRITE and conn.state == _WRITE:
                 self._send(conn)
+            elif mask & selectors.EVENT_WRITE and conn.state == _STREAM:
+                self._send_stream(conn)
             elif mask & selectors.EVENT_READ:
                 self._receive(conn)
 
     def _expire(self, now: float) -> None:
-        for conn in [c for c in self.conns.values() if c.state != _APP and c.deadline <= now]:
+        for conn in [c for c in self.conns.values() if c.state != _APP and c.deadline and c.deadline <= now]:
             if conn.state == _HEAD and not conn.buf:
                 self._close(conn)  # nothing of a request came: an idle connection, closed quietly
             elif conn.state in (_HEAD, _BODY):
@@ -596,6 +663,8 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         if conn.closed:
             return
         conn.closed = True
+        if conn.generating is not None:  # the client went away (or was closed): its slot is freed at the next step
+            self._cancel(conn.generating)
         self._watch(conn, 0)
         self._release_body(conn)
         self.conns.pop(conn.sock.fileno(), None)
@@ -632,6 +701,11 @@ class BufferingWorker(Worker):  # type: ignore[misc]
             return
         if conn.state == _LINGER:
             return  # dropped: the answer is sent, the client is still sending
+        if conn.state in (_APP, _STREAM):  # pipelined: kept for after the answer, within a head's size
+            conn.buf += data
+            if len(conn.buf) > MAX_HEAD_BYTES:
+                self._close(conn)
+            return
         if conn.state == _HEAD and not conn.buf:
             conn.began = time.monotonic()
         conn.buf += data
@@ -887,9 +961,127 @@ class BufferingWorker(Worker):  # type: ignore[misc]
             environ[key] = f"{environ[key]},{value}" if key in environ else value
         conn.body = _Body()  # the copy above is the application's; the budget stays held until it answers
         conn.state = _APP
-        self._watch(conn, 0)  # one request at a time: the next one waits in the kernel's buffer
         lane = self.express if (conn.method, environ["PATH_INFO"]) in self.express_routes else self.main
-        lane.submit(_Request(conn, environ, conn.method == "HEAD"))
+        request = _Request(conn, environ, conn.method == "HEAD")
+        if isinstance(lane, _GenerateLane):
+            # A generation may wait and run for minutes: a client that closes meanwhile frees its slot.
+            conn.generating = request
+            self._watch(conn, selectors.EVENT_READ)
+        else:
+            self._watch(conn, 0)  # one request at a time: the next one waits in the kernel's buffer
+        lane.submit(request)
+
+    # ------------------------------------------------------------ generations
+
+    def _start_generation(self, request: _Request) -> None:
+        """In the generation lane's reading thread: read the request and hand it to the engine, or answer it."""
+        try:
+            prepared = self.wsgi.prepare(request.environ)
+        except BaseException as exc:
+            self._fail(request, exc)
+            return
+        if isinstance(prepared, tuple):
+            self._answer(request, prepared)
+            return
+        completion = prepared
+
+        def sink(output: Any) -> None:  # in the engine's thread, once per step with new text, then once at the end
+            taken = completion.take(output)
+            last = output.finish_reason is not None
+            if isinstance(taken, tuple):
+                self._answer(request, taken)
+            elif taken is not None and (taken or last):
+                self.streamed.put((request, taken, completion.headers(), last))
+                with contextlib.suppress(OSError):
+                    os.write(self.PIPE[1], b".")
+
+        try:
+            request.generation = self.wsgi.engine.submit(completion.prompt, completion.sampling, sink)
+        except BaseException as exc:
+            self._fail(request, exc)
+            return
+        if request.cancelled:  # the client left while the request was read
+            self.wsgi.engine.cancel(request.generation)
+
+    def _cancel(self, request: _Request) -> None:
+        request.cancelled = True
+        if request.generation is not None:
+            self.wsgi.engine.cancel(request.generation)
+
+    def _cut_off(self) -> None:
+        """A shutdown's grace is nearly over: end the generations still running (each answer ends with an error
+        event), so their clients see the end of the stream rather than a connection reset."""
+        self.cut_off = True
+        if isinstance(self.main, _GenerateLane) and self.main.pending:
+            self.log.warning("packcache serve: ending %d generations: the shutdown's grace ran out", self.main.pending)
+            self.main.cancel_all()
+
+    def _finish_streams(self) -> None:
+        while True:
+            try:
+                request, data, headers, last = self.streamed.get_nowait()
+            except queue.Empty:
+                return
+            conn = request.conn
+            if last:
+                assert request.lane is not None
+                request.lane.pending -= 1
+                self._release_body(conn)
+                if conn.generating is request:
+                    conn.generating = None
+            if conn.closed:
+                continue
+            if conn.state == _APP:  # the answer's first bytes: its head
+                conn.chunked = request.environ["SERVER_PROTOCOL"] == "HTTP/1.1"
+                # HTTP/1.0 has no chunked framing: the end of the body is the connection's close.
+                conn.keep_alive = conn.keep_alive and conn.chunked and self.alive
+                names = {name.lower() for name, _ in headers}
+                lines = ["HTTP/1.1 200 OK", *(f"{name}: {value}" for name, value in headers)]
+                if conn.chunked and "transfer-encoding" not in names:
+                    lines.append("Transfer-Encoding: chunked")
+                lines.append("Connection: " + ("keep-alive" if conn.keep_alive else "close"))
+                conn.pending = bytearray(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+                conn.state, conn.ended, conn.deadline = _STREAM, False, 0.0
+                if request.head_only:
+                    data, conn.chunked = b"", False
+            if data:
+                conn.pending += b"%x\r\n%b\r\n" % (len(data), data) if conn.chunked else data
+            if last:
+                conn.ended = True
+                if conn.chunked:
+                    conn.pending += b"0\r\n\r\n"
+                conn.keep_alive = conn.keep_alive and self.alive
+            self._send_stream(conn)
+
+    def _send_stream(self, conn: _Conn) -> None:
+        """Send what a streamed answer has ready; a client that takes none of it for ``send_timeout`` is closed
+        (its generation cancelled)."""
+        sent_any = False
+        try:
+            while conn.pending:
+                sent = conn.sock.send(conn.pending)
+                del conn.pending[:sent]
+                sent_any = True
+        except (BlockingIOError, InterruptedError):
+            if sent_any or not conn.deadline:
+                conn.deadline = time.monotonic() + self.limits.send_timeout
+            self._watch(conn, selectors.EVENT_READ | selectors.EVENT_WRITE)
+            return
+        except OSError:
+            self._close(conn)
+            return
+        conn.deadline = 0.0  # nothing waits to be sent: a stream between two tokens has no deadline
+        if not conn.ended:
+            self._watch(conn, selectors.EVENT_READ)  # a client that closes cancels its generation
+            return
+        conn.served += 1
+        conn.chunked = conn.ended = False
+        if conn.keep_alive and self.alive:
+            self._await_request(conn, time.monotonic())
+        elif conn.buf:
+            self._linger(conn)
+        else:
+            self._close(conn)
 
     def _call_app(self, request: _Request) -> None:
         """Run the application on one request (in a lane's thread); the loop sends the answer."""
@@ -997,6 +1189,8 @@ class BufferingWorker(Worker):  # type: ignore[misc]
             request.lane.pending -= 1
             conn = request.conn
             self._release_body(conn)
+            if conn.generating is request:
+                conn.generating = None
             if conn.closed:
                 continue
             conn.keep_alive = keep_alive and conn.keep_alive
@@ -1067,6 +1261,12 @@ class BufferingWorker(Worker):  # type: ignore[misc]
 
 def _error(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
+
+
+def _cut_off_margin(cfg: Any) -> float:
+    """Seconds before the end of a shutdown's grace at which the generations still running are ended: time to
+    send their last bytes before gunicorn's master kills the worker."""
+    return float(min(2.0, cfg.graceful_timeout / 4))
 
 
 def worker_class(limits: Limits, batching: Batching | None = None) -> type[BufferingWorker]:
