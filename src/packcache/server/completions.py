@@ -162,8 +162,8 @@ class Completion:
 
     def _take(self, output: Output) -> bytes | Answer | None:
         now = time.perf_counter()
-        if output.text and self.first is None:
-            self.first = now
+        if self.first is None and (output.completion_tokens or output.text):
+            self.first = now  # the first token, even one whose text is held back or empty
         self.app._count(self, output, now)
         if not self.stream:
             self.text.append(output.text)
@@ -179,7 +179,8 @@ class Completion:
         if self.chat and not self._sent_role:
             self._sent_role = True
             out += _event(self._chunk({"role": "assistant", "content": ""}, None))
-        if output.text:
+        if output.text or output.finish_reason is None:
+            # one event per step, empty text included (llama.cpp's server does the same): a client sees each token
             out += _event(self._chunk({"content": output.text} if self.chat else output.text, None))
         if output.finish_reason is None:
             return out
@@ -317,7 +318,7 @@ class CompletionApp:
             generated = getattr(self.metrics, "generated", None)
             if generated is None:
                 return
-            first = completion.first == now and output.text
+            first = completion.first == now
             generated(
                 prompt_tokens=output.prompt_tokens if done else 0, completion_tokens=max(0, new),
                 first_token_seconds=(now - completion.started) if first else None, rate=self._rate(now, new),

@@ -341,6 +341,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_model_len} is over the model's max_position_embeddings {positions}")
         self.max_seqs = max_seqs
         self.max_model_len = max_model_len
+        self.vocab_size = int(config.vocab_size)
         self.page_size = page_size
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.eos_token_ids = _eos_ids(model, tokenizer)

@@ -384,7 +384,7 @@ class _GenerateLane(_Lane):
         self.pending += 1
         self.reader.queue.put(request)
 
-    @property  # type: ignore[override]
+    @property
     def started(self) -> float | None:
         """Since when the engine's current step or the reading thread's request runs (the earlier)."""
         times = [t for t in (self.engine.busy_since(), self.reader.started) if t is not None]
