@@ -72,7 +72,7 @@ from .._boundedjson import loads
 from ..errors import FormatError
 from .engines import Engine
 
-__all__ = ["Batching", "EmbeddingApp", "Job", "Limits"]
+__all__ = ["Answer", "Batching", "EmbeddingApp", "Job", "Limits", "StartResponse"]
 
 logger = logging.getLogger("packcache.server")
 

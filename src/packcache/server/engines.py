@@ -540,10 +540,8 @@ def _load(spec: EngineSpec) -> Engine:
         raise ValueError(f"unknown loader {spec.loader!r}: expected one of {', '.join(LOADERS)}")
     if spec.engine == "packcache" and spec.loader == "hf":
         return _load_hf(spec)
-    if spec.engine == "packcache" and spec.loader == "causal":
-        from .llm import load_llm
-
-        return load_llm(spec)  # type: ignore[return-value]
+    if spec.loader == "causal":
+        raise ValueError("the causal loader's engine is server.llm.load_llm's (server.master.make_app calls it)")
     if spec.engine == "packcache":
         from ..loader import resolve_scheme
 

@@ -210,7 +210,15 @@ def make_app(options: ServeOptions) -> Any:
     from .completions import CompletionApp
     from .engines import load_engine
 
-    engine = load_engine(options.engine)
+    engine: Any
+    if options.engine.loader == "causal":  # a causal LM: the generation engine (its module imports engines')
+        from .engines import model_id_of
+        from .llm import load_llm
+
+        engine = load_llm(options.engine)
+        engine.model_id = options.engine.model_id or model_id_of(options.engine.model)
+    else:
+        engine = load_engine(options.engine)
     # gunicorn's own logger: the line goes where the server's other lines go (--log-level), never to a packcache
     # logger (a clean load logs nothing there).
     # pinned by tests/test_server_models.py::test_each_worker_logs_one_ready_line_naming_where_its_weights_came_from
@@ -219,7 +227,7 @@ def make_app(options: ServeOptions) -> Any:
         engine.name, engine.scheme, engine.kernel_path, engine.cache_file, engine.load_seconds
     )
     if getattr(engine, "kind", "embed") == "generate":
-        return CompletionApp(engine, worker, metrics.exposition, options.limits, options.generation)  # type: ignore[arg-type]
+        return CompletionApp(engine, worker, metrics.exposition, options.limits, options.generation)
     return EmbeddingApp(engine, worker, metrics.exposition, options.limits, options.batching)
 
 
