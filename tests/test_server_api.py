@@ -264,10 +264,12 @@ def test_concurrent_requests_share_forwards_within_the_budget_and_answer_as_unba
             unbatched = answers["unbatched"][index]
             for (status, got, forward), (base_status, base, alone) in zip(answers[name][index], unbatched, strict=True):
                 assert status == base_status == 200 and alone == 2 and forward >= 2
-                # The same texts in a bigger forward: int8 kernels per row count, so equal within float rounding.
+                # The same texts in a bigger forward: up to 64 rows the compiled kernel quantises activations to
+                # int8 per 32, past it torch's path runs them in bf16, so an element differs by up to ~0.007
+                # (measured); the vectors' cosine is what holds the answers equal.
                 a, b = np.asarray(got["embeddings"]), np.asarray(base["embeddings"])
                 assert a.shape == b.shape == (2, 384)
-                np.testing.assert_allclose(a, b, rtol=0, atol=5e-3)
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-2)
                 assert (np.sum(a * b, axis=1) > 0.9995).all()
 
 
