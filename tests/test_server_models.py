@@ -184,7 +184,7 @@ def test_a_bad_checkpoint_is_refused_by_the_master_in_one_line(models: dict[str,
     for argv, says in (
         (["--model", str(broken)], "lacks"),
         (["--model", str(modules)], "modules.json: not a JSON list of modules"),
-        (["--model", str(file)], "not a sentence-transformers one"),
+        (["--model", str(file)], "neither a sentence-transformers one nor a causal LM"),
         (["--model", str(file), "--engine", "sentence-transformers"], "loads a checkpoint directory"),
     ):
         code, err = serve_until_exit([*argv, "--workers", "2", "--cache-dir", str(tmp_path / "cache")])

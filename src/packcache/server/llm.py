@@ -196,7 +196,9 @@ def _held(text: str, start: int, stops: tuple[str, ...]) -> int:
 
 def _sampler_class() -> type:
     """:class:`_Sampler`, made when transformers is imported (this module imports it only in a worker)."""
-    cb: Any = importlib.import_module("transformers.generation.continuous_batching.cb_logits_processors")
+    import transformers.generation.continuous_batching.cb_logits_processors as _cb_module
+
+    cb: Any = _cb_module
 
     class _Sampler(cb.ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         """Samples every row of a sampled request with its own parameters and generator; greedy rows pass through.
@@ -316,7 +318,9 @@ class LLMEngine:
                 position limit and no ``max_model_len``.
         """
 
-        transformers: Any = importlib.import_module("transformers")  # untyped calls, as a value
+        import transformers as _transformers_module
+
+        transformers: Any = _transformers_module  # untyped calls, as a value
         self.model = model
         self.tokenizer = tokenizer
         self.scheme = scheme
@@ -370,7 +374,9 @@ class LLMEngine:
         self._manager: Any = model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
         )
-        cb: Any = importlib.import_module("transformers.generation.continuous_batching.cb_logits_processors")
+        import transformers.generation.continuous_batching.cb_logits_processors as _cb_module
+
+        cb: Any = _cb_module
         processors = cb.ContinuousBatchingLogitsProcessorList(
             transformers.LogitsProcessorList([_sampler_class()(self._slots)])
         )
@@ -685,7 +691,9 @@ def is_causal_lm(model: str | None) -> bool:
         model_type = config.get("model_type")
         if not isinstance(model_type, str):
             return False
-        auto: Any = importlib.import_module("transformers.models.auto.modeling_auto")
+        import transformers.models.auto.modeling_auto as _auto_module
+
+        auto: Any = _auto_module
         return model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except Exception:  # never raises: a model this cannot read is not one it serves as a causal LM
         return False
