@@ -136,7 +136,8 @@ class Completion:
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list, repr=False)
-    first: float | None = None  # when the first output with text came (time to first token)
+    first: float | None = None  # when the first generated token came (time to first token)
+    counted: int = 0  # completion tokens already counted on /metrics
     _sent_role: bool = False
 
     @property
@@ -313,8 +314,8 @@ class CompletionApp:
         """Tokens in and out, time to first token, and the worker's recent rate, for ``output``."""
         try:
             done = output.finish_reason is not None
-            new = output.completion_tokens - getattr(completion, "_counted", 0)
-            completion._counted = output.completion_tokens  # type: ignore[attr-defined]
+            new = output.completion_tokens - completion.counted
+            completion.counted = output.completion_tokens
             generated = getattr(self.metrics, "generated", None)
             if generated is None:
                 return
