@@ -17,4 +17,22 @@ if ! .venv/bin/python -m build --no-isolation --outdir dist . >.venv/build.log 2
 fi
 wheels=(dist/packcache-*.whl)
 export PACKCACHE_TEST_WHEEL="$PWD/${wheels[0]}"
-exec .venv/bin/python -m pytest "$@"
+# pytest in two phases, every collected test in one of them (PACKCACHE_TEST_PHASE, read by tests/conftest.py). First
+# all but the tests marked serial, in parallel processes (pytest-xdist): most of the suite waits on children, servers
+# and timeouts rather than on this process's CPU, so more workers than the 2 cores pay. --dist loadgroup hands out
+# one test at a time (the slow ones do not queue behind each other) and keeps the tests of one xdist_group on one
+# worker. Then the tests marked serial, alone: they assert wall-clock bounds. (`-m serial` too: a run that names only
+# src/packcache does not read tests/conftest.py.) PACKCACHE_TEST_WORKERS overrides the number of workers.
+# Exit code 5 is pytest's "no test selected": a phase that a narrowed run (`-k`, a file) leaves empty.
+workers=${PACKCACHE_TEST_WORKERS:-4}
+status=0
+PACKCACHE_TEST_PHASE=parallel .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
+serial=0
+PACKCACHE_TEST_PHASE=serial .venv/bin/python -m pytest -m serial "$@" || serial=$?
+if [ "$status" -eq 5 ] && [ "$serial" -ne 5 ]; then
+    status=0
+fi
+if [ "$serial" -ne 0 ] && [ "$serial" -ne 5 ]; then
+    status=$serial
+fi
+exit "$status"

@@ -28,6 +28,30 @@ os.environ["PACKCACHE_DIR"] = tempfile.mkdtemp(prefix="packcache-cache-dir-")
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="packcache-xdg-")
 
 
+# scripts/test.sh runs pytest twice: PACKCACHE_TEST_PHASE=parallel (under pytest-xdist) runs all but the tests marked
+# serial, PACKCACHE_TEST_PHASE=serial only those. An environment variable, not an option: pytest parses its options
+# before it reads this file when the run names only src/packcache (the doctests).
+PHASES = ("parallel", "serial")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked ``serial`` asserts a wall-clock bound, so it runs when nothing runs beside it. Deselected, not
+    skipped: the two phases of scripts/test.sh together run every collected test once."""
+    phase = os.environ.get("PACKCACHE_TEST_PHASE", "")
+    if not phase:
+        return
+    if phase not in PHASES:
+        raise pytest.UsageError(f"PACKCACHE_TEST_PHASE={phase!r}: expected one of {', '.join(PHASES)}, or unset")
+    want = phase == "serial"
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        (keep if (item.get_closest_marker("serial") is not None) == want else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def _restore_process_defaults() -> Iterator[None]:
     """Process-wide option defaults changed by a test must not leak into the next."""

@@ -44,6 +44,7 @@ def _fetch(port: int, upload: bytes) -> bytes:
     return bytes(got)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("connections", [1, 3])
 def test_proxy_caps_the_link_and_forwards_bytes_intact(connections: int) -> None:
     rate = parse_rate(RATE)

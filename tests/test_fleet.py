@@ -282,6 +282,7 @@ def test_a_full_disk_is_remote_no_space_and_a_read_only_directory_remote_write_f
         assert stats.heap_bytes_by_reason["open_failed"] > 0 or stats.heap_bytes_by_reason["read_only"] > 0
 
 
+@pytest.mark.serial
 def test_a_hung_store_costs_at_most_remote_timeout_and_a_refused_one_is_remote_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -651,6 +652,7 @@ def _damage(store: str, blob_key: str, how: str) -> None:
         path.write_bytes(damaged)
 
 
+@pytest.mark.xdist_group("weed")  # one weed mini at a time
 @pytest.mark.parametrize("kind", ["directory", "moto", "weed"])
 def test_republish_replaces_a_damaged_blob_of_any_size_and_fetches_then_succeed(
     tmp_path: Path, keys: dict[str, Path], kind: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch

@@ -529,6 +529,7 @@ print(os.waitstatus_to_exitcode(status))
     assert done.returncode == 0 and done.stdout.strip() == "0", (done.stdout, done.stderr)
 
 
+@pytest.mark.xdist_group("weed")  # one weed mini at a time
 def test_weed_mini_smoke_create_only_get_range_and_compare_and_swap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -633,6 +634,7 @@ def test_a_missing_bucket_or_store_directory_is_a_remote_error_on_every_call(
     assert not (tmp_path / "not-mounted").exists()
 
 
+@pytest.mark.xdist_group("weed")  # one weed mini at a time
 def test_weed_mini_a_missing_bucket_is_a_remote_error_on_every_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,6 +18,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import packcache
 from harness.serve import (
     SRC,
@@ -129,6 +131,7 @@ def test_the_server_package_imports_neither_gunicorn_nor_prometheus_client_nor_t
     assert "--workers" in done.stdout and "--engine" in done.stdout
 
 
+@pytest.mark.serial
 def test_an_idle_server_stops_within_2_s_of_sigterm(tmp_path: Path) -> None:
     """An idle ``packcache serve --workers 2`` that has served from both workers exits within 2 s of
     SIGTERM, with code 0 and no worker left, even with the master and its workers on one CPU (a busy

@@ -139,6 +139,7 @@ def master_log_facts(srv: Server) -> tuple[int, int]:
 # ---------------------------------------------------------------- the tests
 
 
+@pytest.mark.serial
 def test_fifty_stalled_clients_for_longer_than_the_worker_timeout_never_stop_healthz_metrics_or_embed(
     tmp_path: Path,
 ) -> None:
@@ -513,6 +514,7 @@ def plain_get(port: int, target: str, timeout: float = 5.0) -> bytes:
         client.close()
 
 
+@pytest.mark.serial
 def test_the_application_runs_in_the_workers_main_thread_and_sigterm_still_stops_it_at_once(tmp_path: Path) -> None:
     """torch's OpenMP pool keeps its threads spinning between parallel regions only for the process's
     initial thread: a model run from any other thread took twice as long with 2 torch threads
@@ -585,6 +587,7 @@ def test_an_application_that_hangs_past_the_timeout_still_gets_its_worker_replac
         assert f"WORKER TIMEOUT (pid:{pid.group(1).decode()})" in log.read_text()
 
 
+@pytest.mark.serial
 def test_a_client_that_never_reads_a_64_mib_answer_is_dropped_after_the_send_timeout_and_holds_nothing(
     tmp_path: Path,
 ) -> None:
