@@ -69,18 +69,30 @@ class S3Server:
                     os.environ[k] = v
 
 
+def _xdist_worker() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers), or (0, 1) outside xdist."""
+    name, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if name.startswith("gw") and name[2:].isdigit() and count.isdigit() and int(name[2:]) < int(count):
+        return int(name[2:]), int(count)
+    return 0, 1
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, below 45000: servers listen on ``port + 10000`` too
-    (weed's gRPC ports derived from the HTTP ones), which must stay a valid port."""
+    """A TCP port free on 127.0.0.1 right now, in 20000-22767. A server is started on it some seconds later, so
+    nothing else may take it meanwhile: servers listen on ``port + 10000`` too (weed's gRPC ports derived from the
+    HTTP ones), and both stay below the kernel's ephemeral ports (32768 up), which ``--port 0`` servers and every
+    client's own end are given; and under pytest-xdist each worker draws from its own residue class
+    (``port % workers``), so two workers never pick the same port."""
+    worker, workers = _xdist_worker()
     for _ in range(200):
-        port = random.randrange(20000, 45000)
+        port = random.randrange(20000 + worker, 22768, workers)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port on 127.0.0.1 in 20000-45000")
+    raise RuntimeError(f"no free port on 127.0.0.1 in 20000-22767 (pytest-xdist worker {worker} of {workers})")
 
 
 def s3_env(endpoint: str) -> dict[str, str]:
