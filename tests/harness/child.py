@@ -66,8 +66,11 @@ def last_json(stdout: str) -> Any:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def run_child(code: str, *args: str, timeout: float = 60) -> dict[str, Any]:
-    """Run ``CHILD_PRELUDE + code`` in a new interpreter; return the JSON it printed last."""
+def run_child(code: str, *args: str, timeout: float = 240) -> dict[str, Any]:
+    """Run ``CHILD_PRELUDE + code`` in a new interpreter; return the JSON it printed last.
+
+    ``timeout`` only stops a hung child: it is no bound on packcache. A child that imports torch and transformers
+    shares the 2 cores with the other pytest-xdist workers' tests, and took over 60 s so on a loaded machine."""
     done = subprocess.run(child_argv(code, *args), capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"child failed with {done.returncode}:\n{done.stderr}"
     result: dict[str, Any] = last_json(done.stdout)
