@@ -230,7 +230,7 @@ def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
     except ValueError as exc:  # the URL's key is none a store can hold
         where = (
             ""
-            if _URL.match(location.raw)
+            if _URL.match(location.display)  # the redacted form keeps the scheme
             else " (a plain path is read in its directory store, as publish and fetch read one)"
         )
         raise UsageError(f"{exc}{where}") from None

@@ -82,7 +82,7 @@ _OS_CODE = re.compile(r"Os \{\s*code: (\d+)")
 _TIMED_OUT = re.compile(r"kind: Timeout|TimedOut")
 #: The chunks a range read hands over (memory in flight per stream). obstore joins the network's pieces up to
 #: this size by copying them: at 2 MiB a 400 MB download cost the client 0.95 CPU s, at 256 KiB 0.72 (64 KiB
-#: no less), the hash included (/work/notes/i32/fetch.md).
+#: no less), the hash included (measured over loopback).
 _RANGE_CHUNK_BYTES = 256 << 10
 #: obstore's own check of a ranged answer against the range asked for (object_store's "Requested a..b, got c..d",
 #: a GenericError like any other).
@@ -127,9 +127,16 @@ class ObjectStore(Store):
         if location.root is not None:
             raise ValueError(f"store URL {location.display!r}: a directory, not an object store")
         self._obstore = _import_obstore()
-        # What obstore raises: its own tree, the builtin FileNotFoundError for a missing object, ValueError for
-        # a configuration it refuses. Anything else is no store's answer (a bug): it is not dressed as one.
-        self._errors: tuple[type[BaseException], ...] = (self._obstore.exceptions.BaseError, OSError, ValueError)
+        # What obstore raises for a store's answer: its own tree, the builtin FileNotFoundError for a missing
+        # object and TimeoutError (OSError), ValueError for a configuration it refuses, NotImplementedError (a
+        # RuntimeError) for what a store cannot do (a conditional PUT over plain HTTP). A TypeError or a
+        # MemoryError is no store's answer: it is not dressed as one.
+        self._errors: tuple[type[BaseException], ...] = (
+            self._obstore.exceptions.BaseError,
+            OSError,
+            ValueError,
+            RuntimeError,
+        )
         self.location = location
         self.url = location.display
         self._raw_url = location.raw  # only obstore gets it: secrets stay out of every message
@@ -194,22 +201,17 @@ class ObjectStore(Store):
     ) -> BaseException:  # fmt: skip
         """The one translation of an obstore error into a :class:`RemoteError`, by its type:
 
-        ==============================================  ==========================================================
-        obstore raises                                  remote miss
-        ==============================================  ==========================================================
-        ``FileNotFoundError`` (``NotFoundError``)        ``remote_absent``; ``remote_error`` when the bucket or
-                                                        container is missing (the protocol's error code)
-        ``PreconditionError`` with HTTP 404             as ``FileNotFoundError`` (moto: a conditional PUT into a
-                                                        missing bucket)
-        ``AlreadyExistsError``, ``PreconditionError``   ``remote_conflict`` (create-only or ``If-Match`` lost)
-        ``GenericError`` or ``TimeoutError``, no HTTP   ``remote_timeout`` (obstore's bound fired, or the
-        status, timed out or at the deadline            deadline passed)
-        ``GenericError`` HTTP 416 on a range read       ``past_end()`` (the range starts at or past the end)
-        ``PermissionDeniedError``,                      ``remote_error``, with the HTTP status and the errno
-        ``UnauthenticatedError``, ``NotModifiedError``,  where the text has them
-        any other ``BaseError``, ``ValueError`` (a
-        configuration refused), other ``OSError``
-        ==============================================  ==========================================================
+        - ``FileNotFoundError`` (obstore's missing object; its deprecated ``NotFoundError`` too), and a
+          ``PreconditionError`` with HTTP 404 (moto: a conditional PUT into a missing bucket): ``remote_absent``,
+          or ``remote_error`` when the bucket or container itself is missing (the protocol's error code);
+        - ``AlreadyExistsError``, ``PreconditionError``: ``remote_conflict`` (a create-only or ``If-Match`` PUT lost);
+        - ``TimeoutError``, and a ``GenericError`` with no HTTP status when obstore's bound fired or the deadline
+          passed (its text says which): ``remote_timeout``;
+        - ``GenericError`` with HTTP 416 on a range read: ``past_end()`` (the range starts at or past the end);
+        - anything else obstore raises (``PermissionDeniedError``, ``UnauthenticatedError``, ``NotModifiedError``,
+          any other ``BaseError``, ``ValueError`` for a configuration refused, ``NotImplementedError`` for a
+          conditional PUT over plain HTTP, another ``OSError``): ``remote_error``, with the HTTP status and the
+          errno where the text has them.
         """
         # obstore's text may spell the URL its own way (a Debug print): every secret of ours is scrubbed.
         # pinned by tests/test_fleet_redaction.py::test_no_library_output_shows_a_store_secret
@@ -240,7 +242,7 @@ class ObjectStore(Store):
                 "remote_conflict", f"{where}: the object changed (its ETag no longer matches)", url=self.url
             )
         timed_out = _TIMED_OUT.search(text) is not None or time.monotonic() >= deadline - 0.05
-        if isinstance(exc, exceptions.GenericError | TimeoutError) and http is None and timed_out:
+        if isinstance(exc, TimeoutError) or (isinstance(exc, exceptions.GenericError) and http is None and timed_out):
             return RemoteError("remote_timeout", f"{where}: no answer before the deadline ({first})", url=self.url)
         if http == 416 and past_end is not None:
             return past_end()
