@@ -177,6 +177,30 @@ def test_internal_faults_stay_inside_the_file_layer_and_the_session() -> None:
     assert [m for m in public if "Fault" in _exported(m)] == []
 
 
+#: The fleet's reading side (docs/ARCHITECTURE.md, "Each rule has one home"): a machine that only fetches or
+#: probes runs none of publishing's code, and a change to publishing cannot break reading.
+FLEET_READERS = ("packcache.fleet.fetch", "packcache.fleet.probe", "packcache.fleet.names")
+
+
+def _reached(module: str) -> set[str]:
+    """Every packcache module ``module`` imports, directly or through others (the graph read from the source)."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for target in GRAPH.get(todo.pop(), ()):
+            if target in MODULES and target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("reader", FLEET_READERS)
+def test_fleet_reading_never_imports_fleet_writing(reader: str) -> None:
+    """What publish and fetch both need (the model a file is published under) lives in ``fleet.manifest``."""
+    assert reader in MODULES
+    assert "packcache.fleet.publish" not in _reached(reader), f"{reader} reaches packcache.fleet.publish"
+
+
 @pytest.mark.parametrize("old", sorted(_moved.MOVED))
 def test_an_old_module_path_still_imports_for_one_release_and_says_where_it_went(old: str) -> None:
     """In a fresh interpreter: the old path is the new module itself, with a DeprecationWarning."""

@@ -9,6 +9,7 @@ at every level, exception text, and the command line's text and ``--json`` outpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import packcache
 from harness.checkpoints import tiny_bert
 from harness.keys import make_keys
 from harness.s3server import S3Server
+from packcache._storeurl import parse_store_url
 from packcache.errors import RemoteError
 from packcache.fleet import fetch as fleet_fetch
 from packcache.fleet.publish import publish
@@ -105,6 +107,7 @@ def test_no_library_output_shows_a_store_secret(
                                 trusted_keys=[keys["ci.pub"].read_bytes()])  # fmt: skip
     assert fetched.downloaded
     _clean(fetched.to_json(), "FetchReport")
+    _clean(repr(fetched), "repr(FetchReport)")
     # Read-through, fetched: the INFO line names the store.
     cache = load(tmp_path / "c" / "model-x.pcache", arrays, remote=url, trusted_keys=[keys["ci.pub"]])
     assert cache.stats().remote_hits == 1
@@ -138,6 +141,26 @@ def test_no_library_output_shows_a_store_secret(
         if record.exc_info:
             _clean(logging.Formatter().formatException(record.exc_info), "a logged traceback")
     _clean(caplog.text, "the log")
+
+
+def test_a_fetch_report_holds_the_redacted_url_only(tmp_path: Path, keys: dict[str, Path], moto_env: S3Server) -> None:
+    """A store URL is parsed once, at the boundary: the report of a fetch given the URL's text or its parsed
+    value carries the redacted form, in every field, its JSON and its repr."""
+    built = tmp_path / "a" / "model-x.pcache"
+    build(built)
+    url = _secret_url(f"{moto_env.url}/{uuid.uuid4().hex}")
+    publish(built, url, private_key=str(keys["ci"]))
+    location = parse_store_url(url)
+    assert location.raw == url and "hunter2pass" not in location.display
+    for number, given in enumerate((url, location)):
+        report = fleet_fetch.fetch(given, tmp_path / f"b{number}" / "model-x.pcache", platform=canonical_key(PLATFORM),
+                                   trusted_keys=[keys["ci.pub"].read_bytes()])  # fmt: skip
+        assert report.downloaded and report.url == location.display, report
+        for field in dataclasses.fields(report):
+            _clean(str(getattr(report, field.name)), f"FetchReport.{field.name}")
+        _clean(repr(report), "repr(FetchReport)")
+        _clean(report.to_json(), "FetchReport.to_json()")
+        _clean(json.dumps(report.to_json()), "FetchReport's JSON")
 
 
 def test_no_command_line_output_shows_a_store_secret(tmp_path: Path, keys: dict[str, Path], moto_s3: S3Server) -> None:

@@ -414,6 +414,62 @@ def test_a_refused_connection_is_a_remote_error_naming_the_errno(monkeypatch: py
     assert time.monotonic() - started < 5, "a refused connection is retried twice, not until the deadline"
 
 
+def _obstore_exceptions() -> Any:
+    import obstore.exceptions
+
+    return obstore.exceptions
+
+
+#: (what obstore raises: its type's name and its text, the remote miss it is, what the message says). The type
+#: decides; the text is read only for what no type carries (the HTTP status, the errno, a timeout's kind, the
+#: protocol's missing-bucket code).
+_OBSTORE_ERRORS = [
+    ("FileNotFoundError", "<Code>NoSuchKey</Code>", "remote_absent", "no object at 'k'"),
+    ("NotFoundError", "<Code>NoSuchKey</Code>", "remote_absent", "no object at 'k'"),
+    ("FileNotFoundError", "status: 404 <Code>NoSuchBucket</Code>", "remote_error", "does not exist"),
+    ("PreconditionError", "status: 404 <Code>NoSuchBucket</Code>", "remote_error", "does not exist"),
+    ("AlreadyExistsError", "status: 409", "remote_conflict", "already exists (HTTP 409)"),
+    ("PreconditionError", "status: 412", "remote_conflict", "ETag"),
+    ("GenericError", "HttpError { kind: Timeout }", "remote_timeout", "no answer before the deadline"),
+    ("TimeoutError", "timed out", "remote_timeout", "no answer before the deadline"),
+    ("GenericError", "error sending request", "remote_error", "GenericError"),  # deadline far: no timeout
+    ("GenericError", "status: 503 kind: Timeout", "remote_error", "(HTTP 503)"),  # an answer: not a timeout
+    ("GenericError", "Os { code: 111, kind: ConnectionRefused }", "remote_error", "ECONNREFUSED"),
+    ("PermissionDeniedError", "status: 403 Forbidden", "remote_error", "(HTTP 403)"),
+    ("UnauthenticatedError", "status: 401", "remote_error", "(HTTP 401)"),
+    ("NotModifiedError", "status: 304", "remote_error", "(HTTP 304)"),
+    ("NotImplementedError", "put_opts with a mode other than Overwrite", "remote_error", "NotImplementedError"),
+    ("ValueError", "Invalid key: bogus", "remote_error", "ValueError"),
+]
+
+
+@pytest.mark.parametrize(("kind", "text", "reason", "says"), _OBSTORE_ERRORS)
+def test_obstore_errors_are_mapped_by_their_type(kind: str, text: str, reason: str, says: str) -> None:
+    exceptions = _obstore_exceptions()
+    raised = getattr(exceptions, kind, None) or {
+        "FileNotFoundError": FileNotFoundError, "TimeoutError": TimeoutError,
+        "NotImplementedError": NotImplementedError, "ValueError": ValueError,
+    }[kind]  # fmt: skip
+    store = ObjectStore(f"http://127.0.0.1:{free_port()}/p", timeout=5)  # no request is made
+    with pytest.raises(RemoteError) as caught, store._translating("k", "get", soon()):
+        raise raised(text)
+    assert caught.value.reason == reason and says in str(caught.value), caught.value
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # obstore's text holds the raw URL
+
+
+def test_what_obstore_does_not_raise_for_a_store_passes_through_untranslated() -> None:
+    """A bug (a TypeError) is not dressed as a store's answer; a range read's 416 is the range read's to answer."""
+    store = ObjectStore(f"http://127.0.0.1:{free_port()}/p", timeout=5)
+    with pytest.raises(TypeError), store._translating("k", "get", soon()):
+        raise TypeError("a bug")
+
+    class PastEnd(Exception):
+        pass
+
+    with pytest.raises(PastEnd), store._translating("k", "get_range", soon(), past_end=PastEnd):
+        raise _obstore_exceptions().GenericError("Error performing GET: status: 416 Range Not Satisfiable")
+
+
 class Forbidden(BaseHTTPRequestHandler):
     def _deny(self) -> None:
         body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"

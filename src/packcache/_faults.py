@@ -14,7 +14,8 @@ an :class:`~packcache.errors.UntrustedFileError` into an ``untrusted`` fault and
 the whole story). The reason may be a function of the errno instead (:func:`write_reason`: ``no_space``
 for ENOSPC, ``write_failed`` otherwise). The fleet code translates ``OSError`` into its own
 :class:`~packcache.errors.RemoteError` reasons with the same context manager
-(:func:`translating_into`), so every translation in the package has this one shape.
+(:func:`translating_into`), and an object store client's own exception tree the same way (its ``types``), so
+every translation in the package has this one shape.
 
 Imports only :mod:`packcache.errors` and :mod:`packcache.stats` (layer 0): the ledger, the store and
 the fleet all take faults from here.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import errno as errno_mod
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from .errors import LockTimeoutError, UntrustedFileError
 from .stats import HeapReason
@@ -126,7 +128,7 @@ class _Translating:
 
     __slots__ = ("_cause", "_make")
 
-    def __init__(self, make: Callable[[OSError], BaseException | None], cause: bool) -> None:
+    def __init__(self, make: Callable[[Any], BaseException | None], cause: bool) -> None:
         self._make = make
         self._cause = cause
 
@@ -137,6 +139,27 @@ class _Translating:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if isinstance(exc, OSError):
+            translated = self._make(exc)
+            if translated is not None:
+                raise translated from (exc if self._cause else None)
+
+
+class _TranslatingTypes(_Translating):
+    """:class:`_Translating` for the exception types given instead of ``OSError`` alone (a store client's own
+    tree): a subclass, so the file layer's :func:`translating` keeps its two attribute stores."""
+
+    __slots__ = ("_types",)
+
+    def __init__(
+        self, make: Callable[[Any], BaseException | None], cause: bool, types: tuple[type[BaseException], ...]
+    ) -> None:
+        super().__init__(make, cause)
+        self._types = types
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, self._types):
             translated = self._make(exc)
             if translated is not None:
                 raise translated from (exc if self._cause else None)
@@ -172,10 +195,17 @@ def translating(reason: Reason, what: str, path: str) -> _Translating:
     return _Translating(_ToFault(reason, what, path), cause=False)
 
 
-def translating_into(make: Callable[[OSError], BaseException | None], *, cause: bool = False) -> _Translating:
+def translating_into(
+    make: Callable[[Any], BaseException | None],
+    *,
+    cause: bool = False,
+    types: tuple[type[BaseException], ...] = (OSError,),
+) -> _Translating:
     """A context manager raising every ``OSError`` of its body as ``make(exc)`` (left as it is when
     ``make`` returns None): :func:`translating` for errors other than faults, e.g. the fleet's
     :class:`~packcache.errors.RemoteError` reasons. ``cause=True`` keeps the ``OSError`` as ``__cause__``.
+    ``types``: the exceptions translated instead of ``OSError`` alone (an object store client's, whose
+    types say what went wrong: :mod:`packcache.fleet._objectstore`); anything else passes through.
 
     >>> try:
     ...     with translating_into(lambda exc: ValueError(errno_name(exc.errno))):
@@ -183,5 +213,13 @@ def translating_into(make: Callable[[OSError], BaseException | None], *, cause: 
     ... except ValueError as exc:
     ...     print(exc)
     EIO
+    >>> try:
+    ...     with translating_into(lambda exc: ValueError(f"refused: {exc}"), types=(KeyError, OSError)):
+    ...         raise KeyError("k")
+    ... except ValueError as exc:
+    ...     print(exc)
+    refused: 'k'
     """
-    return _Translating(make, cause)
+    if types == (OSError,):
+        return _Translating(make, cause)
+    return _TranslatingTypes(make, cause, types)

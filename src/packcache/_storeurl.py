@@ -16,7 +16,7 @@ import posixpath
 import re
 import urllib.parse
 
-__all__ = ["StoreURL", "parse_store_url", "redact_text"]
+__all__ = ["StoreURL", "parse_store_url", "redact_text", "split_object_url"]
 
 #: The schemes of object stores (through obstore); ``file`` and a plain path are directory stores.
 OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https"})
@@ -159,6 +159,32 @@ def parse_store_url(url: str | os.PathLike[str] | StoreURL) -> StoreURL:
     path = "" if path == "." else urllib.parse.quote(path, safe="/-._~!$&'()*+,;=:@")
     canonical = f"{_SAME_SCHEME.get(scheme, scheme)}://{host}" + (f"/{path}" if path else "")
     return StoreURL(url, scheme, canonical, shown, None, secrets)
+
+
+def split_object_url(url: StoreURL, markers: tuple[str, ...]) -> tuple[StoreURL, str]:
+    """An object's URL (``s3://bucket/prefix/manifests/m/c.json?token=...``) as its store's URL and the object's
+    key: cut at the last of ``markers`` in the path (``"/manifests/"``: the key keeps that word), else at the
+    last ``/``. The store keeps the query (a token may sit there); the fragment is dropped. Only this module
+    reads ``raw``'s text: the store's URL is parsed here, once, like every other.
+
+    >>> store, key = split_object_url(parse_store_url("s3://u:pw@b/p/manifests/m/c.json?t=abc"), ("/manifests/",))
+    >>> store, store.raw, key
+    (StoreURL('s3://b/p'), 's3://u:pw@b/p?t=abc', 'manifests/m/c.json')
+
+    Raises:
+        ValueError: the URL names no object (no ``/`` in its path), or what is left is no store URL.
+    """
+    path, mark, query = url.raw.split("#", 1)[0].partition("?")
+    path = path.rstrip("/")
+    if "/" not in path:
+        raise ValueError(f"store URL {url.display!r}: no object key in it")
+    root, key = path.rsplit("/", 1)
+    for marker in markers:
+        if marker in path:
+            root, rest = path.rsplit(marker, 1)
+            key = marker.strip("/") + "/" + rest
+            break
+    return parse_store_url(root + mark + query), key
 
 
 def _secrets(parts: urllib.parse.SplitResult, scheme: str) -> tuple[str, ...]:

@@ -82,7 +82,7 @@ def cmd_platform(args: argparse.Namespace, out: Out) -> int:
 
 def cmd_keygen(args: argparse.Namespace, out: Out) -> int:
     """``packcache keygen KEY.pem``: a new ed25519 key pair, KEY.pem (0600) and KEY.pub.pem (0644); exit 0."""
-    from ..fleet.manifest import generate_key, public_path_for
+    from ..fleet.keys import generate_key, public_path_for
 
     public = public_path_for(args.key)
     try:
@@ -230,7 +230,7 @@ def _probe_url(args: argparse.Namespace, location: Any, expected: Any) -> Any:
     except ValueError as exc:  # the URL's key is none a store can hold
         where = (
             ""
-            if _URL.match(location.raw)
+            if _URL.match(location.display)  # the redacted form keeps the scheme
             else " (a plain path is read in its directory store, as publish and fetch read one)"
         )
         raise UsageError(f"{exc}{where}") from None

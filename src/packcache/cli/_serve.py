@@ -141,7 +141,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
         model_id=model_id, group_size=chosen_group_size(args),
         torch_threads=args.torch_threads or worker_threads(args.workers), prefault=args.prefault,
         cache_dir=os.path.dirname(path) if path is not None else None,
-        remote=args.remote.raw if path is not None and args.remote is not None else None,
+        remote=args.remote if path is not None else None,  # parsed once: the worker's cache takes the value
         remote_timeout=args.remote_timeout,
         trusted_keys=tuple(args.trusted_key), allow_unsigned=args.allow_unsigned,
         max_seqs=args.max_seqs, max_model_len=args.max_model_len,

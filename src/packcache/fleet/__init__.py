@@ -9,10 +9,11 @@ Layout of a store (one URL prefix; every key relative to it)::
 ``identity.model_cache_name``); ``<class>`` is :func:`packcache.fleet.platform.platform_class`.
 
 Modules: :mod:`.stores` (the store interface; a directory store in the stdlib, object stores
-through ``obstore``), :mod:`.manifest` (manifests, ed25519 signatures, keys),
-:mod:`.platform` (platform classes), :mod:`.probe` (graded verdicts from a header),
-:mod:`.publish` and :mod:`.fetch`. Only :mod:`.stores`' object store and :mod:`.manifest`'s
-signing need the ``fleet`` extra (``obstore``, ``cryptography``); each imports it when used.
+through ``obstore``), :mod:`.manifest` (manifests and their ed25519 signatures), :mod:`.keys`
+(key files), :mod:`.platform` (platform classes), :mod:`.probe` (graded verdicts from a header),
+:mod:`.publish`, :mod:`.fetch` and :mod:`.names` (published names). Reading (fetch, probe, names)
+never imports writing (publish). Only :mod:`.stores`' object store and :mod:`.keys` need the ``fleet``
+extra (``obstore``, ``cryptography``); each imports it when used.
 """
 
 from __future__ import annotations

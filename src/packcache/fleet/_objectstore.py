@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
+import functools
 import os
 import re
 import stat
@@ -60,20 +62,30 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
+# obstore's exception types say what failed (a missing object, a lost condition, a refused credential) but
+# carry nothing else: the HTTP status, the operating system's errno, a timeout's kind and the protocol's own
+# error code exist only in the text (with a Debug print of the request). Each rule below reads the one fact
+# no type gives, and only for the types the table in _error sends to it.
+#: An HTTP status in obstore's text ("status: 403", "status code: 416"): shown in messages; 416 on a range read.
 _STATUS = re.compile(r"status(?: code)?: (\d{3})")
 #: The error a 404 carries when the bucket or container itself does not exist: the S3 (and GCS XML) and Azure
-#: error codes, and GCS's JSON message. obstore raises one NotFoundError for a missing key and a missing
+#: error codes, and GCS's JSON message. obstore raises one FileNotFoundError for a missing key and a missing
 #: bucket alike: the protocol's own error code in the body is what tells them apart.
 _MISSING_ROOT = re.compile(
     r"<Code>(NoSuchBucket|ContainerNotFound)</Code>|The specified (bucket|container) does not exist", re.IGNORECASE
 )
+#: Whether the 404 had a body at all (a HEAD's has none: then a GET asks, see _root_missing).
 _ERROR_BODY = re.compile(r"<Code>|\"error\"\s*:")
+#: The errno of a failed connection or read (a GenericError's Debug text: "Os { code: 111, ... }").
 _OS_CODE = re.compile(r"Os \{\s*code: (\d+)")
+#: obstore's stall or overall bound fired (a GenericError's Debug text: reqwest's "kind: Timeout", "TimedOut").
+_TIMED_OUT = re.compile(r"kind: Timeout|TimedOut")
 #: The chunks a range read hands over (memory in flight per stream). obstore joins the network's pieces up to
 #: this size by copying them: at 2 MiB a 400 MB download cost the client 0.95 CPU s, at 256 KiB 0.72 (64 KiB
-#: no less), the hash included (/work/notes/i32/fetch.md).
+#: no less), the hash included (measured over loopback).
 _RANGE_CHUNK_BYTES = 256 << 10
-#: obstore's own check of a ranged answer against the range asked for (object_store's "Requested a..b, got c..d").
+#: obstore's own check of a ranged answer against the range asked for (object_store's "Requested a..b, got c..d",
+#: a GenericError like any other).
 _WRONG_RANGE = re.compile(r"Requested \d+\.\.\d+, got \d+\.\.\d+")
 _SINGLE_PUT_MAX = 1 << 30  # a create-only PUT holds the whole file in memory (obstore sends it in one request)
 _S3_ENDPOINTS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
@@ -115,6 +127,16 @@ class ObjectStore(Store):
         if location.root is not None:
             raise ValueError(f"store URL {location.display!r}: a directory, not an object store")
         self._obstore = _import_obstore()
+        # What obstore raises for a store's answer: its own tree, the builtin FileNotFoundError for a missing
+        # object and TimeoutError (OSError), ValueError for a configuration it refuses, NotImplementedError (a
+        # RuntimeError) for what a store cannot do (a conditional PUT over plain HTTP). A TypeError or a
+        # MemoryError is no store's answer: it is not dressed as one.
+        self._errors: tuple[type[BaseException], ...] = (
+            self._obstore.exceptions.BaseError,
+            OSError,
+            ValueError,
+            RuntimeError,
+        )
         self.location = location
         self.url = location.display
         self._raw_url = location.raw  # only obstore gets it: secrets stay out of every message
@@ -158,31 +180,51 @@ class ObjectStore(Store):
             "retry_timeout": whole,
             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=1), "base": 2},
         }
-        try:
+        with self._translating(key, doing, deadline):
             client = self._obstore.store.from_url(
                 self._raw_url, client_options=client_options, retry_config=retry_config
             )
-        except Exception as exc:
-            raise self._error(exc, key, doing, deadline) from None  # obstore's text holds the raw URL
         _obstore_used = _obstore_used or request
         return client
 
-    def _error(self, exc: BaseException, key: str, doing: str, deadline: float) -> RemoteError:
-        """The one translation of an obstore error into a :class:`RemoteError`."""
+    def _translating(
+        self, key: str, doing: str, deadline: float, *, past_end: Callable[[], BaseException] | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Every obstore error of the body raised as its :class:`RemoteError` (:meth:`_error`), ``from None``:
+        obstore's text holds the raw URL. What else the body raises (a sink's error, a bug) passes as it is."""
+        make = functools.partial(self._error, key=key, doing=doing, deadline=deadline, past_end=past_end)
+        return faults.translating_into(make, types=self._errors)
+
+    def _error(
+        self, exc: BaseException, key: str, doing: str, deadline: float,
+        past_end: Callable[[], BaseException] | None = None,
+    ) -> BaseException:  # fmt: skip
+        """The one translation of an obstore error into a :class:`RemoteError`, by its type:
+
+        - ``FileNotFoundError`` (obstore's missing object; its deprecated ``NotFoundError`` too), and a
+          ``PreconditionError`` with HTTP 404 (moto: a conditional PUT into a missing bucket): ``remote_absent``,
+          or ``remote_error`` when the bucket or container itself is missing (the protocol's error code);
+        - ``AlreadyExistsError``, ``PreconditionError``: ``remote_conflict`` (a create-only or ``If-Match`` PUT lost);
+        - ``TimeoutError``, and a ``GenericError`` with no HTTP status when obstore's bound fired or the deadline
+          passed (its text says which): ``remote_timeout``;
+        - ``GenericError`` with HTTP 416 on a range read: ``past_end()`` (the range starts at or past the end);
+        - anything else obstore raises (``PermissionDeniedError``, ``UnauthenticatedError``, ``NotModifiedError``,
+          any other ``BaseError``, ``ValueError`` for a configuration refused, ``NotImplementedError`` for a
+          conditional PUT over plain HTTP, another ``OSError``): ``remote_error``, with the HTTP status and the
+          errno where the text has them.
+        """
         # obstore's text may spell the URL its own way (a Debug print): every secret of ours is scrubbed.
         # pinned by tests/test_fleet_redaction.py::test_no_library_output_shows_a_store_secret
         text = self.location.scrub(str(exc))
         first = text.split("\n", 1)[0].strip()[:400]
-        status_match = _STATUS.search(text)
-        code_match = _OS_CODE.search(text)
-        code = int(code_match.group(1)) if code_match else 0
-        status = f" (HTTP {status_match.group(1)})" if status_match else ""
-        where = f"{doing} {key!r}" if key else doing
         exceptions = self._obstore.exceptions
-        not_found = isinstance(exc, FileNotFoundError) or (
-            isinstance(exc, exceptions.PreconditionError)
-            and status_match is not None
-            and status_match.group(1) == "404"
+        status_match = _STATUS.search(text)
+        http = int(status_match.group(1)) if status_match else None
+        status = f" (HTTP {http})" if http else ""
+        where = f"{doing} {key!r}" if key else doing
+        # FileNotFoundError is what obstore raises for a missing object (its NotFoundError is deprecated for it).
+        not_found = isinstance(exc, FileNotFoundError | exceptions.NotFoundError) or (
+            isinstance(exc, exceptions.PreconditionError) and http == 404
         )  # a conditional PUT into a missing bucket is a "precondition" 404 (moto)
         # pinned by tests/test_fleet_stores.py::test_a_missing_bucket_or_store_directory_is_a_remote_error_on_every_call
         if not_found and self._root_missing(text, key, deadline):
@@ -191,7 +233,7 @@ class ObjectStore(Store):
                 "another account, region or endpoint): a configuration problem, not \"nothing published\"",
                 url=self.url,
             )  # fmt: skip
-        if isinstance(exc, FileNotFoundError):
+        if not_found and not isinstance(exc, exceptions.PreconditionError):
             return RemoteError("remote_absent", f"no object at {key!r}", url=self.url)
         if isinstance(exc, exceptions.AlreadyExistsError):
             return RemoteError("remote_conflict", f"{where}: an object already exists{status}", url=self.url)
@@ -199,9 +241,13 @@ class ObjectStore(Store):
             return RemoteError(
                 "remote_conflict", f"{where}: the object changed (its ETag no longer matches)", url=self.url
             )
-        timed_out = any(word in text for word in ("kind: Timeout", "TimedOut"))  # obstore's stall bound fired
-        if not status_match and (timed_out or time.monotonic() >= deadline - 0.05):
+        timed_out = _TIMED_OUT.search(text) is not None or time.monotonic() >= deadline - 0.05
+        if isinstance(exc, TimeoutError) or (isinstance(exc, exceptions.GenericError) and http is None and timed_out):
             return RemoteError("remote_timeout", f"{where}: no answer before the deadline ({first})", url=self.url)
+        if http == 416 and past_end is not None:
+            return past_end()
+        code_match = _OS_CODE.search(text)
+        code = int(code_match.group(1)) if code_match else 0
         os_error = f" ({faults.errno_name(code, str(code))}: {os.strerror(code)})" if code else ""
         return RemoteError(
             "remote_error", f"{where}{status}{os_error}: {type(exc).__name__}: {first}", url=self.url, errno=code
@@ -218,16 +264,16 @@ class ObjectStore(Store):
         try:
             client = self._client(deadline, "get", key)
             self._obstore.get(client, key)  # the object appeared meanwhile: neither is missing
-        except Exception as exc:
+        except RemoteError:
+            return False
+        except self._errors as exc:
             return bool(_MISSING_ROOT.search(str(exc)))
         return False
 
     def _call(self, key: str, doing: str, deadline: float, call: Callable[[Any], T]) -> T:
         client = self._client(deadline, doing, key)
-        try:
+        with self._translating(key, doing, deadline):
             return call(client)
-        except Exception as exc:
-            raise self._error(exc, key, doing, deadline) from None  # obstore's text holds the raw URL
 
     # -- reads
 
@@ -250,14 +296,12 @@ class ObjectStore(Store):
         if start == end:
             self.head(key, deadline=deadline)  # an absent key is absent, whatever the range
             return b""
+        client = self._client(deadline, "get_range", key)
         try:
-            data = self._call(
-                key, "get_range", deadline, lambda c: bytes(self._obstore.get_range(c, key, start=start, end=end))
-            )
-        except RemoteError as exc:
-            if "(HTTP 416)" in str(exc):
-                return b""  # the range starts at or past the object's end
-            raise
+            with self._translating(key, "get_range", deadline, past_end=_PastEnd):
+                data = bytes(self._obstore.get_range(client, key, start=start, end=end))
+        except _PastEnd:
+            return b""  # the range starts at or past the object's end
         if len(data) > end - start:
             raise RemoteError(
                 "remote_error", f"get_range {key!r}: {len(data)} bytes for a range of {end - start}", url=self.url
@@ -268,12 +312,10 @@ class ObjectStore(Store):
         """See :meth:`Store.download`."""
         check_key(key)
         client = self._client(deadline, "download", key)
-        try:
+        with self._translating(key, "download", deadline):
             result = self._obstore.get(client, key)
             meta = result.meta
             stream = iter(result.stream(min_chunk_size=CHUNK_BYTES // 2))
-        except Exception as exc:
-            raise self._error(exc, key, "download", deadline) from None
         size, etag = int(meta["size"]), meta.get("e_tag")
         if size > max_bytes:
             raise RemoteError("remote_corrupt", f"{key!r} holds {size} bytes (at most {max_bytes})", url=self.url)
@@ -289,14 +331,13 @@ class ObjectStore(Store):
         return ObjectInfo(size, etag)
 
     def _chunks(self, stream: Iterator[Any], key: str, doing: str, deadline: float) -> Iterator[memoryview]:
-        """The chunks of an obstore body stream, each error it raises translated (:meth:`_error`)."""
+        """The chunks of an obstore body stream, each error it raises translated (:meth:`_error`); only the
+        stream is inside the translation, so what the caller's sink raises between chunks propagates as is."""
         while True:
-            try:
-                chunk = next(stream)
-            except StopIteration:
+            with self._translating(key, doing, deadline):
+                chunk = next(stream, None)
+            if chunk is None:
                 return
-            except Exception as exc:
-                raise self._error(exc, key, doing, deadline) from None
             yield memoryview(chunk)
 
     def download_range(
@@ -309,16 +350,16 @@ class ObjectStore(Store):
             return self.head(key, deadline=deadline).size
         client = self._client(deadline, "download_range", key)
         try:
-            result = self._obstore.get(client, key, options={"range": (start, end)})
-            size, got = int(result.meta["size"]), tuple(result.range)
-            stream = iter(result.stream(min_chunk_size=_RANGE_CHUNK_BYTES))
-        except Exception as exc:
-            error = self._error(exc, key, "download_range", deadline)
-            if "(HTTP 416)" in str(error):  # the range starts at or past the object's end
-                raise RemoteError("remote_corrupt", f"{key!r} ends before byte {start}", url=self.url) from None
-            if _WRONG_RANGE.search(str(error)):  # another range than asked: a store that lies
+            with self._translating(key, "download_range", deadline, past_end=_PastEnd):
+                result = self._obstore.get(client, key, options={"range": (start, end)})
+                size, got = int(result.meta["size"]), tuple(result.range)
+                stream = iter(result.stream(min_chunk_size=_RANGE_CHUNK_BYTES))
+        except _PastEnd:  # the range starts at or past the object's end
+            raise RemoteError("remote_corrupt", f"{key!r} ends before byte {start}", url=self.url) from None
+        except RemoteError as error:
+            if error.reason == "remote_error" and _WRONG_RANGE.search(str(error)):  # another range: a store that lies
                 raise RemoteError("remote_corrupt", str(error).split(": ", 1)[-1], url=self.url) from None
-            raise error from None
+            raise
         # pinned by tests/test_fleet_download.py::test_a_store_that_sends_a_short_or_wrong_range_is_remote_corrupt
         if size < end or got != (start, end):
             raise RemoteError(
@@ -413,6 +454,11 @@ class ObjectStore(Store):
     def close(self) -> None:
         """See :meth:`Store.close`: every call has its own client, so nothing stays open."""
         self._closed = True
+
+
+class _PastEnd(Exception):
+    """A range read's HTTP 416 (the range starts at or past the object's end): an answer, not a store error;
+    each range read says what it means (:meth:`ObjectStore.get_range`: no bytes)."""
 
 
 def _open_source(path: str) -> tuple[int, int]:

@@ -64,17 +64,17 @@ from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileEr
 from ..identity import hash_file
 from ..maintenance import verify_open
 from ._download import download_into
+from .keys import load_public_keys
 from .manifest import (
     MAX_ENVELOPE_BYTES,
     Manifest,
     check_generation,
     check_manifest,
     check_model,
-    load_public_keys,
+    check_publish_target,
     manifest_key,
 )
 from .platform import platform_class
-from .publish import check_publish_target
 from .stores import Store, open_store
 
 __all__ = [
@@ -97,7 +97,7 @@ _STATE_MAX_BYTES = 4096
 
 def load_trusted_keys(keys: Sequence[bytes | str]) -> list[bytes]:
     """PEM bytes of each trusted key: ``bytes`` as given, a ``str`` read as the path of a public key file
-    (:func:`packcache.fleet.manifest.load_public_keys`: bounded, never blocking on a FIFO, checked).
+    (:func:`packcache.fleet.keys.load_public_keys`: bounded, never blocking on a FIFO, checked).
 
     Raises:
         RemoteError: ``remote_untrusted``, naming a key file that cannot be read.
@@ -152,7 +152,7 @@ def check_fetch_target(path: str | os.PathLike[str]) -> tuple[str, str]:
         ValueError: the file name names no model (e.g. a space in it).
     """
     name = os.path.abspath(os.fspath(path))
-    return name, check_publish_target(name)  # the one rule: the name publish gives the file
+    return name, check_publish_target(name)  # the one rule, shared with publish
 
 
 def fetch(

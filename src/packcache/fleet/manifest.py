@@ -19,10 +19,12 @@ A reader trusts a manifest when one signature verifies under one of the operator
 manifest (freeze attack) and one older than the last this machine accepted (rollback,
 :func:`check_generation`) are refused as ``remote_stale``.
 
-Keys are ed25519, the private half PKCS#8 PEM (unencrypted, mode 0600), the public half
-SubjectPublicKeyInfo PEM: :func:`generate_key` writes both, as ``packcache keygen`` does.
-Signing and verifying need the ``fleet`` extra (``cryptography``), imported by the functions
-that use it; building, encoding and parsing manifests does not.
+The keys and their files are :mod:`packcache.fleet.keys`' (their functions stay importable from here too,
+where they were first documented). Signing and verifying need the ``fleet`` extra (``cryptography``),
+imported by the functions that use it; building, encoding and parsing manifests does not.
+
+A cache file is published under its model, the file's name without ``.pcache`` (:func:`model_of`): publish
+and fetch both name files by :func:`check_publish_target`, so neither needs the other.
 
 >>> m = Manifest("minilm-int8-0123", "pc1-" + "0" * 32, "ab" * 32, 8192, 1, 1000, 2000, "ci")
 >>> m.blob_key == "blobs/sha256/" + "ab" * 32 + ".pcache"
@@ -37,9 +39,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -50,8 +50,9 @@ from typing import Any
 
 from .. import _boundedjson as boundedjson
 from .. import format as fmt
-from .._paths import read_trusted
 from ..errors import FormatError, RemoteError
+from . import keys
+from .keys import generate_key, key_id, load_private_key, load_public_keys, public_path_for
 
 __all__ = [
     "DEFAULT_TTL_SECONDS",
@@ -63,6 +64,7 @@ __all__ = [
     "check_manifest",
     "check_model",
     "check_name",
+    "check_publish_target",
     "check_published_name",
     "encode_unsigned",
     "generate_key",
@@ -71,6 +73,7 @@ __all__ = [
     "load_public_keys",
     "make_manifest",
     "manifest_key",
+    "model_of",
     "public_path_for",
     "read_envelope",
     "sign",
@@ -85,7 +88,6 @@ DEFAULT_TTL_SECONDS = 30 * 86400
 MAX_SIGNATURES = 16
 MAX_BUILDER_CHARS = 256
 MAX_NAME_CHARS = 200
-_MAX_KEY_FILE_BYTES = 16 << 10  # a PEM ed25519 key is ~120 bytes; RSA-16384 would still fit
 _MAX_INT = (1 << 63) - 1
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -174,6 +176,32 @@ def manifest_key(model: str, platform_class: str, generation: int | None = None)
     if generation is None:
         return key + ".json"
     return f"{key}@{_int_field(generation, 'generation', 1)}.json"
+
+
+def model_of(path: str) -> str:
+    """The model a cache file is published under: its file name without ``.pcache``.
+
+    Default names are made of content (``identity.model_cache_name``), so every machine that
+    loads the same checkpoint with the same scheme asks for the same model.
+
+    >>> model_of("/var/cache/minilm-int8-0123.pcache")
+    'minilm-int8-0123'
+    """
+    name = os.path.basename(path)
+    return name[: -len(".pcache")] if name.endswith(".pcache") else name
+
+
+def check_publish_target(path: str | os.PathLike[str]) -> str:
+    """The model a cache file at ``path`` is published as: its name without ``.pcache``, which must be a
+    model's name (:func:`check_name`). Publish names the file it sends by it and fetch the file it fills.
+
+    Raises:
+        ValueError: the file's name names no model (a space in it, say).
+    """
+    name = os.fspath(path)
+    model = model_of(name)
+    check_name(model, f"model (the file's name {os.path.basename(name)!r} without .pcache)")
+    return model
 
 
 def _int_field(value: object, name: str, low: int) -> int:
@@ -302,14 +330,14 @@ def sign(manifest: Manifest, private_key_pem: bytes | Sequence[bytes]) -> bytes:
         ImportError: ``cryptography`` is missing (the message names the ``fleet`` extra).
         FormatError: a key is not an ed25519 private key in PEM.
     """
-    keys = [private_key_pem] if isinstance(private_key_pem, bytes) else list(private_key_pem)
-    if not 1 <= len(keys) <= MAX_SIGNATURES:
-        raise ValueError(f"sign with 1 to {MAX_SIGNATURES} keys, got {len(keys)}")
+    pems = [private_key_pem] if isinstance(private_key_pem, bytes) else list(private_key_pem)
+    if not 1 <= len(pems) <= MAX_SIGNATURES:
+        raise ValueError(f"sign with 1 to {MAX_SIGNATURES} keys, got {len(pems)}")
     message = manifest.canonical()
     signatures: dict[str, dict[str, str]] = {}  # a key given twice signs once
-    for pem in keys:
-        key = _private_key(pem, where="private key")
-        key_id = _id_of(_raw_public(key.public_key()))
+    for pem in pems:
+        key = keys.private_key(pem, where="private key")
+        key_id = keys.id_of(key.public_key())
         if key_id not in signatures:
             signatures[key_id] = {"alg": "ed25519", "key": key_id, "sig": base64.b64encode(key.sign(message)).decode()}
     return _encode(manifest, list(signatures.values()))
@@ -423,8 +451,8 @@ def _check_signatures(
     try:
         trusted = {}
         for number, pem in enumerate(trusted_keys):
-            public = _public_key(pem, where=f"trusted key {number + 1}")
-            trusted[_id_of(_raw_public(public))] = public
+            public = keys.public_key(pem, where=f"trusted key {number + 1}")
+            trusted[keys.id_of(public)] = public
     except ImportError as exc:
         raise RemoteError("remote_untrusted", f"cannot check signatures: {exc}", url=url) from None
     message = manifest.canonical()
@@ -436,7 +464,7 @@ def _check_signatures(
         assert signature is not None  # _parse checked it
         # a trusted key's signature that fails is tampering, refused even with allow_unsigned; pinned by
         #   tests/test_fleet_manifest.py::test_a_field_changed_after_signing_is_untrusted
-        if not _verifies(public, signature, message):
+        if not keys.verifies(public, signature, message):
             raise RemoteError(
                 "remote_untrusted",
                 f"the signature by trusted key {entry['key']} does not verify: the manifest was changed after "
@@ -528,220 +556,3 @@ def check_generation(manifest: Manifest, last_accepted: int | None, *, last_blob
             "remote_stale", f"manifest generation {manifest.generation} names blob {manifest.blob_sha256[:16]}.., "
             f"but this machine accepted that generation with blob {str(last_blob_sha256)[:16]}..",
         )  # fmt: skip
-
-
-# --------------------------------------------------------------------------- keys
-
-
-def _crypto() -> Any:
-    """The ed25519 and serialization modules of ``cryptography``, imported now.
-
-    Raises:
-        ImportError: naming the ``fleet`` extra.
-    """
-    try:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-    except ImportError as exc:
-        raise ImportError(
-            f"manifest signatures need the 'cryptography' package ({exc}): pip install 'packcache[fleet]'"
-        ) from None
-    return ed25519, serialization
-
-
-def _raw_public(public: Any) -> bytes:
-    _, serialization = _crypto()
-    raw: bytes = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return raw
-
-
-def _id_of(raw_public: bytes) -> str:
-    return hashlib.sha256(raw_public).digest()[:16].hex()
-
-
-def _verifies(public: Any, signature: bytes, message: bytes) -> bool:
-    from cryptography.exceptions import InvalidSignature
-
-    try:
-        public.verify(signature, message)
-    except InvalidSignature:
-        return False
-    return True
-
-
-def _one_pem_block(pem: bytes, where: str, path: str | None) -> bytes:
-    if not isinstance(pem, bytes):
-        raise TypeError(f"{where}: expected PEM bytes, got {type(pem).__name__}")
-    if pem.count(b"-----BEGIN ") != 1:
-        raise FormatError(f"{where} is not one PEM block (found {pem.count(b'-----BEGIN ')})", path=path)
-    return pem
-
-
-def _private_key(pem: bytes, *, where: str, path: str | None = None) -> Any:
-    ed25519, serialization = _crypto()
-    from cryptography.exceptions import UnsupportedAlgorithm
-
-    _one_pem_block(pem, where, path)
-    if b"PUBLIC KEY-----" in pem:
-        raise FormatError(f"{where} is a public key: give the private one (KEY.pem, not KEY.pub.pem)", path=path)
-    try:
-        key = serialization.load_pem_private_key(pem, password=None)
-    except TypeError:  # "Password was not given but private key is encrypted"
-        raise FormatError(f"{where} is encrypted: packcache needs an unencrypted PKCS#8 PEM key", path=path) from None
-    except (ValueError, UnsupportedAlgorithm) as exc:
-        raise FormatError(f"{where} is not a PEM private key ({_short(exc)})", path=path) from None
-    if not isinstance(key, ed25519.Ed25519PrivateKey):
-        raise FormatError(f"{where} is {_kind(key)}, not ed25519: make one with 'packcache keygen KEY.pem'", path=path)
-    return key
-
-
-def _public_key(pem: bytes, *, where: str, path: str | None = None) -> Any:
-    ed25519, serialization = _crypto()
-    from cryptography.exceptions import UnsupportedAlgorithm
-
-    _one_pem_block(pem, where, path)
-    if b"PRIVATE KEY-----" in pem:
-        raise FormatError(
-            f"{where} is a private key: give its public half (KEY.pub.pem); a private key stays with the builder",
-            path=path,
-        )
-    try:
-        key = serialization.load_pem_public_key(pem)
-    except (ValueError, UnsupportedAlgorithm) as exc:
-        raise FormatError(f"{where} is not a PEM public key ({_short(exc)})", path=path) from None
-    if not isinstance(key, ed25519.Ed25519PublicKey):
-        raise FormatError(f"{where} is {_kind(key)}, not ed25519", path=path)
-    return key
-
-
-def _kind(key: object) -> str:
-    """What kind of key ``key`` is, in words (for the message that refuses it)."""
-    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, rsa, x448, x25519
-
-    kinds = [
-        ((rsa.RSAPrivateKey, rsa.RSAPublicKey), "an RSA key"),
-        ((ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey), "an elliptic-curve (ECDSA) key"),
-        ((dsa.DSAPrivateKey, dsa.DSAPublicKey), "a DSA key"),
-        ((ed448.Ed448PrivateKey, ed448.Ed448PublicKey), "an Ed448 key"),
-        ((x25519.X25519PrivateKey, x25519.X25519PublicKey), "an X25519 key"),
-        ((x448.X448PrivateKey, x448.X448PublicKey), "an X448 key"),
-    ]
-    return next((words for types, words in kinds if isinstance(key, types)), f"a {type(key).__name__}")
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:160]
-
-
-def key_id(public_key_pem: bytes) -> str:
-    """The id of an ed25519 public key (SubjectPublicKeyInfo PEM): 32 hex digits, the first 16 bytes of
-    the sha256 of its raw 32 bytes. Signatures name their key by it.
-
-    Raises:
-        ImportError: ``cryptography`` is missing. FormatError: not an ed25519 public key in PEM.
-    """
-    return _id_of(_raw_public(_public_key(public_key_pem, where="public key")))
-
-
-def public_path_for(private_path: str | os.PathLike[str]) -> str:
-    """Where the public half of ``private_path`` goes: ``KEY.pem`` -> ``KEY.pub.pem`` (else ``KEY`` + ``.pub.pem``).
-
-    >>> public_path_for("ci/signing.pem"), public_path_for("signing")
-    ('ci/signing.pub.pem', 'signing.pub.pem')
-    """
-    name = os.fspath(private_path)
-    return (name[: -len(".pem")] if name.endswith(".pem") else name) + ".pub.pem"
-
-
-def generate_key(private_path: str | os.PathLike[str], public_path: str | os.PathLike[str] | None = None) -> str:
-    """Make an ed25519 key pair: the private key as unencrypted PKCS#8 PEM at ``private_path`` (created,
-    never overwritten, mode 0600), the public key as SubjectPublicKeyInfo PEM at ``public_path``
-    (default :func:`public_path_for`; created, never overwritten, mode 0644). Both are fsynced.
-    If the public file cannot be made, the private one just made is removed again.
-
-    Returns:
-        The key id (what signatures name).
-
-    Raises:
-        ImportError: ``cryptography`` is missing. FileExistsError: either file exists (nothing is
-        changed). OSError: a file cannot be created or written.
-    """
-    ed25519, serialization = _crypto()
-    private_name = os.fspath(private_path)
-    public_name = os.fspath(public_path) if public_path is not None else public_path_for(private_name)
-    if os.path.abspath(private_name) == os.path.abspath(public_name):
-        raise ValueError(f"the private and public key would be the same file: {private_name}")
-    if os.path.lexists(public_name):  # checked first so an existing public key leaves no stray private one
-        raise FileExistsError(17, "the public key file exists (keygen never overwrites a key)", public_name)
-    key = ed25519.Ed25519PrivateKey.generate()
-    private_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    public_pem = key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    _create(private_name, private_pem, 0o600, "private key")
-    try:
-        _create(public_name, public_pem, 0o644, "public key")
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(private_name)
-        raise
-    return _id_of(_raw_public(key.public_key()))
-
-
-def _create(path: str, data: bytes, mode: int, what: str) -> None:
-    """Write ``data`` to a new file at ``path`` (O_EXCL, no symlink followed) with exactly ``mode``."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o600)
-    except FileExistsError:
-        raise FileExistsError(17, f"the {what} file exists (keygen never overwrites a key)", path) from None
-    try:
-        os.fchmod(fd, mode)  # the umask may have taken bits the mode asks for (0644 for a public key)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    os.close(fd)
-
-
-def load_private_key(path: str | os.PathLike[str]) -> bytes:
-    """The PEM bytes of an ed25519 private key file, checked (read bounded, without blocking on a FIFO) and
-    trusted as ssh trusts one (:func:`packcache._paths.read_trusted`): this user's or root's, mode 0600 or
-    narrower, reached through no symlink another user planted, in no directory another user can change.
-
-    Raises:
-        ImportError: ``cryptography`` is missing. FormatError: not one PEM block, a public key, an
-        encrypted key, another key type, or larger than 16 KiB. UntrustedFileError: not a regular file,
-        or it fails the trust rule above. OSError: it cannot be read.
-    """
-    name = os.fspath(path)
-    pem = read_trusted(name, what="private key", max_bytes=_MAX_KEY_FILE_BYTES, secret=True)
-    _private_key(pem, where=f"private key {name}")
-    return pem
-
-
-def load_public_keys(paths: Sequence[str | os.PathLike[str]]) -> list[bytes]:
-    """The PEM bytes of each ed25519 public key file, checked (read bounded, without blocking on a FIFO),
-    for ``trusted_keys``. A key given twice is kept once. A key file is trusted as the cache file is
-    (:func:`packcache._paths.read_trusted`): this user's or root's, writable by no one else, reached through
-    no symlink another user planted, in no directory another user can change.
-
-    Raises:
-        ImportError: ``cryptography`` is missing. FormatError: not one PEM block, a private key,
-        another key type, or larger than 16 KiB (naming the file). UntrustedFileError: not a regular
-        file, or it fails the trust rule above. OSError: it cannot be read.
-    """
-    keys: dict[str, bytes] = {}
-    for path in paths:
-        name = os.fspath(path)
-        pem = read_trusted(name, what="public key", max_bytes=_MAX_KEY_FILE_BYTES)
-        public = _public_key(pem, where=f"public key {name}")
-        keys.setdefault(_id_of(_raw_public(public)), pem)
-    return list(keys.values())

@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import format as fmt
 from .._paths import open_for_reading
-from .._storeurl import StoreURL
+from .._storeurl import StoreURL, split_object_url
 from ..errors import FormatError, RemoteError, UntrustedFileError
 from .platform import Difference, differences, platform_class
 
@@ -376,20 +376,13 @@ def probe_url(
 
     location = parse_store_url(url)
     # The key is cut from the URL's path; the store is the URL without it (its query, which may carry a
-    # token, stays with the store's raw URL); only the redacted form is shown.
+    # token, stays with the store's URL); only the redacted form is shown.
     # pinned by tests/test_fleet_redaction.py::test_no_command_line_output_shows_a_store_secret
-    path, mark, query = location.raw.split("#", 1)[0].partition("?")
-    path = path.rstrip("/")
-    root, key = path.rsplit("/", 1)
-    for marker in ("/manifests/", "/blobs/"):
-        if marker in path:
-            root, rest = path.rsplit(marker, 1)
-            key = marker.strip("/") + "/" + rest
-            break
+    root, key = split_object_url(location, ("/manifests/", "/blobs/"))
     url = location.display.rstrip("/")
     check_key(key)
     deadline = time.monotonic() + timeout
-    with open_store(root + mark + query, timeout=timeout) as store:
+    with open_store(root, timeout=timeout) as store:
 
         def read(blob: str) -> Callable[[int, int], bytes]:
             return lambda start, end: store.get_range(blob, start, end, deadline=deadline)

@@ -51,11 +51,12 @@ from ..identity import hash_file, recorded_location
 from ..maintenance import verify
 from .manifest import (
     MAX_ENVELOPE_BYTES,
-    Manifest,
-    check_name,
+    check_publish_target,
     check_published_name,
     encode_unsigned,
+    make_manifest,
     manifest_key,
+    model_of,
     sign,
 )
 from .platform import platform_class
@@ -100,16 +101,6 @@ class PublishReport:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def model_of(path: str) -> str:
-    """The model a cache file is published under: its file name without ``.pcache``.
-
-    Default names are made of content (``identity.model_cache_name``), so every machine that
-    loads the same checkpoint with the same scheme asks for the same model.
-    """
-    name = os.path.basename(path)
-    return name[: -len(".pcache")] if name.endswith(".pcache") else name
 
 
 def source_identities(keys: Iterable[bytes]) -> set[tuple[str, int]]:
@@ -186,7 +177,7 @@ def publish(
     key_files = [private_key] if isinstance(private_key, str) else list(private_key or ())
     signing_keys = []
     if key_files:
-        from .manifest import load_private_key
+        from .keys import load_private_key
 
         signing_keys = [load_private_key(k) for k in key_files]
     fd, st = open_checked(name, noatime=True)
@@ -216,7 +207,8 @@ def publish(
             cls = platform_class(header.platform)
             # The manifest as it will be written, but for its generation and times: every field is checked
             # (the builder text too) before the blob is uploaded.
-            draft = _manifest(model, cls, sha256, size, 1, expires_in, builder)
+            ttl = None if expires_in is None else int(expires_in)
+            draft = make_manifest(model, cls, sha256, size, 1, builder=builder or _default_builder(), ttl_seconds=ttl)
             deadline = time.monotonic() + timeout
             with open_store(location, timeout=timeout) as store:
                 manifest_name = manifest_key(model, cls)
@@ -225,7 +217,7 @@ def publish(
                     uploaded = store.put_file(blob, real, deadline=deadline, progress=tick)
                 repaired = not uploaded and _repair_blob(store, blob, real, sha256, size, deadline)
                 previous, etag = _current_generation(store, manifest_name, deadline)
-                manifest = _manifest(model, cls, sha256, size, previous + 1, expires_in, draft.builder)
+                manifest = make_manifest(model, cls, sha256, size, previous + 1, builder=draft.builder, ttl_seconds=ttl)
                 if signing_keys:
                     # pinned by tests/test_fleet.py::
                     #   test_key_rotation_by_cli_machines_trusting_old_new_or_both_accept_the_dual_signed_manifest
@@ -340,31 +332,8 @@ def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadl
     )  # fmt: skip
 
 
-def check_publish_target(path: str | os.PathLike[str]) -> str:
-    """The model a cache file at ``path`` is published as: its name without ``.pcache``, which must be a
-    model's name (:func:`packcache.fleet.manifest.check_name`), as fetch names the file it fills.
-
-    Raises:
-        ValueError: the file's name names no model (a space in it, say).
-    """
-    name = os.fspath(path)
-    model = model_of(name)
-    check_name(model, f"model (the file's name {os.path.basename(name)!r} without .pcache)")
-    return model
-
-
 #: The longest expiry a manifest may have (ten years): beyond it a manifest is as good as never expiring.
 MAX_EXPIRES = 10 * 366 * 86400
-
-
-def _manifest(
-    model: str, cls: str, sha256: str, size: int, generation: int, expires_in: float | None, builder: str | None
-) -> Manifest:
-    now = int(time.time())
-    return Manifest(
-        model=model, platform_class=cls, blob_sha256=sha256, size=size, generation=generation, created=now,
-        expires=None if expires_in is None else now + int(expires_in), builder=builder or _default_builder(),
-    )  # fmt: skip
 
 
 def check_expiry(expires_in: float | None) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import _defaults
+from .._storeurl import StoreURL
 from ..packers import usable_cpus
 from ..stats import CacheStats
 
@@ -102,7 +103,7 @@ class EngineSpec:
     torch_threads: int = 1
     prefault: bool = False
     cache_dir: str | None = None
-    remote: str | None = field(default=None, repr=False)  # the raw URL (a token in it): never in a repr
+    remote: str | StoreURL | None = field(default=None, repr=False)  # a raw str may hold a token: never in a repr
     remote_timeout: float = _defaults.REMOTE_TIMEOUT
     trusted_keys: tuple[str, ...] = ()
     allow_unsigned: bool = False
