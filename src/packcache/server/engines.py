@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import _defaults
-from ..packers import usable_cpus
+from .._cpus import usable_cpus
 from ..stats import CacheStats
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "preimport",
     "spec_cache",
     "transformer_folder_of",
-    "usable_cpus",
     "weights_source",
     "worker_threads",
 ]
