@@ -273,17 +273,23 @@ class FileStore:
             return None
         entries, corrupt, size = serving.entries, serving.corrupt, serving.size
         fmap, data_start, dev, ino = serving.map, serving.data_start, serving.dev, serving.ino
+        # Locals, not globals, in the loop below: one load per read, as a literal index costs.
         dtypes = DTYPES
+        key_at: Final = _KEY
+        dtype_at: Final = _DTYPE
+        shape_at: Final = _SHAPE
+        offset_at: Final = _OFFSET
+        nbytes_at: Final = _NBYTES
         window: Window | None = None
         out: list[tuple[np.ndarray[Any, Any], Origin, bytes] | None] = []
         for name, key in wanted:
             entry = entries.get(name)
             # fmt.Entry's fields by index, not by name: a tuple index is specialised by the interpreter, a
             # named tuple's field getter is not, and this loop runs once per pack.
-            if entry is None or entry[_KEY] != key or not entry[_NBYTES] or (corrupt and name in corrupt):
+            if entry is None or entry[key_at] != key or not entry[nbytes_at] or (corrupt and name in corrupt):
                 out.append(None)
                 continue
-            offset, nbytes, shape = entry[_OFFSET], entry[_NBYTES], entry[_SHAPE]
+            offset, nbytes, shape = entry[offset_at], entry[nbytes_at], entry[shape_at]
             end = offset + nbytes
             if end > size:
                 out.append(None)
@@ -294,7 +300,8 @@ class FileStore:
                 except OSError:  # not the translator: this pass leaves it to serve(), which makes the fault
                     out.append(None)
                     continue
-            out.append((window.array(offset, nbytes, dtypes[entry[_DTYPE]], shape), (dev, ino, offset), entry[_KEY]))
+            view = window.array(offset, nbytes, dtypes[entry[dtype_at]], shape)
+            out.append((view, (dev, ino, offset), entry[key_at]))
         return out
 
     def holds(self, name: str, key: bytes, origin: Origin | None) -> bool:
