@@ -68,7 +68,9 @@ QUANTIZERS = ("quantize_int4_groups", "quantize_int4_activation_aware")
 
 def before_quantizer(src: str) -> dict[str, Any]:
     """The int4 quantizers (:data:`QUANTIZERS`) of the source tree ``src``, loaded beside the installed ones."""
-    path = os.path.join(src, "packcache", "packers.py")
+    path = os.path.join(src, "packcache", "quantize.py")
+    if not os.path.exists(path):  # a tree whose quantisation search is still in packers.py
+        path = os.path.join(src, "packcache", "packers.py")
     # Named inside the package, so its relative imports (``.errors``) resolve to the installed modules.
     spec = importlib.util.spec_from_file_location("packcache._packers_before", path)
     assert spec is not None and spec.loader is not None, path

@@ -19,14 +19,16 @@ from packcache.packers import (
     Int8PerChannel,
     Packer,
     TransposeFloat32,
-    dequantize_int4,
     fingerprint_input,
     fingerprint_stats,
     platform_for,
+    to_float32,
+)
+from packcache.quantize import (
+    dequantize_int4,
     quantize_int4_activation_aware,
     quantize_int4_groups,
     quantize_int8_rows,
-    to_float32,
 )
 
 

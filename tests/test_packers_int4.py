@@ -1,4 +1,4 @@
-"""The int4 search of :func:`packcache.packers.quantize_int4_groups` against a frozen copy of its first version.
+"""The int4 search of :func:`packcache.quantize.quantize_int4_groups` against a frozen copy of its first version.
 
 Every cached int4 pack's bytes and the int4 packers' behavioural fingerprints depend on what the search
 returns, so the chunked, threaded search must give the same bytes as the whole-array formulas it replaced
@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 import packcache.packers as packers
+import packcache.quantize as quantize
+from packcache import _finite
 from packcache.errors import NonFiniteWeightError
-from packcache.packers import (
+from packcache.packers import non_finite_source
+from packcache.quantize import (
     dequantize_int4,
-    non_finite_source,
     quantize_int4_activation_aware,
     quantize_int4_groups,
     round_bfloat16,
@@ -133,11 +135,11 @@ def frozen_quantize_int4_activation_aware(
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """``quantize_int4_activation_aware`` as it was at main 9c3cdc1, over the frozen search, verbatim."""
     h = np.asarray(second_moment, dtype=np.float64)
-    bad = packers.non_finite_index(h)
+    bad = _finite.non_finite_index(h)
     if bad is not None:
         raise NonFiniteWeightError(
             "has non-finite calibration statistics: E[x x^T] of the layer's input holds "
-            f"{packers._shown(float(h[bad]))} at {packers._where(bad)}, "
+            f"{_finite.value_text(float(h[bad]))} at {_finite.position_text(bad)}, "
             "so the float model computes NaN or Inf on the calibration texts",
             index=bad,
         )
@@ -201,8 +203,8 @@ def _assert_same_as_frozen(w: Any, group_size: int, **kwargs: Any) -> str:
 def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The default chunking, and chunks of a few rows (with a shorter last one) on a pool of two threads."""
     if request.param != "one chunk":
-        monkeypatch.setattr(packers, "_INT4_CHUNK", 700)
-        monkeypatch.setattr(packers, "usable_cpus", lambda: 2)
+        monkeypatch.setattr(quantize, "_INT4_CHUNK", 700)
+        monkeypatch.setattr(quantize, "usable_cpus", lambda: 2)
     return str(request.param)
 
 
@@ -419,15 +421,15 @@ def test_an_unknown_scale_dtype_is_refused() -> None:
 
 def test_a_non_finite_chunk_stops_the_search_of_the_chunks_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
     searched: list[int] = []
-    run = packers._Int4Search._run
+    run = quantize._Int4Search._run
 
     def counting(self: Any, start: int) -> bool:
         searched.append(start)
         return bool(run(self, start))
 
-    monkeypatch.setattr(packers._Int4Search, "_run", counting)
-    monkeypatch.setattr(packers, "_INT4_CHUNK", 256)  # one row of 256 per chunk
-    monkeypatch.setattr(packers, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(quantize._Int4Search, "_run", counting)
+    monkeypatch.setattr(quantize, "_INT4_CHUNK", 256)  # one row of 256 per chunk
+    monkeypatch.setattr(quantize, "usable_cpus", lambda: 1)
     w = np.random.default_rng(40).standard_normal((16, 256), dtype=np.float32)
     w[2, 5] = np.nan
     with pytest.raises(NonFiniteWeightError, match="row 2, column 5"):
@@ -493,11 +495,11 @@ def reference_quantize_int4_activation_aware(
     """``quantize_int4_activation_aware`` as it was at 8613857, verbatim: one ``quantize_int4_groups`` per alpha.
     Every int4 pack made with statistics and the int4 packer's fingerprint hold what it returns."""
     h = np.asarray(second_moment, dtype=np.float64)
-    bad = packers.non_finite_index(h)
+    bad = _finite.non_finite_index(h)
     if bad is not None:
         raise NonFiniteWeightError(
             "has non-finite calibration statistics: E[x x^T] of the layer's input holds "
-            f"{packers._shown(float(h[bad]))} at {packers._where(bad)}, "
+            f"{_finite.value_text(float(h[bad]))} at {_finite.position_text(bad)}, "
             "so the float model computes NaN or Inf on the calibration texts",
             index=bad,
         )
@@ -699,15 +701,15 @@ def test_a_non_finite_weight_is_refused_with_the_per_alpha_loop_s_error_and_inde
 
 def test_a_non_finite_weight_stops_the_search_of_every_alpha_at_its_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     searched: list[int] = []
-    run = packers._Int4Search._run
+    run = quantize._Int4Search._run
 
     def counting(self: Any, start: int) -> bool:
         searched.append(start)
         return bool(run(self, start))
 
-    monkeypatch.setattr(packers._Int4Search, "_run", counting)
-    monkeypatch.setattr(packers, "_INT4_CHUNK", 5 * 256)  # one row of every alpha per chunk
-    monkeypatch.setattr(packers, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(quantize._Int4Search, "_run", counting)
+    monkeypatch.setattr(quantize, "_INT4_CHUNK", 5 * 256)  # one row of every alpha per chunk
+    monkeypatch.setattr(quantize, "usable_cpus", lambda: 1)
     w = np.random.default_rng(58).standard_normal((16, 256)).astype(np.float32)
     w[2, 5] = np.nan
     with pytest.raises(NonFiniteWeightError, match="row 2, column 5"):
@@ -747,8 +749,8 @@ def test_one_search_of_several_column_scalings_gives_each_its_own_search_s_bytes
     w = _weights("flat groups", (36, 256), group_size, group_size + 1).astype(np.float64)
     columns = np.stack([np.ones(256), rng.random(256) * 4 + 0.1, np.geomspace(1e-3, 1e3, 256)])
     importance = rng.random((3, 256)) ** 3 if with_importance else None
-    rows = max(1, packers._INT4_CHUNK // (3 * 256))
-    search = packers._Int4Search(
+    rows = max(1, quantize._INT4_CHUNK // (3 * 256))
+    search = quantize._Int4Search(
         w, group_size, rows, 8, importance, 2, scale_dtype == "bfloat16", closed=error == "closed", columns=columns
     )
     assert search.search_all() and not search.invalid.any()

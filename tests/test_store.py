@@ -256,3 +256,15 @@ def test_valid_file_at_the_last_generation_never_fails_a_load(tmp_path: Path) ->
     fuzz.run_case(str(tmp_path / "last.pcache"), bytes(buf), [0, len(names) - 1], counts, 10.0)  # a hit and a miss
     assert counts.failures == []
     assert counts.valid_opens + counts.rebuilds == 1
+
+
+# ------------------------------------------------------------------ the serving path reads index entries by position
+
+
+def test_the_serving_paths_entry_indexes_name_its_fields() -> None:
+    """``FileStore.serve_many`` and ``holds`` read ``fmt.Entry`` by index (the interpreter specialises a tuple
+    index, not a named tuple's field getter): each index must be the position of the field it is named after."""
+    from packcache import _store
+
+    indexes = [_store._KEY, _store._DTYPE, _store._SHAPE, _store._OFFSET, _store._NBYTES]
+    assert [fmt.Entry._fields[i] for i in indexes] == ["key", "dtype", "shape", "offset", "nbytes"]

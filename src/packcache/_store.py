@@ -19,7 +19,7 @@ import errno as errno_mod
 import logging
 import os
 import stat
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -36,6 +36,14 @@ from .errors import FormatError, UntrustedFileError
 from .stats import HeapReason
 
 __all__ = ["FileStore"]
+
+#: Positions of the :class:`~packcache.format.Entry` fields the serving path reads by index (see
+#: :meth:`FileStore.serve_many`); pinned by tests/test_store.py::test_the_serving_paths_entry_indexes_name_its_fields
+_KEY: Final = 1
+_DTYPE: Final = 3
+_SHAPE: Final = 4
+_OFFSET: Final = 5
+_NBYTES: Final = 6
 
 logger = logging.getLogger("packcache")
 
@@ -263,17 +271,25 @@ class FileStore:
         if serving is None or self._writer.pending is not None:
             self._refuse_closed("serve_many()")
             return None
-        entries, corrupt, size, fmap, data_start, dev, ino = serving
+        entries, corrupt, size = serving.entries, serving.corrupt, serving.size
+        fmap, data_start, dev, ino = serving.map, serving.data_start, serving.dev, serving.ino
+        # Locals, not globals, in the loop below: one load per read, as a literal index costs.
         dtypes = DTYPES
+        key_at: Final = _KEY
+        dtype_at: Final = _DTYPE
+        shape_at: Final = _SHAPE
+        offset_at: Final = _OFFSET
+        nbytes_at: Final = _NBYTES
         window: Window | None = None
         out: list[tuple[np.ndarray[Any, Any], Origin, bytes] | None] = []
         for name, key in wanted:
             entry = entries.get(name)
-            # Entry fields by position (name, key, digest, dtype, shape, offset, nbytes, crc32): one pass per pack.
-            if entry is None or entry[1] != key or not entry[6] or (corrupt and name in corrupt):
+            # fmt.Entry's fields by index, not by name: a tuple index is specialised by the interpreter, a
+            # named tuple's field getter is not, and this loop runs once per pack.
+            if entry is None or entry[key_at] != key or not entry[nbytes_at] or (corrupt and name in corrupt):
                 out.append(None)
                 continue
-            offset, nbytes, shape = entry[5], entry[6], entry[4]
+            offset, nbytes, shape = entry[offset_at], entry[nbytes_at], entry[shape_at]
             end = offset + nbytes
             if end > size:
                 out.append(None)
@@ -284,7 +300,8 @@ class FileStore:
                 except OSError:  # not the translator: this pass leaves it to serve(), which makes the fault
                     out.append(None)
                     continue
-            out.append((window.array(offset, nbytes, dtypes[entry[3]], shape), (dev, ino, offset), entry[1]))
+            view = window.array(offset, nbytes, dtypes[entry[dtype_at]], shape)
+            out.append((view, (dev, ino, offset), entry[key_at]))
         return out
 
     def holds(self, name: str, key: bytes, origin: Origin | None) -> bool:
@@ -298,9 +315,11 @@ class FileStore:
         serving = status.serving
         if serving is not None and origin is not None and self._writer.pending is None:
             # The common case inline (a pack held since an earlier session asked again): _lookup, then _origin_of.
-            entries, corrupt, _, _, _, dev, ino = serving
-            entry = entries.get(name)
-            return entry is not None and entry.key == key and origin == (dev, ino, entry.offset) and name not in corrupt
+            entry = serving.entries.get(name)
+            return (
+                entry is not None and entry[_KEY] == key and origin == (serving.dev, serving.ino, entry[_OFFSET])
+                and name not in serving.corrupt
+            )  # fmt: skip
         if status.state is _CLOSED:
             self._refuse_closed("holds()")
         return origin is not None and self._origin_of(self._lookup(name, key)) == origin

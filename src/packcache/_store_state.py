@@ -86,7 +86,19 @@ class Committed:
     corrupt: set[str] = field(default_factory=set)
 
 
-Serving = tuple[dict[str, fmt.Entry], set[str], int, FileMap, int, int, int]
+@dataclass(frozen=True, eq=False, slots=True)
+class Serving:
+    """What serving a committed pack of a READY store reads, gathered from the status's parts once, as the
+    status is made: the per-request path reads these slots instead of following the status's attributes
+    into its file and committed generation."""
+
+    entries: dict[str, fmt.Entry]  # the committed index, by name
+    corrupt: set[str]  # committed entries whose bytes failed their checksum (never served again)
+    size: int  # bytes of the file as last read
+    map: FileMap
+    data_start: int
+    dev: int  # the open file's st_dev and st_ino: the origin of every pack served from it
+    ino: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,8 +116,7 @@ class StoreStatus:
     blocking: Fault | None = None  # BLOCKED; MISSING in a read-only cache
     read_only_fault: Fault | None = None  # REBUILD, READY (and MISSING): the file was opened read-only
     rebuild: str | None = None  # MISSING, REBUILD
-    #: READY: what serving a committed pack reads, in one tuple (entries, corrupt, size, map, data_start, dev,
-    #: ino): the per-request path unpacks it instead of following six attributes. None in any other state.
+    #: READY: what serving a committed pack reads (:class:`Serving`). None in any other state.
     serving: Serving | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,7 +142,9 @@ class StoreStatus:
             file, committed = self.file, self.committed
             assert file is not None and committed is not None
             dev, ino = file.identity
-            serving = (committed.entries, committed.corrupt, self.size, file.map, committed.header.data_start, dev, ino)
+            serving = Serving(
+                committed.entries, committed.corrupt, self.size, file.map, committed.header.data_start, dev, ino
+            )
             object.__setattr__(self, "serving", serving)  # frozen: set once, here, as the status is made
 
     @property

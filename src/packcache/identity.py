@@ -36,9 +36,8 @@ ignored and the file hashed. What remains is a record forged by this user or
 root with the file's exact stat: such a writer could as well rewrite the cache
 file itself (docs/RELIABILITY.md "Content identity").
 
-:func:`model_cache_name` names a default cache file by what its packs are made
-of: the sources' digests, the packers and the recipe (calibration), so every copy
-of one checkpoint opens one file and two recipes never share one.
+A default cache file is named by the same rule, from its sources' identities, its packers
+and its recipe: :func:`model_cache_name` (:mod:`packcache._cachename`).
 
 >>> import os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "w.bin")
@@ -65,10 +64,11 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from ._cachename import model_cache_name  # docs/TORCH.md names it here, beside the identities it is made of
 from ._paths import (
     open_checked,
     parse_temp_name,
@@ -505,52 +505,3 @@ def _unusable(path: str, why: str) -> None:
             "packcache: digest cache %s is not usable (%s): source files are hashed on every launch; "
             "set PACKCACHE_DIGEST_DIR to a directory of this user's", path, why,
         )  # fmt: skip
-
-
-# --------------------------------------------------------------------------- default cache file names
-
-
-class _PackerLike(Protocol):
-    @property
-    def id(self) -> str: ...
-    @property
-    def version(self) -> int: ...
-    @property
-    def params(self) -> dict[str, Any]: ...
-
-
-_LABEL = re.compile(r"[^a-z0-9_]+")
-
-
-def model_cache_name(
-    label: str,
-    scheme: str,
-    sources: Iterable[str],
-    packers: Iterable[_PackerLike],
-    recipe: Mapping[str, Any] | str | None = None,
-) -> str:
-    """A default cache file name made of what its packs are made of: ``<label>-<scheme>-<16 hex>.pcache``.
-
-    The hex digits are a sha256 over the sources' identities (sorted: shard order and names do
-    not matter), the packers' ids, versions and parameters, and ``recipe`` (what else a loader
-    packs by, e.g. its calibration). ``label`` (a model type, say) is only for people reading
-    the directory. No path, name, mtime, inode or device enters: every copy of one model opens
-    one file, and two recipes never share one.
-
-    >>> from packcache.packers import Float32
-    >>> name = model_cache_name("bert", "fp32", ["sha256:" + "0" * 64 + ":8"], [Float32()])
-    >>> name.startswith("bert-fp32-") and name.endswith(".pcache") and len(name) == len("bert-fp32-") + 16 + 7
-    True
-    >>> model_cache_name("BERT!", "fp32", ["sha256:" + "0" * 64 + ":8"], [Float32()]) == name  # only for reading
-    True
-    """
-    if not re.fullmatch(r"[a-z0-9]{1,16}", scheme):
-        raise ValueError(f"scheme must be a short lowercase name, got {scheme!r}")
-    described = {
-        "sources": sorted(sources),
-        "packers": [{"id": p.id, "version": p.version, "params": p.params} for p in packers],
-        "recipe": recipe,
-    }
-    digest = hashlib.sha256(json.dumps(described, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    shown = _LABEL.sub("-", label.lower()).strip("-")[:32] or "model"
-    return f"{shown}-{scheme}-{digest[:16]}.pcache"

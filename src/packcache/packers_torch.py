@@ -46,17 +46,14 @@ from .kernels import KERNEL_PATHS, activation_dtype, cpu_kernels, int4_layout, r
 from .packers import (
     Packer,
     Parts,
-    dequantize_int4,
     fingerprint_input,
     fingerprint_stats,
     finite_float32,
     non_finite_index,
     non_finite_source,
-    quantize_int4_activation_aware,
-    quantize_int4_groups,
-    quantize_int8_rows,
     to_float32,
 )
+from .quantize import dequantize_int4, quantize_int4_activation_aware, quantize_int4_groups, quantize_int8_rows
 
 __all__ = [
     "Int4WeightOnly",
@@ -501,9 +498,9 @@ class LinearFloat32(TorchPacker):
 class LinearBFloat16(TorchPacker):
     """bfloat16 weight ``[out, in]`` (round to nearest even) for ``linear`` on bfloat16 activations, on
     both paths: on ``fp32`` the activations are rounded to bfloat16 for the product and the result
-    widened back. The weight is never widened: widening it at each call read 2 bytes and wrote 4 per
-    weight per token, which made a decode 10x slower than transformers running the same bf16 weights
-    (issue 22); a CPU without native bf16 still runs torch's vectorised bf16 GEMV/GEMM (float32 FMAs
+    widened back. The weight is never widened: widening it at each call reads 2 bytes and writes 4 per
+    weight per token, which makes a decode 10x slower than transformers running the same bf16 weights;
+    a CPU without native bf16 still runs torch's vectorised bf16 GEMV/GEMM (float32 FMAs
     on widened loads), as transformers does for a bf16 model."""
 
     id = "torch.linear.bf16"
@@ -572,8 +569,8 @@ class LinearBFloat16(TorchPacker):
 class Int8WeightOnly(TorchPacker):
     """Per-channel symmetric int8, the operands of ``torch._weight_int8pack_mm(x, weight, scales)``.
 
-    Version 2 refuses NaN and ±Inf (version 1 packed a NaN row as an all-zero channel); finite
-    packs are byte-identical, but caches of version 1 are rebuilt once.
+    Version 2: a pack of version 1 may hold a NaN row packed as an all-zero channel (version 2 refuses
+    NaN and ±Inf), so a cache of version 1 is rebuilt once; finite packs are the same bytes.
 
     Up to :attr:`fused_max_rows` rows that fused kernel, on bf16 activations (its only vectorised
     variant; it also needs ``in_features % 16 == 0``); for more rows the weight is converted to the
@@ -689,10 +686,10 @@ class Int4WeightOnly(TorchPacker):
     """Grouped asymmetric int4 for ``torch._weight_int4pack_mm_for_cpu`` (float32 activations).
 
     Without statistics, codes, scales and zeros come from
-    :func:`packcache.packers.quantize_int4_groups` (a per-group least-squares search
+    :func:`packcache.quantize.quantize_int4_groups` (a per-group least-squares search
     over clipping ranges, weight-only). With ``stats`` (``E[x x^T]`` of the layer input on
     calibration texts) and ``activation_aware=True``, from
-    :func:`packcache.packers.quantize_int4_activation_aware`, which also picks a
+    :func:`packcache.quantize.quantize_int4_activation_aware`, which also picks a
     per-input-feature scale the layer applies to its input. The codes are laid out by
     ``torch._convert_weight_to_int4pack_for_cpu``.
 
@@ -700,9 +697,9 @@ class Int4WeightOnly(TorchPacker):
     ``scales_and_zeros`` (bfloat16 ``[in/g, out, 2]``, stored as uint16 bits; weight = (code - 8)*scale + zero)
     and ``input_scales`` (float32 ``[in]``, all ones without statistics).
 
-    Version 2 stores the scales and zeros in bfloat16, the dtype the fused kernel takes, with the codes rounded
-    against those bf16 values (version 1 stored float32, which every call converted to bf16 again: 243 MB of
-    conversions per token of a 1 B model, 11 % of its decode, issue 22).
+    The scales and zeros are stored in bfloat16, the dtype the fused kernel takes, with the codes rounded
+    against those bf16 values: stored as float32, every call would convert them to bf16 again (243 MB of
+    conversions per token of a 1 B model, 11 % of its decode). Version 1 stored float32.
 
     Forward: path ``bf16`` calls the fused kernel on bf16 activations for up to
     :attr:`fused_max_rows` rows; with more rows, and on path ``fp32``, the codes are read out
@@ -729,7 +726,7 @@ class Int4WeightOnly(TorchPacker):
 
     @property
     def params(self) -> dict[str, Any]:
-        # /2: candidates judged by the closed-form error (version 2, with the bf16 scales).
+        # /2: candidates judged by the closed-form error, against the bf16 scales (version 1 was neither).
         method = "awq-lsq-clip/2" if self.activation_aware else "lsq-clip/2"
         return {"group_size": self.group_size, "inner_k_tiles": 1, "method": method}
 

@@ -185,7 +185,7 @@ def add_parser(sub: Any) -> None:
         "shows in /metrics. SIGTERM stops gracefully, SIGHUP replaces the workers (rolling restart). Needs the serve "
         "extra (and the hf extra for models other than MiniLM-shaped BERTs). See docs/DEPLOY.md.",
     )
-    from ..server.engines import usable_cpus
+    from .._cpus import usable_cpus
 
     cpus = usable_cpus()
     serve.add_argument("--workers", type=positive, default=cpus, help=f"worker processes (default: the CPUs, {cpus})")

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from .. import _defaults
+from .._cpus import usable_cpus
 from .._storeurl import StoreURL
-from ..packers import usable_cpus
 from ..stats import CacheStats
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "preimport",
     "spec_cache",
     "transformer_folder_of",
-    "usable_cpus",
     "weights_source",
     "worker_threads",
 ]
