@@ -144,12 +144,22 @@ def check_remote(remote: object) -> StoreURL | None:
 
 
 def check_timeout(value: float) -> float:
+    """``lock_timeout=`` as seconds.
+
+    Raises:
+        ValueError: it is not a finite number of seconds >= 0.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"lock_timeout must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 
 
 def check_mode(value: int, what: str) -> int:
+    """``file_mode=`` or ``dir_mode=`` (``what``) as permission bits.
+
+    Raises:
+        ValueError: not permission bits, or bits that let other users write.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o7777:
         raise ValueError(f"{what} must be permission bits (an int in [0, 0o7777]), got {value!r}")
     # pinned by tests/test_cache.py::test_a_file_mode_the_trust_check_would_refuse_is_refused_at_construction,
@@ -165,7 +175,11 @@ def check_mode(value: int, what: str) -> int:
 
 
 def validated(result: object) -> tuple[np.ndarray[Any, Any], bool]:
-    """What ``pack()`` returned, as a plain C-contiguous array; and whether it is a new copy."""
+    """What ``pack()`` returned, as a plain C-contiguous array; and whether it is a new copy.
+
+    Raises:
+        PackResultError: it is no ndarray, a masked array, of a dtype or shape the format cannot hold.
+    """
     if not isinstance(result, np.ndarray):
         raise PackResultError(f"pack() must return a numpy.ndarray, got {type(result).__name__}")
     masked = sys.modules.get("numpy.ma")  # imported if a MaskedArray exists; never import it here (EMFILE)

@@ -41,6 +41,9 @@ __all__ = ["Session", "SessionState"]
 logger = logging.getLogger("packcache")
 
 
+_SERVABLE = Facts(held=Holding.SERVABLE)  # made once: the facts of a repeat, the warm path's commonest
+
+
 class SessionCache(Protocol):
     """What a session reads of its :class:`~packcache.WeightCache` (it is made by one)."""
 
@@ -331,6 +334,7 @@ class Session:
             as :meth:`get_or_pack`.
 
         >>> import numpy as np, tempfile, os
+        >>> from packcache import PackKey, WeightCache
         >>> path = os.path.join(tempfile.mkdtemp(), "m.pcache")
         >>> key = PackKey({"packer": "ones", "version": 1})
         >>> requests = [("a", lambda: np.ones(2), key), ("b", lambda: np.zeros(3), key)]
@@ -474,7 +478,7 @@ class Session:
         if held is not None and held.key == key:
             holding = self._holding(name, held)
             if holding is Holding.SERVABLE:
-                return Facts(held=holding), held.array  # the same pack again: served and counted once
+                return _SERVABLE, held.array  # the same pack again: served and counted once
         status = store.status
         entry, entry_fault = Entry.UNKNOWN, None
         if status.blocking is None:

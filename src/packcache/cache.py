@@ -84,9 +84,8 @@ class WeightCache:
 
     The four cache options (``read_only``, ``lock_timeout``, ``enabled``, ``verify``) follow one rule:
     ``None`` takes the process default (:func:`packcache.set_option`) as the cache is made, and an
-    explicit value always wins over it. (``read_only=False`` and ``verify=False`` were once OR-ed with
-    the process default, so ``WeightCache(path, verify=False)`` after ``set_option("packed_cache_verify",
-    True)`` verified; it no longer does.) The defaults themselves are written once, in
+    explicit value always wins over it, ``False`` included (an explicit ``verify=False`` never verifies, whatever
+    the process default says). The defaults themselves are written once, in
     :mod:`packcache._defaults`.
 
     >>> import numpy as np, tempfile, os
