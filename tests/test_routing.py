@@ -137,3 +137,10 @@ def test_a_read_only_route_names_the_file_when_the_store_gave_no_fault() -> None
     decided = route(Facts(read_only=True, path="/var/cache/m.pcache"))
     assert decided.fault is not None and decided.fault.message == "cache /var/cache/m.pcache is read-only"
     assert route(Facts(read_only=True, read_only_fault=READ_ONLY)).fault is READ_ONLY
+
+
+def test_the_facts_a_session_serves_a_repeat_on_route_to_a_hit() -> None:
+    """The session answers a repeat without calling route() (the warm path): its facts must route to a hit."""
+    from packcache import _session
+
+    assert route(_session._SERVABLE).kind is RouteKind.HIT
