@@ -17,6 +17,10 @@ for ENOSPC, ``write_failed`` otherwise). The fleet code translates ``OSError`` i
 (:func:`translating_into`), and an object store client's own exception tree the same way (its ``types``), so
 every translation in the package has this one shape.
 
+Its counterpart, :func:`ending`, is where the session ends one: ``with ending(...) as end:`` around a
+call into the store keeps the :class:`Fault` the body raised (or makes one of any other exception,
+logged at DEBUG) in ``end.fault``, for the caller to route; nothing but an interrupt leaves it.
+
 Imports only :mod:`packcache.errors` and :mod:`packcache.stats` (layer 0): the ledger, the store and
 the fleet all take faults from here.
 """
@@ -24,6 +28,7 @@ the fleet all take faults from here.
 from __future__ import annotations
 
 import errno as errno_mod
+import logging
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -36,6 +41,7 @@ __all__ = [
     "READ_ONLY_ERRNOS",
     "Fault",
     "describe",
+    "ending",
     "errno_name",
     "fault_from_os",
     "open_failed_reason",
@@ -48,6 +54,8 @@ __all__ = [
 NO_SPACE_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG})
 #: The errnos that mean "you may only read": opening for writing is refused, reading is not.
 READ_ONLY_ERRNOS = frozenset({errno_mod.EACCES, errno_mod.EROFS, errno_mod.EPERM, errno_mod.ETXTBSY})
+
+logger = logging.getLogger("packcache")
 
 #: What an ``OSError`` becomes: one heap reason, or a function of its errno.
 Reason = HeapReason | Callable[[int | None], HeapReason]
@@ -223,3 +231,83 @@ def translating_into(
     if types == (OSError,):
         return _Translating(make, cause)
     return _TranslatingTypes(make, cause, types)
+
+
+class Ending:
+    """What :func:`ending` yields: after the body, ``fault`` is the :class:`Fault` it ended in (None: it
+    finished), ``exc`` what it raised, and ``unexpected`` whether that was no ``Fault`` (a bug or a
+    library's own exception, made a fault of ``reason``). Leaves no exception but an interrupt.
+
+    ``reason`` None ends faults only: any other exception leaves the body unchanged (a caller whose
+    unexpected errors are bugs to raise, not cache problems to count). ``expected``: exception types the
+    caller maps itself (kept in ``exc``, ``fault`` None, not logged). ``scrub``: what the DEBUG line
+    shows of the exception (text that may hold a secret), instead of its traceback.
+    """
+
+    __slots__ = ("exc", "expected", "fault", "reason", "scrub", "unexpected", "what")
+
+    def __init__(
+        self,
+        reason: HeapReason | None,
+        what: str,
+        expected: tuple[type[BaseException], ...],
+        scrub: Callable[[str], str] | None,
+    ) -> None:
+        self.reason = reason
+        self.what = what
+        self.expected = expected
+        self.scrub = scrub
+        self.fault: Fault | None = None
+        self.exc: BaseException | None = None
+        self.unexpected = False
+
+    def __enter__(self) -> Ending:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, Fault):
+            self.exc, self.fault = exc, exc
+            return True
+        if not isinstance(exc, Exception):
+            return False  # an interrupt: the caller's clean-up decides
+        if isinstance(exc, self.expected):
+            self.exc = exc
+            return True
+        if self.reason is None:
+            return False
+        # A cache problem must never fail a model load: whatever the store or a library raised is a fault.
+        if self.scrub is not None:
+            logger.debug("packcache: unexpected error: %s: %s", self.what, self.scrub(f"{type(exc).__name__}: {exc}"))
+        else:
+            logger.debug("packcache: unexpected error: %s", self.what, exc_info=(exc_type, exc, tb))  # type: ignore[arg-type]
+        self.exc, self.unexpected = exc, True
+        self.fault = Fault(self.reason, 0, f"{self.what}: {exc!r}")
+        return True
+
+
+def ending(
+    reason: HeapReason | None = None,
+    what: str = "",
+    *,
+    expected: tuple[type[BaseException], ...] = (),
+    scrub: Callable[[str], str] | None = None,
+) -> Ending:
+    """A context manager ending the :class:`Fault` its body raises: kept in the :class:`Ending` it yields, for
+    the caller to route (count, log once, serve from heap). With a ``reason``, any other ``Exception`` is
+    logged at DEBUG and ends as ``Fault(reason, 0, "<what>: <repr>")``. The counterpart of
+    :func:`translating`, which makes faults: this is the one place they stop.
+
+    >>> with ending(HeapReason.WRITE_FAILED, "cannot store 'w' in m.pcache") as end:
+    ...     raise RuntimeError("boom")
+    >>> end.fault.reason.value, end.unexpected, end.fault.message
+    ('write_failed', True, "cannot store 'w' in m.pcache: RuntimeError('boom')")
+    >>> with ending() as end:
+    ...     raise Fault(HeapReason.LOCKED, errno_mod.EWOULDBLOCK, "locked by pid 7")
+    >>> end.fault.reason.value, end.unexpected
+    ('locked', False)
+    """
+    return Ending(reason, what, expected, scrub)

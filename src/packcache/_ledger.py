@@ -233,7 +233,7 @@ class Ledger:
             self.errno, self.error, self.error_time = fault.errno, fault.message, time.time()
         finally:
             self.seq = start + 2
-        return self.first(fault.reason.value)
+        return self.log_once(fault.reason.value)
 
     def report(self, reason: HeapReason, fault: Fault | None = None) -> None:
         """Count a request sent to heap for ``reason``: keep a failure's errno and message, and
@@ -243,7 +243,7 @@ class Ledger:
             # pinned by tests/test_ledger.py::test_failures_log_one_error_per_reason_per_cache
             if self.record_failure(fault):
                 self._log(reason, fault.message, fault.errno)
-        elif self.first(reason.value):
+        elif self.log_once(reason.value):
             self._log(reason, f"cache {self.path}")
 
     def _log(self, reason: HeapReason, message: str, err: int = 0) -> None:
@@ -275,7 +275,8 @@ class Ledger:
         finally:
             self.seq = start + 2
 
-    def first(self, what: str) -> bool:
+    def log_once(self, what: str) -> bool:
+        """True the first time ``what`` is asked about on this cache: the caller logs it then, and never again."""
         if what in self.logged:
             return False
         self.logged.add(what)

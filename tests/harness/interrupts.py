@@ -149,7 +149,7 @@ def trial(scenario, path, delay):
     result["usable"] = problem
     if problem is not None:  # leave this cache as it is (closing it could hang too) and stop the worker
         st = cache.stats()
-        result.update(fatal=True, state=st.state, last_error=st.error, owner=cache._seat.owner is not None,
+        result.update(fatal=True, state=st.state, last_error=st.error, owner=cache._owner.thread is not None,
                       session=cache._session is not None, locked=cache._store.locked if cache._store else None)
         return result
     result["wrong"] += same(again)
