@@ -27,7 +27,7 @@ Method (printed first when run):
   Inside packcache's timed load, two steps are timed as well by wrapping their functions (the
   packers' once-per-process kernel self-check, ``packers_torch._self_check``, which runs at the
   first forward since issue 23, so 0 in the load, and the model skeleton on ``meta``,
-  ``hf._skeleton``): where the time goes, from the same launches.
+  ``_hf_model._skeleton``): where the time goes, from the same launches.
 * Anonymous growth, in the same launches: ``smaps_rollup()["Anonymous"]`` after the load
   minus before it (``gc.collect()`` and ``release_free_heap()`` before each reading), as a
   share of the packed bytes (``mapped_bytes + heap_bytes`` of the cache's stats) for packcache
@@ -258,9 +258,9 @@ def _loader(spec: dict[str, Any]) -> Callable[[], Any]:
 def _time_phases(phases: dict[str, float]) -> None:
     """Time two steps inside packcache's load (the packers' once-per-process kernel self-check, the model
     skeleton on ``meta``) by wrapping the module functions: measurement only, a step that is renamed is skipped."""
-    from packcache import hf, packers_torch
+    from packcache import _hf_model, packers_torch
 
-    for module, name in ((packers_torch, "_self_check"), (hf, "_skeleton")):
+    for module, name in ((packers_torch, "_self_check"), (_hf_model, "_skeleton")):
         inner = getattr(module, name, None)
         if inner is None:
             continue

@@ -729,3 +729,30 @@ def test_a_table_is_mapped_and_a_lookup_dequantises_only_the_rows_it_reads(tmp_p
     file_usage = packcache.memory.file_mapping_usage(path)
     assert file_usage.anonymous == 0
     warm.close()
+
+
+# ------------------------------------------------------------------------- one public path for every class of a layer
+
+
+def test_a_converted_module_pickles_under_packcache_torch_and_answers_alike(tmp_path: Path) -> None:
+    """Every class a pickle of a converted module names (the packed layers, a tie's shared float weight, the
+    read-only hook) is named by its public path, ``packcache.torch``, whichever private module defines it: a
+    pickle does not depend on the package's inside. The copy answers alike and still refuses ``load_state_dict``."""
+    import pickle
+
+    path, _ = _tiny_lm(tmp_path)
+    model = _tiny_lm_skeleton()
+    report = convert(
+        model, packcache.WeightCache(None), Int8WeightOnly(), source=SafetensorsFile(path), embedding=Int8WeightOnly()
+    )
+    assert report.embeddings == ["embed"] and report.converted == ["head"]
+    assert {type(m).__module__ for m in model.modules() if isinstance(m, (PackedLinear, PackedEmbedding))} == {
+        "packcache.torch"
+    }
+    data = pickle.dumps(model)
+    assert b"packcache.torch" in data and b"packcache._" not in data
+    copy = pickle.loads(data)
+    with torch.no_grad():
+        assert torch.equal(copy(IDS), model(IDS))
+    with pytest.raises(RuntimeError, match="read-only"):
+        copy.load_state_dict(model.state_dict())

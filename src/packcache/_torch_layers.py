@@ -1,0 +1,418 @@
+"""Packed torch layers: ``PackedLinear`` and ``PackedEmbedding`` over read-only packed operands.
+
+A layer's operands are buffers without gradients, usually zero-copy views of the cache's read-only mapping;
+its packer (:mod:`packcache.packers_torch`) owns the forward. Because writing into such a view kills the
+process, a layer refuses ``load_state_dict`` (and :class:`_ReadOnlyTensors` does the same for a module whose
+parameters the cache serves), while ``state_dict`` writes the float weights of the module it replaced.
+Which modules become these layers is :mod:`packcache.torch`'s :func:`~packcache.torch.convert`; the public
+names are importable from there, and their ``__module__`` says so (pickles name ``packcache.torch``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .kernels import activation_dtype, int4_layout
+from .packers import Packer, Parts
+from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
+
+__all__ = [
+    "_READ_ONLY_HOOK",
+    "PackedEmbedding",
+    "PackedLinear",
+    "_ReadOnlyTensors",
+    "_SharedFloat",
+    "check_kernels",
+]
+
+
+class PackedLinear(nn.Module):
+    """A linear layer computing ``x @ W.T + b`` with its packer's forward over packed operands.
+
+    Build it with :meth:`from_parts`. The operands are buffers (no gradients), usually
+    zero-copy views of the cache mapping; ``bias`` is float32 or ``None``. The packer
+    (a :class:`~packcache.packers_torch.TorchPacker`) owns the forward; ``kernel_path``
+    (:mod:`packcache.kernels`) says which of its paths runs, and ``repr`` shows it with
+    the torch ops it calls. Inputs of any float dtype are accepted; the output has the
+    input's dtype (no conversion when it already is the path's dtype).
+
+    Its ``state_dict`` is the layer it replaced: ``weight`` (:meth:`float_weight`, float32,
+    ``[out, in]``, or ``[in, out]`` when ``transposed``) and ``bias``, never the packed operands,
+    which are non-persistent buffers in a kernel's layout no float model reads; a layer tied to the
+    input embeddings (:attr:`tied_weight`) writes the tie's one tensor, as the tied layer it replaced did.
+    ``load_state_dict`` into it raises ``RuntimeError``: its operands are read-only.
+    """
+
+    def __init__(
+        self, packer: TorchPacker, in_features: int, out_features: int, kernel_path: str, transposed: bool = False
+    ) -> None:
+        super().__init__()
+        # Plain attributes, set without nn.Module.__setattr__'s checks: this runs per layer on every warm load.
+        self.__dict__.update(
+            packer=packer, in_features=in_features, out_features=out_features, kernel_path=kernel_path,
+            transposed=transposed, _dtype=activation_dtype(kernel_path), _prepared=None, _tie=None,
+            training=False,  # inference only: its operands are read-only views of a file mapping
+        )  # fmt: skip
+        self.packer: TorchPacker
+        self.in_features: int
+        self.out_features: int
+        self.kernel_path: str
+        #: The replaced module stored its weight ``[in, out]`` (GPT-2's ``Conv1D``): ``state_dict`` writes it so.
+        self.transposed: bool
+        self._dtype: torch.dtype
+        self._prepared: dict[str, torch.Tensor | None] | None
+        self._tie: torch.Tensor | _SharedFloat | None
+
+    @property
+    def tied_weight(self) -> torch.Tensor | None:
+        """The float32 tensor this layer's weight is tied to (:func:`~packcache.torch.convert` ties a tied output
+        head): the embeddings' float32 parameter (fp32 embeddings), or the float32 weight of the
+        :class:`PackedEmbedding` whose pack this layer reads (``.weight``, the same tensor while anyone holds it).
+        What ``state_dict`` writes as its weight, so a saved model keeps the tie; ``None``: :meth:`float_weight`."""
+        tie = self._tie
+        return tie() if isinstance(tie, _SharedFloat) else tie
+
+    @classmethod
+    def from_parts(
+        cls,
+        packer: Packer,
+        parts: Parts,
+        bias: np.ndarray[Any, Any] | None,
+        *,
+        kernel_path: str | None = None,
+        transposed: bool = False,
+    ) -> PackedLinear:
+        """A layer over ``parts`` (a pack of ``packer``) and a float32 ``bias``; tensors are zero-copy views.
+
+        ``kernel_path``: ``"bf16"``, ``"fp32"``, or ``None``/``"auto"`` for this machine's rule
+        (see :mod:`packcache.kernels`; ``$PACKCACHE_KERNEL_PATH`` applies to ``None``).
+        ``transposed``: the layer replaces one that stores its weight ``[in, out]``; only what
+        ``state_dict`` writes depends on it.
+
+        The packer's kernel self-check on that path runs at the layer's first forward (or
+        :func:`check_kernels`), not here: a warm load only maps.
+
+        Raises:
+            TypeError: ``packer`` is not a torch packer (it has no forward).
+            ValueError: a path the packer does not have.
+        """
+        if not isinstance(packer, TorchPacker):
+            raise TypeError(f"PackedLinear has no kernel for packer {packer!r}: use a packcache.packers_torch packer")
+        out_features, in_features = packer.dims(parts)
+        path = packer.kernel_path(kernel_path)
+        layer = cls(packer, in_features, out_features, path, transposed)
+        dtypes = packer.part_dtypes()
+        # Straight into the buffer table (what register_buffer does after its name checks, which
+        # these fixed names pass): this runs for every layer of every warm load.
+        buffers = layer._buffers
+        for part, array in parts.items():
+            buffers[part] = as_tensor(array, dtypes.get(part))
+        buffers["bias"] = None if bias is None else as_tensor(bias)
+        layer._non_persistent_buffers_set.update(buffers)
+        return layer
+
+    def _operands(self) -> dict[str, torch.Tensor | None]:
+        prepared = self._prepared
+        if prepared is None:
+            # Derived once, at the first forward rather than at load: a warm load stays a mapping only. The kernel
+            # self-check comes first (once per process and path, a set lookup afterwards): no output of a kernel
+            # that misreads the layout is ever returned, and a load that never runs a layer pays nothing for it.
+            self.packer.check_path(self.kernel_path)
+            operands = {name: self._buffers[name] for name in (*self.packer.parts, "bias")}
+            prepared = self._prepared = self.packer.prepare(operands, self.kernel_path)
+        return prepared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` over the packed operands, in ``x``'s dtype.
+
+        Raises:
+            PackResultError: (at the first forward on a path, once per process) the packer's kernel fails
+                its self-check there: it misreads the layout the packer wrote.
+        """
+        flat = x.reshape(-1, self.in_features).to(self._dtype).contiguous()
+        y = self.packer.linear(self._operands(), flat, self.kernel_path)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def kernel(self, rows: int) -> str:
+        """The torch op this layer runs for an input of ``rows`` rows."""
+        return self.packer.kernel(self.kernel_path, rows)
+
+    def float_weight(self) -> torch.Tensor:
+        """The float32 ``[out_features, in_features]`` weight this layer multiplies by: its operands
+        dequantised exactly as its dequantising path does (the fused weight-only kernels, which run
+        for few rows, the ``bf16`` path and the bf16 scheme on every path also round the activations
+        to bfloat16). With the fp32 scheme the weight tensor itself (a read-only view); otherwise a
+        new tensor.
+
+        A packer other than the four of :mod:`packcache.packers_torch` is probed: its forward,
+        without bias, on the unit vectors.
+
+        >>> from packcache.packers_torch import Int8WeightOnly
+        >>> weight = np.array([[1.0, -2.0], [0.5, 0.25]], np.float32)
+        >>> layer = PackedLinear.from_parts(Int8WeightOnly(), Int8WeightOnly().pack(weight, "F32"), None)
+        >>> layer.float_weight().tolist()  # int8 codes times each row's scale: 2/127 and 0.5/127
+        [[1.0078740119934082, -2.0], [0.5, 0.25196850299835205]]
+        """
+        with torch.no_grad():
+            return _float_weight(self)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # What the replaced layer saved, so a checkpoint of a packed model is a float model's: the packed operands
+        # are non-persistent buffers, and a state dict of only them would hold no linear weight at all.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        tied = self.tied_weight
+        weight = tied if tied is not None else self.float_weight()
+        destination[prefix + "weight"] = weight.t().contiguous() if self.transposed else weight
+        bias = self._buffers["bias"]
+        if bias is not None:
+            destination[prefix + "bias"] = bias
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        names = ("weight",) if self._buffers["bias"] is None else ("weight", "bias")
+        _refuse_read_only(state_dict, prefix, names)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )  # fmt: skip
+        if strict:
+            missing_keys.extend(prefix + name for name in names)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, packer={self.packer!r}, "
+            f"kernel_path={self.kernel_path!r}, kernels={self.packer.kernels(self.kernel_path)!r}"
+        )
+
+
+def check_kernels(module: nn.Module) -> int:
+    """Run now the kernel self-check every :class:`PackedLinear` of ``module`` would run at its first forward
+    (once per process per packer and path): a service that wants a kernel misreading the layout to fail its
+    start, not its first request. Returns the number of packed layers (each check is a set lookup after the first).
+
+    Raises:
+        PackResultError: a packer's kernel fails its self-check on the path its layers run.
+
+    >>> from packcache import WeightCache
+    >>> from packcache.packers_torch import Int8WeightOnly
+    >>> from packcache.torch import convert
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    >>> _ = convert(model, WeightCache(None), Int8WeightOnly(), model_id="doctest")
+    >>> check_kernels(model)
+    1
+    """
+    layers = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    for layer in layers:
+        layer.packer.check_path(layer.kernel_path)
+    return len(layers)
+
+
+class _SharedFloat:
+    """The float32 weight of one packed embedding table, made when first asked and the same tensor while anyone
+    holds it (a weak reference): what every module of a tie writes in ``state_dict``, so ``save_pretrained`` sees
+    one tensor under each of the tie's names (as a float tied model has), and nothing is kept after saving."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor]) -> None:
+        self._compute = compute
+        self._ref: weakref.ref[torch.Tensor] | None = None
+
+    def __call__(self) -> torch.Tensor:
+        tensor = self._ref() if self._ref is not None else None
+        if tensor is None:
+            with torch.no_grad():
+                tensor = self._compute()
+            self._ref = weakref.ref(tensor)
+        return tensor
+
+    def __getstate__(self) -> dict[str, Any]:  # a weak reference cannot be pickled or deep-copied
+        return {"_compute": self._compute, "_ref": None}
+
+
+class PackedEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose table ``[num_embeddings, embedding_dim]`` is stored in the scheme's form: bf16, or
+    int8 rows with per-row scales (:data:`packcache.loader.EMBEDDING_PACKERS`), zero-copy over the cache mapping.
+
+    A lookup returns float32 rows, what the model's float32 forward expects: it gathers only the rows it reads
+    from the packed parts and widens (and scales) only those (:meth:`TorchPacker.rows
+    <packcache.packers_torch.TorchPacker.rows>`), bit for bit the rows of :meth:`float_weight`; no dequantised
+    table is ever made, at load or per call. ``num_embeddings``, ``embedding_dim`` and ``padding_idx`` are the
+    replaced module's (``padding_idx`` only matters to training, which a read-only table does not do).
+
+    ``weight`` is the whole table in float32 (:meth:`float_weight`, made when read and kept while anyone holds it):
+    for code that reads it, such as saving. Its ``state_dict`` is the module it replaced: ``weight``, float32,
+    under the source's name (a tied output head writes the same tensor). ``load_state_dict`` into it raises
+    ``RuntimeError``: its parts are read-only.
+    """
+
+    def __init__(self, packer: TorchPacker, num_embeddings: int, embedding_dim: int, padding_idx: int | None) -> None:
+        super().__init__()
+        self.__dict__.update(
+            packer=packer, num_embeddings=num_embeddings, embedding_dim=embedding_dim, padding_idx=padding_idx,
+            max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False, training=False,
+            _shared=_SharedFloat(self.float_weight),
+        )  # fmt: skip
+        self.packer: TorchPacker
+        self.num_embeddings: int
+        self.embedding_dim: int
+        self.padding_idx: int | None
+        self._shared: _SharedFloat
+
+    @classmethod
+    def from_parts(cls, packer: Packer, parts: Parts, *, padding_idx: int | None = None) -> PackedEmbedding:
+        """A table over ``parts`` (a pack of ``packer``, whose packs are embedding tables); tensors are zero-copy views.
+
+        Raises:
+            TypeError: ``packer`` does not pack embedding tables (:attr:`TorchPacker.embeds
+                <packcache.packers_torch.TorchPacker.embeds>`).
+        """
+        if not isinstance(packer, TorchPacker) or not packer.embeds:
+            raise TypeError(f"PackedEmbedding cannot look up rows of packer {packer!r}")
+        num_embeddings, embedding_dim = packer.dims(parts)
+        table = cls(packer, num_embeddings, embedding_dim, padding_idx)
+        dtypes = packer.part_dtypes()
+        buffers = table._buffers
+        for part, array in parts.items():
+            buffers[part] = as_tensor(array, dtypes.get(part))
+        table._non_persistent_buffers_set.update(buffers)
+        return table
+
+    def _operands(self) -> dict[str, torch.Tensor | None]:
+        return {name: self._buffers[name] for name in self.packer.parts}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows ``ids`` (``[*ids.shape, embedding_dim]``), dequantised one read row at a time."""
+        return self.packer.rows(self._operands(), ids)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table in float32 (:meth:`float_weight`), the same tensor while anyone holds it (or a tied
+        head's ``tied_weight``). It costs a dequantised copy of the table: a lookup never reads it."""
+        return self._shared()
+
+    def float_weight(self) -> torch.Tensor:
+        """The float32 ``[num_embeddings, embedding_dim]`` table this module looks rows up in: a new tensor (with
+        a float32 pack, the read-only view itself)."""
+        with torch.no_grad():
+            return self.packer.dequantized(self._operands())
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        _refuse_read_only(state_dict, prefix, ("weight",))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )  # fmt: skip
+        if strict:
+            missing_keys.append(prefix + "weight")
+
+    def extra_repr(self) -> str:
+        padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{padding}, packer={self.packer!r}"
+
+
+def _float_weight(layer: PackedLinear) -> torch.Tensor:
+    """:meth:`PackedLinear.float_weight`: each known packer's dequantisation, as its ``linear`` computes it."""
+    packer = layer.packer
+    operand = functools.partial(_operand, layer)
+    kind = type(packer)  # the exact class: a subclass may compute something else
+    if kind is LinearFloat32:
+        return operand("weight")
+    if kind is LinearBFloat16:
+        return operand("weight").float()
+    if kind is Int8WeightOnly:
+        return operand("weight").float().mul_(operand("scales")[:, None])
+    if kind is Int4WeightOnly and isinstance(packer, Int4WeightOnly) and int4_layout() is not None:
+        weight_t = packer.dequantized_t(
+            operand("weight"), operand("scales_and_zeros"), operand("input_scales"), torch.float32
+        )  # Int4WeightOnly.linear's per-call dequantisation
+        return weight_t.t().contiguous()
+    return _probed_weight(layer)  # a packer packcache does not know, or an int4 layout it cannot read
+
+
+def _operand(layer: PackedLinear, name: str) -> torch.Tensor:
+    tensor = layer._buffers[name]
+    if tensor is None:
+        raise ValueError(f"operand {name!r} is missing")
+    return tensor
+
+
+def _probed_weight(layer: PackedLinear) -> torch.Tensor:
+    """The weight of any packer's layer: its forward, without bias, on the unit vectors (``I @ W.T = W.T``), in
+    blocks of rows, past the packer's fused-kernel rows (its dequantising path, on ``fp32`` where it has it)."""
+    packer = layer.packer
+    path = "fp32" if "fp32" in packer.paths else layer.kernel_path
+    operands: dict[str, torch.Tensor | None] = {name: _operand(layer, name) for name in packer.parts}
+    operands["bias"] = None
+    prepared = packer.prepare(operands, path)
+    rows = max(256, packer.fused_max_rows.get(path, 0) + 1)
+    blocks = []
+    for start in range(0, layer.in_features, rows):
+        count = min(rows, layer.in_features - start)
+        probe = torch.zeros(rows, layer.in_features, dtype=activation_dtype(path))
+        probe[:count, start : start + count] = torch.eye(count)
+        blocks.append(packer.linear(prepared, probe, path)[:count].float())
+    return torch.cat(blocks).t().contiguous()
+
+
+def _refuse_read_only(state_dict: Mapping[str, Any], prefix: str, names: tuple[str, ...]) -> None:
+    """Raise before ``load_state_dict`` copies into a tensor served from the cache (a read-only mapping:
+    the copy would kill the process with SIGSEGV; a heap pack is the cache's own copy, which it serves again)."""
+    for name in names:
+        if prefix + name in state_dict:
+            raise RuntimeError(
+                f"cannot load {prefix + name!r}: packcache serves this model's weights from its cache, a read-only "
+                "file mapping, and load_state_dict would write into them. Load the state dict into a float model "
+                "of the same class (transformers' from_pretrained), or save it with save_pretrained and load that "
+                "directory with packcache.hf.from_pretrained"
+            )
+
+
+class _ReadOnlyTensors:
+    """A ``load_state_dict`` pre-hook of a module holding cache tensors (:func:`_refuse_read_only` for them).
+
+    A plain class, not a closure: modules keep their hooks when pickled or deep-copied."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def __call__(self, state_dict: Mapping[str, Any], prefix: str, *rest: Any) -> None:
+        _refuse_read_only(state_dict, prefix, self.names)
+
+
+#: The key of :class:`_ReadOnlyTensors` among a module's load pre-hooks (torch numbers its own from 0 up).
+_READ_ONLY_HOOK = -1
+
+
+# The public face is packcache.torch: reprs, help() and pickles name it, so a module pickled or saved whole
+# loads whichever private module defines its classes.
+for _public in (PackedLinear, PackedEmbedding, _SharedFloat, _ReadOnlyTensors):
+    _public.__module__ = "packcache.torch"
+del _public
+# doctest looks for a class's examples only in the module its __module__ names, and their methods' here:
+# name them here so that their examples run.
+__test__ = {_class.__name__: _class for _class in (PackedLinear, PackedEmbedding, _SharedFloat, _ReadOnlyTensors)}
