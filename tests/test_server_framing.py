@@ -29,7 +29,7 @@ from harness.serve import SRC
 _ECHO_SERVER = """
 import json
 from gunicorn.app.base import BaseApplication
-from packcache.server.app import Limits
+from packcache.server import Limits
 from packcache.server.worker import worker_class
 
 def app(environ, start_response):
