@@ -448,7 +448,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         conn.body = Body()  # the copy above is the application's; the budget stays held until it answers
         conn.state = State.APP
         lane = self.express if (conn.method, environ["PATH_INFO"]) in self.express_routes else self.main
-        request = Request(conn, environ, conn.method == "State.HEAD")
+        request = Request(conn, environ, conn.method == "HEAD")
         if isinstance(lane, GenerateLane):
             # A generation may wait and run for minutes: a client that closes meanwhile frees its slot.
             conn.generating = request
