@@ -101,9 +101,9 @@ _DONE = b"data: [DONE]\n\n"
 class Completion:
     """One generation request: its prompt and sampling (for the engine), and how to answer each output.
 
-    :meth:`take` is called with every :class:`~packcache.server.llm.Output` of the request, in order, from
+    :meth:`take` is called with every :class:`~packcache.server.sampling.Output` of the request, in order, from
     the engine's thread: a streamed request gets the bytes of its server-sent events (``b""`` when there is
-    nothing to send), a whole one ``None`` until its final output, then its :data:`~packcache.server.app.Answer`.
+    nothing to send), a whole one ``None`` until its final output, then its :data:`~packcache.server.wsgiapp.Answer`.
     """
 
     route: str
