@@ -551,7 +551,7 @@ def test_the_loader_rule_keeps_the_minilm_fast_path_for_checkpoints_of_its_shape
 ) -> None:
     from packcache import hf
     from packcache.models import minilm
-    from packcache.server.engines import choose_loader
+    from packcache.server.modelfiles import choose_loader
 
     assert choose_loader(None) == "minilm"
     assert choose_loader(str(minilm.default_model_path())) == "minilm"  # Transformer, mean pooling, Normalize
@@ -602,7 +602,7 @@ def test_the_loader_rule_keeps_the_minilm_fast_path_for_checkpoints_of_its_shape
 
 def test_the_transformer_folder_is_read_from_modules_json_and_must_stay_inside_the_model(tmp_path: Path) -> None:
     from packcache.errors import FormatError
-    from packcache.server.engines import transformer_folder_of
+    from packcache.server.modelfiles import transformer_folder_of
 
     assert transformer_folder_of(tmp_path) == ""  # a plain checkpoint
     ref = "sentence_transformers.models.Transformer"

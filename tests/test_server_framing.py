@@ -29,7 +29,7 @@ from harness.serve import SRC
 _ECHO_SERVER = """
 import json
 from gunicorn.app.base import BaseApplication
-from packcache.server.app import Limits
+from packcache.server import Limits
 from packcache.server.worker import worker_class
 
 def app(environ, start_response):
@@ -187,6 +187,23 @@ def test_an_absolute_form_target_reaches_the_application_as_its_path(port: int) 
     status, _, echo, _ = exchange(port, b"GET http://example.org/v1/models?x=2 HTTP/1.1\r\nHost: example.org\r\n"
                                         b"Connection: close\r\n\r\n")  # fmt: skip
     assert status == 200 and (echo["path"], echo["query"]) == ("/v1/models", "x=2"), echo
+
+
+def test_a_head_request_gets_its_answers_headers_and_no_body(port: int) -> None:
+    """A HEAD request's answer is the head a GET would get (its Content-Length included) and no body: the
+    next pipelined request's answer follows the blank line at once."""
+    with contextlib.closing(connect(port)) as sock:
+        sock.sendall(b"HEAD /h HTTP/1.1\r\nHost: t\r\n\r\nGET /after HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        data = b""
+        sock.settimeout(10)
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"\r\nContent-Length: " in head, data
+    assert rest.startswith(b"HTTP/1.1 200 "), data  # no body between the two answers
+    second, _, body = rest.partition(b"\r\n\r\n")  # the last answer: its body runs to the close
+    echo = json.loads(body)
+    assert (echo["method"], echo["path"]) == ("GET", "/after"), (second, echo)
 
 
 #: Chunks of 99, 500 and 500 bytes: the third one's size line takes the body past the 1000 bytes served.

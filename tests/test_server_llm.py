@@ -19,7 +19,9 @@ import pytest
 
 from harness.checkpoints import CHAT_TEMPLATE, tiny_bert, tiny_causal_lm, tiny_sentence_transformer
 from packcache.server.engines import EngineSpec
-from packcache.server.llm import INTERNALS, LLMEngine, Output, Sampling, _Detokenizer, is_causal_lm, load_llm
+from packcache.server.llm import INTERNALS, LLMEngine, is_causal_lm, load_llm
+from packcache.server.sampling import Detokenizer as _Detokenizer
+from packcache.server.sampling import Output, Sampling
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -305,7 +307,7 @@ def test_temperature_zero_is_greedy_whatever_top_p_and_seed(loaded: tuple[Any, A
 def test_sampling_follows_the_distribution_and_top_p_keeps_only_the_nucleus() -> None:
     from collections import Counter
 
-    from packcache.server.llm import _sample
+    from packcache.server.sampling import sample as _sample
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     generator = torch.Generator().manual_seed(0)

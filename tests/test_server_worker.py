@@ -449,7 +449,7 @@ def test_clients_sending_real_bytes_past_the_body_budget_lose_the_biggest_bodies
 _PLAIN_SERVER = """
 import os, sys, threading, time
 from gunicorn.app.base import BaseApplication
-from packcache.server.app import Limits
+from packcache.server import Limits
 from packcache.server.worker import worker_class
 
 def app(environ, start_response):

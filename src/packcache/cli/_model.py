@@ -94,7 +94,7 @@ def cache_file(args: argparse.Namespace, scheme: str, loader: str = "minilm") ->
 
     Raises:
         As :func:`packcache.models.minilm.default_cache_path` (or :func:`packcache.hf.default_cache_path` and
-        :func:`packcache.server.engines.transformer_folder_of`) for a missing or malformed checkpoint.
+        :func:`packcache.server.modelfiles.transformer_folder_of`) for a missing or malformed checkpoint.
     """
     if _model_file(args.model):
         return str(args.model)  # a cache file is its own cache, whatever --no-cache and --cache-dir say
@@ -109,7 +109,7 @@ def cache_file(args: argparse.Namespace, scheme: str, loader: str = "minilm") ->
         ))  # fmt: skip
     if loader == "hf":
         hf: Any = importlib.import_module("packcache.hf")
-        from ..server.engines import transformer_folder_of
+        from ..server.modelfiles import transformer_folder_of
 
         folder = os.path.join(args.model, transformer_folder_of(args.model))
         return str(hf.default_cache_path(folder, scheme, group_size=group_size or GROUP_SIZE, cache_dir=args.cache_dir))
@@ -171,7 +171,7 @@ def default_loader(checkpoint: str, auto_class: str = "AutoModel") -> tuple[str,
     """The loader of a checkpoint when none is given, the one rule of every command (``build``, ``fetch``; ``run``
     and ``serve`` map the MiniLM loader's file): ``minilm`` where the MiniLM loader reads the checkpoint
     (:func:`packcache.models.minilm.check_checkpoint`), the auto class is ``AutoModel`` and ``serve`` runs it on the
-    MiniLM engine (:func:`packcache.server.engines.choose_loader`), the file ``run`` and
+    MiniLM engine (:func:`packcache.server.modelfiles.choose_loader`), the file ``run`` and
     ``serve`` map (calibrated int4 included); else ``hf`` (any transformers architecture). So ``build``,
     ``publish`` and ``fetch`` with default flags name one file. Returns the loader and why (for the report).
     """
@@ -185,7 +185,7 @@ def default_loader(checkpoint: str, auto_class: str = "AutoModel") -> tuple[str,
         return "hf", f"the minilm loader needs the models extra ({exc})"
     except (ValueError, FormatError, OSError) as exc:
         return "hf", f"the minilm loader does not read it: {exc}"
-    from ..server.engines import choose_loader
+    from ..server.modelfiles import choose_loader
 
     # serve's own rule (pooling, prompts, truncation as sentence-transformers runs the model): a BERT the MiniLM
     # encoder reads but would pool otherwise is served by packcache.hf, so it is built by it too

@@ -52,7 +52,7 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
         return
     hf: Any = importlib.import_module("packcache.hf")
     from ..bundle import is_cache_file, open_bundle
-    from ..server.engines import transformer_folder_of
+    from ..server.modelfiles import transformer_folder_of
 
     if is_cache_file(args.model):
         with open_bundle(args.model) as bundle:
@@ -102,8 +102,8 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
             return EXIT_FAILED
     from ..server import Batching, EngineSpec, Limits, ServeOptions, serve, worker_threads
     from ..server.completions import Generation
-    from ..server.engines import choose_loader, model_id_of
     from ..server.llm import is_causal_lm
+    from ..server.modelfiles import choose_loader, model_id_of
 
     scheme, path, loader = "fp32", None, "minilm"
     model_id = args.served_model_name or model_id_of(args.model)  # the name as given, before a fetch replaces it

@@ -1,4 +1,4 @@
-"""The WSGI application of one worker: the OpenAI and TEI embedding APIs, today's ``POST /embed``, metrics, health.
+"""The WSGI application of an embedding worker: OpenAI's and TEI's embedding APIs and this server's ``POST /embed``.
 
 No web framework: a few routes, a JSON body, and checks that turn every bad request into a 4xx with a
 JSON error in the shape of the API it was sent to, instead of an exception in the worker.
@@ -22,7 +22,7 @@ JSON error in the shape of the API it was sent to, instead of an exception in th
   prefixes one of the model's prompts (the model's default prompt when it has one and none is named).
   Errors in TEI's shape and codes: ``{"error": "...", "error_type": "Validation"}`` with 413 (too many
   inputs, a text too long), 400 ``Empty`` (no input), 422 (a field of the wrong type).
-* ``POST /embed`` with ``{"texts": ["...", ...]}`` (this server's first shape) answers ``{"embeddings":
+* ``POST /embed`` with ``{"texts": ["...", ...]}`` (this server's own shape) answers ``{"embeddings":
   [[...], ...]}``: one L2-normalised float32 vector per text, in order; texts over ``max_tokens`` are
   truncated, as always. Refused with 400 and ``{"error": "..."}``: not an object with exactly the key
   ``texts``, texts that are not a list of strings. A body that is neither shape is answered in this one.
@@ -60,36 +60,20 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .._boundedjson import loads
-from ..errors import FormatError
 from .engines import Engine
+from .wsgiapp import Answer, Call, Limits, Refusal, WSGIApp, openai_error
 
-__all__ = ["Answer", "Batching", "EmbeddingApp", "Job", "Limits", "StartResponse"]
+__all__ = ["Batching", "EmbeddingApp", "Job"]
 
 logger = logging.getLogger("packcache.server")
 
-StartResponse = Callable[..., Any]
-#: An answer: the status line, headers, body.
-Answer = tuple[str, list[tuple[str, str]], bytes]
-
-_STATUS = {
-    200: "200 OK",
-    400: "400 Bad Request",
-    404: "404 Not Found",
-    405: "405 Method Not Allowed",
-    413: "413 Content Too Large",
-    422: "422 Unprocessable Content",
-    500: "500 Internal Server Error",
-}
-_METHODS = {
+_ROUTES = {
     "/embed": "POST",
     "/v1/embeddings": "POST",
     "/v1/models": "GET",
@@ -103,51 +87,13 @@ _TEI_KEYS = frozenset({"inputs", "normalize", "truncate", "truncation_direction"
 
 
 @dataclass(frozen=True)
-class Limits:
-    """What one request may ask for, and how long its client may take (:mod:`.worker` keeps the deadlines).
-
-    Attributes:
-        max_texts: texts per request (256: a batch that takes seconds, not minutes, on one core).
-        max_text_chars: characters per text (10,000; the model reads its first ``max_tokens`` tokens).
-        max_body_bytes: bytes of request body (4 MiB).
-        header_timeout: seconds for the request line and headers, from the connection being ready
-            for a request (accepted, or its previous response sent); then 408, or a quiet close
-            if nothing came.
-        body_timeout: seconds for the whole body, from the end of the headers; then 408.
-        send_timeout: seconds for the client to take the whole response; then the connection is closed.
-        auto_truncate: truncate texts over the model's ``max_tokens`` on the OpenAI and TEI routes instead
-            of refusing them (TEI's ``--auto-truncate``; a TEI request's ``truncate`` still wins).
-    """
-
-    max_texts: int = 256
-    max_text_chars: int = 10_000
-    max_body_bytes: int = 4 << 20
-    header_timeout: float = 10.0
-    body_timeout: float = 10.0
-    send_timeout: float = 10.0
-    auto_truncate: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_texts", "max_text_chars", "max_body_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Limits.{name} must be a positive integer, not {value!r}")
-        for name in ("header_timeout", "body_timeout", "send_timeout"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
-                raise ValueError(f"Limits.{name} must be seconds in (0, 3600], not {value!r}")  # NaN fails too
-        if not isinstance(self.auto_truncate, bool):
-            raise ValueError(f"Limits.auto_truncate must be True or False, not {self.auto_truncate!r}")
-
-
-@dataclass(frozen=True)
 class Batching:
     """How a worker merges concurrent requests into one forward (:mod:`.worker`).
 
     Attributes:
         max_batch_tokens: tokens per forward (each text's, at most the model's ``max_tokens``; TEI's
             ``--max-batch-tokens`` and default, 16384). A request over it alone still runs, alone.
-            0 turns batching off: one forward per request, as before.
+            0 turns batching off: one forward per request.
         batch_wait: seconds the model's thread may wait for more requests before a forward that still
             has room, and only while another connection of the worker could send one (1 ms): a lone
             client never waits. Requests that come while a forward runs join the next one without it.
@@ -169,16 +115,6 @@ class Batching:
         return self.max_batch_tokens > 0
 
 
-class _Refusal(Exception):
-    """A bad request. ``param``, ``kind``: OpenAI's ``param`` and ``code``, or TEI's ``error_type`` (``kind``)."""
-
-    def __init__(self, code: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
-        self.kind = kind
-
-
 @dataclass(eq=False)
 class Job:
     """One request's texts, waiting for a forward, and how to answer it (:meth:`EmbeddingApp.complete`).
@@ -198,14 +134,18 @@ class Job:
     answer: Callable[[np.ndarray[Any, Any]], bytes] = field(repr=False)
 
 
-class EmbeddingApp:
-    """The WSGI callable. ``metrics`` is a :class:`~packcache.server.metrics.WorkerMetrics` (or
-    anything with its ``publish``/``observe``); ``exposition`` returns the ``/metrics`` body and type.
+class EmbeddingApp(WSGIApp):
+    """The WSGI callable of an embedding worker (:class:`~packcache.server.wsgiapp.WSGIApp` holds what it shares
+    with the generation worker's).
 
     ``express_routes`` tells the worker (:mod:`.worker`) which requests never wait behind a batch.
-    :meth:`prepare` and :meth:`complete` are the two halves of :meth:`__call__` the worker's batcher uses.
+    :meth:`prepare` and :meth:`complete` are the two halves of a request the worker's batcher uses.
     """
 
+    methods = _ROUTES
+    shape = _LEGACY
+    engine: Engine
+    empty_body = 'send a JSON body: {"texts": ["..."]}, {"inputs": ...} or {"input": ...}'
     express_routes = frozenset({("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/info")})
 
     def __init__(
@@ -216,56 +156,28 @@ class EmbeddingApp:
         limits: Limits | None = None,
         batching: Batching | None = None,
     ) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.exposition = exposition
-        self.limits = limits or Limits()
         self.batching = batching or Batching()
-        self.pid = os.getpid()
-        self.created = int(time.time())
-        metrics.publish(engine.stats())
-
-    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        prepared = self.prepare(environ)
-        status, headers, body = self.complete([prepared])[0] if isinstance(prepared, Job) else prepared
-        start_response(status, headers)
-        return [body]
-
-    def refused(self, route: str, code: int, seconds: float) -> None:
-        """Count a request the worker answered itself (408, 413, ...), as :meth:`__call__` counts its own."""
-        self.metrics.observe(route if route in _METHODS else "other", code, seconds)
-
-    # ------------------------------------------------------------ the two halves of a request
+        super().__init__(engine, metrics, exposition, limits)
 
     def prepare(self, environ: dict[str, Any]) -> Answer | Job:
         """Read and check a request: its answer, or for an embedding request the :class:`Job` to run
         (:meth:`complete`). Never raises: a bad request is a 4xx answer, a failure a 500."""
-        started = time.perf_counter()
-        path = environ.get("PATH_INFO") or "/"
-        route = path if path in _METHODS else "other"
-        headers: list[tuple[str, str]] = []
-        api = _LEGACY
-        try:
-            if route == "other":
-                raise _Refusal(404, f"not found: the routes are {', '.join(f'{m} {p}' for p, m in _METHODS.items())}")
-            method = environ.get("REQUEST_METHOD", "GET")
-            if method != _METHODS[route]:
-                headers.append(("Allow", _METHODS[route]))
-                raise _Refusal(405, f"{route} takes {_METHODS[route]}, not {method[:16]}")
-            if route == "/v1/embeddings":
-                api = _OPENAI
-                return self._openai(self._json(environ), route, started)
-            if route == "/embed":
-                request = self._json(environ)
-                api = _TEI if isinstance(request, dict) and "inputs" in request else _LEGACY
-                return self._tei(request, route, started) if api == _TEI else self._legacy(request, route, started)
-            code, body, content_type = 200, *self._info(route)
-        except _Refusal as refusal:
-            code, body, content_type = refusal.code, _error(api, refusal), "application/json"
-        except Exception:  # a request must never take the worker down
-            logger.exception("packcache serve: %s %s failed", environ.get("REQUEST_METHOD"), route)
-            code, body, content_type = 500, _error(api, _internal()), "application/json"
-        return self._answer(route, code, body, content_type, headers, started)
+        prepared: Answer | Job = super().prepare(environ)
+        return prepared
+
+    def _request(self, route: str, environ: dict[str, Any], started: float, call: Call) -> Job:
+        if route == "/v1/embeddings":
+            call.shape = _OPENAI
+            return self._openai(self._json(environ), route, started)
+        request = self._json(environ)  # /embed: TEI's shape or this server's own
+        call.shape = _TEI if isinstance(request, dict) and "inputs" in request else _LEGACY
+        return self._tei(request, route, started) if call.shape == _TEI else self._legacy(request, route, started)
+
+    def _alone(self, prepared: Job) -> Answer:
+        return self.complete([prepared])[0]
+
+    def _error(self, shape: str, refusal: Refusal) -> bytes:
+        return _error(shape, refusal)
 
     def complete(self, jobs: Sequence[Job]) -> list[Answer]:
         """Embed every job's texts in one forward per ``normalize`` value, and answer each job.
@@ -308,16 +220,6 @@ class EmbeddingApp:
             answers.append(self._answer(job.route, code, body, "application/json", headers, job.started))
         return answers
 
-    def _answer(
-        self, route: str, code: int, body: bytes, content_type: str, headers: list[tuple[str, str]], started: float
-    ) -> Answer:
-        try:
-            self.metrics.observe(route, code, time.perf_counter() - started)
-            self.metrics.publish(self.engine.stats())
-        except Exception:  # metrics are reported, never a reason to fail the request
-            logger.exception("packcache serve: updating the metrics failed")
-        return _STATUS[code], [*headers, ("Content-Type", content_type), ("Content-Length", str(len(body)))], body
-
     def _count_forward(self, requests: int, texts: int, tokens: int) -> None:
         observe = getattr(self.metrics, "forward", None)
         if observe is not None:
@@ -328,48 +230,32 @@ class EmbeddingApp:
 
     # ------------------------------------------------------------ routes without the model
 
-    def _info(self, route: str) -> tuple[bytes, str]:
-        if route == "/metrics":
-            self.metrics.publish(self.engine.stats())
-            return self.exposition()
-        engine = self.engine
-        if route == "/healthz":
-            stats = engine.stats()
-            answer: dict[str, Any] = {
-                "status": "ok", "pid": self.pid, "engine": engine.name, "scheme": engine.scheme,
-                "state": stats.state if stats is not None else None,
-                "heap_reason": stats.heap_reason if stats is not None else None,
-            }  # fmt: skip
-        elif route == "/v1/models":
-            answer = {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": self.created,
-                                                  "owned_by": "packcache"}]}  # fmt: skip
-        else:  # /info, TEI's
-            from .. import __version__
+    def _other_info(self, route: str) -> dict[str, Any]:
+        """TEI's ``GET /info``, with the fields that apply."""
+        from .. import __version__
 
-            answer = {
-                "model_id": engine.model_id, "model_sha": None, "model_dtype": engine.scheme,
-                "model_type": {"embedding": {"pooling": None}}, "max_concurrent_requests": None,
-                "max_input_length": engine.max_tokens, "max_batch_tokens": self.batching.max_batch_tokens,
-                "max_batch_requests": None, "max_client_batch_size": self.limits.max_texts,
-                "auto_truncate": self.limits.auto_truncate, "tokenization_workers": 1,
-                "prompts": sorted(engine.prompts), "default_prompt_name": engine.default_prompt_name,
-                "dimension": engine.dimension, "engine": engine.name, "version": __version__,
-            }  # fmt: skip
-        return json.dumps(answer).encode(), "application/json"
+        engine = self.engine
+        return {
+            "model_id": engine.model_id, "model_sha": None, "model_dtype": engine.scheme,
+            "model_type": {"embedding": {"pooling": None}}, "max_concurrent_requests": None,
+            "max_input_length": engine.max_tokens, "max_batch_tokens": self.batching.max_batch_tokens,
+            "max_batch_requests": None, "max_client_batch_size": self.limits.max_texts,
+            "auto_truncate": self.limits.auto_truncate, "tokenization_workers": 1,
+            "prompts": sorted(engine.prompts), "default_prompt_name": engine.default_prompt_name,
+            "dimension": engine.dimension, "engine": engine.name, "version": __version__,
+        }  # fmt: skip
 
     # ------------------------------------------------------------ the three request shapes
 
     def _legacy(self, request: Any, route: str, started: float) -> Job:
         if not isinstance(request, dict) or set(request) != {"texts"}:
             keys = [key[:40] for key in sorted(request)[:5]] if isinstance(request, dict) else None
-            raise _Refusal(
-                400, f'expected an object with exactly the key "texts", got {keys or type(request).__name__}'
-            )
+            raise Refusal(400, f'expected an object with exactly the key "texts", got {keys or type(request).__name__}')
         texts = request["texts"]
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise _Refusal(400, '"texts" must be a list of strings')
+            raise Refusal(400, '"texts" must be a list of strings')
         if len(texts) > self.limits.max_texts:
-            raise _Refusal(400, f"{len(texts)} texts; at most {self.limits.max_texts} per request", param="texts")
+            raise Refusal(400, f"{len(texts)} texts; at most {self.limits.max_texts} per request", param="texts")
         self._check_texts(texts, "texts", 400)
         final = self._prompted(texts, None)
         counts = self.engine.tokens(final) if final else []
@@ -382,32 +268,32 @@ class EmbeddingApp:
     def _tei(self, request: dict[str, Any], route: str, started: float) -> Job:
         unknown = sorted(set(request) - _TEI_KEYS)
         if unknown:
-            raise _Refusal(422, f"unknown field {unknown[0][:40]!r}: TEI's /embed takes {', '.join(sorted(_TEI_KEYS))}",
+            raise Refusal(422, f"unknown field {unknown[0][:40]!r}: TEI's /embed takes {', '.join(sorted(_TEI_KEYS))}",
                            kind="Validation")  # fmt: skip
         inputs = request["inputs"]
         texts = [inputs] if isinstance(inputs, str) else inputs
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise _Refusal(422, "`inputs` must be a string or a list of strings (token ids are not served)",
+            raise Refusal(422, "`inputs` must be a string or a list of strings (token ids are not served)",
                            kind="Validation")  # fmt: skip
         if not texts:
-            raise _Refusal(400, "`inputs` cannot be empty", kind="Empty")
+            raise Refusal(400, "`inputs` cannot be empty", kind="Empty")
         normalize = self._flag(request, "normalize", True)
         truncate = self._flag(request, "truncate", self.limits.auto_truncate)
         direction = request.get("truncation_direction")
         if direction is not None and direction not in ("Right", "right"):
-            raise _Refusal(422, "`truncation_direction` must be \"Right\": this server truncates the end of a text",
+            raise Refusal(422, "`truncation_direction` must be \"Right\": this server truncates the end of a text",
                            kind="Validation")  # fmt: skip
         if len(texts) > self.limits.max_texts:
-            raise _Refusal(413, f"batch size {len(texts)} > maximum allowed batch size {self.limits.max_texts}",
+            raise Refusal(413, f"batch size {len(texts)} > maximum allowed batch size {self.limits.max_texts}",
                            kind="Validation")  # fmt: skip
         self._check_texts(texts, "inputs", 413)
         prompt = request.get("prompt_name")
         if prompt is not None and not isinstance(prompt, str):
-            raise _Refusal(422, "`prompt_name` must be a string or null", kind="Validation")
+            raise Refusal(422, "`prompt_name` must be a string or null", kind="Validation")
         final = self._prompted(texts, prompt)
         counts = self.engine.tokens(final)
         if not truncate:
-            self._refuse_long(counts, lambda i, n, m: _Refusal(
+            self._refuse_long(counts, lambda i, n, m: Refusal(
                 413, f"Input validation error: `inputs` must have less than {m + 1} tokens. Given: {n} (input {i}; "
                 "send \"truncate\": true to keep the first tokens)", kind="Validation"))  # fmt: skip
 
@@ -418,50 +304,41 @@ class EmbeddingApp:
 
     def _openai(self, request: Any, route: str, started: float) -> Job:
         if not isinstance(request, dict):
-            raise _Refusal(400, f"the body must be a JSON object, not {type(request).__name__}")
-        unknown = sorted(set(request) - _OPENAI_KEYS)
-        if unknown:
-            raise _Refusal(400, f"Unrecognized request argument supplied: {unknown[0][:40]}", param=unknown[0][:40])
+            raise Refusal(400, f"the body must be a JSON object, not {type(request).__name__}")
+        self._check_fields(request, _OPENAI_KEYS)
         if "input" not in request:
-            raise _Refusal(400, "'input' is a required property", param="input")
-        model = request.get("model")
-        if model is not None and model != self.engine.model_id:
-            served = f"this server serves {self.engine.model_id!r} (GET /v1/models)"
-            raise _Refusal(
-                404, f"The model {str(model)[:100]!r} does not exist: {served}", param="model", kind="model_not_found"
-            )
+            raise Refusal(400, "'input' is a required property", param="input")
+        self._check_model(request)
         inputs = request["input"]
         texts = [inputs] if isinstance(inputs, str) else inputs
         if isinstance(texts, list) and texts and all(isinstance(t, (int, list)) for t in texts):
-            raise _Refusal(400, "token-id input is not served: send the text (a string or a list of strings)",
+            raise Refusal(400, "token-id input is not served: send the text (a string or a list of strings)",
                            param="input")  # fmt: skip
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise _Refusal(400, "'input' must be a string or a list of strings", param="input")
+            raise Refusal(400, "'input' must be a string or a list of strings", param="input")
         if not texts:
-            raise _Refusal(400, "'input' must not be an empty list", param="input")
+            raise Refusal(400, "'input' must not be an empty list", param="input")
         if any(not t for t in texts):
-            raise _Refusal(400, "'input' must not contain an empty string", param="input")
+            raise Refusal(400, "'input' must not contain an empty string", param="input")
         if len(texts) > self.limits.max_texts:
-            raise _Refusal(400, f"{len(texts)} inputs; at most {self.limits.max_texts} per request", param="input")
+            raise Refusal(400, f"{len(texts)} inputs; at most {self.limits.max_texts} per request", param="input")
         self._check_texts(texts, "input", 400)
         encoding = request.get("encoding_format", "float")
         if encoding not in ("float", "base64"):
-            raise _Refusal(400, f"'encoding_format' must be 'float' or 'base64', not {str(encoding)[:40]!r}",
+            raise Refusal(400, f"'encoding_format' must be 'float' or 'base64', not {str(encoding)[:40]!r}",
                            param="encoding_format")  # fmt: skip
         dimensions = request.get("dimensions")
         width = self.engine.dimension
         if dimensions is not None and (
             not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= width
         ):
-            raise _Refusal(400, f"'dimensions' must be an integer from 1 to the model's {width}, not "
+            raise Refusal(400, f"'dimensions' must be an integer from 1 to the model's {width}, not "
                            f"{str(dimensions)[:40]}", param="dimensions")  # fmt: skip
-        user = request.get("user")
-        if user is not None and not isinstance(user, str):
-            raise _Refusal(400, "'user' must be a string", param="user")
+        self._check_user(request)
         final = self._prompted(texts, None)
         counts = self.engine.tokens(final)
         if not self.limits.auto_truncate:
-            self._refuse_long(counts, lambda i, n, m: _Refusal(
+            self._refuse_long(counts, lambda i, n, m: Refusal(
                 400, f"This model's maximum context length is {m} tokens, however input {i} has {n} tokens; "
                 "shorten it (or run the server with --auto-truncate)", param="input",
                 kind="context_length_exceeded"))  # fmt: skip
@@ -488,44 +365,19 @@ class EmbeddingApp:
 
     # ------------------------------------------------------------ checks
 
-    def _json(self, environ: dict[str, Any]) -> Any:
-        try:
-            return loads(self._body(environ), what="request body", max_depth=4)
-        except FormatError as exc:
-            raise _Refusal(400, str(exc)) from None
-
-    def _body(self, environ: dict[str, Any]) -> bytes:
-        limit = self.limits.max_body_bytes
-        length_text = environ.get("CONTENT_LENGTH") or ""
-        stream = environ["wsgi.input"]
-        if length_text:
-            if not length_text.isdigit() or len(length_text) > 18:
-                raise _Refusal(400, "Content-Length is not a byte count")
-            length = int(length_text)
-            if length > limit:
-                raise _Refusal(413, f"the body is {length} bytes; at most {limit} are accepted")
-            body: bytes = stream.read(length)
-        else:
-            body = stream.read(limit + 1)  # chunked: read one byte past the limit to know
-            if len(body) > limit:
-                raise _Refusal(413, f"the body is over {limit} bytes")
-        if not body:
-            raise _Refusal(400, 'send a JSON body: {"texts": ["..."]}, {"inputs": ...} or {"input": ...}')
-        return body
-
     def _check_texts(self, texts: list[str], name: str, status: int) -> None:
         """Each text within ``max_text_chars`` and encodable (the count is each route's own check, in its words)."""
         limits = self.limits
         for index, text in enumerate(texts):
             if len(text) > limits.max_text_chars:
-                raise _Refusal(
+                raise Refusal(
                     status, f"text {index} has {len(text)} characters; at most {limits.max_text_chars}", param=name,
                     kind="Validation",
                 )  # fmt: skip
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
-                raise _Refusal(
+                raise Refusal(
                     status if status == 400 else 422, f"text {index} is not valid Unicode (a lone surrogate)",
                     param=name, kind="Validation",
                 ) from None  # fmt: skip
@@ -535,7 +387,7 @@ class EmbeddingApp:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise _Refusal(422, f"`{name}` must be true or false", kind="Validation")
+            raise Refusal(422, f"`{name}` must be true or false", kind="Validation")
         return value
 
     def _prompted(self, texts: list[str], prompt_name: str | None) -> list[str]:
@@ -548,11 +400,11 @@ class EmbeddingApp:
         if name not in engine.prompts:
             known = ", ".join(sorted(engine.prompts)) or "none"
             message = f"prompt {name[:40]!r} is not one of the model's prompts ({known})"
-            raise _Refusal(422 if prompt_name is not None else 500, message, kind="Validation")
+            raise Refusal(422 if prompt_name is not None else 500, message, kind="Validation")
         prefix = engine.prompts[name]
         return [prefix + text for text in texts] if prefix else texts
 
-    def _refuse_long(self, counts: list[int], refusal: Callable[[int, int, int], _Refusal]) -> None:
+    def _refuse_long(self, counts: list[int], refusal: Callable[[int, int, int], Refusal]) -> None:
         limit = self.engine.max_tokens
         for index, count in enumerate(counts):
             if count > limit:
@@ -568,16 +420,13 @@ def _empty(engine: Engine) -> np.ndarray[Any, Any]:
     return np.zeros((0, engine.dimension), dtype=np.float32)
 
 
-def _internal() -> _Refusal:
-    return _Refusal(500, "internal error (logged by the worker)", kind="Backend")
+def _internal() -> Refusal:
+    return Refusal(500, "internal error (logged by the worker)", kind="Backend")
 
 
-def _error(api: str, refusal: _Refusal) -> bytes:
-    message = str(refusal)
+def _error(api: str, refusal: Refusal) -> bytes:
     if api == _OPENAI:
-        kind = "server_error" if refusal.code >= 500 else "invalid_request_error"
-        code = refusal.kind if refusal.kind not in (None, "Validation", "Backend", "Empty") else None
-        return json.dumps({"error": {"message": message, "type": kind, "param": refusal.param, "code": code}}).encode()
+        return openai_error(refusal)
     if api == _TEI:
-        return json.dumps({"error": message, "error_type": refusal.kind or "Validation"}).encode()
-    return json.dumps({"error": message}).encode()
+        return json.dumps({"error": str(refusal), "error_type": refusal.kind or "Validation"}).encode()
+    return json.dumps({"error": str(refusal)}).encode()

@@ -36,30 +36,23 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from .._boundedjson import loads
-from ..errors import FormatError
-from .app import Answer, Limits, StartResponse
-from .llm import LLMEngine, Output, Sampling
+from .llm import LLMEngine
+from .sampling import Output, Sampling
+from .wsgiapp import Answer, Call, Limits, Refusal, WSGIApp, openai_error
 
 __all__ = ["Completion", "CompletionApp", "Generation"]
 
 logger = logging.getLogger("packcache.server")
 
-_STATUS = {
-    200: "200 OK", 400: "400 Bad Request", 404: "404 Not Found", 405: "405 Method Not Allowed",
-    413: "413 Content Too Large", 500: "500 Internal Server Error",
-}  # fmt: skip
 _CHAT, _TEXT = "/v1/chat/completions", "/v1/completions"
-_METHODS = {_CHAT: "POST", _TEXT: "POST", "/v1/models": "GET", "/metrics": "GET", "/healthz": "GET"}
 _SAMPLING_KEYS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n", "user",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
@@ -97,18 +90,6 @@ class Generation:
             raise ValueError(f"Generation.max_tokens must be a positive integer, not {value!r}")
 
 
-class _Refusal(Exception):
-    def __init__(self, code: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.param, self.kind = code, param, kind
-
-
-def _error(refusal: _Refusal) -> bytes:
-    kind = "server_error" if refusal.code >= 500 else "invalid_request_error"
-    error = {"message": str(refusal), "type": kind, "param": refusal.param, "code": refusal.kind}
-    return json.dumps({"error": error}).encode()
-
-
 def _event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
@@ -120,9 +101,9 @@ _DONE = b"data: [DONE]\n\n"
 class Completion:
     """One generation request: its prompt and sampling (for the engine), and how to answer each output.
 
-    :meth:`take` is called with every :class:`~packcache.server.llm.Output` of the request, in order, from
+    :meth:`take` is called with every :class:`~packcache.server.sampling.Output` of the request, in order, from
     the engine's thread: a streamed request gets the bytes of its server-sent events (``b""`` when there is
-    nothing to send), a whole one ``None`` until its final output, then its :data:`~packcache.server.app.Answer`.
+    nothing to send), a whole one ``None`` until its final output, then its :data:`~packcache.server.wsgiapp.Answer`.
     """
 
     route: str
@@ -158,8 +139,8 @@ class Completion:
             if self.stream:
                 return _event({"error": {"message": "internal error (logged by the worker)", "type": "server_error",
                                          "param": None, "code": None}}) + _DONE  # fmt: skip
-            return self.app._answer(self.route, 500, _error(_Refusal(500, "internal error (logged by the worker)")),
-                                    "application/json", [], self.started)  # fmt: skip
+            internal = openai_error(Refusal(500, "internal error (logged by the worker)"))
+            return self.app._answer(self.route, 500, internal, "application/json", [], self.started)
 
     def _take(self, output: Output) -> bytes | Answer | None:
         now = time.perf_counter()
@@ -172,7 +153,7 @@ class Completion:
                 return None
             if output.finish_reason in ("error", "cancelled"):
                 message = output.error or "the generation was cancelled: the server is stopping"
-                return self.app._answer(self.route, 500, _error(_Refusal(500, message)), "application/json", [],
+                return self.app._answer(self.route, 500, openai_error(Refusal(500, message)), "application/json", [],
                                         self.started)  # fmt: skip
             return self.app._answer(self.route, 200, self._whole(output), "application/json",
                                     [("X-Packcache-Worker", str(self.app.pid))], self.started)  # fmt: skip
@@ -228,13 +209,23 @@ class Completion:
         return json.dumps(body, ensure_ascii=False).encode()
 
 
-class CompletionApp:
-    """The WSGI callable of a generation worker. ``metrics`` is a :class:`~packcache.server.metrics.WorkerMetrics`.
+class CompletionApp(WSGIApp):
+    """The WSGI callable of a generation worker (:class:`~packcache.server.wsgiapp.WSGIApp` holds what it shares
+    with the embedding worker's). ``metrics`` is a :class:`~packcache.server.metrics.WorkerMetrics`.
 
     ``express_routes`` never wait for the engine; ``generation_routes`` are what the worker hands the engine
     (through :meth:`prepare` and :meth:`Completion.take`).
     """
 
+    methods: ClassVar[dict[str, str]] = {
+        _CHAT: "POST",
+        _TEXT: "POST",
+        "/v1/models": "GET",
+        "/metrics": "GET",
+        "/healthz": "GET",
+    }
+    max_json_depth = 6
+    engine: LLMEngine
     express_routes = frozenset({("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/v1/models")})
     generation_routes = frozenset({("POST", _CHAT), ("POST", _TEXT)})
 
@@ -246,69 +237,29 @@ class CompletionApp:
         limits: Limits | None = None,
         generation: Generation | None = None,
     ) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.exposition = exposition
-        self.limits = limits or Limits()
         self.generation = generation or Generation()
-        self.pid = os.getpid()
-        self.created = int(time.time())
         self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last RATE_WINDOW seconds
         self._recent_lock = threading.Lock()
-        metrics.publish(engine.stats())
-
-    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        prepared = self.prepare(environ)
-        if isinstance(prepared, Completion):  # only packcache serve's worker runs the engine's loop
-            prepared = self._answer(prepared.route, 500, _error(_Refusal(
-                500, "generation needs packcache serve's worker (the engine runs in its main thread)"
-            )), "application/json", [], prepared.started)  # fmt: skip
-        status, headers, body = prepared
-        start_response(status, headers)
-        return [body]
-
-    def refused(self, route: str, code: int, seconds: float) -> None:
-        """Count a request the worker answered itself (408, 413, ...)."""
-        self.metrics.observe(route if route in _METHODS else "other", code, seconds)
+        super().__init__(engine, metrics, exposition, limits)
 
     def prepare(self, environ: dict[str, Any]) -> Answer | Completion:
         """Read and check a request: its answer, or the :class:`Completion` to generate. Never raises."""
-        started = time.perf_counter()
-        path = environ.get("PATH_INFO") or "/"
-        route = path if path in _METHODS else "other"
-        headers: list[tuple[str, str]] = []
-        try:
-            if route == "other":
-                raise _Refusal(404, f"not found: the routes are {', '.join(f'{m} {p}' for p, m in _METHODS.items())}")
-            method = environ.get("REQUEST_METHOD", "GET")
-            if method != _METHODS[route]:
-                headers.append(("Allow", _METHODS[route]))
-                raise _Refusal(405, f"{route} takes {_METHODS[route]}, not {method[:16]}")
-            if route in (_CHAT, _TEXT):
-                return self._completion(route, self._json(environ), started)
-            code, body, content_type = 200, *self._info(route)
-        except _Refusal as refusal:
-            code, body, content_type = refusal.code, _error(refusal), "application/json"
-        except Exception:  # a request must never take the worker down
-            logger.exception("packcache serve: %s %s failed", environ.get("REQUEST_METHOD"), route)
-            code, body, content_type = 500, _error(_Refusal(500, "internal error (logged by the worker)")), \
-                "application/json"  # fmt: skip
-        return self._answer(route, code, body, content_type, headers, started)
+        prepared: Answer | Completion = super().prepare(environ)
+        return prepared
+
+    def _request(self, route: str, environ: dict[str, Any], started: float, call: Call) -> Completion:
+        request = self._json(environ)
+        if not isinstance(request, dict):
+            raise Refusal(400, f"the body must be a JSON object, not {type(request).__name__}")
+        return self._completion(route, request, started)
+
+    def _alone(self, prepared: Completion) -> Answer:
+        # only packcache serve's worker runs the engine's loop
+        return self._answer(prepared.route, 500, openai_error(Refusal(
+            500, "generation needs packcache serve's worker (the engine runs in its main thread)"
+        )), "application/json", [], prepared.started)  # fmt: skip
 
     # ------------------------------------------------------------ answers and figures
-
-    def _answer(
-        self, route: str, code: int, body: bytes, content_type: str, headers: list[tuple[str, str]], started: float
-    ) -> Answer:
-        self._observe(route, code, started)
-        return _STATUS[code], [*headers, ("Content-Type", content_type), ("Content-Length", str(len(body)))], body
-
-    def _observe(self, route: str, code: int, started: float) -> None:
-        try:
-            self.metrics.observe(route, code, time.perf_counter() - started)
-            self.metrics.publish(self.engine.stats())
-        except Exception:  # metrics are reported, never a reason to fail the request
-            logger.exception("packcache serve: updating the metrics failed")
 
     def _count(self, completion: Completion, output: Output, now: float) -> None:
         """Tokens in and out, time to first token, and the worker's recent rate, for ``output``."""
@@ -336,71 +287,31 @@ class CompletionApp:
                 self._recent.popleft()
             return sum(n for _, n in self._recent) / RATE_WINDOW
 
-    def _info(self, route: str) -> tuple[bytes, str]:
-        engine = self.engine
-        if route == "/metrics":
-            with_rate = getattr(self.metrics, "generated", None)
-            if with_rate is not None:
-                with_rate(prompt_tokens=0, completion_tokens=0, first_token_seconds=None,
-                          rate=self._rate(time.perf_counter(), 0))  # fmt: skip
-            self.metrics.publish(engine.stats())
-            return self.exposition()
-        if route == "/healthz":
-            stats = engine.stats()
-            answer: dict[str, Any] = {
-                "status": "ok", "pid": self.pid, "engine": engine.name, "scheme": engine.scheme,
-                "state": stats.state if stats is not None else None,
-                "heap_reason": stats.heap_reason if stats is not None else None,
-            }  # fmt: skip
-        else:  # /v1/models
-            answer = {"object": "list", "data": [{
-                "id": engine.model_id, "object": "model", "created": self.created, "owned_by": "packcache",
-                "max_model_len": engine.max_model_len,
-            }]}  # fmt: skip
-        return json.dumps(answer).encode(), "application/json"
+    def _refresh(self) -> None:
+        with_rate = getattr(self.metrics, "generated", None)
+        if with_rate is not None:  # the recent rate decays while nothing is generated
+            with_rate(prompt_tokens=0, completion_tokens=0, first_token_seconds=None,
+                      rate=self._rate(time.perf_counter(), 0))  # fmt: skip
+
+    def _model_card(self) -> dict[str, Any]:
+        return {**super()._model_card(), "max_model_len": self.engine.max_model_len}
 
     # ------------------------------------------------------------ requests
-
-    def _json(self, environ: dict[str, Any]) -> Any:
-        limit = self.limits.max_body_bytes
-        length_text = environ.get("CONTENT_LENGTH") or ""
-        stream = environ["wsgi.input"]
-        if length_text and (not length_text.isdigit() or len(length_text) > 18):
-            raise _Refusal(400, "Content-Length is not a byte count")
-        body: bytes = stream.read(min(int(length_text), limit + 1) if length_text else limit + 1)
-        if len(body) > limit:
-            raise _Refusal(413, f"the body is over {limit} bytes")
-        if not body:
-            raise _Refusal(400, "send a JSON body")
-        try:
-            request = loads(body, what="request body", max_depth=6)
-        except FormatError as exc:
-            raise _Refusal(400, str(exc)) from None
-        if not isinstance(request, dict):
-            raise _Refusal(400, f"the body must be a JSON object, not {type(request).__name__}")
-        return request
 
     def _completion(self, route: str, request: dict[str, Any], started: float) -> Completion:
         chat = route == _CHAT
         allowed = _CHAT_KEYS if chat else _TEXT_KEYS
-        unknown = sorted(set(request) - allowed)
-        if unknown:
-            raise _Refusal(400, f"Unrecognized request argument supplied: {unknown[0][:40]}", param=unknown[0][:40])
+        self._check_fields(request, allowed)
         for name, defaults in _UNSERVED.items():
             value = request.get(name)
             if name in request and not any(value == d and type(value) is type(d) for d in defaults):
-                raise _Refusal(400, f"'{name}' is not served by this server (only its default: "
+                raise Refusal(400, f"'{name}' is not served by this server (only its default: "
                                f"{defaults[0]!r})", param=name)  # fmt: skip
-        model = request.get("model")
-        if model is not None and model != self.engine.model_id:
-            served = f"this server serves {self.engine.model_id!r} (GET /v1/models)"
-            raise _Refusal(
-                404, f"The model {str(model)[:100]!r} does not exist: {served}", param="model", kind="model_not_found"
-            )
+        self._check_model(request)
         prompt = self._chat_prompt(request) if chat else self._text_prompt(request)
         limit = self.engine.max_model_len
         if len(prompt) >= limit:
-            raise _Refusal(400, f"This model's maximum context length is {limit} tokens, however the prompt has "
+            raise Refusal(400, f"This model's maximum context length is {limit} tokens, however the prompt has "
                            f"{len(prompt)} tokens", param="messages" if chat else "prompt",
                            kind="context_length_exceeded")  # fmt: skip
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -411,25 +322,23 @@ class CompletionApp:
         else:
             name = next(n for n in names if request.get(n) is not None)
             if not isinstance(asked, int) or isinstance(asked, bool) or not 1 <= asked <= bound:
-                raise _Refusal(400, f"'{name}' must be an integer from 1 to {bound}, not {str(asked)[:40]}",
+                raise Refusal(400, f"'{name}' must be an integer from 1 to {bound}, not {str(asked)[:40]}",
                                param=name)  # fmt: skip
             max_tokens = asked
             if len(prompt) + max_tokens > limit:
-                raise _Refusal(400, f"This model's maximum context length is {limit} tokens, however you requested "
+                raise Refusal(400, f"This model's maximum context length is {limit} tokens, however you requested "
                                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} for "
                                "the completion)", param=name, kind="context_length_exceeded")  # fmt: skip
         stream = request.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
-            raise _Refusal(400, "'stream' must be true or false", param="stream")
+            raise Refusal(400, "'stream' must be true or false", param="stream")
         options = request.get("stream_options")
         include_usage = False
         if options is not None:
             if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-                raise _Refusal(400, "'stream_options' must be an object with 'include_usage'", param="stream_options")
+                raise Refusal(400, "'stream_options' must be an object with 'include_usage'", param="stream_options")
             include_usage = options.get("include_usage") is True
-        user = request.get("user")
-        if user is not None and not isinstance(user, str):
-            raise _Refusal(400, "'user' must be a string", param="user")
+        self._check_user(request)
         sampling = Sampling(
             max_tokens=max_tokens, temperature=_number(request, "temperature", 1.0, 0.0, 2.0, low_open=False),
             top_p=_number(request, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=_seed(request), stop=_stops(request),
@@ -439,44 +348,44 @@ class CompletionApp:
     def _chat_prompt(self, request: dict[str, Any]) -> list[int]:
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _Refusal(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects",
+            raise Refusal(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects",
                            param="messages")  # fmt: skip
         if len(messages) > MAX_MESSAGES:
-            raise _Refusal(400, f"{len(messages)} messages; at most {MAX_MESSAGES}", param="messages")
+            raise Refusal(400, f"{len(messages)} messages; at most {MAX_MESSAGES}", param="messages")
         plain = []
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise _Refusal(400, f"messages[{index}] must be an object with a string 'role'", param="messages")
+                raise Refusal(400, f"messages[{index}] must be an object with a string 'role'", param="messages")
             unknown = sorted(set(message) - {"role", "content", "name"})
             if unknown:
-                raise _Refusal(400, f"messages[{index}] has {unknown[0][:40]!r}: only role, content and name are "
+                raise Refusal(400, f"messages[{index}] has {unknown[0][:40]!r}: only role, content and name are "
                                "served", param="messages")  # fmt: skip
             plain.append({"role": message["role"], "content": _content(message.get("content"), index)})
         try:
             return self.engine.chat_prompt(plain)
         except ValueError as exc:
-            raise _Refusal(400, str(exc), param="messages") from None
+            raise Refusal(400, str(exc), param="messages") from None
 
     def _text_prompt(self, request: dict[str, Any]) -> list[int]:
         if "prompt" not in request:
-            raise _Refusal(400, "'prompt' is a required property", param="prompt")
+            raise Refusal(400, "'prompt' is a required property", param="prompt")
         prompt = request["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a list: OpenAI's clients send this shape too
         if isinstance(prompt, str):
             if len(prompt) > self.limits.max_body_bytes:
-                raise _Refusal(400, "'prompt' is too long", param="prompt")
+                raise Refusal(400, "'prompt' is too long", param="prompt")
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError:
-                raise _Refusal(400, "'prompt' is not valid Unicode (a lone surrogate)", param="prompt") from None
+                raise Refusal(400, "'prompt' is not valid Unicode (a lone surrogate)", param="prompt") from None
             return self.engine.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocabulary = self.engine.vocab_size
             if any(not 0 <= t < vocabulary for t in prompt):
-                raise _Refusal(400, f"token ids must be in [0, {vocabulary})", param="prompt")
+                raise Refusal(400, f"token ids must be in [0, {vocabulary})", param="prompt")
             return list(prompt)
-        raise _Refusal(400, "'prompt' must be a string, a list of one string, or a list of token ids (one prompt "
+        raise Refusal(400, "'prompt' must be a string, a list of one string, or a list of token ids (one prompt "
                        "per request)", param="prompt")  # fmt: skip
 
 
@@ -488,7 +397,7 @@ def _content(content: Any, index: int) -> str:
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):
         return "".join(p["text"] for p in content)
-    raise _Refusal(400, f"messages[{index}].content must be a string or a list of text parts (only text is served)",
+    raise Refusal(400, f"messages[{index}].content must be a string or a list of text parts (only text is served)",
                    param="messages")  # fmt: skip
 
 
@@ -500,7 +409,7 @@ def _number(request: dict[str, Any], name: str, default: float, low: float, high
     ok = ok and (value > low if low_open else value >= low)
     if not ok:
         bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise _Refusal(400, f"'{name}' must be a number in {bounds}, not {str(value)[:40]}", param=name)
+        raise Refusal(400, f"'{name}' must be a number in {bounds}, not {str(value)[:40]}", param=name)
     return float(value)
 
 
@@ -509,7 +418,7 @@ def _seed(request: dict[str, Any]) -> int | None:
     if seed is None:
         return None
     if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
-        raise _Refusal(400, "'seed' must be a 64-bit integer", param="seed")
+        raise Refusal(400, "'seed' must be a 64-bit integer", param="seed")
     return seed
 
 
@@ -522,6 +431,6 @@ def _stops(request: dict[str, Any]) -> tuple[str, ...]:
         not isinstance(stops, list) or len(stops) > MAX_STOPS
         or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
     ):  # fmt: skip
-        raise _Refusal(400, f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings of at most "
+        raise Refusal(400, f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings of at most "
                        f"{MAX_STOP_CHARS} characters", param="stop")  # fmt: skip
     return tuple(stops)

@@ -28,10 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from .app import Batching, Limits
+from .app import Batching
 from .completions import Generation
 from .engines import EngineSpec, preimport, weights_source
 from .metricsdir import HeldDirectory, hold_metrics_dir
+from .wsgiapp import Limits
 
 __all__ = ["ServeOptions", "exit_now", "ready_line", "serve"]
 
@@ -212,8 +213,8 @@ def make_app(options: ServeOptions) -> Any:
 
     engine: Any
     if options.engine.loader == "causal":  # a causal LM: the generation engine (its module imports engines')
-        from .engines import model_id_of
         from .llm import load_llm
+        from .modelfiles import model_id_of
 
         engine = load_llm(options.engine)
         engine.model_id = options.engine.model_id or model_id_of(options.engine.model)

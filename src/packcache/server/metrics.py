@@ -72,12 +72,8 @@ from prometheus_client.metrics_core import Metric
 
 from ..stats import REMOTE_REASONS, CacheState, CacheStats, HeapReason
 
-__all__ = ["ROUTES", "WorkerMetrics", "exposition", "mark_process_dead"]
+__all__ = ["WorkerMetrics", "exposition", "mark_process_dead"]
 
-ROUTES = (
-    "/embed", "/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/models", "/info", "/metrics",
-    "/healthz", "other",
-)  # fmt: skip
 _STATES = tuple(s.value for s in CacheState)
 _REASONS = tuple(r.value for r in HeapReason)
 #: Seconds: an 8-text batch takes milliseconds, a 256-text batch of long texts seconds.

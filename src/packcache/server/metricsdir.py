@@ -49,10 +49,6 @@ def _ours(uid: int) -> bool:
     return uid in (os.geteuid(), 0)
 
 
-def _others_can_write(st: os.stat_result) -> bool:
-    return not _ours(st.st_uid) or bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
-
-
 # A symlink on the metrics directory's path is followed only if this user or root owns it and no other user can
 # replace it (``_walk``); pinned by tests/test_server_metricsdir.py::
 #   test_a_symlink_another_user_can_change_is_refused_before_anything_is_read_or_removed
