@@ -213,9 +213,14 @@ def _fifo(path: Path) -> None:
 
 
 def _socket(path: Path) -> None:
+    # Bound through the directory's descriptor: an xdist worker's tmp path can pass AF_UNIX's 108-byte limit.
     sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(path))
-    sock.close()
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.bind(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)
+        sock.close()
 
 
 def _directory(path: Path) -> None:

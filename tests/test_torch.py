@@ -419,9 +419,14 @@ def _fifo(path: Path) -> None:
 
 
 def _socket(path: Path) -> None:
+    # Bound through the directory's descriptor: an xdist worker's tmp path can pass AF_UNIX's 108-byte limit.
     listener = socket.socket(socket.AF_UNIX)
-    listener.bind(str(path))
-    listener.close()  # the socket file stays
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        listener.bind(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)
+        listener.close()  # the socket file stays
 
 
 def _lock_directory(path: Path) -> None:
