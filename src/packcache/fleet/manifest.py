@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _boundedjson as boundedjson
+from .. import _defaults
 from .. import format as fmt
 from .._paths import read_trusted
 from ..errors import FormatError, RemoteError
@@ -81,7 +82,7 @@ MANIFEST_FORMAT = "packcache-manifest/1"
 MAX_ENVELOPE_BYTES = 64 << 10
 #: How long a manifest stays valid by default: a fleet whose builder stopped publishing for this
 #: long packs locally again rather than serve what an attacker may be freezing it on.
-DEFAULT_TTL_SECONDS = 30 * 86400
+DEFAULT_TTL_SECONDS = _defaults.MANIFEST_EXPIRY
 MAX_SIGNATURES = 16
 MAX_BUILDER_CHARS = 256
 MAX_NAME_CHARS = 200
@@ -681,9 +682,9 @@ def generate_key(private_path: str | os.PathLike[str], public_path: str | os.Pat
     public_pem = key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    _create(private_name, private_pem, 0o600, "private key")
+    _create(private_name, private_pem, _defaults.PRIVATE_FILE_MODE, "private key")
     try:
-        _create(public_name, public_pem, 0o644, "public key")
+        _create(public_name, public_pem, _defaults.SHARED_FILE_MODE, "public key")
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(private_name)

@@ -58,7 +58,7 @@ import tokenizers
 import torch
 
 from .. import _boundedjson as boundedjson
-from .._defaults import GROUP_SIZE
+from .._defaults import EMBED_BATCH_SIZE, GROUP_SIZE
 from .._paths import default_cache_dir, read_bounded
 from .._progress import bar as progress_bar
 from ..bundle import (
@@ -548,7 +548,12 @@ class MiniLM:
         return [len(e.ids) for e in counting.encode_batch([str(t).strip() for t in texts])]
 
     def embed(
-        self, texts: Sequence[str], batch_size: int = 32, max_tokens: int = 8192, *, normalize: bool = True
+        self,
+        texts: Sequence[str],
+        batch_size: int = EMBED_BATCH_SIZE,
+        max_tokens: int = 8192,
+        *,
+        normalize: bool = True,
     ) -> np.ndarray[Any, Any]:
         """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over their tokens, L2-normalised
         (``normalize=False``: the mean-pooled vectors, before the model's Normalize module).

@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _defaults
 from .._boundedjson import loads
 from ..errors import FormatError
 from .engines import Engine
@@ -119,12 +120,12 @@ class Limits:
             of refusing them (TEI's ``--auto-truncate``; a TEI request's ``truncate`` still wins).
     """
 
-    max_texts: int = 256
-    max_text_chars: int = 10_000
-    max_body_bytes: int = 4 << 20
-    header_timeout: float = 10.0
-    body_timeout: float = 10.0
-    send_timeout: float = 10.0
+    max_texts: int = _defaults.MAX_TEXTS
+    max_text_chars: int = _defaults.MAX_TEXT_CHARS
+    max_body_bytes: int = _defaults.MAX_BODY_BYTES
+    header_timeout: float = _defaults.HEADER_TIMEOUT
+    body_timeout: float = _defaults.BODY_TIMEOUT
+    send_timeout: float = _defaults.SEND_TIMEOUT
     auto_truncate: bool = False
 
     def __post_init__(self) -> None:
@@ -153,8 +154,8 @@ class Batching:
             client never waits. Requests that come while a forward runs join the next one without it.
     """
 
-    max_batch_tokens: int = 16384
-    batch_wait: float = 0.001
+    max_batch_tokens: int = _defaults.MAX_BATCH_TOKENS
+    batch_wait: float = _defaults.BATCH_WAIT
 
     def __post_init__(self) -> None:
         value = self.max_batch_tokens

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _defaults
 from .._boundedjson import loads
 from ..errors import FormatError
 from .app import Answer, Limits, StartResponse
@@ -89,7 +90,7 @@ class Generation:
         max_tokens: the most tokens one request may generate (and the chat default's bound).
     """
 
-    max_tokens: int = 2048
+    max_tokens: int = _defaults.LLM_MAX_TOKENS
 
     def __post_init__(self) -> None:
         value = self.max_tokens
