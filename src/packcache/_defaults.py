@@ -1,7 +1,10 @@
 """Every default value of packcache, in one place (diskcache's ``DEFAULT_SETTINGS``, httpx's ``_config.py``).
 
 Constants only: no function, no import from packcache, nothing mutable. Whoever takes a default takes it
-from here, by name, so a default is written once.
+from here, by name, so a default is written once: ``tests/test_defaults.py`` reports any value of this module
+written again as a literal where a default is written (a parameter, a field, an option, a fallback, a mode).
+Two constants may share a value and still be two defaults (``LOCK_TIMEOUT`` and ``GRACEFUL_TIMEOUT``); one
+default that two places name is one constant here, aliased where its meaning is the same (``FILE_MODE``).
 
 The rule, everywhere: a parameter whose default is ``None`` means "the default", and an explicit
 value always wins. For the four cache options (:data:`OPTIONS`) "the default" is the
@@ -83,7 +86,7 @@ GROUP_SIZES = (32, 64, 128)
 #: (:mod:`packcache.kernels`).
 KERNEL_PATH: str | None = None
 
-#: Texts one forward of :meth:`packcache.models.minilm.Encoder.embed` (and of a sentence-transformers model a
+#: Texts one forward of :meth:`packcache.models.minilm.MiniLM.embed` (and of a sentence-transformers model a
 #: worker runs) takes together: sentence-transformers' own ``encode`` default, so both engines batch alike.
 EMBED_BATCH_SIZE = 32
 
