@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ._defaults import LOCK_TIMEOUT
+from ._defaults import LOCK_TIMEOUT, PRIVATE_FILE_MODE
 from .errors import FormatError, LockTimeoutError, UntrustedFileError
 
 __all__ = [
@@ -817,10 +817,12 @@ def write_record(name: str, data: bytes, *, dir_fd: int | None = None, prefix: s
     """
     directory, _ = os.path.split(name)
     temp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(8)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    fd = os.open(
+        temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE, dir_fd=dir_fd
+    )
     try:
         try:
-            os.fchmod(fd, 0o600)  # the umask must not leave it group-readable, nor widen it
+            os.fchmod(fd, PRIVATE_FILE_MODE)  # the umask must not leave it group-readable, nor widen it
             os.write(fd, data)
         finally:
             os.close(fd)

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import _boundedjson as boundedjson
+from . import _defaults
 from . import format as fmt
 from ._generations import read_committed
 from ._paths import open_checked, pread_exact, read_bounded
@@ -449,12 +450,12 @@ class Bundle:
             try:
                 for part in parts[:-1]:
                     with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o700, dir_fd=dir_fd)
+                        os.mkdir(part, _defaults.PRIVATE_DIR_MODE, dir_fd=dir_fd)
                     sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
                     os.close(dir_fd)
                     dir_fd = sub
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                fd = os.open(parts[-1], flags, 0o600, dir_fd=dir_fd)
+                fd = os.open(parts[-1], flags, _defaults.PRIVATE_FILE_MODE, dir_fd=dir_fd)
                 try:
                     view = memoryview(data)
                     while view:

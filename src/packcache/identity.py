@@ -68,6 +68,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import _defaults
 from ._cachename import model_cache_name  # docs/TORCH.md names it here, beside the identities it is made of
 from ._paths import (
     open_checked,
@@ -403,7 +404,7 @@ class _Records:
             return
         with contextlib.suppress(OSError):
             with contextlib.suppress(FileExistsError):
-                os.mkdir(_WHERE, 0o700, dir_fd=self.fd)
+                os.mkdir(_WHERE, _defaults.PRIVATE_DIR_MODE, dir_fd=self.fd)
             where = os.open(_WHERE, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
             try:
                 if trust_problem(os.fstat(where), directory=True) is not None:
@@ -472,7 +473,7 @@ def _records(*, create: bool = False) -> Iterator[_Records]:
     path = digest_dir()
     if create:
         with contextlib.suppress(OSError):
-            os.makedirs(path, mode=0o700, exist_ok=True)
+            os.makedirs(path, mode=_defaults.PRIVATE_DIR_MODE, exist_ok=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:

@@ -13,7 +13,17 @@ import re
 import sys
 from typing import Any
 
-from .._defaults import FETCH_DEADLINE, GROUP_SIZE, GROUP_SIZES, REMOTE_TIMEOUT, SCHEME
+from .._defaults import (
+    FETCH_DEADLINE,
+    FETCH_LOADER,
+    GROUP_SIZE,
+    GROUP_SIZES,
+    MANIFEST_EXPIRY,
+    PROBE_TIMEOUT,
+    PUBLISH_TIMEOUT,
+    REMOTE_TIMEOUT,
+    SCHEME,
+)
 from ..errors import FormatError, RemoteError
 from ..packers import SCHEMES
 from ._common import (
@@ -434,10 +444,12 @@ def add_store_parsers(sub: Any) -> None:
         help="free text recorded in the manifest, at most 256 printable characters (default: packcache <version>)",
     )  # fmt: skip
     publish.add_argument(
-        "--expires-days", type=days, default=30.0,
+        "--expires-days", type=days, default=MANIFEST_EXPIRY / 86400,
         help="days until the manifest expires (over 0, at most 3660; 0: never; default 30)",
     )  # fmt: skip
-    publish.add_argument("--timeout", type=seconds, default=600.0, help="seconds for the whole upload (default 600)")
+    publish.add_argument(
+        "--timeout", type=seconds, default=PUBLISH_TIMEOUT, help="seconds for the whole upload (default 600)"
+    )
     publish.add_argument("--json", action="store_true", help="print one JSON object")
     publish.set_defaults(func=cmd_publish)
 
@@ -465,7 +477,7 @@ def add_store_parsers(sub: Any) -> None:
     )  # fmt: skip
     fetch.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
     fetch.add_argument(
-        "--loader", choices=LOADERS, default="auto",
+        "--loader", choices=LOADERS, default=FETCH_LOADER,
         help="whose cache file: minilm (run/serve --model) or hf (packcache.hf). Default auto, build's rule: minilm "
         "where it reads the checkpoint, the auto class is AutoModel and serve runs it on MiniLM, else hf; when "
         "nothing is published under that file's name, the other loader's (the output says which)",
@@ -541,7 +553,7 @@ def add_parsers(sub: Any) -> None:
         "anything under manifests/ or blobs/ is read in its directory store, as publish and fetch read a plain path",
     )  # fmt: skip
     add_trust_options(probe, unsigned=False)  # an unsigned manifest is probed all the same: 'unverified'
-    probe.add_argument("--timeout", type=seconds, default=30.0, help="seconds for a URL's reads (default 30)")
+    probe.add_argument("--timeout", type=seconds, default=PROBE_TIMEOUT, help="seconds for a URL's reads (default 30)")
     probe.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default=None,
         help="compare with this scheme's platform (default: the scheme of the file's packers)",

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from .._defaults import GROUP_SIZE, GROUP_SIZES, KERNEL_PATH, REMOTE_TIMEOUT, SCHEME
+from .._defaults import BUILD_LOADER, GROUP_SIZE, GROUP_SIZES, KERNEL_PATH, REMOTE_TIMEOUT, SCHEME, SERVE_LOADER
 from ..errors import FormatError, RemoteError
 from ..packers import SCHEMES
 from ._common import (
@@ -83,7 +83,7 @@ def _why_path(kernel_path: str | None, runs: str, cpu: dict[str, Any]) -> str:
     return "native bf16" if cpu["native_bf16"] else "no native bf16"
 
 
-def cache_file(args: argparse.Namespace, scheme: str, loader: str = "minilm") -> str | None:
+def cache_file(args: argparse.Namespace, scheme: str, loader: str = SERVE_LOADER) -> str | None:
     """The cache file of ``run`` and ``serve`` (``--no-cache``: none): the one
     :func:`packcache.models.minilm.default_cache_path` names for ``--model`` (or the bundled model) in
     ``--cache-dir``; for ``loader="hf"`` (a model ``serve`` loads through ``packcache.hf``) the one
@@ -564,7 +564,7 @@ def add_parsers(sub: Any) -> None:
     )  # fmt: skip
     build.add_argument("--model", help="the same as CHECKPOINT (as run and serve take it)")
     build.add_argument(
-        "--loader", choices=LOADERS, default="auto",
+        "--loader", choices=LOADERS, default=BUILD_LOADER,
         help="auto (default, the rule of every command): minilm where the MiniLM loader reads the checkpoint, "
         "the auto class is AutoModel and serve runs it on the MiniLM engine, else hf; minilm: the BERT loader of "
         "'run/serve --model', what they map (its int4 is calibrated); hf: packcache.hf, what hf.from_pretrained "

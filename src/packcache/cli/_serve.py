@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from .. import _defaults
 from .._defaults import GROUP_SIZE
 from ..errors import FormatError, RemoteError
 from ._common import (
@@ -105,7 +106,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
     from ..server.llm import is_causal_lm
     from ..server.modelfiles import choose_loader, model_id_of
 
-    scheme, path, loader = "fp32", None, "minilm"
+    scheme, path, loader = "fp32", None, _defaults.SERVE_LOADER
     model_id = args.served_model_name or model_id_of(args.model)  # the name as given, before a fetch replaces it
     try:
         if args.engine == "packcache":
@@ -189,8 +190,10 @@ def add_parser(sub: Any) -> None:
 
     cpus = usable_cpus()
     serve.add_argument("--workers", type=positive, default=cpus, help=f"worker processes (default: the CPUs, {cpus})")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
+    serve.add_argument("--host", default=_defaults.SERVE_HOST, help="address to listen on (default 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, default=_defaults.SERVE_PORT, help="port (default 8000; 0 picks a free one, printed)"
+    )
     add_model_options(serve, no_cache="caching off: every worker packs to its own heap")
     for action in serve._actions:
         if action.dest == "model":
@@ -201,7 +204,7 @@ def add_parser(sub: Any) -> None:
                 "(*.pcache) that holds one (the file alone is the model), or with --remote a published name"
             )
     serve.add_argument(
-        "--engine", choices=("packcache", "sentence-transformers"), default="packcache",
+        "--engine", choices=("packcache", "sentence-transformers"), default=_defaults.SERVE_ENGINE,
         help="packcache (default), or sentence-transformers' float32 model with no cache: the baseline of "
         "benchmarks/serve.py (--scheme and the cache options do not apply to it)",
     )  # fmt: skip
@@ -219,29 +222,33 @@ def add_parser(sub: Any) -> None:
         help="after loading, touch every page of the weights, so the first requests do not fault them in",
     )  # fmt: skip
     serve.add_argument(
-        "--timeout", type=float, default=60.0,
+        "--timeout", type=float, default=_defaults.SERVE_TIMEOUT,
         help="seconds a worker may spend on one request or on loading before it is replaced (default 60; keep it "
         "above the cache's 30 s lock timeout)",
     )  # fmt: skip
-    serve.add_argument("--max-texts", type=positive, default=256, help="texts per request (default 256)")
-    serve.add_argument("--max-text-chars", type=positive, default=10_000, help="characters per text (default 10000)")
     serve.add_argument(
-        "--max-body-bytes", type=positive, default=4 << 20,
+        "--max-texts", type=positive, default=_defaults.MAX_TEXTS, help="texts per request (default 256)"
+    )
+    serve.add_argument(
+        "--max-text-chars", type=positive, default=_defaults.MAX_TEXT_CHARS, help="characters per text (default 10000)"
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=positive, default=_defaults.MAX_BODY_BYTES,
         help="request body bytes (default 4 MiB); a worker keeps at most 16 times this of bodies in memory, "
         "counted as their bytes arrive, then refuses the biggest body still arriving (503, Retry-After: 1)",
     )  # fmt: skip
     serve.add_argument(
-        "--body-timeout", type=seconds, default=10.0,
+        "--body-timeout", type=seconds, default=_defaults.BODY_TIMEOUT,
         help="seconds a client gets to send a request's whole body, from the end of its headers; then 408 "
         "(default 10). A slow client holds a buffer, never a worker",
     )  # fmt: skip
     serve.add_argument(
-        "--header-timeout", type=seconds, default=10.0,
+        "--header-timeout", type=seconds, default=_defaults.HEADER_TIMEOUT,
         help="seconds a client gets to send the request line and headers, from connecting (or from its "
         "previous response: the idle time of a kept-alive connection); then 408 (default 10)",
     )  # fmt: skip
     serve.add_argument(
-        "--send-timeout", type=seconds, default=10.0,
+        "--send-timeout", type=seconds, default=_defaults.SEND_TIMEOUT,
         help="seconds a client gets to take a whole response; then the connection is closed (default 10)",
     )  # fmt: skip
     from ..server.app import Batching
@@ -281,7 +288,7 @@ def add_parser(sub: Any) -> None:
         f"(default {Generation.max_tokens})",
     )  # fmt: skip
     serve.add_argument(
-        "--graceful-timeout", type=seconds, default=30.0,
+        "--graceful-timeout", type=seconds, default=_defaults.GRACEFUL_TIMEOUT,
         help="seconds the workers get after SIGTERM (or SIGHUP's rolling restart) to finish their requests and "
         "generations (default 30); a generation still running 2 s before the end is ended with an error event",
     )  # fmt: skip
@@ -291,7 +298,7 @@ def add_parser(sub: Any) -> None:
         "temporary one); its *.db files are removed at start; it must be yours and writable by no other user",
     )
     serve.add_argument(
-        "--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",
+        "--log-level", choices=("debug", "info", "warning", "error", "critical"), default=_defaults.SERVE_LOG_LEVEL,
         help="gunicorn's log level (default info)",
     )  # fmt: skip
     serve.set_defaults(func=cmd_serve)

@@ -18,6 +18,7 @@ from typing import Any
 from packcache import _faults as faults
 from packcache.errors import RemoteError
 
+from .. import _defaults
 from ._storebase import (
     CHUNK_BYTES,
     GRACE,
@@ -173,12 +174,12 @@ class DirectoryStore(Store):
                 made = False
                 if create:
                     with contextlib.suppress(FileExistsError):
-                        os.mkdir(name, 0o755, dir_fd=fd)
+                        os.mkdir(name, _defaults.SHARED_DIR_MODE, dir_fd=fd)
                         made = True
                 flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
                 child = os.open(name, flags, dir_fd=fd)
                 if made:
-                    os.fchmod(child, 0o755)
+                    os.fchmod(child, _defaults.SHARED_DIR_MODE)
                 os.close(fd)
                 fd = child
         except BaseException:
@@ -319,14 +320,17 @@ class DirectoryStore(Store):
             temp = f".{leaf[:200]}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
             try:
                 fd = os.open(
-                    temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+                    temp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    _defaults.SHARED_FILE_MODE,
+                    dir_fd=dfd,
                 )
             except FileExistsError:
                 if attempt == 7:
                     raise
                 continue
             try:
-                os.fchmod(fd, 0o644)
+                os.fchmod(fd, _defaults.SHARED_FILE_MODE)
                 write(fd)
                 os.fsync(fd)
             except BaseException:
@@ -495,7 +499,7 @@ class DirectoryStore(Store):
             rfd = self._open_root()
             try:
                 flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-                fd = os.open(self.LOCK_NAME, flags, 0o644, dir_fd=rfd)
+                fd = os.open(self.LOCK_NAME, flags, _defaults.SHARED_FILE_MODE, dir_fd=rfd)
             finally:
                 os.close(rfd)
             try:

@@ -17,6 +17,7 @@ from typing import Any
 from packcache import _faults as faults
 from packcache.errors import RemoteError
 
+from .. import _defaults
 from ._storebase import (
     CHUNK_BYTES,
     ObjectInfo,
@@ -115,7 +116,7 @@ class ObjectStore(Store):
     (5xx, dropped connections) within the deadline.
     """
 
-    def __init__(self, url: str | StoreURL, *, timeout: float = 10.0) -> None:
+    def __init__(self, url: str | StoreURL, *, timeout: float = _defaults.REMOTE_TIMEOUT) -> None:
         """``timeout`` (seconds) bounds connecting and a stalled read; each call's deadline bounds the whole call.
 
         Raises:

@@ -542,7 +542,7 @@ def _accept(
     data = json.dumps(fields).encode()
     with contextlib.suppress(OSError):
         if dir_fd is None:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
+            os.makedirs(directory, mode=_defaults.PRIVATE_DIR_MODE, exist_ok=True)
             if trust_problem(os.stat(directory), directory=True) is not None:
                 return
         # The cache's directory: the record is this user's file, mode 0600, by temp + rename (read_record

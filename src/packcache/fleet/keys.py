@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from .. import _defaults
 from .._paths import read_trusted
 from ..errors import FormatError
 
@@ -203,9 +204,9 @@ def generate_key(private_path: str | os.PathLike[str], public_path: str | os.Pat
     public_pem = key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    _create(private_name, private_pem, 0o600, "private key")
+    _create(private_name, private_pem, _defaults.PRIVATE_FILE_MODE, "private key")
     try:
-        _create(public_name, public_pem, 0o644, "public key")
+        _create(public_name, public_pem, _defaults.SHARED_FILE_MODE, "public key")
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(private_name)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _boundedjson as boundedjson
+from .. import _defaults
 from .. import format as fmt
 from ..errors import FormatError, RemoteError
 from . import keys
@@ -84,7 +85,7 @@ MANIFEST_FORMAT = "packcache-manifest/1"
 MAX_ENVELOPE_BYTES = 64 << 10
 #: How long a manifest stays valid by default: a fleet whose builder stopped publishing for this
 #: long packs locally again rather than serve what an attacker may be freezing it on.
-DEFAULT_TTL_SECONDS = 30 * 86400
+DEFAULT_TTL_SECONDS = _defaults.MANIFEST_EXPIRY
 MAX_SIGNATURES = 16
 MAX_BUILDER_CHARS = 256
 MAX_NAME_CHARS = 200

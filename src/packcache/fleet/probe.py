@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _defaults
 from .. import format as fmt
 from .._paths import open_for_reading
 from .._storeurl import StoreURL, split_object_url
@@ -353,7 +354,7 @@ def probe_url(
     expected_platform: bytes | Callable[[bytes], bytes],
     trusted_keys: Sequence[bytes] = (),
     expected_model: str | None = None,
-    timeout: float = 30.0,
+    timeout: float = _defaults.PROBE_TIMEOUT,
 ) -> ProbeReport:
     """The verdict on a published file, by range reads: ``url`` is a manifest's
     (``<store>/manifests/<model>/<class>.json``, where a published name's model has segments, or a generation's

@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 _IDENTITY = re.compile(r"sha256:([0-9a-f]{64}):([0-9]{1,20})")
-DEFAULT_EXPIRES = 30 * 86400  # a month: a fleet that stops publishing stops trusting old manifests
+DEFAULT_EXPIRES = _defaults.MANIFEST_EXPIRY  # a month: a fleet that stops publishing stops trusting old manifests
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def publish(
     sources: Sequence[str] = (),
     builder: str | None = None,
     expires_in: float | None = DEFAULT_EXPIRES,
-    timeout: float = 600.0,
+    timeout: float = _defaults.PUBLISH_TIMEOUT,
     lock_timeout: float = _defaults.LOCK_TIMEOUT,
     name: str | None = None,
 ) -> PublishReport:

@@ -38,6 +38,7 @@ packcache.errors.RemoteError: remote_absent: ...: no object at 'manifests/none.j
 
 from __future__ import annotations
 
+from .. import _defaults
 from ._dirstore import DirectoryStore
 from ._objectstore import ObjectStore
 from ._storebase import CHUNK_BYTES, MAX_KEY_BYTES, ObjectInfo, Store, StoreURL, check_key, parse_store_url
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 
-def open_store(url: str | StoreURL, *, timeout: float = 10.0) -> Store:
+def open_store(url: str | StoreURL, *, timeout: float = _defaults.REMOTE_TIMEOUT) -> Store:
     """The store for ``url``.
 
     ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix`` (and the other forms

@@ -12,6 +12,7 @@ import numpy as np
 import tokenizers
 import torch
 
+from .._defaults import EMBED_BATCH_SIZE
 from ..cache import WeightCache
 from ..torch import ConversionReport, PackedLinear
 from .bert import BertEncoder, PackedTokens
@@ -86,7 +87,12 @@ class MiniLM:
         return [len(e.ids) for e in counting.encode_batch([str(t).strip() for t in texts])]
 
     def embed(
-        self, texts: Sequence[str], batch_size: int = 32, max_tokens: int = 8192, *, normalize: bool = True
+        self,
+        texts: Sequence[str],
+        batch_size: int = EMBED_BATCH_SIZE,
+        max_tokens: int = 8192,
+        *,
+        normalize: bool = True,
     ) -> np.ndarray[Any, Any]:
         """Embed ``texts``: float32 ``[len(texts), 384]``, mean-pooled over their tokens, L2-normalised
         (``normalize=False``: the mean-pooled vectors, before the model's Normalize module).

@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _defaults
 from .engines import Engine
 from .wsgiapp import Answer, Call, Limits, Refusal, WSGIApp, openai_error
 
@@ -99,8 +100,8 @@ class Batching:
             client never waits. Requests that come while a forward runs join the next one without it.
     """
 
-    max_batch_tokens: int = 16384
-    batch_wait: float = 0.001
+    max_batch_tokens: int = _defaults.MAX_BATCH_TOKENS
+    batch_wait: float = _defaults.BATCH_WAIT
 
     def __post_init__(self) -> None:
         value = self.max_batch_tokens

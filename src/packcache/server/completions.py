@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .. import _defaults
 from .llm import LLMEngine
 from .sampling import Output, Sampling
 from .wsgiapp import Answer, Call, Limits, Refusal, WSGIApp, openai_error
@@ -82,7 +83,7 @@ class Generation:
         max_tokens: the most tokens one request may generate (and the chat default's bound).
     """
 
-    max_tokens: int = 2048
+    max_tokens: int = _defaults.LLM_MAX_TOKENS
 
     def __post_init__(self) -> None:
         value = self.max_tokens

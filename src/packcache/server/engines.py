@@ -91,7 +91,7 @@ class EngineSpec:
             most :data:`packcache._defaults.LLM_MAX_MODEL_LEN`), tokens per block of the paged KV cache.
     """
 
-    engine: str = "packcache"
+    engine: str = _defaults.SERVE_ENGINE
     scheme: str | None = None
     cache: str | None = None
     model: str | None = None
@@ -103,7 +103,7 @@ class EngineSpec:
     remote_timeout: float = _defaults.REMOTE_TIMEOUT
     trusted_keys: tuple[str, ...] = ()
     allow_unsigned: bool = False
-    loader: str = "minilm"
+    loader: str = _defaults.SERVE_LOADER
     model_id: str | None = None
     group_size: int | None = None
     max_seqs: int = _defaults.LLM_MAX_SEQS
@@ -226,7 +226,7 @@ class _SentenceTransformers(_OverSentenceTransformer):
         model = self.model if normalize else self._without_normalize()
         with torch.inference_mode():
             out = model.encode(
-                list(texts), batch_size=32, convert_to_numpy=True, show_progress_bar=False,
+                list(texts), batch_size=_defaults.EMBED_BATCH_SIZE, convert_to_numpy=True, show_progress_bar=False,
                 normalize_embeddings=normalize, prompt="",  # the app prefixes the prompt; never the default again
             )  # fmt: skip
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
@@ -267,7 +267,9 @@ class _PackedSentenceTransformer(_OverSentenceTransformer):
         self._modules = [module for _, module in (modules[:-1] if self.normalizes else modules)]
         self._read_model(model)
 
-    def embed(self, texts: Sequence[str], *, normalize: bool = True, batch_size: int = 32) -> np.ndarray[Any, Any]:
+    def embed(
+        self, texts: Sequence[str], *, normalize: bool = True, batch_size: int = _defaults.EMBED_BATCH_SIZE
+    ) -> np.ndarray[Any, Any]:
         import torch
 
         texts = list(texts)
@@ -337,7 +339,7 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
     return max(1, cpus // max(1, workers))
 
 
-def preimport(engine: str, loader: str = "minilm") -> None:
+def preimport(engine: str, loader: str = _defaults.SERVE_LOADER) -> None:
     """Import the engine's modules (torch, tokenizers, the model code; for the ``hf`` loader transformers and
     sentence-transformers too) without loading a model.
 

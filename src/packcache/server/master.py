@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from .. import _defaults
 from .app import Batching
 from .completions import Generation
 from .engines import EngineSpec, preimport, weights_source
@@ -64,15 +65,15 @@ class ServeOptions:
 
     engine: EngineSpec = field(default_factory=EngineSpec)
     workers: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    timeout: float = 60.0
-    graceful_timeout: float = 30.0
+    host: str = _defaults.SERVE_HOST
+    port: int = _defaults.SERVE_PORT
+    timeout: float = _defaults.SERVE_TIMEOUT
+    graceful_timeout: float = _defaults.GRACEFUL_TIMEOUT
     limits: Limits = field(default_factory=Limits)
     batching: Batching = field(default_factory=Batching)
     generation: Generation = field(default_factory=Generation)
     metrics_dir: str | None = None
-    log_level: str = "info"
+    log_level: str = _defaults.SERVE_LOG_LEVEL
 
 
 def exit_now(code: object) -> NoReturn:

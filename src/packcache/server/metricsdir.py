@@ -36,6 +36,7 @@ import tempfile
 from collections import deque
 from dataclasses import dataclass
 
+from .. import _defaults
 from .._paths import entry_problem, trust_problem
 
 __all__ = ["HeldDirectory", "hold_metrics_dir"]
@@ -238,7 +239,7 @@ def _private() -> HeldDirectory:
         for _ in range(100):
             name = f"packcache-serve-metrics-{secrets.token_hex(6)}"
             try:
-                os.mkdir(name, 0o700, dir_fd=parent)
+                os.mkdir(name, _defaults.PRIVATE_DIR_MODE, dir_fd=parent)
                 break
             except FileExistsError:
                 continue

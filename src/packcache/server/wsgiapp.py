@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .. import _defaults
 from .._boundedjson import loads
 from ..errors import FormatError
 
@@ -57,12 +58,12 @@ class Limits:
             of refusing them (TEI's ``--auto-truncate``; a TEI request's ``truncate`` still wins).
     """
 
-    max_texts: int = 256
-    max_text_chars: int = 10_000
-    max_body_bytes: int = 4 << 20
-    header_timeout: float = 10.0
-    body_timeout: float = 10.0
-    send_timeout: float = 10.0
+    max_texts: int = _defaults.MAX_TEXTS
+    max_text_chars: int = _defaults.MAX_TEXT_CHARS
+    max_body_bytes: int = _defaults.MAX_BODY_BYTES
+    header_timeout: float = _defaults.HEADER_TIMEOUT
+    body_timeout: float = _defaults.BODY_TIMEOUT
+    send_timeout: float = _defaults.SEND_TIMEOUT
     auto_truncate: bool = False
 
     def __post_init__(self) -> None:
