@@ -10,7 +10,6 @@ import json
 import os
 import pty
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import build, without_build_compaction
+from harness import build, plant_socket, without_build_compaction
 from harness.serve import SRC
 from packcache import WeightCache
 from packcache import format as fmt
@@ -212,17 +211,6 @@ def _fifo(path: Path) -> None:
     os.mkfifo(path)
 
 
-def _socket(path: Path) -> None:
-    # Bound through the directory's descriptor: an xdist worker's tmp path can pass AF_UNIX's 108-byte limit.
-    sock = socket.socket(socket.AF_UNIX)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        sock.bind(f"/proc/self/fd/{fd}/{path.name}")
-    finally:
-        os.close(fd)
-        sock.close()
-
-
 def _directory(path: Path) -> None:
     path.mkdir()
 
@@ -236,11 +224,11 @@ def _link_to_fifo(path: Path) -> None:
     path.symlink_to(path.parent / "hidden-fifo")
 
 
-NOT_FILES = [_fifo, _socket, _directory, _device, _link_to_fifo]
+NOT_FILES = [_fifo, plant_socket, _directory, _device, _link_to_fifo]
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
-@pytest.mark.parametrize("plant", NOT_FILES, ids=[p.__name__.strip("_") for p in NOT_FILES])
+@pytest.mark.parametrize("plant", NOT_FILES, ids=[p.__name__.strip("_").removeprefix("plant_") for p in NOT_FILES])
 def test_cli_refuses_a_non_file_at_the_cache_path_without_hanging(tmp_path: Path, command: str, plant: Any) -> None:
     path = tmp_path / "model.pcache"
     plant(path)

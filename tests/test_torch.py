@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import shutil
-import socket
 import struct
 import textwrap
 from collections.abc import Callable, Iterator
@@ -35,7 +34,7 @@ from torch import nn
 import packcache
 import packcache.loader
 import packcache.memory
-from harness import run_child, save_safetensors
+from harness import plant_socket, run_child, save_safetensors
 from harness.checkpoints import tiny_bert
 from harness.cli_child import run_cli_cases
 from harness.serve import TEXTS, assert_embeddings, call, embed, loaded_workers, server
@@ -418,17 +417,6 @@ def _fifo(path: Path) -> None:
     os.mkfifo(path)
 
 
-def _socket(path: Path) -> None:
-    # Bound through the directory's descriptor: an xdist worker's tmp path can pass AF_UNIX's 108-byte limit.
-    listener = socket.socket(socket.AF_UNIX)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        listener.bind(f"/proc/self/fd/{fd}/{path.name}")
-    finally:
-        os.close(fd)
-        listener.close()  # the socket file stays
-
-
 def _lock_directory(path: Path) -> None:
     Path(f"{path}.lock").mkdir()
 
@@ -450,7 +438,7 @@ def _loop(path: Path) -> None:
 KINDS: dict[str, tuple[Callable[[Path], None], str, int, str]] = {
     "a directory": (_directory, "open_failed", errno.EISDIR, "is a directory"),
     "a FIFO": (_fifo, "untrusted", 0, "not a regular file (a FIFO)"),
-    "a socket": (_socket, "untrusted", 0, "not a regular file (a socket)"),
+    "a socket": (plant_socket, "untrusted", 0, "not a regular file (a socket)"),
     "a directory at the lock file": (_lock_directory, "open_failed", errno.EISDIR, "lock file"),
     "a file for the cache directory": (_file_for_the_directory, "open_failed", errno.ENOTDIR, "Not a directory"),
     "a dangling symlink": (_dangling, "open_failed", errno.ENOENT, "No such file"),

@@ -6,7 +6,7 @@ line, which are thin CLIs over the modules here:
 
 * ``packs``: deterministic packs (``packed``, ``Packer``, ``assert_same``), ``build``,
   ``build_keyed``/``load_all``/``KEY`` and ``without_build_compaction``;
-* ``files``: a file's state, garbage, flipped bits, what a file commits;
+* ``files``: a file's state, garbage, flipped bits, a planted socket, what a file commits;
 * ``mounts``: a tiny tmpfs, a read-only bind mount, ``require_root``;
 * ``checkpoints``: tiny random BERT checkpoints the loaders load (``tiny_bert``);
 * ``serve``: ``packcache serve`` in a child process, its HTTP API and scrapes (``server``);
@@ -29,7 +29,7 @@ from harness.child import (
     run_child,
     two_appenders,
 )
-from harness.files import committed, file_state, flip_bit, garbage, save_safetensors, snapshot
+from harness.files import committed, file_state, flip_bit, garbage, plant_socket, save_safetensors, snapshot
 from harness.mounts import ROOT_ONLY, fill, read_only_bind, require_root, tmpfs
 from harness.packs import (
     KEY,
@@ -77,6 +77,7 @@ __all__ = [
     "require_root",
     "run_child",
     "same_pack",
+    "plant_socket",
     "save_safetensors",
     "snapshot",
     "stuck_in_pack",

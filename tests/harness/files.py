@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import struct
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,18 @@ def committed(path: Path) -> tuple[fmt.Slot, dict[str, fmt.Entry]]:
         os.close(fd)
     assert slot is not None, f"{path} has no commit"
     return slot, entries
+
+
+def plant_socket(path: Path) -> None:
+    """A Unix socket file at ``path`` (the socket closed, the file left), bound through its directory's descriptor:
+    an xdist worker's tmp path can pass AF_UNIX's 108-byte limit."""
+    listener = socket.socket(socket.AF_UNIX)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        listener.bind(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)
+        listener.close()
 
 
 def garbage(path: Path, nbytes: int, mode: int = 0o600) -> None:
