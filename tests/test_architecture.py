@@ -11,15 +11,12 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
 import packcache
-from packcache import _moved
 
 SRC = Path(packcache.__file__).resolve().parent
 ARCHITECTURE = SRC.parents[1] / "docs" / "ARCHITECTURE.md"
@@ -200,56 +197,3 @@ def test_fleet_reading_never_imports_fleet_writing(reader: str) -> None:
     """What publish and fetch both need (the model a file is published under) lives in ``fleet.manifest``."""
     assert reader in MODULES
     assert "packcache.fleet.publish" not in _reached(reader), f"{reader} reaches packcache.fleet.publish"
-
-
-@pytest.mark.parametrize("old", sorted(_moved.MOVED))
-def test_an_old_module_path_still_imports_for_one_release_and_says_where_it_went(old: str) -> None:
-    """In a fresh interpreter: the old path is the new module itself, with a DeprecationWarning."""
-    new = _moved.MOVED[old].__name__
-    code = (
-        "import importlib, warnings\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        f"    old = importlib.import_module({old!r})\n"
-        f"assert old is importlib.import_module({new!r}), old\n"
-        "messages = [str(w.message) for w in caught if w.category is DeprecationWarning]\n"
-        f"assert any({new!r} in m for m in messages), messages\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-
-
-@pytest.mark.parametrize("old", sorted(_moved.MOVED))
-def test_importing_an_old_path_leaves_the_real_modules_spec_and_reload_alone(old: str) -> None:
-    """In a fresh interpreter: after ``import <old path>``, the private module keeps its own
-    ``__spec__``, ``__loader__`` and ``__name__``, and ``importlib.reload`` (by either name)
-    executes its source again. The alias used to take over the module's spec, so a reload
-    reloaded the alias and silently did nothing."""
-    new = _moved.MOVED[old].__name__
-    code = (
-        "import importlib, importlib.machinery, importlib.util, sys, warnings\n"
-        "warnings.simplefilter('ignore', DeprecationWarning)\n"
-        f"real = importlib.import_module({new!r})\n"
-        "spec, loader = real.__spec__, real.__loader__\n"
-        f"alias = importlib.import_module({old!r})\n"
-        f"assert alias is real and sys.modules[{old!r}] is real\n"
-        "assert real.__spec__ is spec and real.__loader__ is loader, (real.__spec__, real.__loader__)\n"
-        f"assert real.__spec__.name == real.__name__ == {new!r}, real.__spec__\n"
-        "assert isinstance(real.__loader__, importlib.machinery.SourceFileLoader), real.__loader__\n"
-        f"assert importlib.util.find_spec({new!r}) is spec\n"
-        f"assert real.__spec__.origin.endswith({new.rpartition('.')[2] + '.py'!r}), real.__spec__.origin\n"
-        # A reload re-executes the source: a name deleted here comes back.
-        "for target in (real, alias):\n"
-        "    del real.__all__\n"
-        "    assert importlib.reload(target) is real\n"
-        "    assert isinstance(real.__all__, list), 'reload did not execute the module again'\n"
-        f"    assert real.__spec__.name == {new!r}, real.__spec__\n"
-        f"assert sys.modules[{old!r}] is sys.modules[{new!r}] is real\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-
-
-def test_no_module_outside_the_table_of_moved_paths_answers_to_an_old_name() -> None:
-    for old in _moved.MOVED:
-        assert old.rpartition(".")[2] not in {p.stem for p in SRC.glob("*.py")}, old

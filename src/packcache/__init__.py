@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-from . import _moved
 from .cache import PackKey, Session, WeightCache, aggregate_stats
 from .errors import (
     FormatError,
@@ -43,8 +42,6 @@ from .options import OPTION_KEYS, get_option, set_option
 from .stats import CacheState, CacheStats, HeapReason
 
 __version__ = "0.1.0"
-
-_moved.install()  # old paths of modules made private keep working for one release
 
 __all__ = [
     "CacheState",
