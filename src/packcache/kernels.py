@@ -166,7 +166,7 @@ def requested_path(requested: str | None) -> str | None:
     >>> requested_path("fp32"), requested_path("auto")
     ('fp32', None)
     """
-    # only without a choice: an invalid variable used to fail every explicit kernel_path; pinned by
+    # the variable is read only without a choice, so an invalid value cannot fail an explicit kernel_path; pinned by
     #   tests/test_kernels.py::test_an_explicit_kernel_path_wins_over_an_invalid_environment_value
     if requested is None:
         value = os.environ.get(KERNEL_PATH_ENV) or None

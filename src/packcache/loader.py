@@ -1,8 +1,7 @@
 """What every model loader does before it converts a model: scheme -> packers -> platform -> the cache.
 
 :mod:`packcache.hf`, :mod:`packcache.models.minilm`, the ``packcache`` command and ``packcache serve``
-each used to say this in their own words (and disagreed on the default scheme). They all take it from
-here now:
+all take it from here, so they cannot disagree (on the default scheme, say):
 
 1. :func:`resolve_scheme`: a scheme name, or ``None``/``"auto"`` (the default,
    :data:`packcache._defaults.SCHEME`) for the one fast on this CPU (:func:`packcache.kernels.default_scheme`).

@@ -298,7 +298,7 @@ def _span(name: str, info: Any, raw: bytes, path: str, data_start: int, size: in
     if type(info) is not dict:
         raise fail(f"is a JSON {_json_type(info)}, not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    # a list or a dict for a dtype was a TypeError out of the reader (issue 10, item 16); pinned by
+    # a list or a dict for a dtype must be a FormatError, not a TypeError out of the reader; pinned by
     #   tests/test_safetensors.py::test_hostile_header_is_a_format_error_naming_file_and_offset
     if type(dtype) is not str or dtype not in DTYPES:
         raise fail(f"has unsupported dtype {_short(dtype)}")
