@@ -24,7 +24,7 @@ from harness import build, plant_socket, without_build_compaction
 from harness.serve import SRC
 from packcache import WeightCache
 from packcache import format as fmt
-from packcache._paths import lock_path_for
+from packcache._sidefiles import lock_path_for
 from packcache.cli import main, sanitize
 from packcache.kernels import KERNEL_PATH_ENV, cpu_kernels
 from test_kernels import _other_path

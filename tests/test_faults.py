@@ -13,7 +13,8 @@ import pytest
 from harness.mounts import tmpfs
 from packcache import _faults as faults
 from packcache._faults import Fault, translating, translating_into
-from packcache._paths import acquire_build_lock, open_checked
+from packcache._paths import open_checked
+from packcache._sidefiles import acquire_build_lock
 from packcache.errors import RemoteError, UntrustedFileError
 from packcache.fleet.stores import DirectoryStore
 from packcache.stats import HeapReason

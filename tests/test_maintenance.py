@@ -34,7 +34,7 @@ from harness.entry_faults import superseded
 from packcache import WeightCache, compact, maintenance, verify
 from packcache import format as fmt
 from packcache._generations import read_committed
-from packcache._paths import lock_path_for, pid_alive
+from packcache._sidefiles import lock_path_for, pid_alive
 from packcache.cli import main
 from packcache.errors import LockTimeoutError, UntrustedFileError
 

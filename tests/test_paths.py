@@ -1,6 +1,6 @@
 """Opening paths (``packcache._paths``): never blocking on a FIFO, never following a symlink swapped in
 after the check, trusting a file by its owner and mode, files and directories made with exactly the modes
-asked for, temp files made with ``O_EXCL``.
+asked for (the lock and temp files beside a cache file: tests/test_sidefiles.py).
 
 Real FIFOs and symlinks. The trust refusals run as a real second user too: a child under ``setpriv
 --reuid=65534 --regid=65534 --clear-groups`` (the user ``nobody``), started by the fault matrix's
@@ -13,20 +13,17 @@ world-writable, unsafe symlink) and the default modes under several umasks; nobo
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from harness import KEY, KIB, Packer, Spec, assert_same, build, build_keyed, error_records, file_state, packed
 from harness.driver import FOREIGN_UID, NOBODY, Env, check_load, loaded
 from packcache import WeightCache
-from packcache import _paths as paths_mod
 
 # ---------------------------------------------------------------------- a symlink swapped in after the check (issue 10)
 
@@ -60,19 +57,7 @@ def test_a_symlink_swapped_in_after_the_check_is_never_followed(
     assert st.hits == 0 and st.heap_bytes_by_reason["untrusted"] == 4 * KIB
 
 
-# ------------------------------------------------------------------------- FIFOs at the cache and lock paths (issue 10)
-
-
-def test_a_fifo_at_the_lock_path_is_refused_without_blocking(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = tmp_path / "m.pcache"
-    os.mkfifo(str(path) + ".lock", 0o600)
-    caplog.set_level(logging.ERROR, logger="packcache")
-    with WeightCache(path, lock_timeout=1) as cache:
-        with cache.session() as s:
-            assert_same(s.get_or_pack("w", lambda: packed(1), KEY), packed(1))
-        st = cache.stats()
-    assert st.heap_bytes_by_reason["untrusted"] == 4 * KIB
-    assert "lock file" in st.error and "FIFO" in st.error
+# ----------------------------------------------------------------------------------------- a FIFO at the cache path
 
 
 def test_a_fifo_at_the_cache_path_is_refused_without_blocking(tmp_path: Path) -> None:
@@ -195,59 +180,6 @@ def test_configured_file_and_dir_modes_are_applied_and_still_trusted(
         with cache.session() as s:
             assert_same(s.get_or_pack("w", packer("w", 0)), packed(0, 4 * KIB))
         assert (cache.stats().hits, packer.calls) == (1, {})
-    assert error_records(caplog.records) == []
-
-
-# --------------------------------------------------------------------------- O_EXCL temp files
-
-
-def _planted_file(at: Path, victim: Path) -> None:
-    at.write_bytes(b"planted by someone else")
-
-
-def _planted_symlink(at: Path, victim: Path) -> None:
-    victim.write_bytes(b"the victim's file")
-    at.symlink_to(victim)
-
-
-def _planted_dangling_symlink(at: Path, victim: Path) -> None:
-    at.symlink_to(victim)  # victim does not exist: O_CREAT without O_EXCL would create it
-
-
-@pytest.mark.parametrize("plant", [_planted_file, _planted_symlink, _planted_dangling_symlink])
-def test_temp_file_is_created_with_o_excl_and_never_follows_a_planted_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, plant: Any
-) -> None:
-    """The first random temp name the library picks is already taken: it must pick another, untouched."""
-    names = iter(["0000000000000000", "1111111111111111"])
-    monkeypatch.setattr(paths_mod.secrets, "token_hex", lambda n: next(names))
-    path = tmp_path / "cache" / "model.pcache"
-    path.parent.mkdir(mode=0o700)
-    planted = path.parent / f".model.pcache.tmp-{os.getpid()}-0000000000000000"
-    victim = tmp_path / "victim"
-    plant(planted, victim)
-    before = {p: os.lstat(p) for p in (planted, victim) if os.path.lexists(p)}
-    contents = {p: p.read_bytes() for p in before if p.exists()}
-    with WeightCache(path) as cache:
-        with cache.session() as s:
-            for name, (seed, nbytes) in AB.items():
-                assert_same(s.get_or_pack(name, lambda seed=seed, nbytes=nbytes: packed(seed, nbytes)),
-                            packed(seed, nbytes))  # fmt: skip
-        st = cache.stats()
-    assert (st.stored, st.heap_bytes, st.state) == (2, 0, "stored")
-    for p, old in before.items():
-        new = os.lstat(p)
-        assert (new.st_ino, new.st_size, new.st_mtime_ns, new.st_mode) == (
-            old.st_ino, old.st_size, old.st_mtime_ns, old.st_mode,
-        ), f"{p} was touched"  # fmt: skip
-    assert {p: p.read_bytes() for p in contents} == contents
-    assert os.path.lexists(victim) == (plant is _planted_symlink), "the symlink's target was created"
-    assert sorted(p.name for p in path.parent.iterdir()) == sorted([planted.name, "model.pcache", "model.pcache.lock"])
-    with WeightCache(path) as cache:
-        with cache.session() as s:
-            for name in AB:
-                s.get_or_pack(name, lambda: np.zeros(1))
-        assert cache.stats().hits == 2
     assert error_records(caplog.records) == []
 
 

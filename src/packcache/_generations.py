@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
-from ._paths import TrustedParent, create_temp, open_trusted_parent
+from ._paths import TrustedParent, open_trusted_parent
+from ._sidefiles import create_temp
 from .errors import FormatError, UntrustedFileError
 
 __all__ = [

@@ -28,7 +28,8 @@ from . import format as fmt
 from ._faults import Fault
 from ._generations import read_generation
 from ._mapping import FileMap, Window
-from ._paths import close_if_same, file_identity, open_checked, resolve_trusted, still_linked, trust_problem
+from ._paths import open_checked, resolve_trusted, trust_problem
+from ._sidefiles import close_if_same, file_identity, still_linked
 from ._store_lock import BuildLock
 from ._store_state import Committed, OpenFile, StoreState, StoreStateError, StoreStatus
 from ._store_write import DTYPES, FileWriter, Origin, PendingWrite, entry_array

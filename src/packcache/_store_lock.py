@@ -1,7 +1,7 @@
 """The lock role of a cache file's store: the build lock, and the ``flock`` on the inode appended to.
 
 One lock protocol, tied to the file rather than to the spelling of its path: the sidecar build lock
-beside the path (:func:`packcache._paths.acquire_build_lock`), and, for appends in place, an ``flock``
+beside the path (:func:`packcache._sidefiles.acquire_build_lock`), and, for appends in place, an ``flock``
 on the file's own inode (a hardlink, or a lock file a cleaner deleted, must not let two writers append
 at once). :class:`BuildLock` holds both; the store owns one and asks it.
 """
@@ -16,7 +16,8 @@ import time
 
 from . import _faults as faults
 from ._faults import Fault
-from ._paths import acquire_build_lock, close_if_same, file_identity, remove_orphans, resolve_trusted, wait_for_flock
+from ._paths import resolve_trusted
+from ._sidefiles import acquire_build_lock, close_if_same, file_identity, remove_orphans, wait_for_flock
 from ._store_state import StoreStateError
 from .stats import HeapReason
 

@@ -32,7 +32,8 @@ from . import format as fmt
 from ._faults import Fault
 from ._generations import Rewritten, pwrite_all, rewrite_live, write_generation
 from ._mapping import FileMap, Window
-from ._paths import TrustedParent, close_if_same, create_temp, file_identity, open_trusted_parent
+from ._paths import TrustedParent, open_trusted_parent
+from ._sidefiles import close_if_same, create_temp, file_identity
 from ._store_lock import ensure_dir
 from ._store_state import Committed, OpenFile, StoreState, StoreStatus
 from .errors import FormatError

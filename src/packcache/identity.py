@@ -70,17 +70,8 @@ from typing import Any
 
 from . import _defaults
 from ._cachename import model_cache_name  # docs/TORCH.md names it here, beside the identities it is made of
-from ._paths import (
-    open_checked,
-    parse_temp_name,
-    pid_alive,
-    read_record,
-    replaceable,
-    resolve_trusted,
-    trust_problem,
-    user_cache_home,
-    write_record,
-)
+from ._paths import open_checked, replaceable, resolve_trusted, trust_problem, user_cache_home
+from ._sidefiles import parse_temp_name, pid_alive, read_record, write_record
 from .errors import FormatError
 
 __all__ = [

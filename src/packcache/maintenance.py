@@ -18,7 +18,7 @@ Every entry point opens paths through :mod:`packcache._paths` and keeps the rule
   refuses; ``verify`` and ``inspect`` (read-only) still look, but report why the
   cache would refuse the file; ``gc`` deletes only files of its own user.
 * **One lock per file.** Writers and deleters take the build lock of the file's
-  resolved path (:func:`packcache._paths.acquire_build_lock`), so a symlink or
+  resolved path (:func:`packcache._sidefiles.acquire_build_lock`), so a symlink or
   ``..`` spelling meets the lock the cache takes.
 """
 
@@ -34,19 +34,8 @@ from typing import Any
 from . import _boundedjson as boundedjson
 from . import format as fmt
 from ._generations import chunk_buffer, keep_owner, read_chunks, read_committed, read_generation, rewrite_live
-from ._paths import (
-    DEFAULT_LOCK_TIMEOUT,
-    acquire_build_lock,
-    lock_path_for,
-    open_checked,
-    open_for_reading,
-    parse_temp_name,
-    pid_alive,
-    resolve_trusted,
-    still_linked,
-    temp_prefix,
-    trust_problem,
-)
+from ._paths import DEFAULT_LOCK_TIMEOUT, open_checked, open_for_reading, resolve_trusted, trust_problem
+from ._sidefiles import acquire_build_lock, lock_path_for, parse_temp_name, pid_alive, still_linked, temp_prefix
 from .errors import FormatError, LockTimeoutError, UntrustedFileError
 
 __all__ = [
@@ -479,7 +468,7 @@ def gc(directory: str | os.PathLike[str], max_bytes: int, *, dry_run: bool = Fal
     """Remove stale packcache files from ``directory``, then least recently used caches, until it fits.
 
     What counts: regular files that start with packcache's magic, and temp files named
-    exactly as :func:`packcache._paths.create_temp` names them (``.<cache>.tmp-<pid>-<16 hex>``).
+    exactly as :func:`packcache._sidefiles.create_temp` names them (``.<cache>.tmp-<pid>-<16 hex>``).
     Anything else — a user's ``.notes.tmp-draft``, lock files, symlinks (never followed),
     FIFOs, sockets, devices, directories — is neither opened for reading nor deleted.
 
@@ -490,7 +479,7 @@ def gc(directory: str | os.PathLike[str], max_bytes: int, *, dry_run: bool = Fal
       and has no other hard link (deleting one name would free nothing);
     * a temp file: its builder pid no longer exists;
     * gc holds the build lock of the cache (for a temp file: of the cache it was for),
-      taken without waiting through :func:`packcache._paths.acquire_build_lock`, so no
+      taken without waiting through :func:`packcache._sidefiles.acquire_build_lock`, so no
       builder can be appending, renaming or starting meanwhile; a held lock keeps the file;
     * under that lock the name still holds the inode that was examined.
 

@@ -43,22 +43,17 @@ from typing import Any
 from .. import _defaults
 from .. import _faults as faults
 from .. import format as fmt
-from .._paths import (
-    TrustedParent,
+from .._paths import TrustedParent, open_checked, open_trusted_parent, resolve_trusted, trust_problem, user_cache_home
+from .._progress import bar as progress_bar
+from .._sidefiles import (
     acquire_build_lock,
     create_temp,
     lock_path_for,
-    open_checked,
-    open_trusted_parent,
     read_record,
     remove_orphans,
-    resolve_trusted,
     temp_prefix,
-    trust_problem,
-    user_cache_home,
     write_record,
 )
-from .._progress import bar as progress_bar
 from .._storeurl import StoreURL, parse_store_url
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from ..identity import hash_file

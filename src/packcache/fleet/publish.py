@@ -44,8 +44,9 @@ from .. import _boundedjson as boundedjson
 from .. import _defaults
 from .. import format as fmt
 from .._generations import read_committed
-from .._paths import acquire_build_lock, open_checked, still_linked
+from .._paths import open_checked
 from .._progress import bar as progress_bar
+from .._sidefiles import acquire_build_lock, still_linked
 from ..errors import FormatError, RemoteError
 from ..identity import hash_file, recorded_location
 from ..maintenance import verify
