@@ -255,6 +255,23 @@ def test_the_name_moves_and_a_pinned_generation_lands_in_its_own_file(tmp_path: 
     assert caught.value.reason == "remote_stale", caught.value
 
 
+def test_a_fetch_out_of_time_names_the_budget_it_had(
+    tmp_path: Path, keys: dict[str, Path], request: pytest.FixtureRequest
+) -> None:
+    """With no total timeout the whole fetch has ``timeout`` seconds, and the message names that figure."""
+    built = tmp_path / "ci" / "m.pcache"
+    build(built)
+    store = _store(tmp_path, "directory", request)
+    publish(built, store, name=NAME, private_key=str(keys["ci"]))
+    for total, said in ((None, "1e-06 s"), (2e-6, "2e-06 s")):
+        with pytest.raises(RemoteError) as caught:
+            fetch_name(store, NAME, cache_dir=tmp_path / "node", trusted_keys=[keys["ci.pub"]], timeout=1e-6,
+                       total_timeout=total)  # fmt: skip
+        assert caught.value.reason == "remote_timeout", caught.value
+        assert f"the fetch of {NAME!r} ran out of its {said}" in str(caught.value)
+    assert [n for n in _left(tmp_path / "node") if not n.endswith(".lock")] == []
+
+
 @pytest.mark.parametrize("kind", ["directory", "moto"])
 def test_a_generation_that_does_not_exist_is_remote_absent_naming_it(
     tmp_path: Path, keys: dict[str, Path], kind: str, request: pytest.FixtureRequest

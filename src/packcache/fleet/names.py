@@ -185,7 +185,8 @@ def fetch_name(
     tried = candidates(scheme, group_size)
     keys = load_trusted_keys(list(trusted_keys))
     stall = float(timeout)
-    deadline = started + (stall if total_timeout is None else float(total_timeout))
+    budget = stall if total_timeout is None else float(total_timeout)
+    deadline = started + budget
     absent: list[str] = []
     with contextlib.ExitStack() as stack:
         if store is None:
@@ -194,7 +195,8 @@ def fetch_name(
             left = deadline - time.monotonic()
             try:
                 if left <= 0:
-                    raise RemoteError("remote_timeout", f"the fetch of {name!r} ran out of its {total_timeout} s",
+                    # pinned by tests/test_fleet_names.py::test_a_fetch_out_of_time_names_the_budget_it_had
+                    raise RemoteError("remote_timeout", f"the fetch of {name!r} ran out of its {budget:g} s",
                                       url=location.display)  # fmt: skip
                 report = fetch(location, path, platform=platform, trusted_keys=keys, allow_unsigned=allow_unsigned,
                                timeout=stall, total_timeout=left, lock_timeout=lock_timeout, store=store,
