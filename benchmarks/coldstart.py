@@ -35,7 +35,7 @@ Method (printed first when run):
   ``SentenceTransformer(dir).encode``) and ``packcache-*`` (``packcache.hf.sentence_transformer(NAME,
   …)``). A packcache row the installed packcache cannot do prints ``packcache: NOT AVAILABLE (…)``.
 * Report per (model, bandwidth): bytes moved, seconds to first output (median of ``--repeats``, rows
-  interleaved and rotated), peak RSS, ratio to the best peer; then the goals of issue 32: at 1 Gbit/s
+  interleaved and rotated), peak RSS, ratio to the best peer; then the goals: at 1 Gbit/s
   packcache int8 <= 0.6x and int4 <= 0.4x the best peer's time; unlimited, no slower than it.
 
 Usage: python benchmarks/coldstart.py [--quick] [--repeats N] [--store seaweedfs|moto]
@@ -164,7 +164,7 @@ def build_help(env: dict[str, str]) -> str:
 
 def publish_packcache(model: str, directory: Path, scheme: str, name: str, url: str, key: Path, work: Path,
                       env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
-    """The CI side of issue 32: ``build --model DIR --scheme S --cache-dir D`` then ``publish FILE URL --name
+    """The CI side of a fleet: ``build --model DIR --scheme S --cache-dir D`` then ``publish FILE URL --name
     NAME --sign KEY``. Returns ``{"error": ...}`` when the installed packcache cannot."""
     cache_dir = work / "a-cache" / f"{model}-{scheme}"
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -534,7 +534,7 @@ def report(results: dict[str, Any], bandwidths: list[str], models: list[str]) ->
                 verdict = "met" if ratio <= limit else "MISSED"
                 goals.append(f"{model} {bandwidth} packcache {scheme}: {ratio:.2f}x {best['row']} "
                              f"(goal <= {limit}x): {verdict}")  # fmt: skip
-    print("Goals (issue 32 item 5):")
+    print("Goals:")
     for line in goals or ["  (no bandwidth with a goal was run: 1g and unlimited have goals)"]:
         print(f"  {line}")
 

@@ -434,7 +434,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def goals(table: dict[str, Any]) -> list[tuple[str, float | None, bool | None]]:
-    """The issue's goals (issue 33): each a ratio of this run (``None`` where a row is missing), met at 1.0, or at 0.8
+    """The issue's goals: each a ratio of this run (``None`` where a row is missing), met at 1.0, or at 0.8
     for a share of the measured bandwidth."""
 
     def ratio(key: str, a: str, b: str, invert: bool = False) -> float | None:

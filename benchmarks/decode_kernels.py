@@ -12,7 +12,7 @@ Method (printed first when run):
 * Kernels: ``linear`` float32 (MKL), ``linear`` bfloat16 (oneDNN), ``_weight_int8pack_mm`` (int8
   weight, per-channel bf16 scales), ``_weight_int4pack_mm_for_cpu`` (torch's int4 layout, group
   32, bf16 scales and zeros), ``_int_mm`` (int8 activations quantised per call x int8 weight:
-  the W8A8 alternative), and packcache's compiled kernels (``packcache.native``, issue 33) on the
+  the W8A8 alternative), and packcache's compiled kernels (``packcache.native``) on the
   same operand layouts: ``packcache int8``, ``packcache int4`` (torch's int4 layout), ``packcache
   bf16``, and ``packcache int8`` on a 32-row prefill. Threads: ``--threads`` (2).
 * A prefill's int8 layers (32 rows; the 16 layers, not the head, which a prefill runs on its last

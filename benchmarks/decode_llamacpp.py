@@ -1,4 +1,4 @@
-"""llama.cpp rows of the decode benchmark (issue 22): GGUF files made by llama.cpp's own tools, one measured run.
+"""llama.cpp rows of the decode benchmark: GGUF files made by llama.cpp's own tools, one measured run.
 
 Method. The checkpoint is the benchmark's own (``benchmarks/decode.py`` makes it: random weights, bf16
 safetensors). :func:`add_tokenizer` gives it a tiny sentencepiece tokenizer so llama.cpp's converter accepts it

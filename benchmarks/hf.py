@@ -21,12 +21,12 @@ Method (printed first when run):
   heap_bytes 0 or the run stops. The checkpoint stays in the page cache between launches: the
   baseline's best case. Baseline and packcache launches interleave (the order rotates each
   round); medians of the repeats. Ratio = packcache / transformers; goal <= 0.15 for
-  ``from_pretrained`` and <= 0.3 for ``sentence_transformer`` (issue 23). The first call after
+  ``from_pretrained`` and <= 0.3 for ``sentence_transformer``. The first call after
   the load (a forward of 1 x 16 token ids, or ``encode`` of one sentence: page faults on the
   weights land there) is timed too, no goal.
   Inside packcache's timed load, two steps are timed as well by wrapping their functions (the
   packers' once-per-process kernel self-check, ``packers_torch._self_check``, which runs at the
-  first forward since issue 23, so 0 in the load, and the model skeleton on ``meta``,
+  first forward, so 0 in the load, and the model skeleton on ``meta``,
   ``_hf_model._skeleton``): where the time goes, from the same launches.
 * Anonymous growth, in the same launches: ``smaps_rollup()["Anonymous"]`` after the load
   minus before it (``gc.collect()`` and ``release_free_heap()`` before each reading), as a
@@ -69,8 +69,8 @@ sys.path.insert(0, HERE)
 import core  # noqa: E402  (benchmarks/core.py: quartiles)
 
 THREADS = 2
-LOAD_GOAL = 0.15  # warm hf.from_pretrained / AutoModel*.from_pretrained (issue 23; issue 11 asked 0.2)
-ST_GOAL = 0.3  # warm hf.sentence_transformer / SentenceTransformer(path) (issue 23)
+LOAD_GOAL = 0.15  # warm hf.from_pretrained / AutoModel*.from_pretrained
+ST_GOAL = 0.3  # warm hf.sentence_transformer / SentenceTransformer(path)
 ANON_GOAL_PCT = 1.0  # warm-load Anonymous growth, % of packed bytes
 SCHEMES = ("int8", "bf16")
 CAUSAL = "AutoModelForCausalLM"
@@ -248,7 +248,7 @@ def _loader(spec: dict[str, Any]) -> Callable[[], Any]:
         return lambda: SentenceTransformer(path, device="cpu")
     if method == "packcache sentence-transformers":
         return lambda: hf.sentence_transformer(path, spec["scheme"], spec["cache"])
-    if method == "packcache file":  # the cache file alone: no checkpoint read (issue 32)
+    if method == "packcache file":  # the cache file alone: no checkpoint read
         return lambda: hf.from_pretrained(spec["cache"])
     if method == "packcache sentence-transformers file":
         return lambda: hf.sentence_transformer(spec["cache"])

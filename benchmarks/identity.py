@@ -1,4 +1,4 @@
-"""Content identity (issue 19): what naming a safetensors source by its sha256 costs a launch.
+"""Content identity: what naming a safetensors source by its sha256 costs a launch.
 
 Method (printed first when run):
 

@@ -11,7 +11,7 @@ Method (printed first when run):
   worker accepting only while idle, the server as it was before batching) and
   ``sentence-transformers`` (``--engine sentence-transformers``: ``SentenceTransformer(<the same model
   dir>)``, float32, every weight on each worker's heap, batching as ``packcache``).
-  ``packcache-sync`` (gunicorn's ``sync`` worker, as serve ran before issue 20) can be added with
+  ``packcache-sync`` (gunicorn's ``sync`` worker: a slow client holds it) can be added with
   ``--engines``. Torch threads per worker: serve's default, the CPUs divided among the workers (at
   least 1). Each packcache server has its own copy of one cache file built beforehand by
   ``packcache run`` (a prebuilt cache, as docs/DEPLOY.md deploys it), so every worker starts warm.
@@ -76,7 +76,7 @@ import inference  # noqa: E402  (benchmarks/inference.py: bench_texts, cpu_repor
 SRC = str(Path(HERE).parent / "src")
 ENGINES = ("sentence-transformers", "packcache-unbatched", "packcache", "packcache-sync")
 DEFAULT_ENGINES = ("sentence-transformers", "packcache-unbatched", "packcache")
-#: packcache-sync: serve with gunicorn's sync worker, as before issue 20 (a benchmark baseline only:
+#: packcache-sync: serve with gunicorn's sync worker (a benchmark baseline only:
 #: serve itself has no switch for it, since a slow client can hold a sync worker until it is killed).
 _SYNC = (
     "import sys; import packcache.server.worker as w; w.worker_class = lambda limits, batching=None: 'sync'; "

@@ -1,4 +1,4 @@
-"""Warm launches against their limits, each in a fresh process (issue 23).
+"""Warm launches against their limits, each in a fresh process.
 
 Method (printed first when run). Every figure is timed in a fresh ``python`` process, after its
 imports and a ``gc.collect()`` (so a collection owed by the imports does not land in the timed call),

@@ -1,6 +1,6 @@
 """The plain torch BERT (``packcache.models.bert``): ``BertConfig`` checks every value it is made with or
 reads from ``config.json`` (one ``FormatError`` naming the file and the field), the shapes it implies are the
-encoder's parameters, and the encoder refuses token ids past its tables (issue 20, item 3).
+encoder's parameters, and the encoder refuses token ids past its tables.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A cache file is the model (issue 32): it holds the record and the checkpoint's files, and loads alone.
+"""A cache file is the model: it holds the record and the checkpoint's files, and loads alone.
 
 Every load "from the file alone" here runs in a fresh process after the checkpoint is deleted, so nothing of it
 can be read; the file is then checked unchanged (a load never writes the file it runs from).

@@ -420,7 +420,7 @@ def test_a_cache_refuses_to_be_pickled_or_copied_and_says_what_to_save(tmp_path:
         assert cache.stats().state == "mapped" and not cache.closed  # refusing changed nothing
 
 
-# --------------------------------------------------------------------------- arguments refused at once (issue 10)
+# --------------------------------------------------------------------------- arguments refused at once
 
 
 @pytest.mark.parametrize("mode", [0o664, 0o666, 0o620, 0o602])
@@ -450,7 +450,7 @@ def test_an_empty_or_nul_path_is_refused(tmp_path: Path, path: str, monkeypatch:
     assert list(tmp_path.iterdir()) == []  # no ".lock" in the working directory
 
 
-# --------------------------------------------------------------------------- raised instead of routed (issue 10)
+# --------------------------------------------------------------------------- raised instead of routed
 
 
 def test_a_masked_array_is_a_pack_result_error_not_a_write_failure(tmp_path: Path) -> None:
@@ -462,7 +462,7 @@ def test_a_masked_array_is_a_pack_result_error_not_a_write_failure(tmp_path: Pat
     assert (st.errno, st.error, st.heap_bytes) == (0, "", 0)
 
 
-# --------------------------------------------------------------------------- who owns a heap pack (issue 10)
+# --------------------------------------------------------------------------- who owns a heap pack
 
 
 class ScratchPacker:

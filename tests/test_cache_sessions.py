@@ -3,7 +3,7 @@ threads and caches waiting for each other, interrupts.
 
 Threads are forced to interleave (``sys.setswitchinterval``, barriers) and interrupts are raised at the
 worst instant, so a race or a lock left held fails a test instead of showing up once in a while.
-The tests of issue 10's holes reproduce one reported failure each and fail on the code before its fix
+The tests of the holes in docs/RELIABILITY.md reproduce one reported failure each and fail on the code before its fix
 (docs/RELIABILITY.md "Attacks and the rule that closes each").
 """
 
@@ -108,7 +108,7 @@ def test_two_caches_on_one_path_in_two_threads_wait_then_map(tmp_path: Path) -> 
         c.close()
 
 
-# --------------------------------------------------------------------------- threads sharing one session (issue 10)
+# --------------------------------------------------------------------------- threads sharing one session
 
 
 @pytest.fixture
@@ -245,7 +245,7 @@ def test_a_request_after_the_session_ended_raises_and_the_session_waits_for_runn
     assert packcache.verify(tmp_path / "m.pcache").entries == 1
 
 
-# --------------------------------------------------------------------------- interrupts and failed commits (issue 10)
+# --------------------------------------------------------------------------- interrupts and failed commits
 
 
 def test_an_interrupt_while_a_session_starts_leaves_the_cache_usable(

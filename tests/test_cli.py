@@ -204,7 +204,7 @@ def test_python_dash_m_on_a_real_terminal(tmp_path: Path) -> None:
     assert "generation 1" in text and "Traceback" not in text
 
 
-# ---------------------------------------------------------------------- a non-file at the cache path (issue 10, item 9)
+# ---------------------------------------------------------------------- a non-file at the cache path
 
 
 def _fifo(path: Path) -> None:
@@ -241,7 +241,7 @@ def test_cli_refuses_a_non_file_at_the_cache_path_without_hanging(tmp_path: Path
     assert {lock: os.path.lexists(lock) for lock in locks} == existed, "no lock file created for what is no cache"
 
 
-# --------------------------------------------------------------------------- one line, never a traceback (issue 10)
+# --------------------------------------------------------------------------- one line, never a traceback
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "compact"])
@@ -268,7 +268,7 @@ def test_cli_gc_on_something_that_is_no_directory_is_one_line(
     assert err.startswith("packcache gc: ENOTDIR") and err.count("\n") == 1
 
 
-# ----------------------------------------- serve checks the model directory before any worker starts (issue 20, item 3)
+# ----------------------------------------- serve checks the model directory before any worker starts
 
 
 def serve_until_exit(argv: list[str], timeout: float = 90.0) -> tuple[int | None, str]:
@@ -317,7 +317,7 @@ def test_serve_refuses_a_bad_model_directory_in_one_line_before_any_worker_start
     assert err.startswith("packcache serve: cannot load the model: ") and f"/{file}" in err and says in err, err
 
 
-# ------------------------------------- $PACKCACHE_KERNEL_PATH checked at startup; --kernel-path wins over it (issue 20)
+# ------------------------------------- $PACKCACHE_KERNEL_PATH checked at startup; --kernel-path wins over it
 
 
 def test_the_command_line_names_the_variable_and_its_values_as_the_library_does() -> None:

@@ -1,4 +1,4 @@
-"""Bad input to the fleet commands (issue 31, defect 7): one line on stderr and exit 2, never a traceback,
+"""Bad input to the fleet commands: one line on stderr and exit 2, never a traceback,
 and nothing reaches a store: every argument is checked before the first store call.
 
 Each row runs a real ``packcache`` process against a real directory store and a real cache file.

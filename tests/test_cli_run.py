@@ -44,7 +44,7 @@ def test_run_twice_stores_then_maps(tmp_path: Path, capsys: pytest.CaptureFixtur
     # The few-row int8 kernel: packcache's compiled one where this CPU runs it (up to 64 rows), else torch's fused.
     few = "packcache int8" if native.status().isa is not None else "_weight_int8pack_mm"
     assert second["kernels"] and few in second["kernels"]
-    # Per kind of linear layer (issue 22): BERT's query, key, value and the three dense layers.
+    # Per kind of linear layer: BERT's query, key, value and the three dense layers.
     assert set(second["kernels_by_layer"]) == {"query", "key", "value", "dense"}
     assert all(few in ops for ops in second["kernels_by_layer"].values())
     speed = second["embed"]
@@ -140,7 +140,7 @@ def test_run_serve_and_build_name_one_cache_file_for_one_checkpoint(
     assert _cache_file(parser.parse_args(["run", "--no-cache"]), "int8") is None
 
 
-# ------------------------------------- a hostile model.safetensors: one line, no traceback, no hang (issue 10, item 16)
+# ------------------------------------- a hostile model.safetensors: one line, no traceback, no hang
 
 
 @pytest.fixture(scope="module")

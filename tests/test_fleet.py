@@ -1,4 +1,4 @@
-"""Publishing, fetching and read-through (issue 21): real files, real stores, real processes.
+"""Publishing, fetching and read-through: real files, real stores, real processes.
 
 Most tests use the directory store (the stdlib one, as on NFS) and core caches with a chosen
 platform mapping, so they run in milliseconds; the end-to-end ones build real models with the
@@ -423,7 +423,7 @@ def test_two_publishers_racing_one_wins_the_other_gets_remote_conflict(tmp_path:
     outputs = sorted(proc.communicate(timeout=60)[0].strip().splitlines() for proc in procs)
     outcomes = [lines[0] for lines in outputs]
     assert outcomes == ["1", "remote_conflict"], outcomes
-    # the loser is told what happened and what to do (issue 31: it never said so)
+    # the loser is told what happened and what to do
     lost = outputs[1][1]
     assert "another publisher" in lost and "run it again" in lost, lost
 
@@ -594,7 +594,7 @@ def test_a_fetched_file_gets_the_modes_the_cache_would_have_made_it_with(tmp_pat
     assert Path(f"{local}.lock").stat().st_mode & 0o777 == 0o644
 
 
-# --------------------------------------------------------------------------- key rotation, repair (issue 31)
+# --------------------------------------------------------------------------- key rotation, repair
 
 
 def test_key_rotation_by_cli_machines_trusting_old_new_or_both_accept_the_dual_signed_manifest(

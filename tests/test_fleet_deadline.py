@@ -1,4 +1,4 @@
-"""``packcache fetch``'s two bounds (issue 31, defect 14): a store that makes no progress ends the fetch
+"""``packcache fetch``'s two bounds: a store that makes no progress ends the fetch
 within the stall bound (``--timeout``, 10 s by default), whatever the overall ``--deadline``; a download
 that keeps making progress runs past the stall bound, up to the deadline.
 

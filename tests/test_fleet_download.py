@@ -1,4 +1,4 @@
-"""A fetch's download (issue 32): concurrent range reads written in place, hashed once, verified once.
+"""A fetch's download: concurrent range reads written in place, hashed once, verified once.
 
 Real stores: the directory store, moto's S3 server, and small HTTP servers on 127.0.0.1 that serve a
 directory store's files over plain HTTP (an ``http://`` store through obstore) and misbehave on purpose:

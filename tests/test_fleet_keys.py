@@ -1,4 +1,4 @@
-"""ed25519 key files (issue 21, item 7): ``packcache.fleet.keys`` and ``packcache keygen``.
+"""ed25519 key files: ``packcache.fleet.keys`` and ``packcache keygen``.
 
 Real keys (``cryptography``), real files, a real FIFO: every refusal is one clear error naming the file.
 """

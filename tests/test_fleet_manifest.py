@@ -1,4 +1,4 @@
-"""Signed manifests (issue 21, item 7): ``packcache.fleet.manifest``; the key files are ``test_fleet_keys.py``'s.
+"""Signed manifests: ``packcache.fleet.manifest``; the key files are ``test_fleet_keys.py``'s.
 
 Real keys (``cryptography``), real files and, where a missing package or a FIFO is the point, real
 child processes. Every refusal is a :class:`~packcache.errors.RemoteError` with its reason.

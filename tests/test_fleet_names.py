@@ -1,4 +1,4 @@
-"""Published names (issue 32, items 2 and 6): a node with no checkpoint fetches a cache file by the name it was
+"""Published names: a node with no checkpoint fetches a cache file by the name it was
 published under, checked as every fetch is (docs/FLEET.md, "Published names").
 
 Cache files are built through the library under the platform a loader of the scheme maps
@@ -543,7 +543,7 @@ def test_cli_publish_and_fetch_refuse_a_bad_name_with_exit_2(tmp_path: Path, arg
 
 def test_workers_that_waited_for_the_download_map_it_without_hashing_it(tmp_path: Path, keys: dict[str, Path]) -> None:
     """Four processes fetch the name at once: one downloads (hashing as it streams), the three that waited for the
-    build lock find the record the downloader wrote beside the file and hash nothing (issue 32, item 4)."""
+    build lock find the record the downloader wrote beside the file and hash nothing."""
     built = tmp_path / "ci" / "m.pcache"
     build(built)
     store = tmp_path / "store"

@@ -1,4 +1,4 @@
-"""Platform classes (issue 21, item 1): ``packcache platform`` is the same wherever a machine would pack alike.
+"""Platform classes: ``packcache platform`` is the same wherever a machine would pack alike.
 
 Each run is a real ``python -m packcache platform --scheme int4 --json`` process: from other working
 directories, as root and as ``nobody`` with another HOME, under another hostname (a new UTS namespace),
@@ -101,7 +101,7 @@ def test_the_platform_class_is_byte_identical_across_paths_users_hosts_ranks_and
     assert report["class"] == platform_class(fmt.canonical_key(minilm.platform("int4")))
     assert fields["cpu_capability"] == HERE_CAPABILITY and fields["format_version"] == fmt.FORMAT_VERSION
     assert fields["torch"] == torch.__version__ and fields["packcache.packers"] == 1
-    # int4 stores its embedding tables as int8 rows (torch.int8wo, issue 32); the platform says which packer does.
+    # int4 stores its embedding tables as int8 rows (torch.int8wo); the platform says which packer does.
     assert sorted(p["id"] for p in fields["packers"]) == ["np.f32", "torch.int4wo", "torch.int8wo"]
     assert fields["embeddings"] == {"id": "torch.int8wo", "version": 2, "params": {}}
     # Nothing of where or who it ran: no path, user, host or rank appears anywhere in it.

@@ -1,4 +1,4 @@
-"""The header-only probe (issue 21, item 6): ``packcache.fleet.probe`` and ``packcache probe``.
+"""The header-only probe: ``packcache.fleet.probe`` and ``packcache probe``.
 
 The verdict must be what a :class:`~packcache.WeightCache` does with the file: ``compatible`` (or
 ``compatible_suboptimal``) exactly when a cache given this machine's platform maps the file's packs
@@ -113,7 +113,7 @@ def test_another_scheme_or_group_size_is_incompatible_naming_the_packers(
     built: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, report = probe_cli(capsys, str(built["here"]), "--scheme", "int8")
-    # int4 packs its embedding tables as int8 does (torch.int8wo, issue 32): the int4 packer is the difference.
+    # int4 packs its embedding tables as int8 does (torch.int8wo): the int4 packer is the difference.
     assert (code, [d["field"] for d in report["differences"]]) == (4, ["packers[torch.int4wo]"])
     code, report = probe_cli(capsys, str(built["here"]), "--scheme", "int4", "--group-size", "64")
     assert code == 4 and "packers[torch.int4wo].params.group_size" in [d["field"] for d in report["differences"]]
@@ -391,7 +391,7 @@ def test_the_text_output_leads_with_the_verdict_and_names_each_difference(
     assert capsys.readouterr().out.splitlines()[0] == "verdict       compatible"
 
 
-# --------------------------------------------------------------------------- probe and fetch agree (issue 31)
+# --------------------------------------------------------------------------- probe and fetch agree
 
 
 @pytest.fixture(scope="module")

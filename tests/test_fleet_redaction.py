@@ -1,4 +1,4 @@
-"""No secret of a store URL is ever shown (issue 31, defect 6): one redaction for every place a URL is shown.
+"""No secret of a store URL is ever shown: one redaction for every place a URL is shown.
 
 Every output path is driven with URLs carrying ``user:pass@`` and token query parameters, against a real
 S3 server (moto, which ignores them: obstore sends its own signed requests) and a refused port: the

@@ -1,5 +1,5 @@
 """A replayed older manifest is refused whatever spelling of the store a fetch is given, and on a fresh
-"pod" (a new ``$XDG_CACHE_HOME``) in front of a persistent cache volume (issue 31, defect 2).
+"pod" (a new ``$XDG_CACHE_HOME``) in front of a persistent cache volume.
 
 Real files, a real directory store, moto's S3 server over HTTP, real ``packcache fetch`` processes.
 Each test accepts generation 2, then puts generation 1's signed manifest back in the store (a replay:

@@ -122,7 +122,7 @@ def test_put_file_is_create_only_and_never_overwrites(store: Store, tmp_path: Pa
 def test_replace_file_overwrites_on_the_current_etag_or_unconditionally_and_conflicts_on_a_stale_one(
     store: Store, tmp_path: Path
 ) -> None:
-    """What publish repairs a damaged blob with (issue 31): a whole object replaced, never a mix."""
+    """What publish repairs a damaged blob with: a whole object replaced, never a mix."""
     damaged = write_file(tmp_path / "a.pcache", 100_000, seed=1)
     good = write_file(tmp_path / "b.pcache", 70_000, seed=2)
     store.put_file("blobs/sha256/x.pcache", str(tmp_path / "a.pcache"), deadline=soon())
@@ -674,7 +674,7 @@ def test_a_missing_bucket_or_store_directory_is_a_remote_error_on_every_call(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """A bucket that does not exist (a typo, a deleted bucket, the wrong account or endpoint) is a
-    configuration problem, as a missing store directory is: never "nothing published" (issue 31)."""
+    configuration problem, as a missing store directory is: never "nothing published"."""
     write_file(tmp_path / "f", 1000)
     if kind == "moto":
         server = request.getfixturevalue("moto_env")

@@ -1,4 +1,4 @@
-"""The fleet's local files, trusted by one rule (issue 31): the trusted public keys, the private signing key and
+"""The fleet's local files, trusted by one rule: the trusted public keys, the private signing key and
 the file ``fetch`` renames into place pass the cache file's owner/mode rule, and a symlink on their way is
 followed only if no other user can have planted or re-pointed it (``packcache._paths.entry_problem``); a
 fetch killed mid-download leaves a temp file the next fetch of that file removes.

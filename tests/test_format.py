@@ -1265,7 +1265,7 @@ def test_compacted_size_is_the_size_of_the_layout_compaction_writes() -> None:
             assert fmt.compacted_size(iter(entries), header, index_bytes) == expected
 
 
-# --------------------------------------------------------------------------- R47-R50: embedded entries (issue 32)
+# --------------------------------------------------------------------------- R47-R50: embedded entries
 
 FILE_KEY = fmt.embedded_key("file", b"{}")
 MODEL_KEY = fmt.embedded_key("model", b"{}")
@@ -1342,7 +1342,7 @@ def test_reject_embedded_bytes_other_than_the_key_names() -> None:
     rejects(r"not the sha256 its key names \(R50\)", fmt.check_embedded, forged, b'{"a":2}', offset=4096)
 
 
-# --------------------------------------------------------------------------- R46 end to end (issue 10)
+# --------------------------------------------------------------------------- R46 end to end
 
 
 def test_an_empty_entry_with_an_absurd_shape_is_rejected_never_raised_by_a_load(tmp_path: Path) -> None:

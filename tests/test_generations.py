@@ -27,7 +27,7 @@ from packcache import format as fmt
 from packcache.cli import main
 from test_maintenance import AB, in_nobodys_directory, names, nobody_loads
 
-# -------------------------------------------------------------------------- the copy keeps the owner (issue 10, item 6)
+# -------------------------------------------------------------------------- the copy keeps the owner
 
 
 @pytest.mark.root
@@ -60,7 +60,7 @@ def test_compact_that_cannot_keep_the_owner_leaves_the_original_and_no_temp(env:
     assert names(path.parent) == ["model.pcache", "model.pcache.lock"], "the temp file was removed"
 
 
-# -------------------------------------------------------- a failed copy leaves the original and no temp file (issue 10)
+# -------------------------------------------------------- a failed copy leaves the original and no temp file
 
 
 def test_compact_interrupted_mid_copy_keeps_the_original_and_removes_its_temp(
@@ -101,7 +101,7 @@ def test_compact_on_a_full_disk_keeps_the_original_and_removes_its_temp(tmp_path
         assert sorted(n for n in names(mnt) if n != "filler") == ["model.pcache", "model.pcache.lock"]
 
 
-# --------------------------------------------------------------------------- generation overflow (issue 10, item 14)
+# --------------------------------------------------------------------------- generation overflow
 
 
 def set_generation(path: Path, generation: int) -> None:

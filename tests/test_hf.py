@@ -859,7 +859,7 @@ def test_build_fails_when_the_file_cannot_hold_the_model(
     assert not (tmp_path / "c.pcache").exists()
 
 
-# ----------------------------------------------------------------------------- hostile config values (issue 20)
+# ----------------------------------------------------------------------------- hostile config values
 
 #: arch -> config.json edit -> what the one line says. Each ended in a traceback (ZeroDivisionError, TypeError,
 #: AttributeError, an 80 GB allocation), built a model of no layers, or built ten million layers on ``meta``.

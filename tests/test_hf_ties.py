@@ -1,4 +1,4 @@
-"""packcache.hf ties exactly what transformers 5.23 ties, whatever the config and the checkpoint say (issue 31).
+"""packcache.hf ties exactly what transformers 5.23 ties, whatever the config and the checkpoint say.
 
 transformers ties a pair of ``all_tied_weights_keys`` (``lm_head.weight`` -> the input embeddings) only when
 the config asks for it (``tie_word_embeddings``) and the checkpoint does not hold both tensors with different

@@ -1,4 +1,4 @@
-"""Source identity by content (issue 19): keys and default file names name what a checkpoint *is*.
+"""Source identity by content: keys and default file names name what a checkpoint *is*.
 
 Real files and real processes: each launch below is a fresh interpreter (``launch``) loading the
 MiniLM loader on a tiny random BERT checkpoint; it reports what it served, whether that equals a
@@ -292,9 +292,9 @@ def test_ten_alternations_of_two_checkpoints_on_one_file_stay_under_twice_the_li
         assert stats.state == "stored" and stats.reclaimable_bytes == report.reclaimable_bytes, launch_number
         assert path.stat().st_size <= 2 * report.live_bytes, (launch_number, sizes, report.live_bytes)
     assert packcache.verify(path).ok
-    # The file does not grow: a build compacts once superseded bytes outweigh the live ones. (Before issue 32 every
-    # launch here compacted; the tokenizer and config this tiny model's file now holds are live bytes that both
-    # checkpoints share, so it compacts every other launch, between the same two sizes.)
+    # The file does not grow: a build compacts once superseded bytes outweigh the live ones. The tokenizer and
+    # config this tiny model's file holds are live bytes that both checkpoints share, so it compacts every other
+    # launch, between the same two sizes.
     assert max(sizes[-4:]) <= max(sizes[:4]), sizes
 
 
@@ -338,7 +338,7 @@ def test_keys_of_the_previous_release_are_repacked_once_then_mapped(
     assert states == [("stored", packs, 0), ("mapped", 0, packs), ("mapped", 0, packs)]
     report = packcache.inspect(path)
     # The old packs are superseded once and never again (the hits above); they are reclaimed by a build as soon as
-    # they outweigh the live bytes, which here include the embedded tokenizer and config (issue 32).
+    # they outweigh the live bytes, which here include the embedded tokenizer and config.
     assert report.reclaimable_bytes <= report.live_bytes and len(report.entries) == packs
     assert packcache.compact(path).reclaimed_bytes == report.reclaimable_bytes
     assert packcache.inspect(path).reclaimable_bytes == 0

@@ -89,7 +89,7 @@ def test_stats_snapshot_is_consistent_under_contention(tmp_path: Path) -> None:
     assert bad == []
 
 
-# --------------------------------------------------------------------------- unnamed packs (issue 10)
+# --------------------------------------------------------------------------- unnamed packs
 
 
 def test_a_name_like_an_internal_unnamed_pack_is_counted_apart(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Verification (on demand and on hit), compaction, inspection and gc (``packcache.maintenance``).
 
-The entry points under attack (issue 10): every one opens paths the way WeightCache does (packcache._paths):
+The entry points under attack: every one opens paths the way WeightCache does (packcache._paths):
 never blocking on a FIFO, never following a symlink swapped in, checking what was opened; and every writer
 or deleter takes the one build lock of the file's resolved path. Each of those tests reproduces an attack
 the reporter ran on this machine (as root, with the real user ``nobody`` on the other side): real FIFOs,
@@ -178,7 +178,7 @@ def test_compact_of_an_invalid_file_raises_format_error_and_writes_nothing(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pcache", "m.pcache.lock"]
 
 
-# -------------------------------------------------------------------- the entry points under attack (issue 10): helpers
+# -------------------------------------------------------------------- the entry points under attack: helpers
 
 
 AB: Spec = {"a": (1, 16 * KIB), "b": (2, 16 * KIB)}
@@ -248,7 +248,7 @@ def write_cache(path: Path, key: bytes = b"{}", platform: bytes = b"{}", generat
     os.chmod(path, 0o600)
 
 
-# ----------------------------------------------------------------- trust in every entry point (issue 10, items 4 and 6)
+# ----------------------------------------------------------------- trust in every entry point
 
 
 @pytest.mark.root
@@ -359,7 +359,7 @@ def test_compact_as_root_leaves_a_service_users_cache_loadable_by_the_service(en
     assert nobody_loads(env, path, AB, hits=2, stored=0) == []
 
 
-# ------------------------------------------------------------ compact works on the file the path resolves to (issue 10)
+# ------------------------------------------------------------ compact works on the file the path resolves to
 
 
 def test_compact_keeps_mode_bits_and_a_symlinked_path_stays_a_symlink(tmp_path: Path) -> None:
@@ -396,7 +396,7 @@ def test_compact_through_a_symlink_waits_for_the_lock_a_builder_holds_on_the_rea
     assert compact(link).reclaimed_bytes > 0
 
 
-# --------------------------------------------------------------------------- FIFOs (issue 10, item 9)
+# --------------------------------------------------------------------------- FIFOs
 
 
 def test_verify_and_compact_never_block_the_build_lock_on_a_fifo(tmp_path: Path) -> None:
@@ -430,7 +430,7 @@ def test_gc_does_not_hang_on_a_fifo_planted_at_a_lock_path(tmp_path: Path) -> No
     assert path.exists() and stat.S_ISFIFO(os.lstat(f"{path}.lock").st_mode), "the FIFO is not ours to remove"
 
 
-# ---------------------------------------------------------------------- gc deletes only what is ours (issue 10, item 8)
+# ---------------------------------------------------------------------- gc deletes only what is ours
 
 
 def dead_pid() -> int:
@@ -561,7 +561,7 @@ def test_gc_removes_stale_then_least_recently_used_and_counts_each_inode_once(tm
     ), "lock files are never removed"  # fmt: skip
 
 
-# ------------------------------------------------------------------------ inspect on any valid file (issue 10, item 15)
+# ------------------------------------------------------------------------ inspect on any valid file
 
 
 DEEP = b"[" * 5000 + b"]" * 5000

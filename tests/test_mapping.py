@@ -9,7 +9,7 @@ from pathlib import Path
 
 from harness import run_child
 
-# --------------------------------------------------------------------------- descriptors and mappings (issue 10)
+# --------------------------------------------------------------------------- descriptors and mappings
 
 
 MANY_PACKS = """

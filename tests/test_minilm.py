@@ -1,6 +1,6 @@
 """all-MiniLM-L6-v2 end to end (``packcache.models.minilm``): quality per scheme, same bytes same answers,
 memory shared by workers; and every file ``minilm.load(model_path=...)``, ``run --model DIR`` and ``serve
---model DIR`` read (issue 20, item 3).
+--model DIR`` read.
 
 The reference embeddings in tests/data/minilm_reference.json were made by sentence-transformers
 with scripts/make_reference_embeddings.py (see docs/TORCH.md).
@@ -310,8 +310,8 @@ def test_warm_launch_adds_almost_no_anonymous_memory(launches: dict[str, dict[st
     # Issue 32 stores the embedding tables in the scheme's form: the int4 file is 19 MB, the int8 one 23 MB.
     assert warm["mapped_bytes"] == warm["packed_bytes"] + _beside_the_encoder(launches[scheme]["path"])
     assert warm["packed_bytes"] > 15 * 2**20
-    # The load's own objects (modules, keys, tensors over the mapping: ~0.3 MiB), never the weights: 1% of the file
-    # held them before issue 32 shrank the file; the heap launch below grows by the whole file, 19-90 MB.
+    # The load's own objects (modules, keys, tensors over the mapping: ~0.3 MiB), never the weights: the heap
+    # launch below grows by the whole file, 19-90 MB.
     assert warm["anonymous_growth"] < ANONYMOUS_SLACK, warm
     # The same measurement does see weights on heap: a heap launch grows by about the packed size.
     heap = _run_once(scheme, None)
@@ -352,7 +352,7 @@ def test_four_workers_share_one_copy_of_the_packed_weights(tmp_path: Path) -> No
         assert report["anonymous_growth"] > 0.9 * report["packed_bytes"], report  # each pays the full size
 
 
-# --------------------------------------------------------------------------- every file a load reads (issue 20, item 3)
+# --------------------------------------------------------------------------- every file a load reads
 
 
 CHILD_TIMEOUT = 120.0
@@ -536,7 +536,7 @@ def test_a_fifo_in_the_model_directory_is_refused_at_once(base: Path, tmp_path: 
     assert f"/{name}" in line and "not a regular file (a FIFO)" in line, line
 
 
-# ------------------------------------------------------------------- the loader's checks, in process (issue 20, item 3)
+# ------------------------------------------------------------------- the loader's checks, in process
 
 
 def test_a_config_the_weights_do_not_match_is_refused_before_the_skeleton_is_built(

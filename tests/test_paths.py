@@ -25,7 +25,7 @@ from harness import KEY, KIB, Packer, Spec, assert_same, build, build_keyed, err
 from harness.driver import FOREIGN_UID, NOBODY, Env, check_load, loaded
 from packcache import WeightCache
 
-# ---------------------------------------------------------------------- a symlink swapped in after the check (issue 10)
+# ---------------------------------------------------------------------- a symlink swapped in after the check
 
 
 def test_a_symlink_swapped_in_after_the_check_is_never_followed(
@@ -183,7 +183,7 @@ def test_configured_file_and_dir_modes_are_applied_and_still_trusted(
     assert error_records(caplog.records) == []
 
 
-# --------------------------------------------------------------------------- a symlink another user plants (issue 31)
+# --------------------------------------------------------------------------- a symlink another user plants
 
 
 def _as_nobody(*argv: str) -> None:
@@ -236,7 +236,7 @@ def test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_targ
     assert os.path.islink(link) and os.readlink(link) == str(victim)
 
 
-# --------------------------------------------------------------------------- a directory renamed on the way (issue 31)
+# --------------------------------------------------------------------------- a directory renamed on the way
 
 
 def _swap_for_a_link(directory: Path, to: Path) -> None:

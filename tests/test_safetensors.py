@@ -92,7 +92,7 @@ def test_safetensors_rejects_a_header_length_past_the_file(tmp_path: Path) -> No
         SafetensorsFile(tmp_path / "notjson")
 
 
-# --------------------------------------------------------------------------- hostile files (issue 10, item 16)
+# --------------------------------------------------------------------------- hostile files
 
 
 HANG = 60.0  # seconds; reaching it means something blocked

@@ -266,7 +266,7 @@ def test_concurrent_requests_share_forwards_within_the_budget_and_answer_as_unba
                 assert status == base_status == 200 and alone == 2 and forward >= 2
                 # The same texts in a bigger forward: up to 64 rows the compiled kernel quantises activations to
                 # int8 per 32, past it torch's path runs them in bf16, so an element differs by up to ~0.007
-                # and the cosine by ~0.0015 (measured; CHANGELOG, issue 35 "Changed").
+                # and the cosine by ~0.0015 (measured; CHANGELOG, "Changed": a forward of more than 64 rows).
                 a, b = np.asarray(got["embeddings"]), np.asarray(base["embeddings"])
                 assert a.shape == b.shape == (2, 384)
                 np.testing.assert_allclose(a, b, rtol=0, atol=1e-2)

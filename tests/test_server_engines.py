@@ -67,7 +67,7 @@ def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identic
                               "cache_file": str(path)}  # fmt: skip
             assert sorted(w.state) == sorted(STATES) and sum(w.state.values()) == 1
             assert_no_heap(w)
-            # > 15 MiB: the int8 MiniLM file is 23 MB since its embedding tables are int8 rows (issue 32).
+            # > 15 MiB: the int8 MiniLM file is 23 MB since its embedding tables are int8 rows.
             assert w.values["mapped_bytes"] > 15 << 20 and w.values["file_bytes"] == path.stat().st_size
             assert w.values["reclaimable_bytes"] == 0  # exported per worker; one build, nothing superseded
             assert w.values["load_seconds"] > 0
@@ -129,7 +129,7 @@ def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_wor
               for mode in figures}  # fmt: skip
     # A heap worker holds the packed weights as its own anonymous memory; a cache worker does not.
     # Above it: what packing the heap worker's weights freed and glibc kept (measured 29.7 MB saved for 22.9 MB
-    # packed, int8, after issue 32 shrank the file from 58 MB, whose 15 % had held it): HEAP_SLACK.
+    # packed, int8): HEAP_SLACK.
     anonymous_saved = median["heap"]["Anonymous"] - median["cache"]["Anonymous"]
     assert 0.85 * packed <= anonymous_saved <= 1.15 * packed + HEAP_SLACK, (anonymous_saved, packed)
     # Its PSS saves the packed bytes less the quarter each cache worker is charged for the mapping.
@@ -295,7 +295,7 @@ def _publish(tmp: Path, checkpoint: Path, store: Path, key: Path) -> dict[str, A
 def test_a_fresh_machine_serves_from_the_store_and_a_rolling_restart_picks_up_the_next_published_model(
     tmp_path: Path,
 ) -> None:
-    """The two-machine scenario (issue 21): machine A builds and publishes; machine B (another directory,
+    """The two-machine scenario: machine A builds and publishes; machine B (another directory,
     a copy of the checkpoint at another path with other mtimes, other variables) starts 4 workers with
     --remote: one download, nothing packed, every worker mapped. Then A publishes the next model version,
     B's model directory is updated in place and a rolling restart picks it up while requests go on."""
@@ -361,7 +361,7 @@ def test_a_fresh_machine_serves_from_the_store_and_a_rolling_restart_picks_up_th
         assert np.abs(np.asarray(next(iter(e2.values()))[0]) - np.asarray(next(iter(e1.values()))[0])).max() > 1e-3
 
 
-# --------------------------------------------------------- a worker booting on a bad model directory (issue 20, item 3)
+# --------------------------------------------------------- a worker booting on a bad model directory
 
 
 def test_a_worker_booting_with_a_fifo_in_the_model_directory_stops_the_server_instead_of_hanging(

@@ -82,7 +82,7 @@ def test_a_read_only_cache_directory_still_starts_and_serves_and_the_scrape_says
             assert_embeddings(embed(srv, TEXTS)[1], reference)
 
 
-# --------------------------------------------------------------------------- issue 24: a metrics file being born
+# ---------------------------------------------------------------------------------------- a metrics file being born
 
 _SCRAPE_WITH_AN_EMPTY_FILE = """
 import os, sys

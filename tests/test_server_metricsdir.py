@@ -1,4 +1,4 @@
-"""The metrics directory of ``packcache serve`` cannot be redirected after it is checked (issue 20, item 2).
+"""The metrics directory of ``packcache serve`` cannot be redirected after it is checked.
 
 Before: ``serve`` checked ``--metrics-dir`` / ``PROMETHEUS_MULTIPROC_DIR`` with ``stat`` (following
 symlinks) and then every worker opened ``<dir>/<kind>_<pid>.db`` by name. A symlink another user

@@ -1,4 +1,4 @@
-"""Slow and hostile clients against ``packcache serve`` (issue 20, item 1), with real sockets on 127.0.0.1.
+"""Slow and hostile clients against ``packcache serve``, with real sockets on 127.0.0.1.
 
 Before: gunicorn ``sync`` workers read the body from inside the application. A client that sent
 the headers and part of a body, then stalled, held its worker until the master killed it for its
@@ -329,7 +329,7 @@ def test_requests_that_could_hold_a_worker_are_answered_or_refused_by_the_worker
         assert {"400", "408", "413", "417", "431", "501", "505"} <= codes, codes
 
 
-# ---------------------------------------------------------------- the body budget (issue 31, item 5)
+# ---------------------------------------------------------------- the body budget
 
 BIG = 4 << 20  # serve's default --max-body-bytes; a worker's body budget is 16 times it
 #: kind -> the head (and first bytes) of a request that declares a 4 MiB body; "expect" sends its byte after 100

@@ -12,7 +12,7 @@ import packcache
 from harness import KEY, KIB, build_keyed, packed
 from packcache import WeightCache
 
-# --------------------------------------------------------------------------- what the state says (issue 10)
+# --------------------------------------------------------------------------- what the state says
 
 
 def test_a_file_that_cannot_be_opened_shows_degraded_before_any_pack(tmp_path: Path) -> None:

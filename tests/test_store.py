@@ -4,7 +4,7 @@ file reopened when its configuration or its trust changes, a warm open that read
 its last generation.
 
 Real processes, symlinks and hardlinks; the page-cache figures (``rchar``, ``mincore``) are measured in
-fresh subprocesses. The tests of issue 10's holes reproduce one reported failure each and fail on the
+fresh subprocesses. The tests of the holes in docs/RELIABILITY.md reproduce one reported failure each and fail on the
 code before its fix (docs/RELIABILITY.md "Attacks and the rule that closes each").
 """
 
@@ -28,7 +28,7 @@ from packcache import WeightCache
 from packcache import _generations as generations
 from packcache import format as fmt
 
-# --------------------------------------------------------------------------- one file, several spellings (issue 10)
+# --------------------------------------------------------------------------- one file, several spellings
 
 
 def _spell(tmp_path: Path, how: str) -> tuple[Path, Path]:
@@ -75,7 +75,7 @@ def test_a_rebuild_through_a_symlink_replaces_the_target_not_the_symlink(tmp_pat
     assert load_all(real, {"w": 1}).hits == 1
 
 
-# --------------------------------------------------------------------------- writer-side caps (issue 10)
+# --------------------------------------------------------------------------- writer-side caps
 
 
 def test_the_writer_never_commits_an_index_the_readers_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,7 +117,7 @@ def test_the_writer_never_commits_more_entries_than_the_readers_accept(
     assert packcache.verify(path).ok
 
 
-# ----------------------------------------------------------- a change of configuration or trust takes effect (issue 10)
+# ----------------------------------------------------------- a change of configuration or trust takes effect
 
 
 def test_setting_read_only_false_makes_the_cache_store_again(tmp_path: Path) -> None:

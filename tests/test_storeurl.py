@@ -1,4 +1,4 @@
-"""A store URL parsed once (issue 31, defects 2 and 6): every spelling of one store has one identity,
+"""A store URL parsed once: every spelling of one store has one identity,
 different stores have different ones, and the display form holds no secret."""
 
 from __future__ import annotations

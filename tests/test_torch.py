@@ -2,7 +2,7 @@
 the one way the loaders (``minilm.load``, ``hf.from_pretrained``, hence ``run``, ``build`` and ``serve``) open
 the cache path they are given.
 
-A non-regular file at the cache path never stops a load (issue 20, item 6). A container runtime that
+A non-regular file at the cache path never stops a load. A container runtime that
 bind-mounts a host path which did not exist creates a *directory* there: with ``-v
 /srv/cache/bert-int8-….pcache:…`` the cache file ``run`` and ``serve`` open is a directory. That, a FIFO, a
 socket, a directory at the lock file, a file where the cache directory should be, a dangling symlink or a
@@ -286,7 +286,7 @@ def test_source_shape_mismatch_is_an_error(tmp_path: Path) -> None:
         convert(model, _cache(None, LinearFloat32()), LinearFloat32(), source=SafetensorsFile(source))
 
 
-# ------------------------------------------------------------------ non-finite weights (issue 20)
+# ------------------------------------------------------------------ non-finite weights
 
 NON_FINITE = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 SHOWN = {"nan": "NaN", "+inf": r"\+Inf", "-inf": "-Inf"}
@@ -406,7 +406,7 @@ def test_a_packer_that_is_not_deterministic_is_refused_before_its_first_pack_is_
     assert not path.exists()
 
 
-# ------------------------------------------------- any kind of file at the cache path (issue 20, item 6): run and build
+# ------------------------------------------------- any kind of file at the cache path: run and build
 
 
 def _directory(path: Path) -> None:
@@ -580,7 +580,7 @@ def test_serve_workers_boot_and_serve_from_heap_with_a_directory_at_the_cache_fi
         assert set(srv.workers()) == set(scrape.workers), "no worker died or was replaced"
 
 
-# ---------------------------------------------------------------- embedding tables in the scheme's form (issue 32)
+# ---------------------------------------------------------------- embedding tables in the scheme's form
 
 
 class TinyLM(nn.Module):
@@ -654,7 +654,7 @@ def test_a_packed_table_looks_up_exactly_its_dequantised_rows_and_saves_them_as_
     names = sorted(entry.name for entry in packcache.inspect(path).entries)
     parts = sorted(f"embed.weight:{recipe.embedding.id}:{p}" for p in recipe.embedding.parts)
     # One stored table: no float32 copy, and the head reads the table's own pack (with int4 too: the int8 table,
-    # pinned by issue 33 item 3, the file size against llama.cpp's Q4_0).
+    # which keeps the file size against llama.cpp's Q4_0 in bounds).
     if scheme == "int4":
         assert "int8" in report.kernels["head"], report.kernels["head"]
     assert names == sorted([*parts, "norm.bias:np.f32:weight", "norm.weight:np.f32:weight"]), names

@@ -1,6 +1,6 @@
 """The fault matrix's entry-point cases: compact, verify, inspect, gc and ``packcache run`` under attack.
 
-The attacks of issue 10: each command runs as a fresh process (as root or as
+The attacks on the entry points (docs/RELIABILITY.md): each command runs as a fresh process (as root or as
 ``nobody``) with a time bound, so a hang fails the case. ``harness.faults``
 lists these in its ``CASES``.
 """

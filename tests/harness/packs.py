@@ -118,7 +118,7 @@ def load_all(path: str | os.PathLike[str], names: dict[str, int], nbytes: int = 
 @contextlib.contextmanager
 def without_build_compaction() -> Iterator[None]:
     """Builds in the block leave superseded bytes in place, as packcache did before a build compacted a
-    file whose superseded bytes outweigh the live ones (issue 19): the files it left, which ``compact``,
+    file whose superseded bytes outweigh the live ones: the files it left, which ``compact``,
     ``inspect`` and ``run``'s warning must still handle."""
     original = FileStore.compact_if_superseded
     FileStore.compact_if_superseded = lambda self: 0  # type: ignore[method-assign]
