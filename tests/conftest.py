@@ -34,12 +34,23 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="packcache-xdg-")
 PHASES = ("parallel", "serial")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)  # the marks go on before any plugin's own hook runs (xdist's reads xdist_group)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
     """A test marked ``serial`` asserts a wall-clock bound, so it runs when nothing runs beside it. Deselected, not
-    skipped: the two phases of scripts/test.sh together run every collected test once."""
+    skipped: the two phases of scripts/test.sh together run every collected test once.
+
+    A module that names costly module-scoped fixtures in ``XDIST_SHARED_FIXTURES`` gets the tests using each one
+    sent to one xdist worker (``xdist_group``): the fixture is made once per run, not once per worker."""
+    for item in items:
+        shared = getattr(getattr(item, "module", None), "XDIST_SHARED_FIXTURES", ())
+        used = [name for name in shared if name in getattr(item, "fixturenames", ())]
+        if used and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{used[0]}"))
+    if config.getoption("loadgroup", default=False):  # an xdist worker under --dist loadgroup
+        _name_groups(items)
     phase = os.environ.get("PACKCACHE_TEST_PHASE", "")
     if not phase:
-        return
+        return (yield)
     if phase not in PHASES:
         raise pytest.UsageError(f"PACKCACHE_TEST_PHASE={phase!r}: expected one of {', '.join(PHASES)}, or unset")
     want = phase == "serial"
@@ -50,6 +61,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    return (yield)
+
+
+def _name_groups(items: list[pytest.Item]) -> None:
+    """Append ``@<group>`` to the node id of each test marked ``xdist_group``, which is how xdist's scheduler sees a
+    group. xdist 3.8 does it by setting ``item._nodeid``, which pytest 9 no longer reads (a node id is ``item._id``
+    now), so without this every group is silently ignored: pinned by
+    tests/test_suite.py::test_an_xdist_group_runs_on_one_worker."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})  # fmt: skip
+        if names and "@" not in item.nodeid.rpartition("]")[2]:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 @pytest.fixture(autouse=True)

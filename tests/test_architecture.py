@@ -9,6 +9,7 @@ like any other, and so does a type-only one: a reader of the imports sees it all
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import warnings
@@ -30,7 +31,8 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
 
 
-def _imports(module: str) -> list[tuple[str, str | None]]:
+@functools.cache  # the source does not change during a run; one test asks for every module's imports per module
+def _imports(module: str) -> tuple[tuple[str, str | None], ...]:
     """(module imported, name taken from it or None) for every import of ``module`` that runs."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -65,7 +67,7 @@ def _imports(module: str) -> list[tuple[str, str | None]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
             found.append((aliases[node.value.id], node.attr))
-    return [(target, name) for target, name in found if target != module]
+    return tuple((target, name) for target, name in found if target != module)
 
 
 GRAPH = {module: sorted({target for target, _ in _imports(module)}) for module in MODULES}

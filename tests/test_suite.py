@@ -1,0 +1,97 @@
+"""The suite's own machinery (tests/conftest.py, as scripts/test.sh runs it): the two phases and the xdist groups.
+
+Each test runs a child pytest, two xdist workers, on a planted test file that loads tests/conftest.py as a plugin;
+every planted test writes which worker ran it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+PLANTED = '''
+import os, time
+import pytest
+
+XDIST_SHARED_FIXTURES = ("shared",)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+@pytest.fixture
+def record():
+    def write(kind, i):
+        time.sleep(0.05)  # long enough that both workers take tests
+        with open(os.environ["PLANTED_OUT"], "a") as f:
+            f.write(f"{kind} {i} {os.environ.get('PYTEST_XDIST_WORKER', 'main')}\\n")
+    return write
+
+
+@pytest.mark.xdist_group("one")
+@pytest.mark.parametrize("i", range(8))
+def test_grouped(i, record):
+    record("grouped", i)
+
+
+@pytest.mark.parametrize("i", range(8))
+def test_shared(i, shared, record):
+    record("shared", i)
+
+
+@pytest.mark.parametrize("i", range(8))
+def test_free(i, record):
+    record("free", i)
+
+
+@pytest.mark.serial
+def test_serial(record):
+    record("serial", 0)
+'''
+
+
+def _run(tmp_path: Path, phase: str, *args: str) -> dict[str, set[str]]:
+    """Run the planted file in ``phase``; return kind -> the workers that ran its tests (and count them)."""
+    planted = tmp_path / "test_planted.py"
+    planted.write_text(PLANTED)
+    out = tmp_path / f"{phase}.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "PACKCACHE_TEST_PHASE": phase, "PLANTED_OUT": str(out)}  # fmt: skip
+    env.pop("PYTEST_XDIST_WORKER", None)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-c", os.devnull,
+            "--rootdir", str(tmp_path), *args, str(planted)]  # fmt: skip
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    workers: dict[str, set[str]] = {}
+    counts: dict[str, int] = {}
+    for line in out.read_text().splitlines():
+        kind, _, worker = line.split()
+        workers.setdefault(kind, set()).add(worker)
+        counts[kind] = counts.get(kind, 0) + 1
+    workers["counts"] = {f"{kind}={n}" for kind, n in sorted(counts.items())}
+    return workers
+
+
+def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
+    """A group marked ``xdist_group`` and the users of a fixture named in ``XDIST_SHARED_FIXTURES`` each run on one
+    worker, while the other tests spread over both; the serial test waits for its phase."""
+    workers = _run(tmp_path, "parallel", "-n", "2", "--dist", "loadgroup")
+    assert workers["counts"] == {"free=8", "grouped=8", "shared=8"}, workers
+    assert len(workers["grouped"]) == 1, workers
+    assert len(workers["shared"]) == 1, workers
+    assert workers["free"] | workers["grouped"] | workers["shared"] == {"gw0", "gw1"}, workers
+
+
+@pytest.mark.parametrize("phase", ["serial", ""])
+def test_the_serial_phase_runs_only_the_serial_tests_and_no_phase_runs_all(tmp_path: Path, phase: str) -> None:
+    workers = _run(tmp_path, phase)
+    expected = {"serial=1"} if phase else {"free=8", "grouped=8", "shared=8", "serial=1"}
+    assert workers["counts"] == expected, workers
