@@ -95,3 +95,14 @@ def test_the_serial_phase_runs_only_the_serial_tests_and_no_phase_runs_all(tmp_p
     workers = _run(tmp_path, phase)
     expected = {"serial=1"} if phase else {"free=8", "grouped=8", "shared=8", "serial=1"}
     assert workers["counts"] == expected, workers
+
+
+def test_the_ports_of_one_server_are_drawn_distinct() -> None:
+    """weed mini takes ten listeners: drawn one by one, each free until the server binds it, two could be the same
+    port (a start failing with "address already in use" once in ~20 starts). Drawn avoiding each other, never."""
+    from harness.s3server import free_port
+
+    drawn: list[int] = []
+    for _ in range(600):  # most of one worker's 2,768 / 4 candidates: a repeat would show
+        drawn.append(free_port(avoid=drawn))
+    assert len(set(drawn)) == len(drawn)

@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +77,10 @@ def _xdist_worker() -> tuple[int, int]:
     return 0, 1
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, in 20000-22767. A server is started on it some seconds later, so
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A TCP port free on 127.0.0.1 right now, in 20000-22767, and not in ``avoid`` (the ports already drawn for
+    one server: each is free until the server binds it, so drawing again could return one). A server is started
+    on it some seconds later, so
     nothing else may take it meanwhile: servers listen on ``port + 10000`` too (weed's gRPC ports derived from the
     HTTP ones), and both stay below the kernel's ephemeral ports (32768 up), which ``--port 0`` servers and every
     client's own end are given; and under pytest-xdist each worker draws from its own residue class
@@ -86,6 +88,8 @@ def free_port() -> int:
     worker, workers = _xdist_worker()
     for _ in range(200):
         port = random.randrange(20000 + worker, 22768, workers)
+        if port in avoid:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -165,7 +169,9 @@ def weed_server(bucket: str = "packcache-test", *, startup: float = 60.0) -> Ite
     """SeaweedFS ``weed mini`` with every listener on 127.0.0.1 and ``bucket`` created, data in a temp dir."""
     data = Path(tempfile.mkdtemp(prefix="packcache-weed-"))
     log = data / "weed.log"
-    ports = {name: free_port() for name in _WEED_PORTS}
+    ports: dict[str, int] = {}
+    for name in _WEED_PORTS:  # ten listeners: drawn independently, two would share a port in ~5 % of starts
+        ports[name] = free_port(avoid=ports.values())
     argv = [str(BIN / "weed"), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
     argv += [f"-{name}={port}" for name, port in ports.items()]
     argv += [
