@@ -18,13 +18,14 @@ fi
 wheels=(dist/packcache-*.whl)
 export PACKCACHE_TEST_WHEEL="$PWD/${wheels[0]}"
 # pytest in two phases, every collected test in one of them (PACKCACHE_TEST_PHASE, read by tests/conftest.py). First
-# all but the tests marked serial, in parallel processes (pytest-xdist): most of the suite waits on children, servers
-# and timeouts rather than on this process's CPU, so more workers than the 2 cores pay. --dist loadgroup hands out
+# all but the tests marked serial, in parallel processes (pytest-xdist). Three workers on the 2-core CI machine: the
+# suite waits on children, servers and timeouts as well as it computes, so one more worker than cores pays, and a
+# fourth only adds contention (quiet machine, parallel phase: 2 workers 593 s, 3 548 s, 4 591 s). --dist loadgroup hands out
 # one test at a time (the slow ones do not queue behind each other) and keeps the tests of one xdist_group on one
 # worker. Then the tests marked serial, alone: they assert wall-clock bounds. (`-m serial` too: a run that names only
 # src/packcache does not read tests/conftest.py.) PACKCACHE_TEST_WORKERS overrides the number of workers.
 # Exit code 5 is pytest's "no test selected": a phase that a narrowed run (`-k`, a file) leaves empty.
-workers=${PACKCACHE_TEST_WORKERS:-4}
+workers=${PACKCACHE_TEST_WORKERS:-3}
 status=0
 PACKCACHE_TEST_PHASE=parallel .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
 serial=0
