@@ -17,6 +17,11 @@ if ! .venv/bin/python -m build --no-isolation --outdir dist . >.venv/build.log 2
 fi
 wheels=(dist/packcache-*.whl)
 export PACKCACHE_TEST_WHEEL="$PWD/${wheels[0]}"
+# Bytecode is written during the run, and the package and the tests are compiled once up front: the suite starts
+# ~700 child interpreters, and with PYTHONDONTWRITEBYTECODE set (as on the CI image) each compiled packcache from
+# source, and each pytest process rewrote every test module's asserts again (~8 s of CPU per collection).
+unset PYTHONDONTWRITEBYTECODE
+.venv/bin/python -m compileall -q -j 0 src tests >/dev/null
 # pytest in two phases, every collected test in one of them (PACKCACHE_TEST_PHASE, read by tests/conftest.py). First
 # all but the tests marked serial, in parallel processes (pytest-xdist). Three workers on the 2-core CI machine: the
 # suite waits on children, servers and timeouts as well as it computes, so one more worker than cores pays, and a
