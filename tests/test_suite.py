@@ -58,8 +58,8 @@ def test_serial(record):
 '''
 
 
-def _run(tmp_path: Path, phase: str, *args: str) -> dict[str, set[str]]:
-    """Run the planted file in ``phase``; return kind -> the workers that ran its tests (and count them)."""
+def _run(tmp_path: Path, phase: str, *args: str) -> tuple[dict[str, set[str]], dict[str, int]]:
+    """Run the planted file in ``phase``; return kind -> the workers that ran its tests, and kind -> how many ran."""
     planted = tmp_path / "test_planted.py"
     planted.write_text(PLANTED)
     out = tmp_path / f"{phase}.txt"
@@ -76,15 +76,14 @@ def _run(tmp_path: Path, phase: str, *args: str) -> dict[str, set[str]]:
         kind, _, worker = line.split()
         workers.setdefault(kind, set()).add(worker)
         counts[kind] = counts.get(kind, 0) + 1
-    workers["counts"] = {f"{kind}={n}" for kind, n in sorted(counts.items())}
-    return workers
+    return workers, counts
 
 
 def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
     """A group marked ``xdist_group`` and the users of a fixture named in ``XDIST_SHARED_FIXTURES`` each run on one
     worker, while the other tests spread over both; the serial test waits for its phase."""
-    workers = _run(tmp_path, "parallel", "-n", "2", "--dist", "loadgroup")
-    assert workers["counts"] == {"free=8", "grouped=8", "shared=8"}, workers
+    workers, counts = _run(tmp_path, "parallel", "-n", "2", "--dist", "loadgroup")
+    assert counts == {"free": 8, "grouped": 8, "shared": 8}, counts
     assert len(workers["grouped"]) == 1, workers
     assert len(workers["shared"]) == 1, workers
     assert workers["free"] | workers["grouped"] | workers["shared"] == {"gw0", "gw1"}, workers
@@ -92,9 +91,9 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("phase", ["serial", ""])
 def test_the_serial_phase_runs_only_the_serial_tests_and_no_phase_runs_all(tmp_path: Path, phase: str) -> None:
-    workers = _run(tmp_path, phase)
-    expected = {"serial=1"} if phase else {"free=8", "grouped=8", "shared=8", "serial=1"}
-    assert workers["counts"] == expected, workers
+    _, counts = _run(tmp_path, phase)
+    expected = {"serial": 1} if phase else {"free": 8, "grouped": 8, "shared": 8, "serial": 1}
+    assert counts == expected, counts
 
 
 def test_the_ports_of_one_server_are_drawn_distinct() -> None:
