@@ -5,7 +5,8 @@ version's ``src``; the two versions take turns, and which goes first alternates,
 lands on both. What is timed, with ``time.perf_counter`` around the call alone:
 
 * ``load``: ``minilm.load(scheme, cache=FILE, tokenizer=...)`` of a warm cache file that version built before
-  the timed launches (after ``import torch``, the tokenizer loaded, ``gc.collect()``); the load must map.
+  the timed launches: ``benchmarks/warm.py``'s own MiniLM child (after ``import torch``, the tokenizer loaded,
+  ``gc.collect()``); the load must map.
 * ``cold``: a new cache file of 100 packs of 640 KiB (64 MiB), from ``WeightCache(...)`` to its close (two
   ``fdatasync`` calls: the figure is bound by the disk).
 
@@ -26,18 +27,13 @@ import subprocess
 import sys
 import tempfile
 
-LOAD = r"""
-import gc, json, sys, time
-import torch
+import warm
+
+BUILD = r"""
+import sys
 from packcache.models import minilm
-tokenizer = minilm.load_tokenizer()
-gc.collect()
-started = time.perf_counter()
-model = minilm.load(sys.argv[1], cache=sys.argv[2], tokenizer=tokenizer)
-seconds = time.perf_counter() - started
-state = model.cache.stats().state
-assert state == "mapped" or sys.argv[3] == "build", state
-print(json.dumps({"s": seconds}))
+minilm.load(sys.argv[1], cache=sys.argv[2]).close()
+print('{"s": 0}')
 """
 
 COLD = r"""
@@ -75,12 +71,14 @@ def main() -> None:
     try:
         if args.what == "load":
             for name, src in versions.items():  # each version's own warm file
-                _launch(LOAD, src, args.scheme, os.path.join(scratch, f"{name}.pcache"), "build")
+                _launch(BUILD, src, args.scheme, os.path.join(scratch, f"{name}.pcache"))
         for i in range(args.launches):
             order = list(versions.items()) if i % 2 == 0 else list(reversed(versions.items()))
             for name, src in order:
                 if args.what == "load":
-                    times[name].append(_launch(LOAD, src, args.scheme, os.path.join(scratch, f"{name}.pcache"), "warm"))
+                    path = os.path.join(scratch, f"{name}.pcache")
+                    spec = {"method": "packcache", "scheme": args.scheme, "path": path}
+                    times[name].append(warm.launch("minilm", spec, src)["seconds"])
                 else:
                     path = os.path.join(scratch, f"cold-{name}-{i}.pcache")
                     times[name].append(_launch(COLD, src, path))
