@@ -30,7 +30,9 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="packcache-xdg-")
 
 # scripts/test.sh runs pytest twice: PACKCACHE_TEST_PHASE=parallel (under pytest-xdist) runs all but the tests marked
 # serial, PACKCACHE_TEST_PHASE=serial only those. An environment variable, not an option: pytest parses its options
-# before it reads this file when the run names only src/packcache (the doctests).
+# before it reads this file when the run names only src/packcache (the doctests). The parallel phase writes the node ids
+# of the serial tests it deselected to $PACKCACHE_TEST_SERIAL_LIST, one per line, so the serial phase can collect their
+# files alone (a whole collection is ~10 s of CPU for the few serial tests).
 PHASES = ("parallel", "serial")
 
 
@@ -46,6 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         used = [name for name in shared if name in getattr(item, "fixturenames", ())]
         if used and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{used[0]}"))
+    serial = [item.nodeid for item in items if item.get_closest_marker("serial") is not None]  # before ids grow @group
     if config.getoption("loadgroup", default=False):  # an xdist worker under --dist loadgroup
         _name_groups(items)
     phase = os.environ.get("PACKCACHE_TEST_PHASE", "")
@@ -53,6 +56,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (yield)
     if phase not in PHASES:
         raise pytest.UsageError(f"PACKCACHE_TEST_PHASE={phase!r}: expected one of {', '.join(PHASES)}, or unset")
+    listing = os.environ.get("PACKCACHE_TEST_SERIAL_LIST")
+    if phase == "parallel" and listing:
+        _write_list(Path(listing), serial)
     want = phase == "serial"
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
@@ -62,6 +68,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
     return (yield)
+
+
+def _write_list(path: Path, nodeids: list[str]) -> None:
+    """``nodeids``, one per line, to ``path`` whole or not at all: every xdist worker collects the same tests and
+    writes the same list, and the serial phase must never read half of one. Pinned by
+    tests/test_suite.py::test_the_serial_phase_given_the_parallel_phase_s_list_runs_exactly_its_serial_tests."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}")
+    temp.write_text("".join(f"{nodeid}\n" for nodeid in nodeids))
+    os.replace(temp, path)
 
 
 def _name_groups(items: list[pytest.Item]) -> None:
