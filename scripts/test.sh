@@ -32,14 +32,15 @@ export PACKCACHE_TEST_WHEEL="$PWD/${wheels[0]}"
 # pytest in two phases, every collected test in one of them (PACKCACHE_TEST_PHASE, read by tests/conftest.py). First
 # all but the tests marked serial, in parallel processes (pytest-xdist). Three workers on the 2-core CI machine: the
 # suite waits on children, servers and timeouts as well as it computes, so one more worker than cores pays, and a
-# fourth only adds contention (quiet machine, parallel phase: 2 workers 593 s, 3 548 s, 4 591 s). --dist loadgroup hands out
-# one test at a time (the slow ones do not queue behind each other) and keeps the tests of one xdist_group on one
-# worker. Then the tests marked serial, alone: they assert wall-clock bounds. (`-m serial` too: a run that names only
+# fourth only adds contention (quiet machine, parallel phase: 2 workers 593 s, 3 548 s, 4 591 s; with the OpenMP
+# setting below, 3 512 s, 4 639 s). --dist loadgroup hands out one test at a time (the slow ones do not queue behind
+# each other) and keeps the tests of one xdist_group on one worker. Then the tests marked serial, alone: they assert wall-clock bounds. (`-m serial` too: a run that names only
 # src/packcache does not read tests/conftest.py.) PACKCACHE_TEST_WORKERS overrides the number of workers.
 # Exit code 5 is pytest's "no test selected": a phase that a narrowed run (`-k`, a file) leaves empty.
 # OMP_WAIT_POLICY=PASSIVE in the parallel phase only: three workers on two cores means OpenMP's threads (torch's and
 # the compiled kernels') would spin on a core another worker needs each time they wait for work; sleeping instead took
-# a torch-heavy quarter of the suite from 178-182 s to 144-155 s. The serial phase keeps the default a user runs with.
+# a torch-heavy quarter of the suite from 178-182 s to 144-155 s, and the whole phase from 556 s to 512 s (1,072 s of
+# CPU to 966 s). The serial phase keeps the default a user runs with.
 # The parallel phase lists the serial tests it deselected (PACKCACHE_TEST_SERIAL_LIST); a whole run (no arguments)
 # then collects only those, a narrowed one what it names. No list (the first phase failed before collecting): all.
 workers=${PACKCACHE_TEST_WORKERS:-3}
