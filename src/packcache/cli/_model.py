@@ -242,12 +242,7 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
         path = cache_file(args, scheme)
         # The tokenizer first, so the memory figures below are those of the weights.
         tokenizer = minilm.load_tokenizer(args.model)
-        # Cycles left by earlier work in this process are freed now, not by a collection that happens to run during
-        # the load (Anonymous would "grow" by minus their size). pinned by tests/test_cli_run.py::
-        #   test_garbage_from_before_a_run_is_freed_before_its_baseline_not_during_the_load
-        gc.collect()
-        release_free_heap()
-        before = smaps_rollup()
+        before = _baseline()
         started = time.perf_counter()
         # A cold build draws tqdm's bar on a terminal from the loader itself (packcache._progress).
         cache = _cache_arg(args, path, minilm.platform(scheme, group_size or GROUP_SIZE))
@@ -395,9 +390,7 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
             if args.loader == "auto":
                 args.loader, why = default_loader(args.checkpoint, args.auto_class)
             path, total, cache, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
-        gc.collect()  # as run's baseline is read
-        release_free_heap()
-        before = smaps_rollup()
+        before = _baseline()
         started = time.perf_counter()
         with _FetchMemory(cache) as fetch_memory:
             built = load()  # the loader draws the progress bar
@@ -490,6 +483,18 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
         help=f"seconds for everything one fetch asks the store, download included (default {REMOTE_TIMEOUT:g})",
     )  # fmt: skip
     add_trust_options(parser)
+
+
+def _baseline() -> dict[str, int]:
+    """The smaps reading a load's memory figures count from (``run``, ``build``). Cycles left by earlier work in this
+    process are freed first, not by a collection that happens to run during the load (Anonymous would "grow" by minus
+    their size), then freed heap goes back to the kernel. pinned by tests/test_cli_run.py::
+    test_garbage_from_before_a_run_is_freed_before_its_baseline_not_during_the_load"""
+    from ..memory import release_free_heap, smaps_rollup
+
+    gc.collect()
+    release_free_heap()
+    return smaps_rollup()
 
 
 class _FetchMemory:
