@@ -34,8 +34,9 @@ export PACKCACHE_TEST_WHEEL="$PWD/${wheels[0]}"
 # suite waits on children, servers and timeouts as well as it computes, so one more worker than cores pays, and a
 # fourth only adds contention (quiet machine, parallel phase: 2 workers 593 s, 3 548 s, 4 591 s; with the OpenMP
 # setting below, 3 512 s, 4 639 s). --dist loadgroup hands out one test at a time (the slow ones do not queue behind
-# each other) and keeps the tests of one xdist_group on one worker. Then the tests marked serial, alone: they assert wall-clock bounds. (`-m serial` too: a run that names only
-# src/packcache does not read tests/conftest.py.) PACKCACHE_TEST_WORKERS overrides the number of workers.
+# each other) and keeps the tests of one xdist_group on one worker. Then the tests marked serial, alone: they assert
+# wall-clock bounds. (`-m serial` too: a run that names only src/packcache does not read tests/conftest.py.)
+# PACKCACHE_TEST_WORKERS overrides the number of workers.
 # Exit code 5 is pytest's "no test selected": a phase that a narrowed run (`-k`, a file) leaves empty.
 # OMP_WAIT_POLICY=PASSIVE in the parallel phase only: three workers on two cores means OpenMP's threads (torch's and
 # the compiled kernels') would spin on a core another worker needs each time they wait for work; sleeping instead took
@@ -50,15 +51,13 @@ status=0
 OMP_WAIT_POLICY=PASSIVE PACKCACHE_TEST_PHASE=parallel PACKCACHE_TEST_SERIAL_LIST="$PWD/$listed" \
     .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
 serial=0
+targets=("$@")
 if [ "$#" -eq 0 ] && [ -f "$listed" ]; then
-    mapfile -t serial_tests <"$listed"
-    if [ "${#serial_tests[@]}" -eq 0 ]; then
-        serial=5
-    else
-        PACKCACHE_TEST_PHASE=serial .venv/bin/python -m pytest -m serial "${serial_tests[@]}" || serial=$?
-    fi
-else
-    PACKCACHE_TEST_PHASE=serial .venv/bin/python -m pytest -m serial "$@" || serial=$?
+    mapfile -t targets <"$listed"
+    [ "${#targets[@]}" -gt 0 ] || serial=5  # no serial test in the whole run: nothing to collect
+fi
+if [ "$serial" -eq 0 ]; then
+    PACKCACHE_TEST_PHASE=serial .venv/bin/python -m pytest -m serial "${targets[@]}" || serial=$?
 fi
 if [ "$status" -eq 5 ] && [ "$serial" -ne 5 ]; then
     status=0
