@@ -44,8 +44,10 @@ from harness.serve import (
 from packcache.memory import MappingUsage, file_mapping_usage, smaps_rollup
 from test_minilm import fifo, variant
 
-#: What a heap worker may hold besides its packed weights: what packing them freed and glibc kept (~7 MB).
-HEAP_SLACK = 8 << 20
+#: What a heap worker may hold besides its packed weights. A worker hands back what its load freed
+#: (``release_free_heap``); before it did, glibc kept 7-13 MB of it, varying from run to run (measured 22.7-22.9 MB
+#: more anonymous memory than a cache worker for 22.9 MB packed, int8, after; 29.6-34.1 MB before).
+HEAP_SLACK = 2 << 20
 
 
 def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identical_embeddings(
@@ -125,17 +127,25 @@ def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_wor
         assert m.anonymous == 0 and m.deleted == 0
     for _, m in figures["heap"].values():
         assert m.mappings == 0, "caching off maps no cache file"
-    median = {mode: {k: float(np.median([r[k] for r, _ in figures[mode].values()])) for k in ("Anonymous", "Pss")}
+    fields = ("Anonymous", "Pss", "Pss_Anon", "Pss_File")
+    median = {mode: {k: float(np.median([r[k] for r, _ in figures[mode].values()])) for k in fields}
               for mode in figures}  # fmt: skip
+    heap, cache = median["heap"], median["cache"]
     # A heap worker holds the packed weights as its own anonymous memory; a cache worker does not.
-    # Above it: what packing the heap worker's weights freed and glibc kept (measured 29.7 MB saved for 22.9 MB
-    # packed, int8): HEAP_SLACK.
-    anonymous_saved = median["heap"]["Anonymous"] - median["cache"]["Anonymous"]
-    assert 0.85 * packed <= anonymous_saved <= 1.15 * packed + HEAP_SLACK, (anonymous_saved, packed)
-    # Its PSS saves the packed bytes less the quarter each cache worker is charged for the mapping.
-    pss_saved = median["heap"]["Pss"] - median["cache"]["Pss"]
-    low, high = 0.85 * (packed - packed / 4), 1.15 * (packed - packed / 4) + HEAP_SLACK
-    assert low <= pss_saved <= high, (pss_saved, packed)
+    anonymous_saved = heap["Anonymous"] - cache["Anonymous"]
+    assert 0.9 * packed <= anonymous_saved <= 1.1 * packed + HEAP_SLACK, (anonymous_saved, packed)
+    # PSS charges those pages to the heap worker alone. Both kinds of worker also hold ~145 MB of anonymous pages
+    # shared with the master since the fork, of which each writes a slightly different part (measured 21.2-22.3 MB).
+    pss_anon_saved = heap["Pss_Anon"] - cache["Pss_Anon"]
+    assert 0.85 * packed <= pss_anon_saved <= 1.1 * packed + HEAP_SLACK, (pss_anon_saved, packed)
+    # A cache worker pays for that with its quarter of the file (measured 1.01-1.02 quarters: the rest of the
+    # file-backed pages, the libraries, are the same in both).
+    file_cost = cache["Pss_File"] - heap["Pss_File"]
+    assert 0.95 * quarter <= file_cost <= 1.05 * quarter + (1 << 20), (file_cost, quarter)
+    # So a worker's PSS saves the packed bytes less that quarter.
+    pss_saved = heap["Pss"] - cache["Pss"]
+    low, high = 0.85 * packed - 1.05 * quarter - (1 << 20), 1.1 * packed + HEAP_SLACK - 0.95 * quarter
+    assert low <= pss_saved <= high, (pss_saved, packed, quarter)
 
 
 def _new_model_version(model: Path) -> None:
