@@ -134,17 +134,18 @@ def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_wor
     # A heap worker holds the packed weights as its own anonymous memory; a cache worker does not.
     anonymous_saved = heap["Anonymous"] - cache["Anonymous"]
     assert 0.9 * packed <= anonymous_saved <= 1.1 * packed + HEAP_SLACK, (anonymous_saved, packed)
-    # PSS charges those pages to the heap worker alone. Both kinds of worker also hold ~145 MB of anonymous pages
-    # shared with the master since the fork, of which each writes a slightly different part (measured 21.2-22.3 MB).
+    # PSS charges those pages to the heap worker alone (pages shared by the 4 workers would count a quarter). Both
+    # kinds of worker also hold ~145 MB of anonymous pages shared with the master since the fork, of which each
+    # writes or frees a slightly different part: measured 0.90-0.97 of the packed size, quiet and beside 4 busy loops.
     pss_anon_saved = heap["Pss_Anon"] - cache["Pss_Anon"]
-    assert 0.85 * packed <= pss_anon_saved <= 1.1 * packed + HEAP_SLACK, (pss_anon_saved, packed)
-    # A cache worker pays for that with its quarter of the file (measured 1.01-1.02 quarters: the rest of the
+    assert 0.8 * packed <= pss_anon_saved <= 1.1 * packed + HEAP_SLACK, (pss_anon_saved, packed)
+    # A cache worker pays for that with its quarter of the file (measured 1.01-1.04 quarters: the rest of the
     # file-backed pages, the libraries, are the same in both).
     file_cost = cache["Pss_File"] - heap["Pss_File"]
     assert 0.95 * quarter <= file_cost <= 1.05 * quarter + (1 << 20), (file_cost, quarter)
     # So a worker's PSS saves the packed bytes less that quarter.
     pss_saved = heap["Pss"] - cache["Pss"]
-    low, high = 0.85 * packed - 1.05 * quarter - (1 << 20), 1.1 * packed + HEAP_SLACK - 0.95 * quarter
+    low, high = 0.8 * packed - 1.05 * quarter - (1 << 20), 1.1 * packed + HEAP_SLACK - 0.95 * quarter
     assert low <= pss_saved <= high, (pss_saved, packed, quarter)
 
 
