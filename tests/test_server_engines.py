@@ -127,7 +127,7 @@ def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_wor
         assert m.anonymous == 0 and m.deleted == 0
     for _, m in figures["heap"].values():
         assert m.mappings == 0, "caching off maps no cache file"
-    fields = ("Anonymous", "Pss", "Pss_Anon", "Pss_File")
+    fields = ("Anonymous", "Pss_Anon")
     median = {mode: {k: float(np.median([r[k] for r, _ in figures[mode].values()])) for k in fields}
               for mode in figures}  # fmt: skip
     heap, cache = median["heap"], median["cache"]
@@ -139,14 +139,10 @@ def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_wor
     # writes or frees a slightly different part: measured 0.90-0.97 of the packed size, quiet and beside 4 busy loops.
     pss_anon_saved = heap["Pss_Anon"] - cache["Pss_Anon"]
     assert 0.8 * packed <= pss_anon_saved <= 1.1 * packed + HEAP_SLACK, (pss_anon_saved, packed)
-    # A cache worker pays for that with its quarter of the file (measured 1.01-1.04 quarters: the rest of the
-    # file-backed pages, the libraries, are the same in both).
-    file_cost = cache["Pss_File"] - heap["Pss_File"]
-    assert 0.95 * quarter <= file_cost <= 1.05 * quarter + (1 << 20), (file_cost, quarter)
-    # So a worker's PSS saves the packed bytes less that quarter.
-    pss_saved = heap["Pss"] - cache["Pss"]
-    low, high = 0.8 * packed - 1.05 * quarter - (1 << 20), 1.1 * packed + HEAP_SLACK - 0.95 * quarter
-    assert low <= pss_saved <= high, (pss_saved, packed, quarter)
+    # So a cache worker's PSS saves the packed bytes less its quarter of the file (its mapping's own PSS, checked
+    # above). The rest of PSS is not compared: the libraries' file pages are shared with every process on the
+    # machine that maps them, so their share moves between the two readings as other processes come and go
+    # (Pss_File moved 1.5 MB more than the quarter once, in a full suite run).
 
 
 def _new_model_version(model: Path) -> None:
