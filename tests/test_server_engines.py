@@ -46,7 +46,7 @@ from test_minilm import fifo, variant
 
 #: What a heap worker may hold besides its packed weights. A worker hands back what its load freed
 #: (``release_free_heap``); before it did, glibc kept 7-13 MB of it, varying from run to run (measured 22.7-22.9 MB
-#: more anonymous memory than a cache worker for 22.9 MB packed, int8, after; 29.6-34.1 MB before).
+#: more anonymous memory than a cache worker for 22.9 MB packed, int8, after; 29.6-31.4 MB before).
 HEAP_SLACK = 2 << 20
 
 
