@@ -8,9 +8,10 @@ process (its resident and proportional set sizes).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["MappingUsage", "file_mapping_usage", "release_free_heap", "smaps_rollup"]
 
@@ -23,14 +24,26 @@ def release_free_heap() -> bool:
     kernel's figure comparable with what the cache holds. Returns False where
     there is no glibc.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError, TypeError):
+    trim = _malloc_trim()
+    if trim is None:
         return False
-    trim.argtypes = [ctypes.c_size_t]
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """``malloc_trim`` of the C library this process runs on, found once; None without glibc. Looked up in the
+    process's own symbols (``CDLL(None)``, as ``_mapping`` does), not by ``ctypes.util.find_library``, which runs
+    ``ldconfig`` in a child process on every call (about 1 ms each, in every serve worker's start and every reading
+    of ``packcache run``)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
 
 
 def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
