@@ -223,8 +223,8 @@ def make_app(options: ServeOptions) -> Any:
     else:
         engine = load_engine(options.engine)
     # glibc keeps what a load freed (a checkpoint's fp32 tensors, packing temporaries) for reuse, as dirty heap the
-    # worker would hold for its life: 13 MB for a heap int8 MiniLM, 2.5 MB for a mapped one. Handing it back costs a
-    # few milliseconds, once per worker. Pinned by
+    # worker would hold for its life: 13 MB for a heap int8 MiniLM, 2.5 MB for a mapped one. Handing it back costs about
+    # a millisecond, once per worker. Pinned by
     # tests/test_server_engines.py::test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_workers
     release_free_heap()
     # gunicorn's own logger: the line goes where the server's other lines go (--log-level), never to a packcache
