@@ -268,9 +268,12 @@ def loaded_workers(
             return s
         return None
 
-    def debug() -> str:
-        s = scrape(srv)
-        return f"scraped {sorted(s.workers)}, live {srv.workers()}, log {srv.log()[-1500:]}"
+    def debug() -> str:  # never raises: a server that stopped listening must still show its log
+        try:
+            scraped: Any = sorted(scrape(srv).workers)
+        except (OSError, http.client.HTTPException) as exc:
+            scraped = f"nothing ({exc})"
+        return f"scraped {scraped}, live {srv.workers()}, master {srv.proc.poll()=}, log {srv.log()[-3000:]}"
 
     result: Scrape = wait_for(f"{count} loaded workers", check, timeout, debug)
     return result
