@@ -307,10 +307,11 @@ def test_temperature_zero_is_greedy_whatever_top_p_and_seed(loaded: tuple[Any, A
 def test_sampling_follows_the_distribution_and_top_p_keeps_only_the_nucleus() -> None:
     from collections import Counter
 
+    from packcache.server.sampling import generator as _generator
     from packcache.server.sampling import sample as _sample
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    generator = torch.Generator().manual_seed(0)
+    generator = _generator(0)
     draws = 4000
 
     def frequencies(sampling: Sampling) -> dict[int, float]:
@@ -328,6 +329,43 @@ def test_sampling_follows_the_distribution_and_top_p_keeps_only_the_nucleus() ->
     wide[4321] = 3.0  # a nucleus past the first topk: the search widens
     drawn = {_sample(wide, Sampling(max_tokens=1, top_p=0.999), generator) for _ in range(50)}
     assert len(drawn) > 10
+
+
+def test_a_tiny_temperature_or_top_p_samples_the_argmax_and_never_nan() -> None:
+    """Logits divided by ``temperature: 1e-40`` in float32 overflowed to inf: every probability was NaN and one fixed
+    token was drawn, not the most likely one. The limit of the distribution is the argmax (ties shared)."""
+    from packcache.server.sampling import RequestState
+    from packcache.server.sampling import sample as _sample
+
+    logits = torch.randn(400, generator=torch.Generator().manual_seed(1)) * 8
+    best = int(logits.argmax())
+    state = RequestState("r", 0, [1], Sampling(max_tokens=1, temperature=1.0, seed=11), lambda o: None, None)
+    for temperature in (1e-40, 1e-300, 5e-324, 1e-7):
+        drawn = {_sample(logits, Sampling(max_tokens=1, temperature=temperature), state.generator) for _ in range(50)}
+        assert drawn == {best}, temperature
+    for top_p in (1e-300, 5e-324, 1e-9):
+        drawn = {_sample(logits, Sampling(max_tokens=1, top_p=top_p), state.generator) for _ in range(50)}
+        assert drawn == {best}, top_p
+    tied = torch.full((8,), -30.0)
+    tied[[2, 5]] = 4.0
+    drawn = [_sample(tied, Sampling(max_tokens=1, temperature=1e-40), state.generator) for _ in range(200)]
+    assert set(drawn) == {2, 5} and 60 < drawn.count(2) < 140, "a tie is shared, as the limit says"
+
+
+def test_every_seed_of_the_accepted_range_draws_its_own_stream() -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 0 and 2**32 (or -1 and 2**64 - 1) drew the same."""
+    from packcache.server.sampling import RequestState
+    from packcache.server.sampling import sample as _sample
+
+    flat = torch.zeros(100_000)
+
+    def draws(seed: int) -> list[int]:
+        state = RequestState("r", 0, [1], Sampling(max_tokens=1, seed=seed), lambda o: None, None)
+        return [_sample(flat, state.sampling, state.generator) for _ in range(8)]
+
+    for a, b in ((0, 2**32), (-1, 2**64 - 1), (-(2**63), 2**63), (7, 7 + 2**40)):
+        assert draws(a) != draws(b), (a, b)
+    assert draws(2**64 - 1) == draws(2**64 - 1)
 
 
 # --------------------------------------------------------------------------- cancel, stop, errors

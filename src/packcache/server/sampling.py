@@ -2,9 +2,14 @@
 
 Sampling is per request (OpenAI sends ``temperature``, ``top_p`` and ``seed`` with each request) while
 transformers' is per manager: the manager decodes greedily, and one logits processor (:func:`sampler_class`)
-samples each sampled row itself with its request's parameters and its own ``torch.Generator``, leaving the chosen
-token the only finite score so the greedy argmax takes it. A seeded request draws one uniform number per token from
-its own generator, so it gives the same tokens alone and batched (up to float rounding of its logits).
+samples each sampled row itself with its request's parameters and its own generator, leaving the chosen token the
+only finite score so the greedy argmax takes it. A seeded request draws one uniform number per token from its own
+generator, so it gives the same tokens alone and batched (up to float rounding of its logits).
+
+Sampling is exact for every value a request may give (:mod:`.requests` bounds them): the probabilities are
+computed in float64 from the logits minus their maximum, so no temperature in (0, 2] overflows them (the smallest
+ones give the limit of the distribution, the most likely token, ties shared) and no ``top_p`` in (0, 1] is lost
+to rounding; every seed of the accepted range seeds its own stream (:func:`generator`).
 
 A request's text is decoded incrementally (:class:`Detokenizer`: never half a character), and a tail that may
 still become a stop string is held back until it is decided (:meth:`RequestState.take_text`).
@@ -13,12 +18,17 @@ still become a stop string is held back until it is decided (:meth:`RequestState
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Detokenizer", "Output", "RequestState", "Sampling", "sample", "sampler_class"]
+import numpy as np
+
+__all__ = ["Detokenizer", "Output", "RequestState", "Sampling", "generator", "sample", "sampler_class"]
+
+#: Added to a seed before it seeds numpy's ``SeedSequence`` (which takes non-negative integers only): every seed of
+#: the accepted range, -2**63 to 2**64 - 1, maps to its own entropy.
+SEED_OFFSET = 2**63
 
 
 @dataclass(frozen=True)
@@ -29,7 +39,8 @@ class Sampling:
         max_tokens: tokens to generate at most (then ``finish_reason`` ``"length"``).
         temperature: ``0``: greedy; else the logits are divided by it before sampling.
         top_p: nucleus sampling: the smallest set of most likely tokens whose probabilities reach ``top_p``.
-        seed: the request's generator seed (``None``: a random one): a seeded request repeats its tokens.
+        seed: the request's generator seed (``None``: a random one): a seeded request repeats its tokens, and two
+            seeds draw two streams (:func:`generator`).
         stop: strings that end the generation where they first appear (not included in the text).
     """
 
@@ -103,8 +114,6 @@ class RequestState:
         self, request_id: str, slot: int, prompt: list[int], sampling: Sampling, sink: Callable[[Output], None],
         tokenizer: Any,
     ) -> None:  # fmt: skip
-        import torch
-
         self.id = request_id
         self.slot = slot
         self.prompt_tokens = len(prompt)
@@ -116,10 +125,7 @@ class RequestState:
         self.seen = 0  # generated tokens handled
         self.done = False
         self.greedy = sampling.temperature <= 0.0
-        self.generator = None
-        if not self.greedy:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
+        self.generator = None if self.greedy else generator(sampling.seed)
 
     def deliver(self, text: str, finish_reason: str | None = None, error: str | None = None) -> None:
         if self.done:
@@ -188,16 +194,16 @@ def sampler_class() -> type:
             return {request.id: slot for slot, request in list(self.slots.items())}
 
         def __call__(self, scores: Any, tensor_arg: Any) -> Any:
-            chosen: list[tuple[int, RequestState]] = []
+            chosen: list[tuple[int, RequestState, np.random.Generator]] = []
             for row, slot in enumerate(tensor_arg[: scores.size(0)].tolist()):
                 request = self.slots.get(slot)
-                if request is not None and not request.greedy:
-                    chosen.append((row, request))
+                if request is not None and request.generator is not None:  # a greedy row has none
+                    chosen.append((row, request, request.generator))
             if not chosen:
                 return scores
             scores = scores.clone()
-            for row, request in chosen:
-                token = sample(scores[row], request.sampling, request.generator)
+            for row, request, draws in chosen:
+                token = sample(scores[row], request.sampling, draws)
                 scores[row].fill_(-math.inf)
                 scores[row, token] = 0.0
             return scores
@@ -205,9 +211,27 @@ def sampler_class() -> type:
     return _Sampler
 
 
-def sample(logits: Any, sampling: Sampling, generator: Any) -> int:
+def generator(seed: int | None) -> np.random.Generator:
+    """A request's own generator: numpy's PCG64 seeded through ``SeedSequence`` by ``seed + 2**63`` (``None``: fresh
+    entropy from the OS). torch's CPU generator, used before, keeps only a seed's low 32 bits: seeds 0 and 2**32, or
+    -1 and 2**64 - 1, drew the same tokens.
+
+    >>> generator(0).random() != generator(2**32).random()
+    True
+    """
+    # pinned by tests/test_server_llm.py::test_every_seed_of_the_accepted_range_draws_its_own_stream
+    entropy = None if seed is None else seed + SEED_OFFSET
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+
+
+def sample(logits: Any, sampling: Sampling, generator: np.random.Generator) -> int:
     """One token from ``logits`` (one row) at ``sampling``'s temperature and top_p, with one uniform draw of
     ``generator`` (so a seeded request's draws do not depend on the other rows of its steps).
+
+    The probabilities are ``softmax((logits - max) / temperature)`` in float64: the shifted logits are at most 0, so
+    no temperature overflows them (float32 logits divided by ``1e-40`` were inf, every probability NaN); a
+    temperature so small that every other token underflows to 0 leaves the most likely ones, which is the limit of
+    the distribution. The draw is float64 too, so it never rounds up onto a token of probability 0.
 
     No sort of the vocabulary (18 ms for 128k tokens, per row and step, on 2 cores): without top_p the draw is
     inverted on the cumulative probabilities in vocabulary order; with top_p the nucleus comes from ``topk`` over
@@ -215,22 +239,25 @@ def sample(logits: Any, sampling: Sampling, generator: Any) -> int:
     vocabulary."""
     import torch
 
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    draw = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+    # pinned by tests/test_server_llm.py::test_a_tiny_temperature_or_top_p_samples_the_argmax_and_never_nan
+    scores = logits.to(torch.float64)
+    probs = torch.softmax((scores - scores.max()) / sampling.temperature, dim=-1)
+    draw = float(generator.random())
     if sampling.top_p >= 1.0:
-        cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-        index = int(torch.searchsorted(cumulative, torch.tensor([draw * float(cumulative[-1])]), right=True)[0])
-        return min(index, probs.numel() - 1)
+        cumulative = torch.cumsum(probs, dim=-1)
+        point = torch.tensor([draw * float(cumulative[-1])], dtype=torch.float64)
+        return min(int(torch.searchsorted(cumulative, point, right=True)[0]), probs.numel() - 1)
     k = min(_NUCLEUS_START, probs.numel())
     while True:
         values, order = torch.topk(probs, k)  # sorted, largest first
-        cumulative = torch.cumsum(values, dim=-1, dtype=torch.float64)
+        cumulative = torch.cumsum(values, dim=-1)
         if float(cumulative[-1]) >= sampling.top_p or k == probs.numel():
             break
         k = min(k * 8, probs.numel())
     keep = min(int(torch.searchsorted(cumulative, torch.tensor([sampling.top_p], dtype=torch.float64))[0]) + 1, k)
     total = float(cumulative[keep - 1])
-    index = int(torch.searchsorted(cumulative[:keep], torch.tensor([draw * total]), right=True)[0])
+    point = torch.tensor([draw * total], dtype=torch.float64)
+    index = int(torch.searchsorted(cumulative[:keep], point, right=True)[0])
     return int(order[min(index, keep - 1)])
 
 
