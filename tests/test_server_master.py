@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -129,6 +130,24 @@ def test_the_server_package_imports_neither_gunicorn_nor_prometheus_client_nor_t
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-500:]
     assert "--workers" in done.stdout and "--engine" in done.stdout
+
+
+def test_a_busy_port_is_refused_at_once_naming_the_address_and_the_errno(tmp_path: Path) -> None:
+    """``serve --port`` on a port another process listens on went through gunicorn's five one-second retries and
+    ended with a generic "the server stopped with an error". The address is tried before anything else starts."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(SRC), "TMPDIR": str(tmp_path)}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        done = subprocess.run(
+            [sys.executable, "-m", "packcache", "serve", "--port", str(port), "--workers", "1", "--cache-dir",
+             str(tmp_path / "cache")], capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}: EADDRINUSE" in done.stderr, done.stderr[-2000:]
+    assert "Retrying" not in done.stderr and "Booting worker" not in done.stderr, "gunicorn never starts"
 
 
 @pytest.mark.serial

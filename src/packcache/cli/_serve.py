@@ -104,8 +104,14 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
     from ..server import Batching, EngineSpec, Limits, ServeOptions, serve, worker_threads
     from ..server.completions import Generation
     from ..server.llm import is_causal_lm
+    from ..server.master import check_address
     from ..server.modelfiles import choose_loader, model_id_of
 
+    try:
+        check_address(args.host, args.port)  # first: a busy port fails at once, before any model is read
+    except ValueError as exc:
+        print(f"packcache serve: {sanitize(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
     scheme, path, loader = "fp32", None, _defaults.SERVE_LOADER
     model_id = args.served_model_name or model_id_of(args.model)  # the name as given, before a fetch replaces it
     try:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ from .engines import EngineSpec, preimport, weights_source
 from .metricsdir import HeldDirectory, hold_metrics_dir
 from .wsgiapp import Limits
 
-__all__ = ["ServeOptions", "exit_now", "ready_line", "serve"]
+__all__ = ["ServeOptions", "check_address", "exit_now", "ready_line", "serve"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,42 @@ def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+#: What each errno of a bind or listen means for ``packcache serve``'s address.
+_ADDRESS_HINTS = {
+    errno.EADDRINUSE: "another process listens there: stop it, or choose another --port (0 picks a free one)",
+    errno.EACCES: "a port under 1024 needs root or CAP_NET_BIND_SERVICE: choose another --port",
+    errno.EADDRNOTAVAIL: "the host is not an address of this machine: choose another --host",
+}
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on, before anything starts: bind and listen on it as gunicorn
+    will (``SO_REUSEADDR``: a port whose last connections are in TIME_WAIT is free), then let it go.
+
+    gunicorn itself tries a busy address five times, a second apart, and its master then exits with a line that
+    names neither the address nor the errno. An address taken between this check and gunicorn's bind still goes
+    that way.
+
+    Raises:
+        ValueError: the address and the errno (``cannot listen on 127.0.0.1:8000: EADDRINUSE (...)``), or a host
+            that does not resolve.
+    """
+    # pinned by tests/test_server_master.py::test_a_busy_port_is_refused_at_once_naming_the_address_and_the_errno
+    address = _bind(host, port)
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in name else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((name, port))
+            probe.listen()
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {address}: the host does not resolve ({exc.strerror})") from None
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno or 0, f"errno {exc.errno}")
+        hint = _ADDRESS_HINTS.get(exc.errno or 0)
+        raise ValueError(f"cannot listen on {address}: {code} ({exc.strerror}){f'; {hint}' if hint else ''}") from None
+
+
 def serve(options: ServeOptions) -> int:
     """Run the server in this process (it becomes the gunicorn master) until it is stopped.
 
@@ -109,10 +147,12 @@ def serve(options: ServeOptions) -> int:
     problem, which only shows in the metrics).
 
     Raises:
-        ValueError: a metrics directory that cannot be written or trusted (:func:`.metricsdir.hold_metrics_dir`).
+        ValueError: an address the server cannot listen on (:func:`check_address`); a metrics directory that cannot
+            be written or trusted (:func:`.metricsdir.hold_metrics_dir`).
         RuntimeError: prometheus_client was imported in this process before
             ``PROMETHEUS_MULTIPROC_DIR`` was set (its values would stay in each worker's memory).
     """
+    check_address(options.host, options.port)
     if "prometheus_client" in sys.modules and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         raise RuntimeError(
             "prometheus_client was imported before packcache serve set PROMETHEUS_MULTIPROC_DIR: "
