@@ -185,6 +185,13 @@ def test_tei_embed_answers_bare_arrays_and_its_errors_in_its_shape_and_codes(srv
     assert call(srv, "POST", "/info", b"{}")[0] == 405
 
 
+def test_teis_health_probe_gets_200_with_an_empty_body(srv: Server) -> None:
+    """TEI's ``GET /health`` was 404: a probe written for TEI took every worker out of rotation."""
+    status, (headers, body) = call(srv, "GET", "/health")
+    assert (status, body, headers["Content-Length"]) == (200, b"", "0")
+    assert call(srv, "POST", "/health", b"{}")[0] == 405
+
+
 # ---------------------------------------------------------------- batching
 
 

@@ -562,6 +562,18 @@ def test_the_chat_template_is_applied_and_a_model_without_one_is_refused(
     assert loaded[1].chat_template == CHAT_TEMPLATE
 
 
+def test_a_name_the_chat_template_ignores_is_refused_not_dropped(loaded: tuple[Any, Any]) -> None:
+    """A message's ``name`` was dropped before the template: the model never saw who spoke. A template that uses it
+    gets it (tests/test_server_llm_api.py); one that does not refuses it, naming the message."""
+    engine = make(loaded, warmup=False)
+    plain = [{"role": "user", "content": "Where is the station?"}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.name is not used by the model's chat template"):
+        engine.chat_prompt([*plain, {"role": "user", "content": "x", "name": "bob"}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.name must be a string"):
+        engine.chat_prompt([{"role": "user", "content": "x", "name": 5}])
+    assert engine.chat_prompt([{**plain[0], "name": None}]) == engine.chat_prompt(plain)
+
+
 def test_load_llm_from_a_checkpoint_then_from_its_cache_file_alone(tmp_path: Path) -> None:
     checkpoint = tiny_causal_lm(tmp_path / "tiny-llama")
     cache_file = tmp_path / "tiny-int8.pcache"

@@ -235,6 +235,11 @@ def test_bad_requests_get_openais_errors_and_the_metrics_count_tokens(model: Pat
         status, (_, body) = call(srv, "POST", "/v1/chat/completions", b'{"messages": [{"role": "robot", '
                                  b'"content": "hi"}], "max_tokens": 2}')  # fmt: skip
         assert status == 400 and json.loads(body)["error"]["param"] == "messages", body
+        # this model's template ignores a message's name: refused, never dropped
+        named = {"messages": [{"role": "user", "content": "hi", "name": "bob"}], "max_tokens": 2}
+        status, (_, body) = call(srv, "POST", "/v1/chat/completions", json.dumps(named).encode())
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == "messages" and "messages[0].name" in error["message"], body
         before = scrape_total(srv, "packcache_completion_tokens_total") if _has(srv, "completion_tokens") else 0
         answer = client.completions.create(model=model.name, prompt="the city light", max_tokens=6, temperature=0)
         text = scrape(srv)  # the worker's other figures are still there
@@ -348,3 +353,140 @@ def test_sighup_picks_up_a_new_model_with_no_failed_request(tmp_path: Path) -> N
             for t in clients:
                 t.join(60)
         assert failures == [], failures[:5]
+
+
+# ---------------------------------------------------------------- what a client sends: served or refused by name
+
+#: A chat template that writes each message's ``name`` after its role: a name it is given changes the prompt.
+NAMED_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + (' ' + message['name'] if message['name'] is defined else '') + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server of a tiny Llama whose tokenizer adds no BOS (as GPT-2's does not: an empty prompt has no token) and
+    whose chat template uses a message's name, with a 64-token context."""
+    tmp = tmp_path_factory.mktemp("bare")
+    model = tiny_causal_lm(tmp / "bare-llama")
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = None  # no <s> before the text
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (model / "chat_template.jinja").write_text(NAMED_TEMPLATE)
+    with server(tmp, "--model", str(model), "--scheme", "fp32", "--max-model-len", "64", "--max-tokens", "32",
+                workers=1) as srv:  # fmt: skip
+        yield srv
+
+
+def _no_traceback(srv: Server) -> None:
+    log = srv.err.read_text()
+    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
+def test_an_empty_prompt_to_a_tokenizer_without_bos_is_refused_by_name(bare: Server) -> None:
+    """Before, the engine refused the prompt of no token after the request had been accepted: 500
+    ``{"error": "internal error"}`` (not OpenAI's shape) and a traceback in the log."""
+    client = _client(bare)
+    for prompt in ("", [""]):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="bare-llama", prompt=prompt, max_tokens=4)
+        assert refused.value.param == "prompt" and "no tokens" in refused.value.message, refused.value.body
+    assert client.completions.create(model="bare-llama", prompt="the city", max_tokens=2).usage.prompt_tokens >= 1
+    _no_traceback(bare)
+
+
+def test_a_prompt_without_room_for_the_default_16_tokens_is_context_length_exceeded(bare: Server) -> None:
+    """``/v1/completions`` defaults ``max_tokens`` to 16, as OpenAI's. A prompt of 49 to 63 tokens on a 64-token
+    context sent without it went to the engine, which refused it there: 500 and a traceback."""
+    client = _client(bare)
+    for ids in ([7] * 49, [7] * 63):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="bare-llama", prompt=ids)
+        assert refused.value.code == "context_length_exceeded" and refused.value.param == "max_tokens"
+        assert "defaults to 16" in refused.value.message, refused.value.message
+    assert client.completions.create(model="bare-llama", prompt=[7] * 48).usage.completion_tokens >= 1
+    _no_traceback(bare)
+
+
+def test_json_mode_and_stream_options_without_a_stream_are_refused_by_name(bare: Server) -> None:
+    """``response_format`` was accepted and ignored: a JSON-mode client got free text with 200."""
+    client = _client(bare)
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for response_format in ({"type": "json_object"}, schema):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="bare-llama", messages=messages, max_tokens=4,
+                                           response_format=response_format)  # type: ignore[arg-type]  # fmt: skip
+        assert refused.value.param == "response_format" and "JSON" in refused.value.message
+    text = client.chat.completions.create(model="bare-llama", messages=messages, max_tokens=4,
+                                          response_format={"type": "text"})  # fmt: skip
+    assert text.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="bare-llama", messages=messages, max_tokens=4,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    assert refused.value.param == "stream_options"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="bare-llama", messages=messages, max_tokens=4, max_completion_tokens=5)
+    assert refused.value.param == "max_completion_tokens"
+    _no_traceback(bare)
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(bare: Server) -> None:
+    """``stream_options.continuous_usage_stats`` (vLLM's) was accepted and ignored."""
+    client = _client(bare)
+    for options in ({"continuous_usage_stats": True}, {"continuous_usage_stats": True, "include_usage": True}):
+        chunks = list(client.completions.create(
+            model="bare-llama", prompt="the forest", max_tokens=12, temperature=0, stream=True,
+            stream_options=options,  # type: ignore[arg-type]
+        ))  # fmt: skip
+        counted = [c.usage.completion_tokens for c in chunks if c.choices]
+        assert all(c.usage is not None for c in chunks), chunks
+        assert counted == sorted(counted) and counted[-1] == chunks[-1].usage.completion_tokens >= 1, counted
+        assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks if c.usage)
+        assert (not chunks[-1].choices) is bool(options.get("include_usage")), "the usage chunk of its own"
+    _no_traceback(bare)
+
+
+def test_a_message_name_is_given_to_the_chat_template(bare: Server) -> None:
+    """A chat message's ``name`` was accepted and dropped before the template: the model never saw it."""
+    client = _client(bare)
+
+    def prompt_tokens(message: dict[str, str]) -> int:
+        answer = client.chat.completions.create(model="bare-llama", messages=[message], max_tokens=1)  # type: ignore[list-item]
+        return int(answer.usage.prompt_tokens)
+
+    plain = prompt_tokens({"role": "user", "content": "where is the river"})
+    named = prompt_tokens({"role": "user", "content": "where is the river", "name": "river"})
+    assert named > plain
+    _no_traceback(bare)
+
+
+def test_a_tiny_temperature_is_greedy_and_every_seed_has_its_own_stream(bare: Server) -> None:
+    """``temperature: 1e-40`` overflowed the float32 logits to inf: every probability NaN and one fixed token
+    every step, with 200. The generator kept only a seed's low 32 bits: seeds 0 and 2**32 gave the same text."""
+    client = _client(bare)
+
+    def text(**sampling: Any) -> str:
+        answer = client.completions.create(model="bare-llama", prompt="the river city", max_tokens=24, **sampling)
+        return str(answer.choices[0].text)
+
+    greedy = text(temperature=0)
+    assert greedy, "the greedy text is empty: the test would prove nothing"
+    for temperature in (1e-40, 1e-300, 5e-324):
+        for seed in (0, 1):
+            assert text(temperature=temperature, seed=seed) == greedy, (temperature, seed)
+    assert text(temperature=1.0, top_p=1e-300, seed=3) == greedy
+    for a, b in ((0, 2**32), (-1, 2**64 - 1), (-(2**63), 2**63), (5, 5 + 2**40)):
+        assert text(temperature=2.0, seed=a) != text(temperature=2.0, seed=b), (a, b)
+    assert text(temperature=2.0, seed=2**64 - 1) == text(temperature=2.0, seed=2**64 - 1)
+    _no_traceback(bare)
+
+
+def test_tgi_and_vllm_health_probes_get_200(bare: Server) -> None:
+    status, (_, body) = call(bare, "GET", "/health")
+    assert (status, body) == (200, b"")
+    assert call(bare, "POST", "/health", b"{}")[0] == 405

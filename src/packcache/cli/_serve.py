@@ -93,7 +93,8 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
     kernel_path = kernel_path_arg(args)  # in the master, at startup: not once per worker that fails to boot
     # Checked by name, without importing: prometheus_client must not be imported before serve() sets
     # PROMETHEUS_MULTIPROC_DIR, and the model's modules load in serve() too.
-    needed = [("gunicorn", "serve"), ("prometheus_client", "serve"), ("torch", "models"), ("tokenizers", "models")]
+    needed = [("gunicorn", "serve"), ("prometheus_client", "serve"), ("pydantic", "serve"), ("torch", "models"),
+              ("tokenizers", "models")]  # fmt: skip
     if args.engine == "sentence-transformers":
         needed.append(("sentence_transformers", "hf"))
     for module, extra in needed:

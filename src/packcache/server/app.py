@@ -1,7 +1,8 @@
 """The WSGI application of an embedding worker: OpenAI's and TEI's embedding APIs and this server's ``POST /embed``.
 
-No web framework: a few routes, a JSON body, and checks that turn every bad request into a 4xx with a
-JSON error in the shape of the API it was sent to, instead of an exception in the worker.
+No web framework: a few routes, a JSON body, and one declared model per request shape (:mod:`.requests`) that
+turns every bad request into a 4xx with a JSON error in the shape of the API it was sent to, instead of an
+exception in the worker.
 
 * ``POST /v1/embeddings`` (OpenAI's): ``{"input": str | [str, ...], "model": ..., "encoding_format":
   "float" | "base64", "dimensions": N, "user": ...}`` answers ``{"object": "list", "data": [{"object":
@@ -43,7 +44,8 @@ JSON error in the shape of the API it was sent to, instead of an exception in th
 * ``GET /healthz``: 200 ``{"status": "ok", ...}`` once the worker has loaded its model,
   whatever the cache's state. A ``degraded`` cache still serves correct embeddings (from
   heap) and a restart would not fix a full disk: that is for alerts on ``/metrics``, not
-  for a health check that would take the worker out of rotation.
+  for a health check that would take the worker out of rotation. ``GET /health``: TEI's probe,
+  200 with an empty body when ``/healthz`` answers ``ok``.
 
 Anything else: 404, or 405 with ``Allow`` for a known path and another method (``{"error": ...}``). An
 exception inside the model answers 500 (in the route's error shape) and is logged; the worker keeps serving.
@@ -62,13 +64,16 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _defaults
 from .engines import Engine
 from .wsgiapp import Answer, Call, Limits, Refusal, WSGIApp, openai_error
+
+if TYPE_CHECKING:  # pydantic: imported when a request is parsed, never by the command line
+    from .requests import Bounds, EmbeddingsRequest, TEIEmbedRequest, TextsRequest
 
 __all__ = ["Batching", "EmbeddingApp", "Job"]
 
@@ -81,10 +86,9 @@ _ROUTES = {
     "/info": "GET",
     "/metrics": "GET",
     "/healthz": "GET",
+    "/health": "GET",
 }
 _LEGACY, _TEI, _OPENAI = "legacy", "tei", "openai"
-_OPENAI_KEYS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
-_TEI_KEYS = frozenset({"inputs", "normalize", "truncate", "truncation_direction", "prompt_name"})
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,8 @@ class EmbeddingApp(WSGIApp):
     shape = _LEGACY
     engine: Engine
     empty_body = 'send a JSON body: {"texts": ["..."]}, {"inputs": ...} or {"input": ...}'
-    express_routes = frozenset({("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/info")})
+    express_routes = frozenset({("GET", "/healthz"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                                ("GET", "/info")})  # fmt: skip
 
     def __init__(
         self,
@@ -167,12 +172,26 @@ class EmbeddingApp(WSGIApp):
         return prepared
 
     def _request(self, route: str, environ: dict[str, Any], started: float, call: Call) -> Job:
+        from . import requests  # pydantic: a worker's import, never the command line's
+
         if route == "/v1/embeddings":
             call.shape = _OPENAI
-            return self._openai(self._json(environ), route, started)
+            return self._openai(requests.parse(requests.EmbeddingsRequest, self._json(environ), self.bounds()),
+                                route, started)  # fmt: skip
         request = self._json(environ)  # /embed: TEI's shape or this server's own
         call.shape = _TEI if isinstance(request, dict) and "inputs" in request else _LEGACY
-        return self._tei(request, route, started) if call.shape == _TEI else self._legacy(request, route, started)
+        if call.shape == _TEI:
+            return self._tei(requests.parse(requests.TEIEmbedRequest, request, self.bounds()), route, started)
+        return self._legacy(requests.parse(requests.TextsRequest, request, self.bounds()), route, started)
+
+    def bounds(self) -> Bounds:
+        """What one request may ask for (:class:`~packcache.server.requests.Bounds`)."""
+        from .requests import Bounds
+
+        engine, limits = self.engine, self.limits
+        return Bounds(model_id=engine.model_id, max_texts=limits.max_texts, max_text_chars=limits.max_text_chars,
+                      dimension=engine.dimension, prompts=frozenset(engine.prompts), max_tokens=0,
+                      vocab_size=0)  # fmt: skip
 
     def _alone(self, prepared: Job) -> Answer:
         return self.complete([prepared])[0]
@@ -248,17 +267,8 @@ class EmbeddingApp(WSGIApp):
 
     # ------------------------------------------------------------ the three request shapes
 
-    def _legacy(self, request: Any, route: str, started: float) -> Job:
-        if not isinstance(request, dict) or set(request) != {"texts"}:
-            keys = [key[:40] for key in sorted(request)[:5]] if isinstance(request, dict) else None
-            raise Refusal(400, f'expected an object with exactly the key "texts", got {keys or type(request).__name__}')
-        texts = request["texts"]
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise Refusal(400, '"texts" must be a list of strings')
-        if len(texts) > self.limits.max_texts:
-            raise Refusal(400, f"{len(texts)} texts; at most {self.limits.max_texts} per request", param="texts")
-        self._check_texts(texts, "texts", 400)
-        final = self._prompted(texts, None)
+    def _legacy(self, request: TextsRequest, route: str, started: float) -> Job:
+        final = self._prompted(request.texts, None)
         counts = self.engine.tokens(final) if final else []
 
         def answer(vectors: np.ndarray[Any, Any]) -> bytes:
@@ -266,32 +276,10 @@ class EmbeddingApp(WSGIApp):
 
         return Job(final, self._read(counts), True, route, _LEGACY, started, answer)
 
-    def _tei(self, request: dict[str, Any], route: str, started: float) -> Job:
-        unknown = sorted(set(request) - _TEI_KEYS)
-        if unknown:
-            raise Refusal(422, f"unknown field {unknown[0][:40]!r}: TEI's /embed takes {', '.join(sorted(_TEI_KEYS))}",
-                           kind="Validation")  # fmt: skip
-        inputs = request["inputs"]
-        texts = [inputs] if isinstance(inputs, str) else inputs
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise Refusal(422, "`inputs` must be a string or a list of strings (token ids are not served)",
-                           kind="Validation")  # fmt: skip
-        if not texts:
-            raise Refusal(400, "`inputs` cannot be empty", kind="Empty")
-        normalize = self._flag(request, "normalize", True)
-        truncate = self._flag(request, "truncate", self.limits.auto_truncate)
-        direction = request.get("truncation_direction")
-        if direction is not None and direction not in ("Right", "right"):
-            raise Refusal(422, "`truncation_direction` must be \"Right\": this server truncates the end of a text",
-                           kind="Validation")  # fmt: skip
-        if len(texts) > self.limits.max_texts:
-            raise Refusal(413, f"batch size {len(texts)} > maximum allowed batch size {self.limits.max_texts}",
-                           kind="Validation")  # fmt: skip
-        self._check_texts(texts, "inputs", 413)
-        prompt = request.get("prompt_name")
-        if prompt is not None and not isinstance(prompt, str):
-            raise Refusal(422, "`prompt_name` must be a string or null", kind="Validation")
-        final = self._prompted(texts, prompt)
+    def _tei(self, request: TEIEmbedRequest, route: str, started: float) -> Job:
+        normalize = True if request.normalize is None else request.normalize
+        truncate = self.limits.auto_truncate if request.truncate is None else request.truncate
+        final = self._prompted(request.texts, request.prompt_name)
         counts = self.engine.tokens(final)
         if not truncate:
             self._refuse_long(counts, lambda i, n, m: Refusal(
@@ -303,40 +291,8 @@ class EmbeddingApp(WSGIApp):
 
         return Job(final, self._read(counts), normalize, route, _TEI, started, answer)
 
-    def _openai(self, request: Any, route: str, started: float) -> Job:
-        if not isinstance(request, dict):
-            raise Refusal(400, f"the body must be a JSON object, not {type(request).__name__}")
-        self._check_fields(request, _OPENAI_KEYS)
-        if "input" not in request:
-            raise Refusal(400, "'input' is a required property", param="input")
-        self._check_model(request)
-        inputs = request["input"]
-        texts = [inputs] if isinstance(inputs, str) else inputs
-        if isinstance(texts, list) and texts and all(isinstance(t, (int, list)) for t in texts):
-            raise Refusal(400, "token-id input is not served: send the text (a string or a list of strings)",
-                           param="input")  # fmt: skip
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise Refusal(400, "'input' must be a string or a list of strings", param="input")
-        if not texts:
-            raise Refusal(400, "'input' must not be an empty list", param="input")
-        if any(not t for t in texts):
-            raise Refusal(400, "'input' must not contain an empty string", param="input")
-        if len(texts) > self.limits.max_texts:
-            raise Refusal(400, f"{len(texts)} inputs; at most {self.limits.max_texts} per request", param="input")
-        self._check_texts(texts, "input", 400)
-        encoding = request.get("encoding_format", "float")
-        if encoding not in ("float", "base64"):
-            raise Refusal(400, f"'encoding_format' must be 'float' or 'base64', not {str(encoding)[:40]!r}",
-                           param="encoding_format")  # fmt: skip
-        dimensions = request.get("dimensions")
-        width = self.engine.dimension
-        if dimensions is not None and (
-            not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= width
-        ):
-            raise Refusal(400, f"'dimensions' must be an integer from 1 to the model's {width}, not "
-                           f"{str(dimensions)[:40]}", param="dimensions")  # fmt: skip
-        self._check_user(request)
-        final = self._prompted(texts, None)
+    def _openai(self, request: EmbeddingsRequest, route: str, started: float) -> Job:
+        final = self._prompted(request.texts, None)
         counts = self.engine.tokens(final)
         if not self.limits.auto_truncate:
             self._refuse_long(counts, lambda i, n, m: Refusal(
@@ -345,6 +301,7 @@ class EmbeddingApp(WSGIApp):
                 kind="context_length_exceeded"))  # fmt: skip
         used = self._read(counts)
         served = self.engine.model_id
+        encoding, dimensions = request.encoding_format, request.dimensions
 
         def answer(vectors: np.ndarray[Any, Any]) -> bytes:
             if dimensions is not None and dimensions < vectors.shape[1]:
@@ -365,31 +322,6 @@ class EmbeddingApp(WSGIApp):
         return Job(final, used, True, route, _OPENAI, started, answer)
 
     # ------------------------------------------------------------ checks
-
-    def _check_texts(self, texts: list[str], name: str, status: int) -> None:
-        """Each text within ``max_text_chars`` and encodable (the count is each route's own check, in its words)."""
-        limits = self.limits
-        for index, text in enumerate(texts):
-            if len(text) > limits.max_text_chars:
-                raise Refusal(
-                    status, f"text {index} has {len(text)} characters; at most {limits.max_text_chars}", param=name,
-                    kind="Validation",
-                )  # fmt: skip
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise Refusal(
-                    status if status == 400 else 422, f"text {index} is not valid Unicode (a lone surrogate)",
-                    param=name, kind="Validation",
-                ) from None  # fmt: skip
-
-    def _flag(self, request: dict[str, Any], name: str, default: bool) -> bool:
-        value = request.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise Refusal(422, f"`{name}` must be true or false", kind="Validation")
-        return value
 
     def _prompted(self, texts: list[str], prompt_name: str | None) -> list[str]:
         """``texts`` with the named prompt (else the model's default prompt) before each, as sentence-transformers'

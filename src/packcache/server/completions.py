@@ -1,29 +1,36 @@
 """The WSGI application of a worker serving a causal LM: OpenAI's chat and text completions, streamed or whole.
 
-* ``POST /v1/chat/completions``: ``{"model", "messages": [{"role", "content"}, ...], "max_tokens" |
+* ``POST /v1/chat/completions``: ``{"model", "messages": [{"role", "content", "name"}, ...], "max_tokens" |
   "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options":
-  {"include_usage"}, "n": 1, "user"}``. The messages go through the tokenizer's chat template with the
-  generation prompt added (:meth:`~packcache.server.llm.LLMEngine.chat_prompt`); a model without a template
-  is refused (400), as transformers' own ``apply_chat_template`` refuses. ``content`` is a string or a list
-  of ``{"type": "text", "text"}`` parts.
+  {"include_usage", "continuous_usage_stats"}, "response_format": {"type": "text"}, "n": 1, "user"}``. The
+  messages go through the tokenizer's chat template with the generation prompt added
+  (:meth:`~packcache.server.llm.LLMEngine.chat_prompt`); a model without a template is refused (400), as
+  transformers' own ``apply_chat_template`` refuses. ``content`` is a string or a list of ``{"type": "text",
+  "text"}`` parts; a ``name`` goes to the template, which must use it (else 400).
 * ``POST /v1/completions``: ``{"model", "prompt": str | [str] | [int, ...], ...}`` with the same sampling
-  fields; ``max_tokens`` defaults to 16, as OpenAI's.
-* ``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` as the embedding application's.
+  fields; ``max_tokens`` defaults to 16, as OpenAI's (or the server's bound, if lower).
+* ``GET /v1/models``, ``GET /healthz``, ``GET /health``, ``GET /metrics`` as the embedding application's.
 
-Bounds: the prompt's tokens plus ``max_tokens`` must fit the engine's ``max_model_len`` (else 400
-``context_length_exceeded``, as OpenAI answers); ``max_tokens`` is at most the server's ``max_tokens``
+Each body is parsed by its route's declared model (:class:`~packcache.server.requests.ChatRequest`,
+:class:`~packcache.server.requests.CompletionRequest`): every field is served or refused by name, and unknown
+fields are refused as OpenAI refuses them. Bounds: the prompt has at least one token, and its tokens plus
+``max_tokens`` fit the engine's ``max_model_len`` (else 400 ``context_length_exceeded``, as OpenAI answers, also
+when ``max_tokens`` was left at its default); ``max_tokens`` is at most the server's ``max_tokens``
 (:class:`Generation`) and defaults, for chat, to what is left of the context up to that bound. ``stop``: at
-most 4 strings of at most 256 characters. ``temperature`` in [0, 2] (0: greedy), ``top_p`` in (0, 1],
-``seed`` an integer. Fields OpenAI has and this server does not serve (``logprobs``, ``tools``, ``n`` over
-1, non-zero penalties, ...) are refused by name when set to anything but their default, never ignored;
-unknown fields are refused as OpenAI refuses them. Errors are OpenAI's shape: ``{"error": {"message",
-"type", "param", "code"}}``.
+most 4 strings of at most 256 characters. ``temperature`` in [0, 2] (0: greedy; any other value is sampled
+exactly, :mod:`.sampling`), ``top_p`` in (0, 1], ``seed`` an integer from -2**63 to 2**64 - 1. Fields OpenAI
+has and this server does not serve (``logprobs``, ``tools``, ``n`` over 1, non-zero penalties, JSON mode in
+``response_format``, ...) are refused by name when set to anything but their default, never ignored. Whatever
+reaches the engine has passed its own check first (:meth:`~packcache.server.llm.LLMEngine.check`): a client's
+input is never refused after it was accepted. Errors are OpenAI's shape: ``{"error": {"message", "type",
+"param", "code"}}``.
 
 Streaming (``"stream": true``) answers server-sent events: one ``data: {chunk}`` per step that brought new
 text, the last chunk with ``finish_reason`` (``stop``: an end-of-sequence token or a stop string, which is
 not sent; ``length``: ``max_tokens`` or the context) and ``usage``, then ``data: [DONE]``. With
 ``stream_options.include_usage``, the usage comes as OpenAI sends it then: in a last chunk of its own with
-no choices. A generation the server has to end (a shutdown past its grace period, a failure of the model)
+no choices. With ``stream_options.continuous_usage_stats`` (vLLM's), every chunk carries the usage so far.
+A generation the server has to end (a shutdown past its grace period, a failure of the model)
 ends with ``data: {"error": ...}`` and ``data: [DONE]``: a client always sees the stream end cleanly.
 
 The generation itself runs in the worker (:mod:`.worker`): :meth:`CompletionApp.prepare` turns a request
@@ -42,35 +49,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from .. import _defaults
 from .llm import LLMEngine
 from .sampling import Output, Sampling
 from .wsgiapp import Answer, Call, Limits, Refusal, WSGIApp, openai_error
 
+if TYPE_CHECKING:
+    from .requests import Bounds, ChatRequest, CompletionRequest  # pydantic: imported when a request is parsed
+
 __all__ = ["Completion", "CompletionApp", "Generation"]
 
 logger = logging.getLogger("packcache.server")
 
 _CHAT, _TEXT = "/v1/chat/completions", "/v1/completions"
-_SAMPLING_KEYS = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n", "user",
-    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-})  # fmt: skip
-_CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "response_format", "parallel_tool_calls"}  # fmt: skip
-_TEXT_KEYS = _SAMPLING_KEYS | {"prompt", "echo", "best_of", "suffix"}
-#: Fields this server does not serve, with the value that means "not asked for": any other value is refused.
-_UNSERVED: dict[str, tuple[Any, ...]] = {
-    "n": (1, None), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None, {}), "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-    "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""),
-}  # fmt: skip
-MAX_STOPS = 4
-MAX_STOP_CHARS = 256
-MAX_MESSAGES = 1024
+#: ``max_tokens`` of a ``/v1/completions`` request that sends none: OpenAI's API fixes it at 16.
+OPENAI_COMPLETION_TOKENS = 16
 #: Seconds over which ``packcache_generation_tokens_per_second`` counts a worker's generated tokens.
 RATE_WINDOW = 10.0
 
@@ -115,6 +110,7 @@ class Completion:
     model: str
     started: float
     app: CompletionApp = field(repr=False)
+    continuous_usage: bool = False  # the usage so far in every streamed chunk
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list, repr=False)
@@ -161,10 +157,11 @@ class Completion:
         out = b""
         if self.chat and not self._sent_role:
             self._sent_role = True
-            out += _event(self._chunk({"role": "assistant", "content": ""}, None))
+            before = Output("", output.prompt_tokens, 0, None)  # the usage before the first token
+            out += _event(self._chunk({"role": "assistant", "content": ""}, None, before))
         if output.text or output.finish_reason is None:
             # one event per step, empty text included (llama.cpp's server does the same): a client sees each token
-            out += _event(self._chunk({"content": output.text} if self.chat else output.text, None))
+            out += _event(self._chunk({"content": output.text} if self.chat else output.text, None, output))
         if output.finish_reason is None:
             return out
         if output.finish_reason in ("error", "cancelled"):
@@ -173,7 +170,7 @@ class Completion:
             error = {"message": message, "type": "server_error", "param": None, "code": None}
             return out + _event({"error": error}) + _DONE
         usage = self._usage(output)
-        last = self._chunk({} if self.chat else "", output.finish_reason)
+        last = self._chunk({} if self.chat else "", output.finish_reason, output)
         if self.include_usage:
             out += _event(last)
             last = self._chunk(None, None)
@@ -186,15 +183,20 @@ class Completion:
         return {"prompt_tokens": output.prompt_tokens, "completion_tokens": output.completion_tokens,
                 "total_tokens": output.prompt_tokens + output.completion_tokens}  # fmt: skip
 
-    def _chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, delta: Any, finish: str | None, output: Output | None = None) -> dict[str, Any]:
+        """One streamed chunk; with ``continuous_usage`` and an ``output``, the usage so far in it."""
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             kind, prefix = "chat.completion.chunk", "chatcmpl-"
         else:
             choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
             kind, prefix = "text_completion", "cmpl-"
-        return {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [choice] if delta is not None else []}  # fmt: skip
+        chunk = {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
+                 "choices": [choice] if delta is not None else []}  # fmt: skip
+        if self.continuous_usage and output is not None:
+            # pinned by tests/test_server_llm_api.py::test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk
+            chunk["usage"] = self._usage(output)
+        return chunk
 
     def _whole(self, output: Output) -> bytes:
         text = "".join(self.text)
@@ -224,10 +226,11 @@ class CompletionApp(WSGIApp):
         "/v1/models": "GET",
         "/metrics": "GET",
         "/healthz": "GET",
+        "/health": "GET",
     }
     max_json_depth = 6
     engine: LLMEngine
-    express_routes = frozenset({("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/v1/models")})
+    express_routes = frozenset({("GET", "/healthz"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models")})
     generation_routes = frozenset({("POST", _CHAT), ("POST", _TEXT)})
 
     def __init__(
@@ -249,10 +252,23 @@ class CompletionApp(WSGIApp):
         return prepared
 
     def _request(self, route: str, environ: dict[str, Any], started: float, call: Call) -> Completion:
-        request = self._json(environ)
-        if not isinstance(request, dict):
-            raise Refusal(400, f"the body must be a JSON object, not {type(request).__name__}")
+        from . import requests  # pydantic: a worker's import, never the command line's
+
+        body, bounds = self._json(environ), self.bounds()
+        request: ChatRequest | CompletionRequest = (
+            requests.parse(requests.ChatRequest, body, bounds) if route == _CHAT
+            else requests.parse(requests.CompletionRequest, body, bounds)
+        )  # fmt: skip
         return self._completion(route, request, started)
+
+    def bounds(self) -> Bounds:
+        """What one request may ask for (:class:`~packcache.server.requests.Bounds`)."""
+        from .requests import Bounds
+
+        engine, limits = self.engine, self.limits
+        return Bounds(model_id=engine.model_id, max_texts=limits.max_texts, max_text_chars=limits.max_text_chars,
+                      dimension=0, prompts=frozenset(), max_tokens=self.generation.max_tokens,
+                      vocab_size=engine.vocab_size)  # fmt: skip
 
     def _alone(self, prepared: Completion) -> Answer:
         # only packcache serve's worker runs the engine's loop
@@ -299,139 +315,63 @@ class CompletionApp(WSGIApp):
 
     # ------------------------------------------------------------ requests
 
-    def _completion(self, route: str, request: dict[str, Any], started: float) -> Completion:
-        chat = route == _CHAT
-        allowed = _CHAT_KEYS if chat else _TEXT_KEYS
-        self._check_fields(request, allowed)
-        for name, defaults in _UNSERVED.items():
-            value = request.get(name)
-            if name in request and not any(value == d and type(value) is type(d) for d in defaults):
-                raise Refusal(400, f"'{name}' is not served by this server (only its default: "
-                               f"{defaults[0]!r})", param=name)  # fmt: skip
-        self._check_model(request)
-        prompt = self._chat_prompt(request) if chat else self._text_prompt(request)
+    def _completion(self, route: str, request: ChatRequest | CompletionRequest, started: float) -> Completion:
+        """The :class:`Completion` of a parsed request: its prompt's tokens and its sampling, checked against the
+        context and against what the engine runs."""
+        from .requests import ChatRequest
+
+        chat = isinstance(request, ChatRequest)
+        where = "messages" if chat else "prompt"
+        prompt = self._chat_prompt(request) if isinstance(request, ChatRequest) else self._text_prompt(request)
+        if not prompt:
+            # pinned by tests/test_server_llm_api.py::test_an_empty_prompt_to_a_tokenizer_without_bos_is_refused_by_name
+            raise Refusal(400, f"'{where}' has no tokens (this model's tokenizer adds none of its own): send at least "
+                           "one token", param=where)  # fmt: skip
         limit = self.engine.max_model_len
         if len(prompt) >= limit:
             raise Refusal(400, f"This model's maximum context length is {limit} tokens, however the prompt has "
-                           f"{len(prompt)} tokens", param="messages" if chat else "prompt",
-                           kind="context_length_exceeded")  # fmt: skip
-        names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-        asked = next((request[n] for n in names if request.get(n) is not None), None)
-        bound = self.generation.max_tokens
-        if asked is None:
-            max_tokens = min(bound, limit - len(prompt)) if chat else 16
-        else:
-            name = next(n for n in names if request.get(n) is not None)
-            if not isinstance(asked, int) or isinstance(asked, bool) or not 1 <= asked <= bound:
-                raise Refusal(400, f"'{name}' must be an integer from 1 to {bound}, not {str(asked)[:40]}",
-                               param=name)  # fmt: skip
-            max_tokens = asked
+                           f"{len(prompt)} tokens", param=where, kind="context_length_exceeded")  # fmt: skip
+        asked = request.asked_tokens
+        if asked is not None:
+            name, max_tokens = asked
             if len(prompt) + max_tokens > limit:
                 raise Refusal(400, f"This model's maximum context length is {limit} tokens, however you requested "
                                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} for "
                                "the completion)", param=name, kind="context_length_exceeded")  # fmt: skip
-        stream = request.get("stream", False)
-        if stream is not None and not isinstance(stream, bool):
-            raise Refusal(400, "'stream' must be true or false", param="stream")
-        options = request.get("stream_options")
-        include_usage = False
-        if options is not None:
-            if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-                raise Refusal(400, "'stream_options' must be an object with 'include_usage'", param="stream_options")
-            include_usage = options.get("include_usage") is True
-        self._check_user(request)
+        elif chat:
+            max_tokens = min(self.generation.max_tokens, limit - len(prompt))
+        else:
+            max_tokens = min(OPENAI_COMPLETION_TOKENS, self.generation.max_tokens)  # never over the server's bound
+            if len(prompt) + max_tokens > limit:
+                # pinned by tests/test_server_llm_api.py::
+                #   test_a_prompt_without_room_for_the_default_16_tokens_is_context_length_exceeded
+                raise Refusal(400, f"This model's maximum context length is {limit} tokens, however you requested "
+                               f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} for "
+                               f"the completion: max_tokens defaults to {max_tokens}); send a smaller max_tokens or "
+                               "a shorter prompt", param="max_tokens", kind="context_length_exceeded")  # fmt: skip
         sampling = Sampling(
-            max_tokens=max_tokens, temperature=_number(request, "temperature", 1.0, 0.0, 2.0, low_open=False),
-            top_p=_number(request, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=_seed(request), stop=_stops(request),
+            max_tokens=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p, seed=request.seed, stop=request.stops,
         )  # fmt: skip
-        return Completion(route, prompt, sampling, bool(stream), include_usage, self.engine.model_id, started, self)
-
-    def _chat_prompt(self, request: dict[str, Any]) -> list[int]:
-        messages = request.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise Refusal(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects",
-                           param="messages")  # fmt: skip
-        if len(messages) > MAX_MESSAGES:
-            raise Refusal(400, f"{len(messages)} messages; at most {MAX_MESSAGES}", param="messages")
-        plain = []
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise Refusal(400, f"messages[{index}] must be an object with a string 'role'", param="messages")
-            unknown = sorted(set(message) - {"role", "content", "name"})
-            if unknown:
-                raise Refusal(400, f"messages[{index}] has {unknown[0][:40]!r}: only role, content and name are "
-                               "served", param="messages")  # fmt: skip
-            plain.append({"role": message["role"], "content": _content(message.get("content"), index)})
         try:
-            return self.engine.chat_prompt(plain)
+            self.engine.check(prompt, sampling)  # whatever the engine would refuse is the client's 400, here
+        except ValueError as exc:
+            raise Refusal(400, str(exc)) from None
+        return Completion(route, prompt, sampling, request.stream is True, request.include_usage,
+                          self.engine.model_id, started, self, continuous_usage=request.continuous_usage)  # fmt: skip
+
+    def _chat_prompt(self, request: ChatRequest) -> list[int]:
+        messages = [
+            {"role": m.role, "content": m.text, **({"name": m.name} if m.name is not None else {})}
+            for m in request.messages
+        ]
+        try:
+            return self.engine.chat_prompt(messages)
         except ValueError as exc:
             raise Refusal(400, str(exc), param="messages") from None
 
-    def _text_prompt(self, request: dict[str, Any]) -> list[int]:
-        if "prompt" not in request:
-            raise Refusal(400, "'prompt' is a required property", param="prompt")
-        prompt = request["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a list: OpenAI's clients send this shape too
+    def _text_prompt(self, request: CompletionRequest) -> list[int]:
+        prompt = request.prompt  # a string or token ids, as the request's model left it
         if isinstance(prompt, str):
-            if len(prompt) > self.limits.max_body_bytes:
-                raise Refusal(400, "'prompt' is too long", param="prompt")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise Refusal(400, "'prompt' is not valid Unicode (a lone surrogate)", param="prompt") from None
             return self.engine.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocabulary = self.engine.vocab_size
-            if any(not 0 <= t < vocabulary for t in prompt):
-                raise Refusal(400, f"token ids must be in [0, {vocabulary})", param="prompt")
-            return list(prompt)
-        raise Refusal(400, "'prompt' must be a string, a list of one string, or a list of token ids (one prompt "
-                       "per request)", param="prompt")  # fmt: skip
-
-
-def _content(content: Any, index: int) -> str:
-    """A message's text: a string, or the concatenation of its ``{"type": "text"}`` parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise Refusal(400, f"messages[{index}].content must be a string or a list of text parts (only text is served)",
-                   param="messages")  # fmt: skip
-
-
-def _number(request: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool) -> float:
-    value = request.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value <= high
-    ok = ok and (value > low if low_open else value >= low)
-    if not ok:
-        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise Refusal(400, f"'{name}' must be a number in {bounds}, not {str(value)[:40]}", param=name)
-    return float(value)
-
-
-def _seed(request: dict[str, Any]) -> int | None:
-    seed = request.get("seed")
-    if seed is None:
-        return None
-    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
-        raise Refusal(400, "'seed' must be a 64-bit integer", param="seed")
-    return seed
-
-
-def _stops(request: dict[str, Any]) -> tuple[str, ...]:
-    stop = request.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if (
-        not isinstance(stops, list) or len(stops) > MAX_STOPS
-        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
-    ):  # fmt: skip
-        raise Refusal(400, f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings of at most "
-                       f"{MAX_STOP_CHARS} characters", param="stop")  # fmt: skip
-    return tuple(stops)
+        return list(cast("list[int]", prompt))

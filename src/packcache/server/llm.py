@@ -183,12 +183,16 @@ class LLMEngine:
         return None if cache is None else cache.stats()
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The token ids of ``messages`` (OpenAI chat messages: ``role`` and ``content``) through the tokenizer's
-        chat template, the assistant's turn opened.
+        """The token ids of ``messages`` (OpenAI chat messages: ``role``, ``content`` and an optional ``name``)
+        through the tokenizer's chat template, the assistant's turn opened.
+
+        A ``name`` goes to the template with its message; a template that does not use it (the prompt is the same
+        without the names) refuses it rather than drop it.
 
         Raises:
             ValueError: the model has no chat template; a message that is not a role and a string content (or a
-                list of text parts); the template refused them (its message, one line).
+                list of text parts), or whose name is not a string; names the template does not use; the template
+                refused them (its message, one line).
         """
         if not self.has_chat_template:
             raise ValueError(f"the model {self.model_id!r} has no chat template: use /v1/completions")
@@ -198,10 +202,24 @@ class LLMEngine:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"messages[{i}] has no role")
-            plain.append({"role": message["role"], "content": _content(message.get("content"), i)})
+            entry = {"role": message["role"], "content": _content(message.get("content"), i)}
+            if message.get("name") is not None:
+                if not isinstance(message["name"], str):
+                    raise ValueError(f"messages[{i}].name must be a string")
+                entry["name"] = message["name"]
+            plain.append(entry)
+        ids = self._template(plain)
+        named = [i for i, entry in enumerate(plain) if "name" in entry]
+        # pinned by tests/test_server_llm.py::test_a_name_the_chat_template_ignores_is_refused_not_dropped
+        if named and ids == self._template([{k: v for k, v in e.items() if k != "name"} for e in plain]):
+            raise ValueError(f"messages[{named[0]}].name is not used by the model's chat template: put the name in "
+                             "the content, or leave it out")  # fmt: skip
+        return ids
+
+    def _template(self, messages: list[dict[str, str]]) -> list[int]:
         try:
             ids: Any = self.tokenizer.apply_chat_template(
-                plain, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except Exception as exc:  # jinja's errors (a template's raise_exception among them) have no common base
             why = " ".join(str(exc).split()) or type(exc).__name__
@@ -215,14 +233,13 @@ class LLMEngine:
         ids: list[int] = self.tokenizer(text, add_special_tokens=True)["input_ids"]
         return [int(i) for i in ids]
 
-    def submit(self, prompt: list[int], sampling: Sampling, sink: Callable[[Output], None]) -> str:
-        """Queue a request (any thread); its outputs go to ``sink``, called from the thread of :meth:`run`: once per
-        step with new text, then exactly once with ``finish_reason`` set. Returns the request id.
+    def check(self, prompt: list[int], sampling: Sampling) -> None:
+        """Refuse what :meth:`submit` cannot run. The application calls it before handing a request over, so a
+        client's input that the engine would refuse is a 400, never a failure after the request was accepted.
 
         Raises:
             ValueError: an empty prompt, a token id out of the vocabulary, ``max_tokens`` under 1, a prompt and
                 ``max_tokens`` over :attr:`max_model_len`, a temperature under 0 or a ``top_p`` outside ``(0, 1]``.
-            RuntimeError: the engine is stopping.
         """
         if not prompt:
             raise ValueError("the prompt has no tokens")
@@ -240,6 +257,16 @@ class LLMEngine:
             raise ValueError(f"temperature must be 0 or more, not {sampling.temperature}")
         if not 0.0 < sampling.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], not {sampling.top_p}")
+
+    def submit(self, prompt: list[int], sampling: Sampling, sink: Callable[[Output], None]) -> str:
+        """Queue a request (any thread); its outputs go to ``sink``, called from the thread of :meth:`run`: once per
+        step with new text, then exactly once with ``finish_reason`` set. Returns the request id.
+
+        Raises:
+            ValueError: what :meth:`check` refuses.
+            RuntimeError: the engine is stopping.
+        """
+        self.check(prompt, sampling)
         with self._lock:
             if self._stopping is not None:
                 raise RuntimeError("the engine is stopping: it takes no new request")

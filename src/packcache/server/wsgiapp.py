@@ -1,11 +1,15 @@
 """What both WSGI applications of a worker share: routes by path and method, the request body, errors, figures.
 
 :class:`WSGIApp` answers 404 for a path it does not serve and 405 (with ``Allow``) for a known path and another
-method, answers its ``GET`` routes (``/healthz``, ``/v1/models``, ``/metrics`` and any of its own) without the
-model, reads and bounds the JSON body of its ``POST`` routes, turns every bad request into a 4xx and every
-failure into a logged 500 in the error shape of the API it was sent to, and counts each answer on ``/metrics``.
-A subclass (:class:`~packcache.server.app.EmbeddingApp`, :class:`~packcache.server.completions.CompletionApp`)
-holds only its API: its routes, how it checks a request and what it runs.
+method, answers its ``GET`` routes (``/healthz``, ``/health``, ``/v1/models``, ``/metrics`` and any of its own)
+without the model, reads and bounds the JSON body of its ``POST`` routes, turns every bad request into a 4xx and
+every failure into a logged 500 in the error shape of the API it was sent to, and counts each answer on
+``/metrics``. A subclass (:class:`~packcache.server.app.EmbeddingApp`,
+:class:`~packcache.server.completions.CompletionApp`) holds only its API: its routes, what it runs, and the
+declared model of each route's body (:mod:`.requests`), which checks every field.
+
+``GET /health`` is the probe TEI, vLLM and TGI answer: 200 with an empty body whenever ``/healthz`` answers
+``ok``.
 """
 
 from __future__ import annotations
@@ -113,7 +117,7 @@ class WSGIApp:
     :meth:`_alone` (a prepared request under a WSGI server other than the worker).
     """
 
-    methods: ClassVar[dict[str, str]] = {"/v1/models": "GET", "/metrics": "GET", "/healthz": "GET"}
+    methods: ClassVar[dict[str, str]] = {"/v1/models": "GET", "/metrics": "GET", "/healthz": "GET", "/health": "GET"}
     shape: ClassVar[str] = "openai"
     max_json_depth: ClassVar[int] = 4
     empty_body: ClassVar[str] = "send a JSON body"
@@ -210,7 +214,7 @@ class WSGIApp:
             self.metrics.publish(self.engine.stats())
             return self.exposition()
         engine = self.engine
-        if route == "/healthz":
+        if route in ("/healthz", "/health"):
             stats = engine.stats()
             answer: dict[str, Any] = {
                 "status": "ok", "pid": self.pid, "engine": engine.name, "scheme": engine.scheme,
@@ -221,6 +225,9 @@ class WSGIApp:
             answer = {"object": "list", "data": [self._model_card()]}
         else:
             answer = self._other_info(route)
+        if route == "/health":  # TEI's (and vLLM's, TGI's) probe: /healthz's status, no body
+            # pinned by tests/test_server_api.py::test_teis_health_probe_gets_200_with_an_empty_body
+            return b"", "text/plain; charset=utf-8"
         return json.dumps(answer).encode(), "application/json"
 
     # ------------------------------------------------------------ the request body
@@ -250,30 +257,6 @@ class WSGIApp:
         if not body:
             raise Refusal(400, self.empty_body)
         return body
-
-    # ------------------------------------------------------------ checks both APIs make
-
-    def _check_model(self, request: dict[str, Any]) -> None:
-        """Refuse a ``model`` other than the served one (404 ``model_not_found``, as OpenAI and vLLM answer)."""
-        model = request.get("model")
-        if model is not None and model != self.engine.model_id:
-            served = f"this server serves {self.engine.model_id!r} (GET /v1/models)"
-            raise Refusal(
-                404, f"The model {str(model)[:100]!r} does not exist: {served}", param="model", kind="model_not_found"
-            )
-
-    @staticmethod
-    def _check_fields(request: dict[str, Any], allowed: frozenset[str]) -> None:
-        """Refuse a field the route does not take, as OpenAI does (never ignore one)."""
-        unknown = sorted(set(request) - allowed)
-        if unknown:
-            raise Refusal(400, f"Unrecognized request argument supplied: {unknown[0][:40]}", param=unknown[0][:40])
-
-    @staticmethod
-    def _check_user(request: dict[str, Any]) -> None:
-        user = request.get("user")
-        if user is not None and not isinstance(user, str):
-            raise Refusal(400, "'user' must be a string", param="user")
 
 
 def _internal() -> Refusal:
