@@ -45,7 +45,7 @@ from ..hub import is_local_path
 from .fetch import FetchReport, accepted_file, fetch, load_trusted_keys
 from .manifest import check_published_name
 from .platform import platform_class
-from .stores import Store, open_store
+from .stores import Store, StoreClock, open_store
 
 __all__ = [
     "SCHEME_ORDER",
@@ -166,8 +166,10 @@ def fetch_name(
         trusted_keys: public keys, as PEM bytes or the paths of ``.pub.pem`` files; one must have signed the
             manifest, unless ``allow_unsigned``.
         timeout: seconds the store may make no progress (each small read, a stalled download).
-        total_timeout: seconds for the whole fetch, every class tried and the download included (``None``:
-            ``timeout``).
+        total_timeout: seconds all the store calls may take together, every class tried and the download
+            included (``None``: ``timeout``); only time waiting on the store counts (a
+            :class:`~packcache.fleet.stores.StoreClock`), not the local work between (computing the classes,
+            hashing, checking, writing).
         scheme, group_size: look under this scheme's class only (``None``, ``"auto"``: :func:`candidates`' order).
         store: an open store to use instead of opening ``url`` (kept open).
 
@@ -186,25 +188,26 @@ def fetch_name(
     keys = load_trusted_keys(list(trusted_keys))
     stall = float(timeout)
     budget = stall if total_timeout is None else float(total_timeout)
-    deadline = started + budget
+    # One clock over every class tried: only the store's time counts, so computing the platforms (importing torch
+    # on a cold start) and hashing on a busy machine never make the store look silent.
+    # pinned by tests/test_fleet_deadline.py::test_a_busy_machine_does_not_make_a_directory_store_time_out
+    clock = StoreClock(budget, stall, what=f"the fetch of {name!r}", url=location.display)
     absent: list[str] = []
     with contextlib.ExitStack() as stack:
         if store is None:
             store = stack.enter_context(open_store(location, timeout=stall))
         for number, (chosen, size, platform) in enumerate(tried):
-            left = deadline - time.monotonic()
             try:
-                if left <= 0:
+                if clock.left() <= 0:
                     # pinned by tests/test_fleet_names.py::test_a_fetch_out_of_time_names_the_budget_it_had
-                    raise RemoteError("remote_timeout", f"the fetch of {name!r} ran out of its {budget:g} s",
-                                      url=location.display)  # fmt: skip
+                    raise clock.out_of_time()
                 report = fetch(location, path, platform=platform, trusted_keys=keys, allow_unsigned=allow_unsigned,
-                               timeout=stall, total_timeout=left, lock_timeout=lock_timeout, store=store,
-                               model=model, generation=pinned)  # fmt: skip
+                               timeout=stall, lock_timeout=lock_timeout, store=store, model=model,
+                               generation=pinned, clock=clock)  # fmt: skip
             except RemoteError as exc:
                 if exc.reason in _UNREACHED:
                     # pinned by tests/test_fleet_names.py::test_a_store_that_is_down_serves_the_file_accepted_before
-                    warm = _accepted_here(store, path, model, tried, deadline, stall)
+                    warm = _accepted_here(store, path, model, tried, clock)
                     if warm is not None:
                         chosen, size, cls, (generation, sha256) = warm
                         return NameReport(
@@ -229,12 +232,14 @@ def fetch_name(
 
 
 def _accepted_here(
-    store: Store, path: str, model: str, tried: Sequence[tuple[str, int, bytes]], deadline: float, stall: float
+    store: Store, path: str, model: str, tried: Sequence[tuple[str, int, bytes]], clock: StoreClock
 ) -> tuple[str, int, str, tuple[int, str]] | None:
     """The first class of ``tried`` whose record beside ``path`` says the file there was accepted from ``store``
-    for ``model`` and is unchanged since: (scheme, group size, class, (generation, sha256)), or None."""
+    for ``model`` and is unchanged since: (scheme, group size, class, (generation, sha256)), or None. The store's
+    identity is asked within what is left of ``clock`` (at least nothing: a directory store still gets its grace)."""
     try:
-        identity = store.identity(deadline=min(deadline, time.monotonic() + stall))
+        with clock.waiting():
+            identity = store.identity(deadline=time.monotonic() + min(clock.stall, max(clock.left(), 0.0)))
     except RemoteError:
         return None
     for chosen, size, platform in tried:
