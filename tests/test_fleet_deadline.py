@@ -1,15 +1,19 @@
 """``packcache fetch``'s two bounds: a store that makes no progress ends the fetch
 within the stall bound (``--timeout``, 10 s by default), whatever the overall ``--deadline``; a download
-that keeps making progress runs past the stall bound, up to the deadline.
+that keeps making progress runs past the stall bound, up to the deadline. Both count the time spent waiting
+on the store, never the machine's own work: on a machine whose every core is busy, a directory store does not
+time out, a store that stalls still does, and a manifest the store did answer is judged, never hidden behind a
+timeout.
 
 Real processes through the command line: FLEET.md's init-container recipe (no ``--timeout``) against a
-loopback server that accepts connections and never answers, and a fetch through a loopback proxy that
-trickles moto's answers to a few hundred KiB/s.
+loopback server that accepts connections and never answers, a fetch through a loopback proxy that
+trickles moto's answers to a few hundred KiB/s, and fetches by name beside a busy loop on every core.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -25,13 +29,19 @@ import pytest
 
 import packcache
 from harness.checkpoints import tiny_bert
+from harness.httpstore import faulty_store
+from harness.keys import make_keys
+from harness.packs import MIB, packed
 from harness.s3server import S3Server
 from harness.tcp import silent_server
 from packcache._defaults import REMOTE_TIMEOUT
+from packcache.errors import RemoteError
 from packcache.fleet.fetch import fetch
 from packcache.fleet.manifest import generate_key, public_path_for
+from packcache.fleet.names import fetch_name
 from packcache.fleet.publish import publish
 from packcache.format import canonical_key
+from packcache.loader import resolve
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PLATFORM = {"packers": [{"id": "test.f32", "version": 1}], "cpu": "test"}
@@ -150,3 +160,124 @@ def test_a_slow_healthy_download_is_not_cut_by_the_stall_bound(
 def test_fetch_bounds_are_checked_seconds(tmp_path: Path, flag: str) -> None:
     done, _ = _cli("fetch", str(tmp_path), "--cache", str(tmp_path / "m.pcache"), flag, "inf", env={}, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+
+
+# --------------------------------------------------------------------------- the store's time, not the machine's
+
+NAME = "org/model-int8"
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_keys(tmp_path_factory.mktemp("keys"), "ci", "other")
+
+
+@contextlib.contextmanager
+def busy_cores() -> Iterator[int]:
+    """A busy loop on every CPU this process may run on: real processes, at this process's own priority (equal, the
+    harder case). Yields how many."""
+    count = len(os.sched_getaffinity(0))
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+             for _ in range(count)]  # fmt: skip
+    try:
+        time.sleep(0.3)  # each is spinning
+        yield count
+    finally:
+        for loop in loops:
+            loop.kill()
+        for loop in loops:
+            loop.wait()
+
+
+def _named_file(path: Path, megabytes: int, seed: int = 0) -> None:
+    """A cache file of ``megabytes`` MiB (16 MiB packs) under int8's platform: the class a node looking for a name
+    finds it under, with no checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with packcache.WeightCache(path, platform=resolve("int8").platform()) as cache, cache.session() as s:
+        for i in range(megabytes // 16):
+            s.get_or_pack(
+                f"layer{i}", lambda i=i: packed(seed * 100 + i, 16 * MIB), {"packer": "test.f32", "version": 1}
+            )
+
+
+def _fetch_by_name(
+    store: str, node: Path, public: Path, seconds: float
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``packcache fetch STORE --name NAME`` with both bounds at ``seconds``, as a new process: it imports torch to
+    know this machine's classes, then hashes and verifies what it downloads (seconds of local work on a busy
+    machine; only ``run``/``serve --model NAME --remote``'s model load comes after)."""
+    return _cli(
+        "fetch", store, "--name", NAME, "--timeout", str(seconds), "--deadline", str(seconds), "--cache-dir",
+        str(node), "--trusted-key", str(public), "--json", env={"XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]},
+        timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.serial
+def test_a_busy_machine_does_not_make_a_directory_store_time_out(
+    tmp_path: Path, keys: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every core busy, a directory store that answers each call at once, a 1 s budget: the fetch by name imports
+    torch to find the classes, hashes and verifies 64 MiB, seconds of this machine's work, and succeeds. The budget
+    used to be wall-clock time from the fetch's start: this fetch "ran out of its 1 s" before asking the store
+    anything, and a node with an older accepted file served that one, saying "store not reached"."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    built = tmp_path / "ci" / "m.pcache"
+    _named_file(built, 64)
+    store = tmp_path / "store"
+    store.mkdir()
+    publish(built, str(store), name=NAME, private_key=str(keys["ci"]))
+    with busy_cores():
+        done, elapsed = _fetch_by_name(str(store), tmp_path / "node", keys["ci.pub"], 1.0)
+    assert done.returncode == 0, (elapsed, done.stderr[-2000:])
+    report = json.loads(done.stdout)
+    assert (report["downloaded"], report["reached"], report["generation"]) == (True, True, 1), report
+    assert Path(report["path"]).read_bytes() == built.read_bytes()
+
+
+@pytest.mark.serial
+def test_a_slow_step_never_hides_an_untrusted_manifest_behind_a_timeout(
+    tmp_path: Path, keys: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's current manifest is signed by a key this node does not trust (a store written by someone else),
+    and the node holds the file it accepted before. On a busy machine the fetch's own work used to spend the budget
+    before the manifest was judged: the timeout counted as "store not reached", the older file was served with exit
+    0, and the untrusted manifest went unseen. The store answered: its answer is ``remote_untrusted``."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    store, node = tmp_path / "store", tmp_path / "node"
+    store.mkdir()
+    first = tmp_path / "ci" / "m1.pcache"
+    _named_file(first, 16)
+    publish(first, str(store), name=NAME, private_key=str(keys["ci"]))
+    accepted = fetch_name(str(store), NAME, cache_dir=node, trusted_keys=[keys["ci.pub"]], scheme="int8")
+    second = tmp_path / "other" / "m2.pcache"
+    _named_file(second, 16, seed=1)
+    publish(second, str(store), name=NAME, private_key=str(keys["other"]))
+    with busy_cores():
+        done, _ = _fetch_by_name(str(store), node, keys["ci.pub"], 0.5)
+    assert done.returncode == 1 and "remote_untrusted" in done.stderr, (done.stdout, done.stderr[-2000:])
+    assert "not reached" not in done.stdout + done.stderr
+    assert Path(accepted.path).read_bytes() == first.read_bytes()  # kept as it was
+
+
+@pytest.mark.serial
+def test_a_store_that_stalls_still_times_out_on_a_busy_machine(tmp_path: Path, keys: dict[str, Path]) -> None:
+    """What the clock does not count is the machine's work; a store that stops sending half way through the blob is
+    the store's, and the stall bound (1 s) ends the fetch, far inside its 120 s budget, every core busy."""
+    built = tmp_path / "a" / "model-x.pcache"
+    _named_file(built, 16)
+    store = tmp_path / "store"
+    store.mkdir()
+    publish(built, str(store), private_key=str(keys["ci"]))
+    local = tmp_path / "b" / "model-x.pcache"
+    platform = canonical_key(resolve("int8").platform())
+    with busy_cores(), faulty_store(store, "stall") as (url, sending):
+        began = time.monotonic()
+        with pytest.raises(RemoteError) as caught:
+            fetch(url, local, platform=platform, trusted_keys=[keys["ci.pub"].read_bytes()], timeout=1,
+                  total_timeout=120)  # fmt: skip
+        elapsed = time.monotonic() - began
+    assert sending.is_set(), "the store never began the blob: it did not stall where the test says"
+    assert caught.value.reason == "remote_timeout", caught.value
+    assert elapsed < 1 + 1 + 10, elapsed  # the stall bound, its grace, a busy machine's slack
+    assert not local.exists()

@@ -601,3 +601,127 @@ def test_a_silent_store_costs_the_stall_bound_once_and_serves_the_file_accepted_
     assert (warm.reached, warm.path, warm.generation) == (False, got.path, 1), warm
     assert warm.store_error is not None and warm.store_error.startswith("remote_timeout")
     mapped(warm.path, arrays)
+
+
+# --------------------------------------------------------------------------- what a load by name counts
+
+#: A node loading a published name through ``packcache.hf``, by a directory store and by moto's S3 server, then with
+#: the directory store gone (once with the file accepted before, once into an empty directory): every figure a
+#: cache's statistics, the options channel, the aggregate, Prometheus and OpenTelemetry show of it.
+LOAD_BY_NAME = """
+import sys
+from packcache import hf
+from packcache.errors import RemoteError
+from packcache.telemetry import otel, prometheus
+from prometheus_client import CollectorRegistry, generate_latest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+directory, bucket, public, node = sys.argv[1:5]
+NAME = "org/bert-int8"
+
+def figures(s):
+    return {"hits": s.remote_hits, "bytes": s.remote_bytes, "error": s.remote_error,
+            "misses": {r: n for r, n in s.remote_misses_by_reason.items() if n}}
+
+result, models = {}, []
+for kind, url in (("directory", directory), ("moto", bucket)):
+    model = hf.from_pretrained(NAME, remote=url, trusted_keys=[public], cache_dir=os.path.join(node, kind))
+    models.append(model)
+    result[kind] = {**figures(model.packcache.stats()), "fetched": model.packcache_fetch.bytes,
+                    "option": model.packcache.get_option("packed_cache_remote_hits")}
+os.rename(directory, directory + ".away")
+down = hf.from_pretrained(NAME, remote=directory, trusted_keys=[public], cache_dir=os.path.join(node, "directory"))
+result["down"] = {**figures(down.packcache.stats()), "reached": down.packcache_fetch.reached}
+try:
+    hf.from_pretrained(NAME, remote=directory, trusted_keys=[public], cache_dir=os.path.join(node, "empty"))
+except RemoteError as exc:
+    result["no_file"] = exc.reason
+result["aggregate"] = figures(packcache.aggregate_stats())
+result["aggregate_option"] = packcache.get_option("packed_cache_remote_misses")
+registry = CollectorRegistry()
+prometheus.register(registry)
+result["prometheus"] = generate_latest(registry).decode()
+reader = InMemoryMetricReader()
+otel.register(MeterProvider(metric_readers=[reader]))
+points = {m.name: [[dict(p.attributes or {}), p.value] for p in m.data.data_points]
+          for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+result["otel"] = {k: v for k, v in points.items() if k.startswith("packcache.remote")}
+report(**result)
+"""
+
+
+def test_a_load_by_name_shows_its_fetch_in_stats_and_every_exporter(
+    tmp_path: Path, keys: dict[str, Path], moto_env: Any
+) -> None:
+    """A load by name downloaded its file, yet its cache said ``remote_hits=0``, ``remote_bytes=0`` (and so did the
+    aggregate, Prometheus and OpenTelemetry), where a read-through counts the same fetch: the figures of a node whose
+    model came over the network said it came from nowhere. Now the cache opened on the fetched file counts the fetch;
+    a store down is a counted miss with its reason, in the cache that loads the file accepted before, or (no file)
+    in the aggregate."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from harness.checkpoints import tiny_bert
+    from harness.child import run_child
+    from packcache import hf
+
+    checkpoint = tiny_bert(tmp_path / "ckpt")
+    built = tmp_path / "ci" / "bert.pcache"
+    built.parent.mkdir()
+    hf.from_pretrained(checkpoint, "int8", built).packcache.close()
+    directory = tmp_path / "store"
+    directory.mkdir()
+    bucket = f"{moto_env.url}/{uuid.uuid4().hex}"
+    for store in (str(directory), bucket):
+        publish(built, store, name="org/bert-int8", private_key=str(keys["ci"]), sources=[str(checkpoint)])
+    got = run_child(LOAD_BY_NAME, str(directory), bucket, str(keys["ci.pub"]), str(tmp_path / "node"))
+    size = built.stat().st_size
+    for kind in ("directory", "moto"):
+        loaded = got[kind]
+        assert (loaded["hits"], loaded["misses"], loaded["option"]) == (1, {}, 1), (kind, loaded)
+        assert loaded["bytes"] == loaded["fetched"] > size, (kind, loaded)
+    down = got["down"]
+    assert (down["reached"], down["hits"], down["bytes"], down["misses"]) == (False, 0, 0, {"remote_error": 1}), down
+    assert "ENOENT" in down["error"], down
+    assert any(level == "WARNING" and "accepted from that store before" in text for level, text in got["records"])
+    assert got["no_file"] == "remote_error"
+    fetched = got["directory"]["fetched"] + got["moto"]["fetched"]
+    aggregate = got["aggregate"]
+    assert (aggregate["hits"], aggregate["bytes"], aggregate["misses"]) == (2, fetched, {"remote_error": 2}), aggregate
+    assert got["aggregate_option"]["remote_error"] == 2
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(got["prometheus"])
+        for s in family.samples
+    }
+    assert samples[("packcache_remote_hits", ())] == 2
+    assert samples[("packcache_remote_bytes", ())] == fetched
+    assert samples[("packcache_remote_misses", (("reason", "remote_error"),))] == 2
+    otel = got["otel"]
+    assert otel["packcache.remote_hits"] == [[{}, 2]] and otel["packcache.remote_bytes"] == [[{}, fetched]]
+    assert [{"reason": "remote_error"}, 2] in otel["packcache.remote_misses"], otel
+
+
+def test_every_serve_worker_shows_the_fetch_its_master_made_by_name(
+    tmp_path: Path, keys: dict[str, Path], base: Path
+) -> None:
+    """``serve --model NAME --remote``: the master fetches once, the workers map the file. Their ``/metrics`` said
+    ``packcache_remote_hits 0`` and their ready line ``source mapped``: a fleet's dashboards could not tell a node
+    that got its model over the network. Each worker, forked after the fetch, counts it in its own cache."""
+    from harness.serve import loaded_workers, server
+    from packcache.models import minilm
+
+    built = tmp_path / "ci" / "bert.pcache"
+    built.parent.mkdir()
+    minilm.load("int8", cache=built, model_path=base).close()
+    store = tmp_path / "store"
+    store.mkdir()
+    publish(built, str(store), name="org/bert-int8", private_key=str(keys["ci"]), sources=[str(base)])
+    args = ("--model", "org/bert-int8", "--remote", str(store), "--trusted-key", str(keys["ci.pub"]), "--cache-dir",
+            str(tmp_path / "node"))  # fmt: skip
+    with server(tmp_path / "srv", *args, workers=2) as srv:
+        workers = loaded_workers(srv, 2, timeout=240).workers
+    for w in workers.values():
+        assert w.current_state == "mapped" and w.values["remote_hits"] == 1, w
+        assert w.values["remote_bytes"] > built.stat().st_size, w
+    assert (tmp_path / "srv" / "server.err").read_text().count("source remote") == 2

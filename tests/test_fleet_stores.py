@@ -457,6 +457,21 @@ def test_obstore_errors_are_mapped_by_their_type(kind: str, text: str, reason: s
     assert caught.value.__cause__ is None and caught.value.__suppress_context__  # obstore's text holds the raw URL
 
 
+def test_an_errno_past_the_deadline_is_that_error_not_a_timeout() -> None:
+    """Past a call's deadline, an obstore error with no cause in it is taken for obstore's bound firing; one that names
+    its errno (a refused connection) used to be taken for a timeout as well, when a busy machine handled it late. It
+    is that error: a timeout never hides what the store said."""
+    exceptions = _obstore_exceptions()
+    store = ObjectStore(f"http://127.0.0.1:{free_port()}/p", timeout=5)  # no request is made
+    past = time.monotonic() - 1
+    with pytest.raises(RemoteError) as caught, store._translating("k", "get", past):
+        raise exceptions.GenericError("error sending request: Os { code: 111, kind: ConnectionRefused }")
+    assert caught.value.reason == "remote_error" and "ECONNREFUSED" in str(caught.value), caught.value
+    with pytest.raises(RemoteError) as caught, store._translating("k", "get", past):
+        raise exceptions.GenericError("error sending request")
+    assert caught.value.reason == "remote_timeout", caught.value
+
+
 def test_what_obstore_does_not_raise_for_a_store_passes_through_untranslated() -> None:
     """A bug (a TypeError) is not dressed as a store's answer; a range read's 416 is the range read's to answer."""
     store = ObjectStore(f"http://127.0.0.1:{free_port()}/p", timeout=5)

@@ -195,10 +195,11 @@ SHARED_DIR_MODE = 0o755
 FILE_MODE = PRIVATE_FILE_MODE
 DIR_MODE = PRIVATE_DIR_MODE
 
-#: Seconds for everything one fetch from a store asks it (``remote=``, ``--remote-timeout``).
+#: Seconds one fetch from a store may spend waiting on it, every call together (``remote=``, ``--remote-timeout``;
+#: the machine's own work, hashing and verifying, does not count: docs/FLEET.md, "Deadline").
 REMOTE_TIMEOUT = 10.0
 
-#: Seconds ``packcache fetch`` gives the whole fetch, a long healthy download included (``--deadline``); a
+#: Seconds ``packcache fetch`` may spend waiting on the store, a long healthy download included (``--deadline``); a
 #: store that stops answering ends it after :data:`REMOTE_TIMEOUT` (``--timeout``).
 FETCH_DEADLINE = 600.0
 
@@ -209,7 +210,7 @@ FETCH_PART_BYTES = 32 << 20
 
 # --------------------------------------------------------------------------- a fleet (publish, probe)
 
-#: Seconds ``packcache publish`` gives the whole upload (``--timeout``): what a fetch gives the whole download.
+#: Seconds ``packcache publish`` may spend waiting on the store (``--timeout``): what a fetch gives the whole download.
 PUBLISH_TIMEOUT = FETCH_DEADLINE
 
 #: Seconds a published manifest stays valid (``publish --expires-days``): a month, so a fleet that stops

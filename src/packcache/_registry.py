@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from . import _defaults
 from .stats import CacheStats, sum_stats
 
-__all__ = ["DEFAULTS", "LiveCache", "aggregate_stats", "live_caches", "register", "unregister"]
+__all__ = ["DEFAULTS", "LiveCache", "aggregate_stats", "live_caches", "register", "register_unowned", "unregister"]
 
 
 class LiveCache(Protocol):
@@ -31,6 +31,13 @@ class LiveCache(Protocol):
     def stats(self) -> CacheStats: ...
 
 
+class Unowned(Protocol):
+    """Figures of this process that belong to no cache (:data:`packcache._remote.UNTAKEN`: the fetches by name no
+    cache has taken yet): ``stats()`` is ``None`` while there are none."""
+
+    def stats(self) -> CacheStats | None: ...
+
+
 #: Process-wide defaults of the four cache options, changed through :func:`packcache.set_option`: a mutable
 #: copy of :data:`packcache._defaults.OPTIONS`. A :class:`~packcache.WeightCache` argument left ``None`` takes
 #: the value here when the cache is made; an explicit one wins.
@@ -38,6 +45,7 @@ DEFAULTS: dict[str, Any] = dict(_defaults.OPTIONS)
 
 _registry_lock = threading.Lock()
 _live: tuple[weakref.ref[LiveCache], ...] = ()
+_unowned: tuple[Unowned, ...] = ()
 
 
 def live_caches() -> list[LiveCache]:
@@ -46,7 +54,8 @@ def live_caches() -> list[LiveCache]:
 
 
 def aggregate_stats() -> CacheStats:
-    """Statistics summed over every live :class:`~packcache.WeightCache` in this process.
+    """Statistics summed over every live :class:`~packcache.WeightCache` in this process, and the figures that belong
+    to no cache yet (a fetch by name whose file no cache has opened, or that gave no file: docs/ACCOUNTING.md).
 
     Takes no per-instance lock: each cache's statistics are read as
     :meth:`~packcache.WeightCache.stats` reads them.
@@ -54,13 +63,21 @@ def aggregate_stats() -> CacheStats:
     >>> aggregate_stats().heap_bytes >= 0
     True
     """
-    return sum_stats(c.stats() for c in live_caches())
+    unowned = [s for s in (u.stats() for u in _unowned) if s is not None]
+    return sum_stats([*(c.stats() for c in live_caches()), *unowned])
 
 
 def register(cache: LiveCache) -> None:
     global _live
     with _registry_lock:
         _live = (*tuple(r for r in _live if r() is not None), weakref.ref(cache))
+
+
+def register_unowned(figures: Unowned) -> None:
+    """Count ``figures`` in :func:`aggregate_stats` for as long as the process lives (held, not weakly)."""
+    global _unowned
+    with _registry_lock:
+        _unowned = (*_unowned, figures)
 
 
 def unregister(cache: LiveCache) -> None:

@@ -29,7 +29,7 @@ from ._checks import PackKey, Request, check_mode, check_remote_timeout, check_t
 from ._ledger import Ledger
 from ._owner import CacheState, Owner
 from ._registry import DEFAULTS, aggregate_stats, register, unregister
-from ._remote import ReadThrough
+from ._remote import ReadThrough, take_fetched
 from ._session import Session, SessionState
 from ._store import FileStore
 from ._storeurl import StoreURL
@@ -147,6 +147,10 @@ class WeightCache:
             )  # fmt: skip
             weakref.finalize(self, self._store.close)
         self._ledger = Ledger(self.path)
+        if self.path is not None:
+            # A fetch by name that landed this very file counts here, as a read-through's fetch counts in its cache.
+            # pinned by tests/test_fleet_names.py::test_a_load_by_name_shows_its_fetch_in_stats_and_every_exporter
+            take_fetched(self._ledger, self.path)
         register(self)
 
     # ------------------------------------------------------------------ public

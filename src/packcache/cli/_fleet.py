@@ -448,8 +448,9 @@ def add_store_parsers(sub: Any) -> None:
         help="days until the manifest expires (over 0, at most 3660; 0: never; default 30)",
     )  # fmt: skip
     publish.add_argument(
-        "--timeout", type=seconds, default=PUBLISH_TIMEOUT, help="seconds for the whole upload (default 600)"
-    )
+        "--timeout", type=seconds, default=PUBLISH_TIMEOUT,
+        help="seconds the upload may spend waiting on the store (default 600; hashing and signing do not count)",
+    )  # fmt: skip
     publish.add_argument("--json", action="store_true", help="print one JSON object")
     publish.set_defaults(func=cmd_publish)
 
@@ -501,8 +502,8 @@ def add_store_parsers(sub: Any) -> None:
     )  # fmt: skip
     fetch.add_argument(
         "--deadline", type=seconds, default=FETCH_DEADLINE, metavar="S",
-        help=f"seconds for the whole fetch, the download included (default {FETCH_DEADLINE:g}; a download that "
-        "keeps making progress runs until then)",
+        help=f"seconds the fetch may spend waiting on the store, the download included (default {FETCH_DEADLINE:g}; "
+        "hashing, verifying and writing the file do not count; a download that keeps making progress runs until then)",
     )  # fmt: skip
     fetch.add_argument("--json", action="store_true", help="print one JSON object")
     fetch.set_defaults(func=cmd_fetch)

@@ -10,8 +10,9 @@ and ends a moment after it. Hashing after the download would add its whole time 
 CPU, ~1.3 s on a loaded 2-core machine); hashing the chunks as they arrive would have to hold the parts
 that arrive out of order (memory), and reading back costs one copy from the page cache. Once hashed, a
 part's writeback is started (:func:`_start_writeback`), so the caller's fsync finds little left to write.
-It also keeps the two bounds: no byte for ``stall`` seconds (``remote_timeout``) and the overall ``deadline``.
-Every worker is joined before it returns or raises.
+It also keeps the two bounds of its :class:`~packcache.fleet.stores.StoreClock`, both in store time (a worker's
+range read outstanding, not the chunks it writes, nor the hashing once every part is in): no byte for ``stall``
+seconds, and the budget left (``remote_timeout``). Every worker is joined before it returns or raises.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RemoteError
-from ._storebase import GRACE, Store
+from ._storebase import GRACE, Store, StoreClock
 
 __all__ = ["download_into"]
 
@@ -61,20 +62,21 @@ class _Stopped(Exception):
 
 
 def download_into(
-    store: Store, key: str, fd: int, size: int, *, deadline: float, stall: float, streams: int, part_bytes: int,
+    store: Store, key: str, fd: int, size: int, *, clock: StoreClock, streams: int, part_bytes: int,
     where: str, write_error: Callable[[OSError], BaseException], tick: Callable[[int], object] | None = None,
 ) -> str:  # fmt: skip
     """Bytes ``[0, size)`` of ``key`` written at their offsets into ``fd``; returns their sha256 (hex).
 
     Args:
+        clock: the fetch's store time and its bounds (``stall``: no byte for that long; ``total``: the budget).
         where: the blob as messages name it.
         write_error: what a failed ``pwrite`` raises instead (the caller's no-space or write-failed miss).
         tick: told the bytes landed, in order, by the hashing (calling) thread: never by the workers.
 
     Raises:
         RemoteError: the store's error; ``remote_corrupt`` if it says the object is not ``size`` bytes
-            or sends another range or length than asked; ``remote_timeout`` past ``stall`` without a byte or
-            past ``deadline``.
+            or sends another range or length than asked; ``remote_timeout`` after ``clock.stall`` seconds of
+            store time without a byte, or once the clock's budget is spent.
     """
     parts = [(start, min(start + part_bytes, size)) for start in range(0, size, part_bytes)]
     state = threading.Condition()
@@ -82,7 +84,9 @@ def download_into(
     errors: list[BaseException] = []
     stop = threading.Event()
     next_part = [0]
-    progress = [time.monotonic()]
+    stall = clock.stall
+    progress = [clock.spent()]  # the store time at the last byte
+    latest = [time.monotonic()]  # the latest deadline a worker's range read was given
 
     def fail(exc: BaseException) -> None:
         with state:
@@ -98,7 +102,15 @@ def download_into(
                         return
                     index = next_part[0]
                     next_part[0] += 1
-                _fetch_part(store, key, own, parts[index], size, deadline, where, write_error, stop, progress)
+                left = clock.left()
+                if left <= 0:
+                    raise clock.out_of_time()
+                # A range read is bounded by the budget left plus one stall bound: the chunks it writes are the
+                # machine's time, which the clock does not count; the clock's budget is what ends the download.
+                deadline = time.monotonic() + left + stall
+                with state:
+                    latest[0] = max(latest[0], deadline)
+                _fetch_part(store, key, own, parts[index], size, clock, deadline, where, write_error, stop, progress)
                 with state:
                     done[index] = True
                     state.notify_all()
@@ -125,14 +137,17 @@ def download_into(
         with memoryview(buffer) as view:
             while part < len(parts):
                 with state:
+                    # A worker's error is the answer, whatever the clock says meanwhile: checked first.
                     while not errors and not done[part]:
-                        now = time.monotonic()
-                        if now >= deadline:
-                            raise RemoteError("remote_timeout", "the download did not end before the deadline",
-                                              url=where)  # fmt: skip
-                        if now - progress[0] >= stall + GRACE:
-                            raise RemoteError("remote_timeout", f"no byte of the download for {stall:g} s", url=where)
-                        state.wait(min(0.1, deadline - now))
+                        spent = clock.spent()
+                        if spent >= clock.total:
+                            raise clock.out_of_time()
+                        if spent - progress[0] >= stall + GRACE:
+                            raise RemoteError(
+                                "remote_timeout", f"no byte of the download for {stall:g} s of waiting on the store",
+                                url=where,
+                            )  # fmt: skip
+                        state.wait(0.1)
                     if errors:
                         raise errors[0]
                 start, end = parts[part]
@@ -155,13 +170,13 @@ def download_into(
             if worker.ident is None:  # never started: its descriptor is still this thread's to close
                 os.close(own)
             else:
-                worker.join(max(0.0, deadline - time.monotonic()) + GRACE)
+                worker.join(max(0.0, latest[0] - time.monotonic()) + GRACE)
     return digest.hexdigest()
 
 
 def _fetch_part(
-    store: Store, key: str, fd: int, part: tuple[int, int], size: int, deadline: float, where: str,
-    write_error: Callable[[OSError], BaseException], stop: threading.Event, progress: list[float],
+    store: Store, key: str, fd: int, part: tuple[int, int], size: int, clock: StoreClock, deadline: float,
+    where: str, write_error: Callable[[OSError], BaseException], stop: threading.Event, progress: list[float],
 ) -> None:  # fmt: skip
     start, end = part
     offset = start
@@ -175,17 +190,21 @@ def _fetch_part(
             raise RemoteError(
                 "remote_corrupt", f"bytes [{at}, {at + len(chunk)}) came for the range [{start}, {end})", url=where
             )
+        progress[0] = clock.spent()
         view = chunk
-        try:
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view = view[written:]
-                offset += written
-        except OSError as exc:
-            raise write_error(exc) from None
-        progress[0] = time.monotonic()
+        # Writing the chunk is this machine's work, not the store's: the clock stops for it.
+        # pinned by tests/test_fleet_deadline.py::test_a_busy_machine_does_not_make_a_directory_store_time_out
+        with clock.local():
+            try:
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    view = view[written:]
+                    offset += written
+            except OSError as exc:
+                raise write_error(exc) from None
 
-    total = store.download_range(key, start, end, sink, deadline=deadline)  # _Stopped propagates: the part is not done
+    with clock.waiting():  # _Stopped propagates: the part is not done
+        total = store.download_range(key, start, end, sink, deadline=deadline)
     if total != size:
         raise RemoteError("remote_corrupt", f"the store holds {total} bytes, the manifest says {size}", url=where)
     if offset != end:

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TypeVar
 
 from .._storeurl import StoreURL, parse_store_url
+from ..errors import RemoteError
 
 __all__ = [
     "CHUNK_BYTES",
@@ -19,6 +22,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "ObjectInfo",
     "Store",
+    "StoreClock",
     "StoreURL",
     "T",
     "check_key",
@@ -94,6 +98,99 @@ def check_key(key: str) -> str:
 
 def remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
+
+
+class StoreClock:
+    """The time one operation (a fetch, a probe, a publish) spends waiting on its store, against its bounds.
+
+    The clock runs only while a store call is outstanding (:meth:`waiting`; calls outstanding at once in several
+    threads count once) and stops while the calling thread does local work inside one (:meth:`local`: a download's
+    sink writing or hashing a chunk). What happens between store calls (hashing, signature checks, verifying and
+    writing the file, parsing, waiting for the build lock) is the machine's time, not the store's: a busy machine
+    spends none of the store's budget, and a store is never reported slow because the CPU was.
+
+    Two bounds: ``total``, the store time the whole operation may spend (``remote_timeout``, ``fetch --deadline``);
+    ``stall``, what one small call may take, whole, and how long a download may go without a byte
+    (``fetch --timeout``). ``what`` names the operation in the timeout's message, ``url`` the store.
+
+    >>> clock = StoreClock(5.0, 2.0, what="the probe")
+    >>> clock.call(lambda deadline: deadline - time.monotonic() <= 2.0)  # one small call: the stall bound
+    True
+    >>> clock.spent() < 1.0
+    True
+    """
+
+    def __init__(self, total: float, stall: float, *, what: str = "the fetch", url: str | None = None) -> None:
+        self.total = float(total)
+        self.stall = float(stall)
+        self.what = what
+        self.url = url
+        self._lock = threading.Lock()
+        self._inside = 0  # threads in a store call now, outside its sink
+        self._since = 0.0  # when the first of them entered
+        self._spent = 0.0  # store time before that
+
+    def spent(self) -> float:
+        """Seconds spent waiting on the store so far (a call outstanding now counts up to now)."""
+        with self._lock:
+            return self._spent + (time.monotonic() - self._since if self._inside else 0.0)
+
+    def left(self) -> float:
+        """Seconds of store time left (0 or less: spent)."""
+        return self.total - self.spent()
+
+    def out_of_time(self) -> RemoteError:
+        """The ``remote_timeout`` of a spent budget, naming it."""
+        return RemoteError(
+            "remote_timeout", f"{self.what} ran out of its {self.total:g} s of waiting on the store", url=self.url
+        )
+
+    def deadline(self) -> float:
+        """The deadline of one small store call starting now: the stall bound, within what is left.
+
+        Raises:
+            RemoteError: ``remote_timeout`` (:meth:`out_of_time`) when nothing is left.
+        """
+        left = self.left()
+        if left <= 0:
+            raise self.out_of_time()
+        return time.monotonic() + min(self.stall, left)
+
+    def call(self, fn: Callable[[float], T]) -> T:
+        """``fn(deadline)``: one small store call, bounded by :meth:`deadline`, its time counted."""
+        deadline = self.deadline()
+        with self.waiting():
+            return fn(deadline)
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._inside == 0:
+                self._since = time.monotonic()
+            self._inside += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                self._spent += time.monotonic() - self._since
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The body is a store call: the clock runs while it is outstanding."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """The body is local work inside a store call (a sink): this thread stops counting while it runs."""
+        self._leave()
+        try:
+            yield
+        finally:
+            self._enter()
 
 
 class Store(abc.ABC):

@@ -19,11 +19,13 @@
    for the lock maps that file without hashing it again (:func:`_local_is`).
 
 Every problem raises :class:`~packcache.errors.RemoteError` with one of
-:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. Two bounds: a
-store that makes no progress for ``timeout`` seconds (no answer to the manifest or header read, a
-stalled download) is ``remote_timeout``; ``total_timeout`` bounds the whole fetch, a long healthy
-download included. A fetch killed mid-download leaves its temp file: the next holder of the build lock
-(a fetch, a build) removes it.
+:data:`packcache.stats.REMOTE_REASONS` and leaves nothing behind but the lock file. Two bounds, both on the
+time spent waiting on the store (a :class:`~packcache.fleet.stores.StoreClock`: the local work between and inside
+the store calls, hashing, checking signatures, verifying and writing the file, waiting for the build lock, is the
+machine's and never counts): a store that makes no progress for ``timeout`` seconds (no answer to the manifest or
+header read, a stalled download) is ``remote_timeout``; ``total_timeout`` bounds all the store calls together, a
+long healthy download included. A fetch killed mid-download leaves its temp file: the next holder of the build
+lock (a fetch, a build) removes it.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from .manifest import (
     manifest_key,
 )
 from .platform import platform_class
-from .stores import Store, open_store
+from .stores import Store, StoreClock, open_store
 
 __all__ = [
     "FetchReport",
@@ -165,6 +167,7 @@ def fetch(
     store: Store | None = None,
     model: str | None = None,
     generation: int | None = None,
+    clock: StoreClock | None = None,
 ) -> FetchReport:
     """Make ``path`` the cache file published at ``url`` for its model and this platform.
 
@@ -175,13 +178,18 @@ def fetch(
             signed the manifest, unless ``allow_unsigned``.
         timeout: seconds the store may make no progress: the manifest and header reads (each whole),
             connecting, a stalled download.
-        total_timeout: seconds for the whole fetch, the download included (``None``: ``timeout``).
+        total_timeout: seconds all the store calls may take together, the download included (``None``:
+            ``timeout``). Only time waiting on the store counts: hashing, signature checks, verifying and
+            writing the file, and waiting for another process's download (``lock_timeout``) do not.
         lock_timeout: seconds to wait for another process fetching or building the same file.
         store: an open store to use instead of opening ``url`` (kept open).
         model: the model whose manifest names the file, when ``path``'s name is not it: a published name
             (:func:`packcache.fleet.manifest.check_model`, e.g. ``org/model-int8``; :mod:`packcache.fleet.names`).
         generation: fetch that generation's immutable copy (``manifests/<model>/<class>@<G>.json``, which a
             publish by name leaves) instead of the current manifest; the rollback record is never lowered.
+        clock: the store time already spent by the caller and its bounds, instead of a new clock of
+            ``total_timeout`` and ``timeout`` (:func:`packcache.fleet.names.fetch_name` shares one over the
+            classes it tries).
 
     Raises:
         ValueError: ``url`` is not a store URL, or ``path``'s name names no model, or ``model`` or ``generation``
@@ -197,7 +205,9 @@ def fetch(
     else:
         name = os.path.abspath(os.fspath(path))
     stall = float(timeout)
-    deadline = started + (stall if total_timeout is None else float(total_timeout))
+    if clock is None:
+        total = stall if total_timeout is None else float(total_timeout)
+        clock = StoreClock(total, stall, what=f"the fetch of {model!r}", url=location.display)
     cls = platform_class(platform)
     manifest_key(check_model(model), cls, generation)  # a bad model or generation: ValueError, before any I/O
     with faults.translating_into(functools.partial(_lock_error, name)):
@@ -225,7 +235,7 @@ def fetch(
             if store is None:
                 store = stack.enter_context(open_store(location, timeout=stall))
             return _fetch_locked(store, location.display, name, parent, model, cls, platform, trusted_keys,
-                                 allow_unsigned, deadline, stall, started, file_mode, generation)  # fmt: skip
+                                 allow_unsigned, clock, started, file_mode, generation)  # fmt: skip
     finally:
         parent.close()
         os.close(lock_fd)
@@ -233,18 +243,22 @@ def fetch(
 
 def _fetch_locked(
     store: Store, url: str, name: str, parent: TrustedParent, model: str, cls: str, platform: bytes,
-    trusted_keys: Sequence[bytes], allow_unsigned: bool, deadline: float, stall: float, started: float,
-    file_mode: int, pinned: int | None = None,
+    trusted_keys: Sequence[bytes], allow_unsigned: bool, clock: StoreClock, started: float, file_mode: int,
+    pinned: int | None = None,
 ) -> FetchReport:  # fmt: skip
     key = manifest_key(model, cls, pinned)
+    # The store's identity first: no store call stands between reading the manifest and checking it, so what the
+    # manifest is (untrusted, stale, another model's) is never hidden behind a later call's timeout.
+    # pinned by tests/test_fleet_deadline.py::test_a_slow_step_never_hides_an_untrusted_manifest_behind_a_timeout
+    identity = clock.call(lambda deadline: store.identity(deadline=deadline))
     # A small read is whole within the stall bound: a store that accepts and never answers costs that,
-    # whatever the overall deadline; the download (below) has the whole deadline, its stalls cut by the store.
+    # whatever the overall budget; the download (below) has the budget left, its stalls cut by the store.
     # pinned by tests/test_fleet_deadline.py::test_the_init_recipe_ends_fast_against_a_silent_store
     # and ::test_a_slow_healthy_download_is_not_cut_by_the_stall_bound
-    data, _ = store.get(key, deadline=_small(deadline, stall), max_bytes=MAX_ENVELOPE_BYTES)
+    data, _ = clock.call(lambda deadline: store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES))
     read = len(data)
     real = parent.real
-    records = _records(store.identity(deadline=_small(deadline, stall)), parent, model, cls)
+    records = _records(identity, parent, model, cls)
     accepted = [a for a in (accepted_generation(path, dir_fd=fd) for path, fd in records) if a is not None]
     if pinned is not None:  # an older generation asked for by number is no rollback; another blob for it is
         accepted = [a for a in accepted if a[0] == pinned]
@@ -258,7 +272,7 @@ def _fetch_locked(
     download_seconds = 0.0
     if not done:
         _check_target(parent, name)
-        blob, download_seconds = _download(store, url, name, parent, manifest, platform, deadline, stall, file_mode)
+        blob, download_seconds = _download(store, url, name, parent, manifest, platform, clock, file_mode)
         read += blob
     landed = _identity_at(parent)
     for path, fd in records:
@@ -273,11 +287,6 @@ def _fetch_locked(
         seconds=round(time.monotonic() - started, 3), signed_by=signed_by, download_seconds=round(download_seconds, 3),
         download_mbps=_mbps(manifest.size if not done else 0, download_seconds),
     )  # fmt: skip
-
-
-def _small(deadline: float, stall: float) -> float:
-    """The deadline of one small read: the stall bound from now, within the overall deadline."""
-    return min(deadline, time.monotonic() + stall)
 
 
 def _mbps(nbytes: int, seconds: float) -> float:
@@ -330,15 +339,16 @@ def _check_target(parent: TrustedParent, name: str) -> None:
 
 
 def _download(
-    store: Store, url: str, name: str, parent: TrustedParent, manifest: Manifest, platform: bytes, deadline: float,
-    stall: float, file_mode: int,
+    store: Store, url: str, name: str, parent: TrustedParent, manifest: Manifest, platform: bytes, clock: StoreClock,
+    file_mode: int,
 ) -> tuple[int, float]:  # fmt: skip
     """Download the published blob beside ``name`` and rename it over it; returns (bytes read, download seconds)."""
     blob = manifest.blob_key
     where = f"{url.rstrip('/')}/{blob}"  # url: the redacted display form
     # No HEAD first: the download refuses more bytes than the manifest's size before taking any, and
     # fewer are caught below (a HEAD costs a round trip, and on a directory store a hash of the blob).
-    head = store.get_range(blob, 0, min(fmt.HEADER_READ_SIZE, manifest.size), deadline=_small(deadline, stall))
+    head = clock.call(lambda deadline: store.get_range(blob, 0, min(fmt.HEADER_READ_SIZE, manifest.size),
+                                                       deadline=deadline))  # fmt: skip
     try:
         header = fmt.decode_header(head, path=where)
     except FormatError as exc:
@@ -368,7 +378,7 @@ def _download(
         #   tests/test_fleet_download.py::test_parts_land_at_their_offsets_in_a_blob_of_several_uneven_parts
         with progress_bar(manifest.size, f"fetching {os.path.basename(name)}", nbytes=True) as tick:
             sha256 = download_into(
-                store, blob, fd, manifest.size, deadline=deadline, stall=stall, streams=_defaults.FETCH_STREAMS,
+                store, blob, fd, manifest.size, clock=clock, streams=_defaults.FETCH_STREAMS,
                 part_bytes=_defaults.FETCH_PART_BYTES, where=where, tick=tick,
                 write_error=functools.partial(_write_error, where=temp),
             )  # fmt: skip

@@ -31,6 +31,7 @@ generation keeps an immutable copy, ``manifests/<NAME>/<class>@<G>.json``, so ``
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import time
@@ -38,14 +39,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from .. import _defaults
+from .._faults import errno_name
 from .._paths import default_cache_dir
+from .._remote import Fetched, note_fetched
 from .._storeurl import StoreURL, parse_store_url
 from ..errors import RemoteError
 from ..hub import is_local_path
 from .fetch import FetchReport, accepted_file, fetch, load_trusted_keys
 from .manifest import check_published_name
 from .platform import platform_class
-from .stores import Store, open_store
+from .stores import Store, StoreClock, open_store
 
 __all__ = [
     "SCHEME_ORDER",
@@ -62,6 +65,8 @@ __all__ = [
 SCHEME_ORDER = ("int8", "int4", "bf16", "fp32")
 _GENERATION = re.compile(r"[1-9][0-9]{0,17}")
 _UNREACHED = ("remote_error", "remote_timeout")
+
+logger = logging.getLogger("packcache")
 
 
 def parse_name(text: str) -> tuple[str, int | None]:
@@ -166,8 +171,10 @@ def fetch_name(
         trusted_keys: public keys, as PEM bytes or the paths of ``.pub.pem`` files; one must have signed the
             manifest, unless ``allow_unsigned``.
         timeout: seconds the store may make no progress (each small read, a stalled download).
-        total_timeout: seconds for the whole fetch, every class tried and the download included (``None``:
-            ``timeout``).
+        total_timeout: seconds all the store calls may take together, every class tried and the download
+            included (``None``: ``timeout``); only time waiting on the store counts (a
+            :class:`~packcache.fleet.stores.StoreClock`), not the local work between (computing the classes,
+            hashing, checking, writing).
         scheme, group_size: look under this scheme's class only (``None``, ``"auto"``: :func:`candidates`' order).
         store: an open store to use instead of opening ``url`` (kept open).
 
@@ -183,58 +190,88 @@ def fetch_name(
     model, pinned = parse_name(name)
     path = local_path(model, pinned, cache_dir=cache_dir)
     tried = candidates(scheme, group_size)
-    keys = load_trusted_keys(list(trusted_keys))
     stall = float(timeout)
     budget = stall if total_timeout is None else float(total_timeout)
-    deadline = started + budget
+    # One clock over every class tried: only the store's time counts, so computing the platforms (importing torch
+    # on a cold start) and hashing on a busy machine never make the store look silent.
+    # pinned by tests/test_fleet_deadline.py::test_a_busy_machine_does_not_make_a_directory_store_time_out
+    clock = StoreClock(budget, stall, what=f"the fetch of {name!r}", url=location.display)
+    # Every outcome is counted (packcache._remote): by the cache that opens the file, or in aggregate_stats().
+    # pinned by tests/test_fleet_names.py::test_a_load_by_name_shows_its_fetch_in_stats_and_every_exporter
+    try:
+        keys = load_trusted_keys(list(trusted_keys))
+        with contextlib.ExitStack() as stack:
+            if store is None:
+                store = stack.enter_context(open_store(location, timeout=stall))
+            report, unreached = _first_class(store, location, name, model, pinned, path, tried, keys, allow_unsigned,
+                                             lock_timeout, clock, started)  # fmt: skip
+    except (RemoteError, ImportError) as exc:
+        note_fetched(None, Fetched.of(exc, time.monotonic() - started, location.scrub))
+        raise
+    seconds = time.monotonic() - started
+    if unreached is None:
+        note_fetched(path, Fetched.of(report, seconds))
+    else:
+        fetched = Fetched.of(unreached, seconds, location.scrub)
+        note_fetched(path, fetched)
+        logger.warning("packcache: %s [%s]: %s; using %s, accepted from that store before", fetched.miss,
+                       errno_name(fetched.errno, "no errno"), fetched.message, path)  # fmt: skip
+    return report
+
+
+def _first_class(
+    store: Store, location: StoreURL, name: str, model: str, pinned: int | None, path: str,
+    tried: Sequence[tuple[str, int, bytes]], keys: Sequence[bytes], allow_unsigned: bool, lock_timeout: float,
+    clock: StoreClock, started: float,
+) -> tuple[NameReport, RemoteError | None]:  # fmt: skip
+    """:func:`fetch_name`'s fetch of the first class of ``tried`` the store has a manifest for; with the store down
+    or silent, the file accepted before. Returns its report and, for the latter, the error that left it unreached."""
+    stall = clock.stall
     absent: list[str] = []
-    with contextlib.ExitStack() as stack:
-        if store is None:
-            store = stack.enter_context(open_store(location, timeout=stall))
-        for number, (chosen, size, platform) in enumerate(tried):
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    # pinned by tests/test_fleet_names.py::test_a_fetch_out_of_time_names_the_budget_it_had
-                    raise RemoteError("remote_timeout", f"the fetch of {name!r} ran out of its {budget:g} s",
-                                      url=location.display)  # fmt: skip
-                report = fetch(location, path, platform=platform, trusted_keys=keys, allow_unsigned=allow_unsigned,
-                               timeout=stall, total_timeout=left, lock_timeout=lock_timeout, store=store,
-                               model=model, generation=pinned)  # fmt: skip
-            except RemoteError as exc:
-                if exc.reason in _UNREACHED:
-                    # pinned by tests/test_fleet_names.py::test_a_store_that_is_down_serves_the_file_accepted_before
-                    warm = _accepted_here(store, path, model, tried, deadline, stall)
-                    if warm is not None:
-                        chosen, size, cls, (generation, sha256) = warm
-                        return NameReport(
-                            url=location.display, path=path, model=model, platform_class=cls, generation=generation,
-                            sha256=sha256, size=os.stat(path).st_size, downloaded=False, bytes=0,
-                            seconds=round(time.monotonic() - started, 3), signed_by=None, name=name, scheme=chosen,
-                            group_size=size, reached=False, store_error=str(exc),
-                        )  # fmt: skip
-                if exc.reason != "remote_absent":
-                    raise
-                absent.append(f"{chosen} ({platform_class(platform)})")
-                if number < len(tried) - 1:
-                    continue
-                what = f"generation {pinned} of {model!r}" if pinned is not None else repr(model)
-                raise RemoteError(
-                    "remote_absent", f"nothing published for {what} under the class of scheme "
-                    f"{', nor '.join(absent)}: {exc}", url=location.display,
-                ) from None  # fmt: skip
-            values = {f.name: getattr(report, f.name) for f in fields(FetchReport)}
-            return NameReport(**values, name=name, scheme=chosen, group_size=size)
+    for number, (chosen, size, platform) in enumerate(tried):
+        try:
+            if clock.left() <= 0:
+                # pinned by tests/test_fleet_names.py::test_a_fetch_out_of_time_names_the_budget_it_had
+                raise clock.out_of_time()
+            report = fetch(location, path, platform=platform, trusted_keys=keys, allow_unsigned=allow_unsigned,
+                           timeout=stall, lock_timeout=lock_timeout, store=store, model=model, generation=pinned,
+                           clock=clock)  # fmt: skip
+        except RemoteError as exc:
+            if exc.reason in _UNREACHED:
+                # pinned by tests/test_fleet_names.py::test_a_store_that_is_down_serves_the_file_accepted_before
+                warm = _accepted_here(store, path, model, tried, clock)
+                if warm is not None:
+                    chosen, size, cls, (generation, sha256) = warm
+                    return NameReport(
+                        url=location.display, path=path, model=model, platform_class=cls, generation=generation,
+                        sha256=sha256, size=os.stat(path).st_size, downloaded=False, bytes=0,
+                        seconds=round(time.monotonic() - started, 3), signed_by=None, name=name, scheme=chosen,
+                        group_size=size, reached=False, store_error=str(exc),
+                    ), exc  # fmt: skip
+            if exc.reason != "remote_absent":
+                raise
+            absent.append(f"{chosen} ({platform_class(platform)})")
+            if number < len(tried) - 1:
+                continue
+            what = f"generation {pinned} of {model!r}" if pinned is not None else repr(model)
+            raise RemoteError(
+                "remote_absent", f"nothing published for {what} under the class of scheme "
+                f"{', nor '.join(absent)}: {exc}", url=location.display,
+            ) from None  # fmt: skip
+        values = {f.name: getattr(report, f.name) for f in fields(FetchReport)}
+        return NameReport(**values, name=name, scheme=chosen, group_size=size), None
     raise AssertionError("unreachable: candidates() is never empty")
 
 
 def _accepted_here(
-    store: Store, path: str, model: str, tried: Sequence[tuple[str, int, bytes]], deadline: float, stall: float
+    store: Store, path: str, model: str, tried: Sequence[tuple[str, int, bytes]], clock: StoreClock
 ) -> tuple[str, int, str, tuple[int, str]] | None:
     """The first class of ``tried`` whose record beside ``path`` says the file there was accepted from ``store``
-    for ``model`` and is unchanged since: (scheme, group size, class, (generation, sha256)), or None."""
+    for ``model`` and is unchanged since: (scheme, group size, class, (generation, sha256)), or None. The store's
+    identity is asked within what is left of ``clock`` (at least nothing: a directory store still gets its grace)."""
     try:
-        identity = store.identity(deadline=min(deadline, time.monotonic() + stall))
+        with clock.waiting():
+            identity = store.identity(deadline=time.monotonic() + min(clock.stall, max(clock.left(), 0.0)))
     except RemoteError:
         return None
     for chosen, size, platform in tried:

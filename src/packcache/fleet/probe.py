@@ -36,7 +36,6 @@ import enum
 import json
 import os
 import struct
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -366,14 +365,15 @@ def probe_url(
     key signed ``unverified``. Then its blob: another size than the manifest's, or a header of another
     platform class than the manifest's, is ``refused``; else the blob is probed (:func:`probe_bytes`).
     Its sha256 is not checked (that reads the whole blob): a damaged blob of the right size, header and
-    index is refused by fetch (``remote_corrupt``) and not here.
+    index is refused by fetch (``remote_corrupt``) and not here. ``timeout``: the seconds the reads may take together
+    (waiting on the store only: parsing and checking signatures do not count).
 
     Raises:
         RemoteError: the store failed, or holds no object at the key (``remote_absent``).
     """
     from .fetch import last_accepted
     from .manifest import MAX_ENVELOPE_BYTES, check_manifest, manifest_key
-    from .stores import check_key, open_store, parse_store_url
+    from .stores import StoreClock, check_key, open_store, parse_store_url
 
     location = parse_store_url(url)
     # The key is cut from the URL's path; the store is the URL without it (its query, which may carry a
@@ -382,14 +382,16 @@ def probe_url(
     root, key = split_object_url(location, ("/manifests/", "/blobs/"))
     url = location.display.rstrip("/")
     check_key(key)
-    deadline = time.monotonic() + timeout
+    # The reads' time together, not the parsing and signature checks between them: a busy machine does not make
+    # a store look slow (docs/FLEET.md, "Deadlines").
+    clock = StoreClock(timeout, timeout, what="the probe", url=url)
     with open_store(root, timeout=timeout) as store:
 
         def read(blob: str) -> Callable[[int, int], bytes]:
-            return lambda start, end: store.get_range(blob, start, end, deadline=deadline)
+            return lambda start, end: clock.call(lambda d: store.get_range(blob, start, end, deadline=d))
 
         if not key.endswith(".json"):
-            size = store.head(key, deadline=deadline).size
+            size = clock.call(lambda d: store.head(key, deadline=d)).size
             return probe_bytes(read(key), expected_platform=expected_platform, expected_model=expected_model,
                                size=size, source=url)  # fmt: skip
         parts = key.split("/")
@@ -407,8 +409,8 @@ def probe_url(
             manifest_key(model, cls, pinned)
         except ValueError as exc:
             return ProbeReport(Verdict.NOT_APPLICABLE, [f"fetch never reads it: {exc}"], source=url)
-        data, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
-        accepted = last_accepted(store, model, cls, deadline=deadline)
+        data, _ = clock.call(lambda d: store.get(key, deadline=d, max_bytes=MAX_ENVELOPE_BYTES))
+        accepted = clock.call(lambda d: last_accepted(store, model, cls, deadline=d))
 
         # pinned by tests/test_fleet_probe.py::
         #   test_probe_refuses_exactly_the_manifests_fetch_refuses_and_names_the_same_reason
@@ -436,7 +438,7 @@ def probe_url(
                 return refused(again)
         figures: dict[str, Any] = {"manifest_generation": manifest.generation, "signer": signer}
         blob = manifest.blob_key
-        size = store.head(blob, deadline=deadline).size
+        size = clock.call(lambda d: store.head(blob, deadline=d)).size
         if size != manifest.size:
             why = f"its blob holds {size} bytes, the manifest says {manifest.size}"
             return refused(RemoteError("remote_corrupt", why, url=f"{store.url}/{blob}"), **figures)

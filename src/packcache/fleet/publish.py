@@ -30,6 +30,7 @@ its generations and the blobs they name stay (docs/FLEET.md, "Published names").
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -61,7 +62,7 @@ from .manifest import (
     sign,
 )
 from .platform import platform_class
-from .stores import StoreURL, open_store, parse_store_url
+from .stores import StoreClock, StoreURL, open_store, parse_store_url
 
 __all__ = [
     "DEFAULT_EXPIRES",
@@ -154,7 +155,8 @@ def publish(
         builder: free text recorded in the manifest (default: ``packcache <version>``).
         expires_in: seconds until the manifest expires (finite, over 0, at most :data:`MAX_EXPIRES`);
             ``None`` for never.
-        timeout: seconds for the whole upload (the store's calls share one deadline).
+        timeout: seconds the store's calls may take together (one :class:`~packcache.fleet.stores.StoreClock`:
+            waiting on the store counts, hashing and signing between the calls do not).
         name: publish under this name (``org/model-int8``: :func:`packcache.fleet.manifest.check_published_name`)
             instead of the file's name, and keep an immutable copy of each generation's manifest.
 
@@ -210,14 +212,14 @@ def publish(
             # (the builder text too) before the blob is uploaded.
             ttl = None if expires_in is None else int(expires_in)
             draft = make_manifest(model, cls, sha256, size, 1, builder=builder or _default_builder(), ttl_seconds=ttl)
-            deadline = time.monotonic() + timeout
+            clock = StoreClock(timeout, timeout, what="the publish", url=location.display)
             with open_store(location, timeout=timeout) as store:
                 manifest_name = manifest_key(model, cls)
                 blob = f"blobs/sha256/{sha256}.pcache"
                 with progress_bar(size, f"publishing {os.path.basename(real)}", nbytes=True) as tick:
-                    uploaded = store.put_file(blob, real, deadline=deadline, progress=tick)
-                repaired = not uploaded and _repair_blob(store, blob, real, sha256, size, deadline)
-                previous, etag = _current_generation(store, manifest_name, deadline)
+                    uploaded = clock.call(lambda d: store.put_file(blob, real, deadline=d, progress=tick))
+                repaired = not uploaded and _repair_blob(store, blob, real, sha256, size, clock)
+                previous, etag = _current_generation(store, manifest_name, clock)
                 manifest = make_manifest(model, cls, sha256, size, previous + 1, builder=draft.builder, ttl_seconds=ttl)
                 if signing_keys:
                     # pinned by tests/test_fleet.py::
@@ -227,7 +229,7 @@ def publish(
                 else:
                     envelope, signers = encode_unsigned(manifest), ()
                 try:
-                    store.put_bytes(manifest_name, envelope, deadline=deadline, if_match=etag)
+                    clock.call(lambda d: store.put_bytes(manifest_name, envelope, deadline=d, if_match=etag))
                 except RemoteError as exc:
                     if exc.reason != "remote_conflict":
                         raise
@@ -240,7 +242,7 @@ def publish(
                 generation_key = None
                 if published_as is not None:
                     generation_key = manifest_key(model, cls, manifest.generation)
-                    _keep_generation(store, generation_key, envelope, deadline)
+                    _keep_generation(store, generation_key, envelope, clock)
         finally:
             os.close(lock_fd)
     finally:
@@ -254,17 +256,17 @@ def publish(
     )  # fmt: skip
 
 
-def _keep_generation(store: Any, key: str, envelope: bytes, deadline: float) -> None:
+def _keep_generation(store: Any, key: str, envelope: bytes, clock: StoreClock) -> None:
     """Write the immutable copy of a generation's manifest at ``key``, create-only, after its publisher won the
     compare-and-swap of the current manifest (so no other publisher has that generation). One there already with
     the same bytes is kept (a republish that failed after it); other bytes there (a writer that bypassed the
     compare-and-swap) fail ``remote_conflict``: fetchers of ``NAME@G`` check its signature and generation."""
     try:
-        store.put_bytes(key, envelope, deadline=deadline, if_match=None)
+        clock.call(lambda d: store.put_bytes(key, envelope, deadline=d, if_match=None))
     except RemoteError as exc:
         if exc.reason != "remote_conflict":
             raise
-        there, _ = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+        there, _ = clock.call(lambda d: store.get(key, deadline=d, max_bytes=MAX_ENVELOPE_BYTES))
         if there != envelope:
             raise RemoteError(
                 "remote_conflict", f"the current manifest was published, but another object already lies at {key}, "
@@ -273,27 +275,34 @@ def _keep_generation(store: Any, key: str, envelope: bytes, deadline: float) -> 
             ) from exc  # fmt: skip
 
 
-def _holds(store: Any, blob: str, sha256: str, size: int, deadline: float) -> tuple[bool, str | None]:
+def _holds(store: Any, blob: str, sha256: str, size: int, clock: StoreClock) -> tuple[bool, str | None]:
     """Whether the object at ``blob`` holds exactly ``size`` bytes hashing to ``sha256`` (read back whole and
     hashed: a name, a size or an ETag says nothing of the bytes), and its ETag (None: the store gives none)."""
     digest, count = hashlib.sha256(), 0
 
     def sink(chunk: memoryview) -> None:
         nonlocal count
-        digest.update(chunk)
+        with clock.local():  # hashing is this machine's work, not the store's
+            digest.update(chunk)
         count += len(chunk)
 
     try:
-        info = store.download(blob, sink, deadline=deadline, max_bytes=size)
+        info = clock.call(lambda d: store.download(blob, sink, deadline=d, max_bytes=size))
     except RemoteError as exc:
         if exc.reason != "remote_corrupt":  # remote_corrupt: it holds more than `size` bytes
             raise
-        return False, store.head(blob, deadline=deadline).etag
+        return False, clock.call(lambda d: store.head(blob, deadline=d)).etag
     good = count == size and digest.hexdigest() == sha256
-    return good, info.etag if info.etag is not None or good else store.head(blob, deadline=deadline).etag
+    if info.etag is not None or good:
+        return good, info.etag
+    return good, clock.call(lambda d: store.head(blob, deadline=d)).etag
 
 
-def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadline: float) -> bool:
+def _replace(store: Any, blob: str, path: str, etag: str | None, deadline: float) -> None:
+    store.replace_file(blob, path, deadline=deadline, if_match=etag)
+
+
+def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, clock: StoreClock) -> bool:
     """Make the object at ``blob`` (which ``put_file`` found there) the file at ``path``: kept when it
     holds its bytes, else replaced (conditionally on the damaged object's ETag, where there is one) and
     read back again. Returns whether it was replaced (or uploaded again, if it vanished meanwhile).
@@ -307,17 +316,17 @@ def _repair_blob(store: Any, blob: str, path: str, sha256: str, size: int, deadl
     replaced = False
     for _ in range(4):  # read back; replace; read back (again, if another writer changed it meanwhile)
         try:
-            good, etag = _holds(store, blob, sha256, size, deadline)
+            good, etag = _holds(store, blob, sha256, size, clock)
         except RemoteError as exc:
             if exc.reason != "remote_absent":
                 raise
-            if store.put_file(blob, path, deadline=deadline):  # removed meanwhile: uploaded afresh
+            if clock.call(lambda d: store.put_file(blob, path, deadline=d)):  # removed meanwhile: uploaded afresh
                 return True
             continue
         if good:
             return replaced
         try:
-            store.replace_file(blob, path, deadline=deadline, if_match=etag)
+            clock.call(functools.partial(_replace, store, blob, path, etag))
         except RemoteError as exc:
             if exc.reason == "remote_conflict":
                 continue  # it changed since it was read: look again
@@ -360,14 +369,14 @@ def _default_builder() -> str:
         return "packcache"
 
 
-def _current_generation(store: Any, key: str, deadline: float) -> tuple[int, str | None]:
+def _current_generation(store: Any, key: str, clock: StoreClock) -> tuple[int, str | None]:
     """The generation of the manifest at ``key`` and its ETag, or ``(0, None)`` when there is none.
 
     Only its generation is read, without checking its signature: a publisher needs the next
     number, and the conditional put makes sure nobody replaced the manifest meanwhile.
     """
     try:
-        data, info = store.get(key, deadline=deadline, max_bytes=MAX_ENVELOPE_BYTES)
+        data, info = clock.call(lambda d: store.get(key, deadline=d, max_bytes=MAX_ENVELOPE_BYTES))
     except RemoteError as exc:
         if exc.reason == "remote_absent":
             return 0, None

@@ -11,8 +11,11 @@ A store holds objects under ``/``-separated relative keys (:func:`check_key`). T
   ``fleet`` extra), with credentials and endpoints from each store's standard environment variables.
 
 Every call takes an absolute ``deadline`` (a :func:`time.monotonic` time) and returns by
-``deadline + 1 s`` at the latest, even against a server that accepts and never answers. Every store
-problem raises :class:`~packcache.errors.RemoteError` with a reason:
+``deadline + 1 s`` at the latest, even against a server that accepts and never answers. An operation of
+several calls (a fetch, a probe, a publish) bounds them with a :class:`StoreClock`: each call gets its own
+bound, and the budget of the whole counts only the time a call is outstanding, never the local work between
+(hashing, signature checks, writing the file). Every store problem raises
+:class:`~packcache.errors.RemoteError` with a reason:
 
 ==================  ==============================================================================
 ``remote_absent``   no object at the key (a missing bucket or store directory: ``remote_error``)
@@ -41,7 +44,16 @@ from __future__ import annotations
 from .. import _defaults
 from ._dirstore import DirectoryStore
 from ._objectstore import ObjectStore
-from ._storebase import CHUNK_BYTES, MAX_KEY_BYTES, ObjectInfo, Store, StoreURL, check_key, parse_store_url
+from ._storebase import (
+    CHUNK_BYTES,
+    MAX_KEY_BYTES,
+    ObjectInfo,
+    Store,
+    StoreClock,
+    StoreURL,
+    check_key,
+    parse_store_url,
+)
 
 __all__ = [
     "CHUNK_BYTES",
@@ -50,6 +62,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectStore",
     "Store",
+    "StoreClock",
     "StoreURL",
     "check_key",
     "open_store",
