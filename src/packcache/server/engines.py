@@ -86,6 +86,9 @@ class EngineSpec:
         group_size: the int4 group size (``None``: :data:`packcache._defaults.GROUP_SIZE`, or a cache file's own).
         model_id: the name :attr:`Engine.model_id` gives the model (``serve --served-model-name``); ``None``:
             :func:`~packcache.server.modelfiles.model_id_of` ``model``.
+        verify: check every pack's checksum as the load maps it (``serve --verify``:
+            :func:`packcache.maintenance.verifying`): a damaged pack of a checkpoint's cache is packed again, one of a
+            cache file that holds its model fails the load, naming the entry. Off: a warm load reads no pack data.
         max_seqs, max_model_len, page_size: the ``causal`` loader's (:func:`packcache.server.llm.load_llm`):
             sequences generated together, tokens one sequence may hold (``None``: the model's position limit, at
             most :data:`packcache._defaults.LLM_MAX_MODEL_LEN`), tokens per block of the paged KV cache.
@@ -109,6 +112,7 @@ class EngineSpec:
     max_seqs: int = _defaults.LLM_MAX_SEQS
     max_model_len: int | None = None
     page_size: int = _defaults.LLM_PAGE_SIZE
+    verify: bool = False
 
 
 class Engine:
@@ -367,8 +371,11 @@ def load_engine(spec: EngineSpec) -> Engine:
     """
     import torch
 
+    from ..maintenance import verifying
+
     torch.set_num_threads(spec.torch_threads)
-    engine = _load(spec)
+    with verifying(spec.verify):
+        engine = _load(spec)
     engine.model_id = spec.model_id or model_id_of(spec.model)
     return engine
 

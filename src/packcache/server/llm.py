@@ -489,6 +489,13 @@ def load_llm(spec: EngineSpec) -> LLMEngine:
         ValueError: no model; a bad checkpoint, scheme or option (named). FormatError, OSError: a model file cannot
             be read. Cache problems never raise: they are in :meth:`LLMEngine.stats`.
     """
+    from ..maintenance import verifying
+
+    with verifying(spec.verify):  # serve --verify: every pack's checksum as it is mapped
+        return _load_llm(spec)
+
+
+def _load_llm(spec: EngineSpec) -> LLMEngine:
     import torch
 
     from ..bundle import is_cache_file, open_bundle
