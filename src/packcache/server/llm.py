@@ -34,6 +34,7 @@ from typing import Any
 from .. import _defaults
 from ..stats import CacheStats
 from .engines import EngineSpec
+from .filecheck import NOTHING, FileChecker
 from .modelfiles import model_id_of
 from .sampling import Output, RequestState, Sampling, sampler_class
 
@@ -76,6 +77,7 @@ class LLMEngine:
 
     name = "packcache"
     kind = "generate"
+    file_check: FileChecker = NOTHING  # the background check of its cache file (server.master.make_app starts it)
 
     def __init__(
         self,
