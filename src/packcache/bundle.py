@@ -469,6 +469,8 @@ class Bundle:
     def damaged(self, name: str) -> list[VerifyProblem]:
         """The packs made from tensor ``name`` whose bytes fail their checksum (else, if none is named after it, every
         damaged pack of the file); read with ``pread``. A load reads no pack data: only one that failed comes here."""
+        if self._fd < 0:
+            return []  # closed: the caller's own error stands
         prefix = f"{name}:"
         named = any(entry.startswith(prefix) for entry in self._entries)
         report = verify_open(self._fd, self.path, only=(lambda entry: entry.startswith(prefix)) if named else None)
