@@ -16,7 +16,10 @@ import pytest
 
 import packcache
 from harness import without_build_compaction
+from harness.serve import SRC
+from packcache import format as fmt
 from packcache import native
+from packcache._generations import read_committed
 from packcache.cli import main
 from packcache.kernels import cpu_kernels
 from packcache.models import minilm
@@ -220,3 +223,106 @@ def test_run_with_a_fifo_as_model_exits_instead_of_hanging(checkpoint_dir: Path,
     )  # fmt: skip
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "not a regular file (a FIFO)" in done.stderr and done.stderr.count("\n") == 1
+
+
+# ------------------------------------- a damaged pack: --verify checks the load; no report claims more than it knows
+
+
+def damage(path: Path, containing: str = "query.weight") -> fmt.Entry:
+    """Flip 8 bytes in the middle of the first pack whose entry name holds ``containing`` (the file stays valid:
+    its header and index are untouched, only that pack's checksum fails); the entry."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        entries = read_committed(fd)[2]
+    finally:
+        os.close(fd)
+    entry = next(e for name, e in sorted(entries.items(), key=lambda kv: kv[1].offset) if containing in name)
+    middle = entry.offset + entry.nbytes // 2
+    with open(path, "r+b") as f:
+        f.seek(middle)
+        data = f.read(8)
+        f.seek(middle)
+        f.write(bytes(b ^ 0xFF for b in data))
+    assert not packcache.verify(path).ok
+    return entry
+
+
+def build_file(checkpoint: Path, target: Path, *extra: str) -> Path:
+    """``packcache build CHECKPOINT --cache TARGET --scheme int8 [EXTRA]``: a cache file that holds its model."""
+    assert main(["build", str(checkpoint), "--cache", str(target), "--scheme", "int8", *extra]) == 0
+    return target
+
+
+def copy_of(source: Path, target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(source.read_bytes())
+    target.chmod(0o600)
+    return target
+
+
+@pytest.mark.parametrize("loader", ["minilm", "hf"])
+def test_run_verify_refuses_a_self_contained_file_with_a_damaged_pack(
+    base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], loader: str
+) -> None:
+    """Bytes flipped inside a pack of a cache file that holds its model: a warm load reads no pack data, so ``run``
+    said ``mapped``, exit 0, and embedded with the damaged weight. ``--verify`` checks every pack as the load maps
+    it; with no checkpoint a damaged pack cannot be packed again, so ``run`` and ``build FILE`` fail, naming the
+    entry and its offset (each loader's file: the error comes from the one place a file-only load packs)."""
+    good = build_file(base, tmp_path / "good" / f"tiny-{loader}.pcache", "--loader", loader)
+    capsys.readouterr()
+    bad = copy_of(good, tmp_path / "bad" / f"tiny-{loader}.pcache")
+    entry = damage(bad)
+    commands = [["build", str(bad)]] + ([["run", "--model", str(bad)]] if loader == "minilm" else [])
+    for command in commands:
+        assert main([*command, "--json"]) == 0  # unchecked: mapped, and the report says it did not check
+        unchecked = json.loads(capsys.readouterr().out)
+        assert unchecked["stats"]["state"] == "mapped" and unchecked["checksums_checked"] is False
+        assert main([*command, "--verify"]) == 1
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert line.startswith(f"packcache {command[0]}: cannot load the"), line
+        assert f"{bad}: offset {entry.offset}: the pack {entry.name!r} failed its checksum" in line, line
+        assert "Traceback" not in line
+    assert main(["build", str(good), "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checksums_checked"] is True
+
+
+def test_run_verify_packs_a_damaged_pack_of_a_checkpoints_cache_again(
+    base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cache of a checkpoint has the source of a damaged pack: ``run --verify`` packs it again, appends it, and
+    the file verifies afterwards; without ``--verify`` the text report says the checksums were not checked."""
+    argv = ("--model", str(base), "--cache-dir", str(tmp_path), "--scheme", "int8")
+    path = Path(run(capsys, *argv)["cache_file"])
+    damage(path)
+    assert main(["run", *argv]) == 0
+    assert "checksums     not checked: a warm load reads no pack data (--verify checks" in capsys.readouterr().out
+    healed = run(capsys, *argv, "--verify")
+    assert healed["checksums_checked"] is True and healed["stats"]["state"] == "stored", healed["stats"]
+    assert healed["stats"]["stored"] == 1 and healed["stats"]["hits"] > 0
+    assert packcache.verify(path).ok
+    assert main(["run", *argv, "--verify"]) == 0
+    assert "checksums     every pack served matched its checksum (--verify" in capsys.readouterr().out
+    from packcache.cli import build_parser
+    from packcache.cli._model import _cache_arg
+
+    with_remote = build_parser().parse_args(["run", *argv, "--verify", "--remote", str(tmp_path / "store")])
+    remote_cache = _cache_arg(with_remote, str(path), minilm.platform("int8"))
+    assert remote_cache.verify, "a cache made before the load (--remote) checks too"
+    remote_cache.close()
+
+
+def test_serve_verify_refuses_a_damaged_file_before_forking_a_worker(base: Path, tmp_path: Path) -> None:
+    """A cache file that holds its model has no checkpoint to pack a damaged pack from: ``serve --verify`` stops in
+    the master with one line naming the entry, and no worker boots."""
+    bad = build_file(base, tmp_path / "tiny-int8.pcache")
+    entry = damage(bad)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONWARNINGS": "ignore"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "packcache", "serve", "--port", "0", "--workers", "2", "--model", str(bad), "--verify"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Booting worker" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("packcache serve: cannot load the model")]
+    assert f"entry {entry.name!r} at offset {entry.offset}" in line and "--verify" in line, line

@@ -43,6 +43,7 @@ from harness.serve import (
 )
 from packcache.memory import MappingUsage, file_mapping_usage, smaps_rollup
 from test_minilm import fifo, variant
+from test_server_filecheck import log_lines, scraped
 
 #: What a heap worker may hold besides its packed weights. A worker hands back what its load freed
 #: (``release_free_heap``); before it did, glibc kept 7-13 MB of it, varying from run to run (measured 22.7-22.9 MB
@@ -90,6 +91,14 @@ def test_four_workers_cold_start_one_builds_the_others_map_and_all_serve_identic
             assert after.latency_counts[("/embed", pid)] == after.requests[("/embed", "200", pid)]
         report = packcache.verify(path)
         assert report.ok, report
+        # The file is checked once, in the background, by one checker for the four workers: each then says it passed
+        # and /healthz stays ok (a damaged file: tests/test_server_filecheck.py).
+        checks = scraped(srv, 4, "passed")
+        assert all(c["failed_packs"] == 0 and c["checked_bytes"] > 15 << 20 for c in checks.values()), checks
+        status, (_, body) = call(srv, "GET", "/healthz")
+        assert status == 200 and json.loads(body)["status"] == "ok" and json.loads(body)["file_check"] == "passed"
+        assert len(log_lines(srv, "INFO", "checking every pack of")) == 1, "one checker for the whole server"
+        assert len(log_lines(srv, "INFO", f"{path} passed its checksum check")) == 1
 
 
 def test_per_worker_pss_of_the_mapping_is_a_quarter_of_the_file_against_heap_workers(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "FETCH_LOADER",
     "FETCH_PART_BYTES",
     "FETCH_STREAMS",
+    "FILE_CHECK_BYTES_PER_SECOND",
     "FILE_MODE",
     "GRACEFUL_TIMEOUT",
     "GROUP_SIZE",
@@ -122,6 +123,11 @@ GRACEFUL_TIMEOUT = 30.0
 
 #: gunicorn's log level.
 SERVE_LOG_LEVEL = "info"
+
+#: Bytes per second the background check of a served cache file reads at most (``packcache serve``: each pack's
+#: checksum once, after the load, at nice 19): MiniLM int8 in under a second, a 4 GB file in about a minute,
+#: and never a disk's whole bandwidth.
+FILE_CHECK_BYTES_PER_SECOND = 64 << 20
 
 #: Texts per request: a batch that takes seconds, not minutes, on one core.
 MAX_TEXTS = 256

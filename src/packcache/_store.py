@@ -243,7 +243,8 @@ class FileStore:
             return None
         if verify and not self._checksum_ok(entry):
             logger.error(
-                "packcache: entry %r of %s at offset %d failed its checksum; packing it again",
+                "packcache: entry %r of %s at offset %d failed its checksum: not served (packed again if the load has "
+                "its source)",
                 name, self.path, entry.offset,
             )  # fmt: skip
             return None

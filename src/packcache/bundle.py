@@ -54,6 +54,7 @@ from ._paths import open_checked, pread_exact, read_bounded
 from .cache import PackKey, Request
 from .errors import FormatError
 from .identity import digest_path
+from .maintenance import VerifyProblem, verify_open
 from .safetensors import DTYPES, MAX_NDIM, TensorMeta
 
 __all__ = [
@@ -465,6 +466,16 @@ class Bundle:
             finally:
                 os.close(dir_fd)
 
+    def damaged(self, name: str) -> list[VerifyProblem]:
+        """The packs made from tensor ``name`` whose bytes fail their checksum (else, if none is named after it, every
+        damaged pack of the file); read with ``pread``. A load reads no pack data: only one that failed comes here."""
+        if self._fd < 0:
+            return []  # closed: the caller's own error stands
+        prefix = f"{name}:"
+        named = any(entry.startswith(prefix) for entry in self._entries)
+        report = verify_open(self._fd, self.path, only=(lambda entry: entry.startswith(prefix)) if named else None)
+        return [problem for problem in report.problems if problem.entry is not None]
+
     def close(self) -> None:
         """Close the file (idempotent)."""
         if self._fd >= 0:
@@ -540,7 +551,23 @@ class RecordSource:
             raise KeyError(f"{self.bundle.path}: no tensor named {name[:80]!r} in the model record") from None
 
     def read(self, name: str) -> Any:
-        """Raises :class:`~packcache.errors.FormatError`: a cache file holds packs, not the tensors they came from."""
+        """Raises :class:`~packcache.errors.FormatError`: a cache file holds packs, not the tensors they came from.
+
+        The load asks only for a pack the cache did not serve: one the file lacks, or (a load that checks checksums,
+        ``verify=True``) one whose bytes failed their checksum. The error names which: a damaged pack by its entry
+        and offset, since with no checkpoint it cannot be packed again and the load must fail rather than serve it.
+        """
+        # pinned by tests/test_cli_run.py::test_run_verify_refuses_a_self_contained_file_with_a_damaged_pack
+        damaged = self.bundle.damaged(name)
+        if damaged:
+            first = damaged[0]
+            more = f" (and {len(damaged) - 1} more damaged packs)" if len(damaged) > 1 else ""
+            raise FormatError(
+                f"the pack {first.entry!r} failed its checksum ({first.message}){more}: "
+                "the file is damaged, and with no checkpoint there is nothing to pack it again from; fetch or build "
+                f"the file again (packcache verify {self.bundle.path} lists every damaged pack)",
+                path=self.bundle.path, offset=first.offset,
+            )  # fmt: skip
         raise FormatError(
             f"holds no pack made from {name[:80]!r} for this load (an incomplete file, or another auto_class or "
             f"scheme than it was built with: {self.record.auto_class}, {self.record.scheme}); with no checkpoint "

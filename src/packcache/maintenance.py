@@ -28,6 +28,7 @@ import contextlib
 import os
 import reprlib
 import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ __all__ = [
     "inspect",
     "verify",
     "verify_open",
+    "verifying",
 ]
 
 _UNTRUSTED = "WeightCache refuses this file (heap reason 'untrusted')"
@@ -126,9 +128,20 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
         os.close(fd)
 
 
-def verify_open(fd: int, name: str, verdict: str | None = None) -> VerifyReport:
+def verify_open(
+    fd: int,
+    name: str,
+    verdict: str | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+    only: Callable[[str], bool] | None = None,
+) -> VerifyReport:
     """:func:`verify` of the cache file open as ``fd`` (``name`` for messages; ``verdict``: why the file would
-    be refused, if it would): the file written, whatever its name resolves to meanwhile (a fetch's temp file)."""
+    be refused, if it would): the file written, whatever its name resolves to meanwhile (a fetch's temp file).
+
+    ``progress`` is called with the bytes of each chunk once it is checked (a caller paces the reads there: the
+    background check of ``packcache serve``); ``only`` selects the entries checked by name (all by default).
+    """
     problems = [VerifyProblem(None, 0, f"untrusted: {verdict}; {_UNTRUSTED}")] if verdict else []
     try:
         _, slot, entries = read_committed(fd, path=name)
@@ -137,13 +150,15 @@ def verify_open(fd: int, name: str, verdict: str | None = None) -> VerifyReport:
         return VerifyReport(name, 0, 0, 0, tuple(problems), verdict)
     problems += _newer_generations_broken(fd, name, slot)
     checked = 0
-    ordered = sorted(entries.values(), key=lambda e: e.offset)
+    ordered = sorted((e for e in entries.values() if only is None or only(e.name)), key=lambda e: e.offset)
     buffer = chunk_buffer(ordered)
     for entry in ordered:
         crc = 0
         try:
             for chunk in read_chunks(fd, entry.offset, entry.nbytes, buffer, name):
                 crc = fmt.crc32(chunk, crc)
+                if progress is not None:
+                    progress(len(chunk))
         except FormatError as exc:
             problems.append(VerifyProblem(entry.name, entry.offset, str(exc)))
             continue
@@ -152,6 +167,34 @@ def verify_open(fd: int, name: str, verdict: str | None = None) -> VerifyReport:
             message = f"checksum {crc:08x} != stored {entry.crc32:08x} over {entry.nbytes} bytes"
             problems.append(VerifyProblem(entry.name, entry.offset, message))
     return VerifyReport(name, slot.generation if slot else 0, len(entries), checked, tuple(problems), verdict)
+
+
+@contextlib.contextmanager
+def verifying(on: bool = True) -> Iterator[None]:
+    """Within the block, every cache made without an explicit ``verify`` checks each hit's checksum before serving
+    it (the process default ``packed_cache_verify``, restored after): a load that checks every pack it maps, as
+    ``run``, ``build`` and ``serve --verify`` load. A damaged pack is never served: a cache of a checkpoint packs it
+    again; a cache file that holds its model, with nothing to pack it from, fails the load naming the entry.
+    ``on=False`` changes nothing. Not for threads that make caches meanwhile: the default is the process's.
+
+    >>> from packcache import WeightCache
+    >>> with verifying():
+    ...     WeightCache(None).verify
+    True
+    >>> WeightCache(None).verify
+    False
+    """
+    if not on:
+        yield
+        return
+    from .options import get_option, set_option
+
+    before = get_option("packed_cache_verify")
+    set_option("packed_cache_verify", True)
+    try:
+        yield
+    finally:
+        set_option("packed_cache_verify", before)
 
 
 def _newer_generations_broken(fd: int, name: str, used: fmt.Slot | None) -> list[VerifyProblem]:

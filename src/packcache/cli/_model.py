@@ -16,6 +16,7 @@ from typing import Any
 
 from .._defaults import BUILD_LOADER, GROUP_SIZE, GROUP_SIZES, KERNEL_PATH, REMOTE_TIMEOUT, SCHEME, SERVE_LOADER
 from ..errors import FormatError, RemoteError
+from ..maintenance import verifying
 from ..packers import SCHEMES
 from ._common import (
     EXIT_FAILED,
@@ -246,7 +247,7 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
         started = time.perf_counter()
         # A cold build draws tqdm's bar on a terminal from the loader itself (packcache._progress).
         cache = _cache_arg(args, path, minilm.platform(scheme, group_size or GROUP_SIZE))
-        with _FetchMemory(cache) as fetch_memory:
+        with verifying(args.verify), _FetchMemory(cache) as fetch_memory:
             model = minilm.load(
                 scheme=scheme, cache=cache, model_path=args.model, tokenizer=tokenizer, kernel_path=kernel_path,
                 group_size=group_size,
@@ -278,12 +279,14 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
         "cpu": cpu,
         "embed": speed,
         "embeddings_shape": list(embeddings.shape),
+        "checksums_checked": bool(args.verify and path),
     }
     why_path = _why_path(kernel_path, model.kernel_path, cpu)
     how_scheme = " (auto: fast on this CPU)" if args.scheme == "auto" else ""
     lines = [
         f"model         all-MiniLM-L6-v2{' (' + args.model + ')' if args.model else ''}, scheme {scheme}{how_scheme}",
         *loaded.lines[:3],
+        *_checksum_line(args.verify, path),
         f"kernels       path {model.kernel_path} ({why_path}; cpu capability {cpu['cpu_capability']})",
         *kernel_lines(model.report.kernels),
         f"embedding     {speed['texts']} texts: {speed['median_ms']:.1f} ms ({speed['texts_per_second']:.0f} texts/s), "
@@ -392,7 +395,7 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
             path, total, cache, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
         before = _baseline()
         started = time.perf_counter()
-        with _FetchMemory(cache) as fetch_memory:
+        with verifying(args.verify), _FetchMemory(cache) as fetch_memory:
             built = load()  # the loader draws the progress bar
     except ImportError as exc:  # the loader's extra is not installed (the core runs without it)
         extra = "hf" if args.loader == "hf" else "models"
@@ -422,11 +425,13 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
         "packed_ties": report.packed_ties,
         "kernel_path": report.kernel_path,
         "kernels_by_layer": dict(report.kernels),
+        "checksums_checked": bool(args.verify),
     }
     ineligible = "; ".join(f"{name}: {why}" for name, why in report.ineligible.items())
     lines = [
         f"model         {built.model_class} ({built.how}) from {sanitize(args.checkpoint)}, scheme {scheme}",
         *loaded.lines[:3],
+        *_checksum_line(args.verify, path),
         f"layers        {len(report.converted)} packed, {len(report.ineligible)} not"
         + (f" ({sanitize(ineligible)})" if ineligible else ""),
         f"kernels       path {report.kernel_path} on this machine (a runtime choice: the cache serves every path)",
@@ -461,6 +466,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, no_cache: str) -> None
     )  # fmt: skip
     parser.add_argument("--cache-dir", help="directory of cache files (default: $PACKCACHE_DIR or $XDG_CACHE_HOME)")
     parser.add_argument("--no-cache", action="store_true", help=no_cache)
+    _add_verify_option(parser)
     parser.add_argument(
         "--model",
         help="a local safetensors BERT-family checkpoint of the same architecture, a hub id already in the local "
@@ -483,6 +489,29 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
         help=f"seconds for everything one fetch asks the store, download included (default {REMOTE_TIMEOUT:g})",
     )  # fmt: skip
     add_trust_options(parser)
+
+
+def _add_verify_option(parser: argparse.ArgumentParser) -> None:
+    """``--verify`` (``run``, ``build``, ``serve``): the load itself checks every pack it maps."""
+    parser.add_argument(
+        "--verify", action="store_true",
+        help="check every pack's checksum as the load maps it (reads the whole file): a damaged pack of a "
+        "checkpoint's cache is packed again, one of a cache file that holds the model (nothing to pack it from) fails "
+        "the load naming the entry. Without it a warm load reads no pack data",
+    )  # fmt: skip
+
+
+def _checksum_line(verified: bool, path: str | None) -> list[str]:
+    """What the report says of the packs' checksums: never more than the load checked."""
+    if not path:
+        return []
+    # pinned by tests/test_cli_run.py::test_run_verify_packs_a_damaged_pack_of_a_checkpoints_cache_again
+    if verified:
+        return ["checksums     every pack served matched its checksum (--verify: read as it was mapped)"]
+    return [
+        "checksums     not checked: a warm load reads no pack data (--verify checks each pack as it loads; "
+        f"packcache verify {sanitize(path)} checks the file)"
+    ]
 
 
 def _baseline() -> dict[str, int]:
@@ -545,10 +574,13 @@ def _cache_arg(args: argparse.Namespace, path: str | None, platform: Any) -> Any
     remote = None if _model_file(getattr(args, "model", None)) else getattr(args, "remote", None)
     if remote is None:
         return cache_for(path, platform)
-    return cache_for(
+    cache = cache_for(
         path, platform, remote=remote, remote_timeout=args.remote_timeout, trusted_keys=args.trusted_key,
         allow_unsigned=args.allow_unsigned,
     )  # fmt: skip
+    if getattr(args, "verify", False) and not isinstance(cache, (str, bool)):
+        cache.verify = True  # made before the load's verifying(): --verify holds for this cache too
+    return cache
 
 
 def add_parsers(sub: Any) -> None:
@@ -593,6 +625,7 @@ def add_parsers(sub: Any) -> None:
         "--auto-class", default="AutoModel", help="the transformers auto class, e.g. AutoModelForCausalLM (hf loader)"
     )
     build.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
+    _add_verify_option(build)
     _add_remote_options(build)
     build.add_argument("--json", action="store_true", help="print one JSON object")
     build.set_defaults(func=cmd_build)

@@ -71,6 +71,33 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
     hf.tokenizer(os.path.join(args.model, folder))
 
 
+def _check_model_file(model: str | None) -> None:
+    """``serve --verify`` of a cache file that holds its model: every pack's checksum, read once here in the master
+    before any worker is forked. A damaged pack cannot be packed again (there is no checkpoint), so it stops the
+    server with one line naming the entry, rather than every worker failing to boot on it. The workers still load
+    with the check on (the file's pages are in the page cache by then); a checkpoint's cache is theirs to heal.
+
+    Raises:
+        FormatError: the file fails verification (the first problems named).
+    """
+    from ..bundle import is_cache_file
+
+    if model is None or not is_cache_file(model):
+        return
+    from ..maintenance import verify
+
+    # pinned by tests/test_cli_run.py::test_serve_verify_refuses_a_damaged_file_before_forking_a_worker
+    report = verify(model)
+    if not report.ok:
+        named = "; ".join(str(p) for p in report.problems[:3])
+        more = f" (and {len(report.problems) - 3} more)" if len(report.problems) > 3 else ""
+        raise FormatError(
+            f"--verify: {named}{more}: the file is damaged, and with no checkpoint nothing can pack it again; fetch or "
+            "build the file again",
+            path=model,
+        )
+
+
 def _tokens(text: str) -> int:
     """``--max-batch-tokens``: a non-negative integer."""
     if not text.isdigit():
@@ -136,6 +163,8 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
             # Named here, in the master, by content: the workers open one file (and find the digest it took).
             path = cache_file(args, scheme, loader)
             _check_model(args, scheme, loader)
+            if args.verify:
+                _check_model_file(args.model)
         elif args.model is not None and args.model.endswith(".pcache"):
             raise ValueError(
                 f"{args.model} is a cache file of packed weights: --engine sentence-transformers loads a checkpoint "
@@ -152,7 +181,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
         remote=args.remote if path is not None else None,  # parsed once: the worker's cache takes the value
         remote_timeout=args.remote_timeout,
         trusted_keys=tuple(args.trusted_key), allow_unsigned=args.allow_unsigned,
-        max_seqs=args.max_seqs, max_model_len=args.max_model_len,
+        max_seqs=args.max_seqs, max_model_len=args.max_model_len, verify=args.verify,
     )  # fmt: skip
     limits = Limits(
         max_texts=args.max_texts, max_text_chars=args.max_text_chars, max_body_bytes=args.max_body_bytes,

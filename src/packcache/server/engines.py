@@ -32,6 +32,7 @@ from .. import _defaults
 from .._cpus import usable_cpus
 from .._storeurl import StoreURL
 from ..stats import CacheStats
+from .filecheck import NOTHING, FileChecker
 from .modelfiles import model_id_of, transformer_folder_of
 
 __all__ = [
@@ -86,6 +87,10 @@ class EngineSpec:
         group_size: the int4 group size (``None``: :data:`packcache._defaults.GROUP_SIZE`, or a cache file's own).
         model_id: the name :attr:`Engine.model_id` gives the model (``serve --served-model-name``); ``None``:
             :func:`~packcache.server.modelfiles.model_id_of` ``model``.
+        verify: check every pack's checksum as the load maps it (``serve --verify``:
+            :func:`packcache.maintenance.verifying`): a damaged pack of a checkpoint's cache is packed again, one of a
+            cache file that holds its model fails the load, naming the entry. Off: a warm load reads no pack data, and
+            the server checks the file once in the background after the load (:mod:`.filecheck`).
         max_seqs, max_model_len, page_size: the ``causal`` loader's (:func:`packcache.server.llm.load_llm`):
             sequences generated together, tokens one sequence may hold (``None``: the model's position limit, at
             most :data:`packcache._defaults.LLM_MAX_MODEL_LEN`), tokens per block of the paged KV cache.
@@ -109,6 +114,7 @@ class EngineSpec:
     max_seqs: int = _defaults.LLM_MAX_SEQS
     max_model_len: int | None = None
     page_size: int = _defaults.LLM_PAGE_SIZE
+    verify: bool = False
 
 
 class Engine:
@@ -122,6 +128,8 @@ class Engine:
         max_tokens: tokens per text the model reads, special tokens included; :meth:`embed` truncates longer texts.
         prompts: the model's prompts by name (``config_sentence_transformers.json``), ``{}`` if none.
         default_prompt_name: the prompt applied when a request names none, or ``None``.
+        file_check: the background check of the cache file it maps (:class:`~packcache.server.filecheck.FileChecker`;
+            the master's ``make_app`` starts it after the load).
     """
 
     name = "engine"
@@ -134,6 +142,7 @@ class Engine:
     max_tokens = 0
     prompts: dict[str, str] = {}  # noqa: RUF012  (read only: each engine sets its own)
     default_prompt_name: str | None = None
+    file_check: FileChecker = NOTHING
 
     def tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text before truncation, special tokens included, tokenized exactly as :meth:`embed`
@@ -367,8 +376,11 @@ def load_engine(spec: EngineSpec) -> Engine:
     """
     import torch
 
+    from ..maintenance import verifying
+
     torch.set_num_threads(spec.torch_threads)
-    engine = _load(spec)
+    with verifying(spec.verify):
+        engine = _load(spec)
     engine.model_id = spec.model_id or model_id_of(spec.model)
     return engine
 

@@ -34,6 +34,7 @@ from typing import Any
 from .. import _defaults
 from ..stats import CacheStats
 from .engines import EngineSpec
+from .filecheck import NOTHING, FileChecker
 from .modelfiles import model_id_of
 from .sampling import Output, RequestState, Sampling, sampler_class
 
@@ -76,6 +77,7 @@ class LLMEngine:
 
     name = "packcache"
     kind = "generate"
+    file_check: FileChecker = NOTHING  # the background check of its cache file (server.master.make_app starts it)
 
     def __init__(
         self,
@@ -516,6 +518,13 @@ def load_llm(spec: EngineSpec) -> LLMEngine:
         ValueError: no model; a bad checkpoint, scheme or option (named). FormatError, OSError: a model file cannot
             be read. Cache problems never raise: they are in :meth:`LLMEngine.stats`.
     """
+    from ..maintenance import verifying
+
+    with verifying(spec.verify):  # serve --verify: every pack's checksum as it is mapped
+        return _load_llm(spec)
+
+
+def _load_llm(spec: EngineSpec) -> LLMEngine:
     import torch
 
     from ..bundle import is_cache_file, open_bundle

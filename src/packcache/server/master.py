@@ -34,6 +34,7 @@ from .. import _defaults
 from .app import Batching
 from .completions import Generation
 from .engines import EngineSpec, preimport, weights_source
+from .filecheck import clear_checks
 from .metricsdir import HeldDirectory, hold_metrics_dir
 from .wsgiapp import Limits
 
@@ -162,6 +163,7 @@ def serve(options: ServeOptions) -> int:
     held = hold_metrics_dir(options.metrics_dir or given_env)
     if held.private is None:
         held.wipe()
+    clear_checks(held.fd)  # a new server checks its file again (an operator's directory keeps the last one's)
     # Before prometheus_client is imported, before any fork: every worker inherits the descriptor.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = held.path
     threads = str(options.engine.torch_threads)
@@ -228,7 +230,7 @@ def _application(
                 self.cfg.set(key, value)
 
         def load(self) -> Any:
-            return make_app(options)
+            return make_app(options, held.fd)
 
     application = Application(prog="packcache serve")
     # gunicorn re-executes itself (USR2) with the environment it saw at start, which holds this
@@ -242,9 +244,12 @@ def _application(
     return application
 
 
-def make_app(options: ServeOptions) -> Any:
+def make_app(options: ServeOptions, metrics_dir_fd: int | None = None) -> Any:
     """Load the model in this worker and return its WSGI application (gunicorn calls it after the fork); log the
-    worker's ready line (:func:`ready_line`) at INFO on gunicorn's error log."""
+    worker's ready line (:func:`ready_line`) at INFO on gunicorn's error log. Then, in the background, every pack of
+    the cache file it maps is checked once per server (:func:`~packcache.server.filecheck.start_check`: one worker's
+    child process at nice 19; ``metrics_dir_fd``, the server's held metrics directory, keeps the claim and the
+    result the workers share; ``None``: no check)."""
     import logging
 
     from ..memory import release_free_heap
@@ -252,6 +257,7 @@ def make_app(options: ServeOptions) -> Any:
     from .app import EmbeddingApp
     from .completions import CompletionApp
     from .engines import load_engine
+    from .filecheck import start_check
 
     engine: Any
     if options.engine.loader == "causal":  # a causal LM: the generation engine (its module imports engines')
@@ -271,9 +277,16 @@ def make_app(options: ServeOptions) -> Any:
     # logger (a clean load logs nothing there).
     # pinned by tests/test_server_models.py::test_each_worker_logs_one_ready_line_naming_where_its_weights_came_from
     logging.getLogger("gunicorn.error").info("%s", ready_line(engine, os.getpid()))
+    # After the load, never inside it: a warm load reads no pack data (docs/RELIABILITY.md "Performance guard"), and
+    # a file mapped for weeks is still checked once. Only a file something is mapped from.
+    # pinned by tests/test_server_filecheck.py::test_a_server_of_a_damaged_file_says_so_in_healthz_metrics_and_its_log
+    stats = engine.stats()
+    mapped = engine.cache_file if stats is not None and stats.mapped_bytes > 0 else ""
+    engine.file_check = start_check(mapped, metrics_dir_fd, log_level=options.log_level)
     worker = metrics.WorkerMetrics(
-        engine.name, engine.scheme, engine.kernel_path, engine.cache_file, engine.load_seconds
-    )
+        engine.name, engine.scheme, engine.kernel_path, engine.cache_file, engine.load_seconds,
+        file_check=engine.file_check.current,
+    )  # fmt: skip
     if getattr(engine, "kind", "embed") == "generate":
         return CompletionApp(engine, worker, metrics.exposition, options.limits, options.generation)
     return EmbeddingApp(engine, worker, metrics.exposition, options.limits, options.batching)

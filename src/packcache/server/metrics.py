@@ -33,6 +33,15 @@ series when the worker's pid is marked dead):
                                              reason (every reason of docs/FLEET.md, 0 included)
 ``packcache_load_seconds``                   the worker's model load (cache open, map or pack)
 ``packcache_worker_info{engine,scheme,...}`` 1, with what the worker serves as labels
+``packcache_file_check{state}``              1 for the state of the background check of the
+                                             cache file it maps, 0 for the others (``none``,
+                                             ``not_started``, ``running``, ``passed``,
+                                             ``failed``, ``error``; :mod:`.filecheck`)
+``packcache_file_check_failed_packs``        packs of that file whose bytes failed their
+                                             checksum (``/healthz`` then answers 503)
+``packcache_file_check_checked_bytes``       pack bytes the check has read so far
+``packcache_file_check_finished_timestamp_`` when the check finished (Unix time; 0 until it
+``seconds``                                  did)
 ===========================================  ==============================================
 
 A worker of the ``sentence-transformers`` engine has no cache: it exports only
@@ -57,7 +66,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -71,10 +80,12 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 
 from ..stats import REMOTE_REASONS, CacheState, CacheStats, HeapReason
+from .filecheck import CheckState, FileCheck
 
 __all__ = ["WorkerMetrics", "exposition", "mark_process_dead"]
 
 _STATES = tuple(s.value for s in CacheState)
+_CHECK_STATES = tuple(s.value for s in CheckState)
 _REASONS = tuple(r.value for r in HeapReason)
 #: Seconds: an 8-text batch takes milliseconds, a 256-text batch of long texts seconds.
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -91,10 +102,23 @@ class WorkerMetrics:
     Args:
         engine, scheme, kernel_path, cache_file: what the worker serves (``worker_info``'s labels).
         load_seconds: how long its model load took.
+        file_check: what the background check of its cache file found so far
+            (:meth:`~packcache.server.filecheck.FileChecker.current`), published beside the cache's figures.
     """
 
-    def __init__(self, engine: str, scheme: str, kernel_path: str, cache_file: str, load_seconds: float) -> None:
+    def __init__(
+        self,
+        engine: str,
+        scheme: str,
+        kernel_path: str,
+        cache_file: str,
+        load_seconds: float,
+        file_check: Callable[[], FileCheck] | None = None,
+    ) -> None:
         self.pid = str(os.getpid())
+        self._file_check = file_check
+        self._check_gauges: tuple[Gauge, Gauge, Gauge, Gauge] | None = None
+        self._published_check: FileCheck | None = None
         # Written after the cache's first figures (publish): a scrape that sees a worker's info then
         # always sees its state too (the tests, and dashboards, take info as "loaded").
         self._info: tuple[str, str, str, str, float] | None = (engine, scheme, kernel_path, cache_file, load_seconds)
@@ -161,6 +185,7 @@ class WorkerMetrics:
         if stats is None:
             self._announce()
             return
+        self._publish_check()
         key = (
             stats.state, stats.heap_reason, tuple(sorted(stats.heap_bytes_by_reason.items())), stats.mapped_bytes,
             stats.file_bytes, stats.reclaimable_bytes, stats.written_bytes, stats.errno, stats.hits, stats.stored,
@@ -192,6 +217,28 @@ class WorkerMetrics:
             remote_misses.labels(name).set(stats.remote_misses_by_reason.get(name, 0))
         self._published = key
         self._announce()
+
+    def _publish_check(self) -> None:
+        """The background check's figures, when they changed (a running check's every quarter second at most)."""
+        if self._file_check is None:
+            return
+        check = self._file_check()
+        if check is self._published_check:
+            return
+        if self._check_gauges is None:
+            self._check_gauges = (
+                _gauge("packcache_file_check", "1 for the state of the background check of the cache file", ("state",)),
+                _gauge("packcache_file_check_failed_packs", "Packs of the cache file that failed their checksum"),
+                _gauge("packcache_file_check_checked_bytes", "Pack bytes the background check has read so far"),
+                _gauge("packcache_file_check_finished_timestamp_seconds", "When the check finished, 0 until then"),
+            )
+        state, failed, checked, finished = self._check_gauges
+        for name in _CHECK_STATES:
+            state.labels(name).set(1 if name == check.state else 0)
+        failed.set(check.failed_packs)
+        checked.set(check.checked_bytes)
+        finished.set(check.finished)
+        self._published_check = check
 
     def forward(self, requests: int, texts: int, tokens: int) -> None:
         """Count one forward of the model: the requests it answered, their texts and tokens."""

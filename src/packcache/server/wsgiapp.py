@@ -42,6 +42,7 @@ _STATUS = {
     413: "413 Content Too Large",
     422: "422 Unprocessable Content",
     500: "500 Internal Server Error",
+    503: "503 Service Unavailable",
 }
 
 
@@ -216,10 +217,16 @@ class WSGIApp:
         engine = self.engine
         if route in ("/healthz", "/health"):
             stats = engine.stats()
+            check = engine.file_check.current()
+            if check.damaged:
+                # A damaged pack serves wrong answers with status 200: the node must leave the load balancer (a
+                # degraded cache, or a check that could not run, still answers right). pinned by
+                # tests/test_server_filecheck.py::test_a_server_of_a_damaged_file_says_so_in_healthz_metrics_and_its_log
+                raise Refusal(503, check.reason, kind="Unhealthy")
             answer: dict[str, Any] = {
                 "status": "ok", "pid": self.pid, "engine": engine.name, "scheme": engine.scheme,
                 "state": stats.state if stats is not None else None,
-                "heap_reason": stats.heap_reason if stats is not None else None,
+                "heap_reason": stats.heap_reason if stats is not None else None, "file_check": check.state,
             }  # fmt: skip
         elif route == "/v1/models":
             answer = {"object": "list", "data": [self._model_card()]}
