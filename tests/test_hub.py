@@ -315,6 +315,7 @@ def test_a_bare_name_another_user_planted_is_refused_without_a_store(env: Any, h
         with pytest.raises(UntrustedFileError, match="owned by uid 65534"):
             hf.default_cache_path(NAME, "int8")
         assert hub.resolve_model(f"./{NAME}") == f"./{NAME}"  # spelled as a path: the path asked for
+        assert hub.model_argument(Path(NAME)).kind == "path"  # so is a pathlib.Path
         assert hub.model_argument(NAME, remote=True).kind == "name"
     finally:
         os.chdir(previous)

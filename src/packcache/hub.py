@@ -5,9 +5,9 @@ A model argument (``hf.from_pretrained``'s ``path``, ``minilm.load``'s ``model_p
 and ``build``'s checkpoint) is read by one rule, :func:`model_argument`, whatever reads it:
 
 1. **Spelled as a path** (it starts with ``/``, ``./``, ``../`` or ``~``, is ``.`` or ``..``, ends with ``/`` or
-   with ``.pcache``): that local path, taken as given (``~`` expanded: :func:`packcache._paths.expand_home`). A
-   ``*.pcache`` path is a cache file, anything else a checkpoint. Nothing there is "no such model"
-   (:class:`FileNotFoundError`).
+   with ``.pcache``; or it is a ``pathlib.Path``): that local path, taken as given (``~`` expanded:
+   :func:`packcache._paths.expand_home`). A ``*.pcache`` path is a cache file, anything else a checkpoint. Nothing
+   there is "no such model" (:class:`FileNotFoundError`).
 2. **Otherwise, with a store** (``remote=``, ``--remote``): a *published name* (:mod:`packcache.fleet.names`), which
    the caller fetches and checks against the trusted keys. A local path spelled the same is **never** taken instead
    (``passed_over`` says one is there): a directory someone left in the working directory cannot stand in for the
@@ -217,11 +217,13 @@ def model_argument(
         FormatError: a hub ref that is not a regular file holding a 40-hex commit.
     """
     value = os.fspath(text)
-    if spelled_as_path(value):
+    if not isinstance(text, str) or spelled_as_path(value):  # a pathlib.Path is a path, however it is spelled
         path = expand_home(value)
         if not os.path.lexists(path):
             # pinned by tests/test_cli.py::test_no_such_model_is_one_line_naming_what_was_given_and_exit_2
-            raise FileNotFoundError(f"no such model: {value[:200]!r}: nothing at {os.path.abspath(path)[:200]}")
+            where = os.path.abspath(path)
+            shown = "" if where == value else f" ({where[:200]})"
+            raise FileNotFoundError(f"no such model: {value[:200]!r} does not exist{shown}")
         return ModelArgument("cache_file" if path.endswith(".pcache") else "path", value, path)
     if remote:
         # pinned by tests/test_hub.py::test_a_directory_nobody_plants_never_stands_in_for_a_signed_name
@@ -267,11 +269,12 @@ def resolve_model(path: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
 
 
 def is_local_path(text: str | os.PathLike[str], *, remote: bool = False) -> bool:
-    """Whether :func:`model_argument` takes ``text`` as a local path (it says nothing of existence or trust): spelled
-    as a path (:func:`spelled_as_path`), or, without a store (``remote``), any path that exists.
+    """Whether :func:`model_argument` takes ``text`` as a local path (it says nothing of existence or trust): a
+    ``pathlib.Path``, spelled as a path (:func:`spelled_as_path`), or, without a store (``remote``), any path that
+    exists.
 
     >>> is_local_path("/models/bert"), is_local_path("~/m"), is_local_path("org/m@2")
     (True, True, False)
     """
     value = os.fspath(text)
-    return spelled_as_path(value) or (not remote and os.path.lexists(value))
+    return not isinstance(text, str) or spelled_as_path(value) or (not remote and os.path.lexists(value))

@@ -118,7 +118,7 @@ def local_model(model: str, option: str, *, hint: str = "") -> str:
 
 def check_cache_dir(args: argparse.Namespace) -> None:
     """At startup, before anything is imported or asked: a command that will put its cache file in the default cache
-    directory (``--cache-dir`` not given, nor ``--cache FILE`` nor ``--no-cache``) has one
+    directory (``--cache-dir`` not given, nor ``--cache FILE``, ``--no-cache`` or a ``*.pcache`` model) has one
     (:func:`packcache._paths.default_cache_dir`: never a path relative to the working directory).
 
     Raises:
@@ -127,6 +127,9 @@ def check_cache_dir(args: argparse.Namespace) -> None:
     if not hasattr(args, "cache_dir") or args.cache_dir is not None:
         return
     if getattr(args, "no_cache", False) or getattr(args, "cache", None) is not None:
+        return
+    given = getattr(args, "model", None) or getattr(args, "checkpoint", None)
+    if isinstance(given, str) and given.endswith(".pcache"):  # a cache file is its own cache
         return
     from .._paths import default_cache_dir
 
