@@ -317,6 +317,47 @@ def test_serve_refuses_a_bad_model_directory_in_one_line_before_any_worker_start
     assert err.startswith("packcache serve: cannot load the model: ") and f"/{file}" in err and says in err, err
 
 
+# ------------------------------------------------- no such model: one line naming what was given, one exit code
+
+
+def test_no_such_model_is_one_line_naming_what_was_given_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run/serve --model /missing/dir`` named ``/missing/config.json`` and exited 1, ``run --model notamodel``
+    printed a raw ``[Errno 2]``, an uncached hub id exited 2 with a hint that omitted the directory it had searched.
+    Every command that takes a model now says, in one line, "no such model", what was given, and where it looked
+    (the path; the hub cache and what placed it there); exit 2 (a usage error), whichever it is."""
+    from harness.cli_child import run_cli_cases
+
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    store = tmp_path / "store"
+    store.mkdir()
+    built = tmp_path / "m.pcache"
+    build(built, {"w": (1, 4096)})
+    models = {"absolute": "/missing/dir", "relative": "./missing/dir", "file": "/missing/m.pcache",
+              "hub-id": "notamodel", "org-hub-id": "org/notamodel", "neither": "not a model"}  # fmt: skip
+    commands = {
+        "run": lambda m: ["run", "--model", m, "--cache-dir", str(tmp_path / "c")],
+        "build": lambda m: ["build", m, "--cache-dir", str(tmp_path / "c")],
+        "serve": lambda m: ["serve", "--model", m, "--cache-dir", str(tmp_path / "c")],
+        "fetch": lambda m: ["fetch", str(store), "--model", m, "--cache-dir", str(tmp_path / "c")],
+        "publish": lambda m: ["publish", str(built), str(store), "--model", m],
+    }
+    cases = [(f"{c}/{k}", argv(m)) for c, argv in commands.items() for k, m in models.items()]
+    outcomes = run_cli_cases(cases, seconds=60)
+    for name, outcome in outcomes.items():
+        kind = name.split("/")[1]
+        err = outcome["stderr"]
+        assert outcome.get("rc") == 2 and len(err.strip().splitlines()) == 1, (name, outcome)
+        assert "no such model: " in err and repr(models[kind]) in err and "Errno" not in err, (name, err)
+        if kind.endswith("hub-id"):
+            assert f"Hugging Face hub cache {hub} ($HF_HUB_CACHE)" in err, (name, err)
+        elif kind != "neither":
+            assert "does not exist" in err and os.path.abspath(models[kind]) in err, (name, err)
+    assert list(store.iterdir()) == [] and not (tmp_path / "c").exists()
+
+
 # ------------------------------------- $PACKCACHE_KERNEL_PATH checked at startup; --kernel-path wins over it
 
 

@@ -128,9 +128,10 @@ def test_run_forces_a_kernel_path(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_run_with_a_bad_model_path_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "--cache-dir", str(tmp_path), "--model", str(tmp_path / "missing")]) == 1
+    """No such model is a usage error (exit 2), naming the path given (test_cli.py has every command's)."""
+    assert main(["run", "--cache-dir", str(tmp_path), "--model", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
-    assert "cannot load the model" in err and "Traceback" not in err
+    assert f"no such model: '{tmp_path / 'missing'}'" in err and "Traceback" not in err, err
 
 
 def test_run_says_when_superseded_packs_outweigh_live_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -854,8 +854,8 @@ def test_build_fails_when_the_file_cannot_hold_the_model(
     assert code == 1
     assert report["stats"]["heap_bytes"] > 0 and report["stats"]["errno"] == 20  # ENOTDIR, served from heap
     code, failed = _build(capsys, str(tmp_path / "missing"), "--scheme", "int8", "--cache", str(tmp_path / "c.pcache"))
-    assert code == 1
-    assert "packcache build: cannot load the checkpoint" in failed["stderr"] and "does not exist" in failed["stderr"]
+    assert code == 2  # no such model: a usage error, in every command (tests/test_cli.py)
+    assert "packcache build: the checkpoint: no such model" in failed["stderr"] and "does not exist" in failed["stderr"]
     assert not (tmp_path / "c.pcache").exists()
 
 

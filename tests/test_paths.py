@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +301,132 @@ def test_a_directory_swapped_for_a_symlink_during_the_walk_is_never_written_thro
     moved = Path(f"{cache_dir}.moved")
     assert (moved / "model.pcache").is_file(), "the new file went to the directory that was checked"
     assert not [p.name for p in moved.iterdir() if ".tmp-" in p.name]
+
+
+# --------------------------------------------------------------------------- the default cache directory and home
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+UNUSED_UID = 54321  # a uid with no passwd entry (checked): a container run under an arbitrary uid
+
+
+def _without_cache_variables(**extra: str) -> dict[str, str]:
+    """This process's environment without what places the default cache (the suite's conftest sets them)."""
+    gone = ("PACKCACHE_DIR", "PACKCACHE_DIGEST_DIR", "XDG_CACHE_HOME", "HOME", "HF_HUB_CACHE", "HF_HOME")
+    return {**{k: v for k, v in os.environ.items() if k not in gone}, "PYTHONPATH": str(SRC), **extra}
+
+
+def test_every_directory_made_on_the_way_to_the_default_cache_gets_the_private_mode(tmp_path: Path) -> None:
+    """``os.makedirs(mode=0o700)`` gives the mode to the last directory only, through the umask: a first ``packcache
+    build`` with a new home made ``~/.cache`` and ``~/.cache/packcache`` 0755 (the README says 0700), and the
+    digest cache's ``makedirs`` was the first to make them. Every directory made on the way is 0700 now, whatever the
+    umask, and one that was there is left as it was."""
+    from harness.checkpoints import tiny_bert
+
+    checkpoint = tiny_bert(tmp_path / "ckpt", seed=1)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)
+    done = subprocess.run(
+        [sys.executable, "-m", "packcache", "build", str(checkpoint), "--scheme", "int8", "--json"],
+        env=_without_cache_variables(HOME=str(home)), capture_output=True, text=True, timeout=300, umask=0o022,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    made = [home / ".cache", home / ".cache" / "packcache", home / ".cache" / "packcache" / "digests"]
+    assert {str(p.relative_to(home)): oct(_mode(p)) for p in made} == {str(p.relative_to(home)): "0o700" for p in made}
+    assert _mode(home) == 0o755  # there before: not changed
+    assert list((home / ".cache" / "packcache").glob("bert-int8-*.pcache")), "the cache file went elsewhere"
+    # the one helper, under any umask: every directory it makes gets exactly the mode asked for
+    from packcache._paths import make_dirs
+
+    old = os.umask(0o077)
+    try:
+        assert make_dirs(tmp_path / "a" / "b" / "c", 0o750) == str(tmp_path / "a" / "b" / "c")
+    finally:
+        os.umask(old)
+    assert [_mode(tmp_path / p) for p in ("a", "a/b", "a/b/c")] == [0o750] * 3
+    os.chmod(tmp_path / "a", 0o711)
+    make_dirs(tmp_path / "a" / "d", 0o700)
+    assert (_mode(tmp_path / "a"), _mode(tmp_path / "a" / "d")) == (0o711, 0o700)
+
+
+_NO_HOME = r"""
+import contextlib, io, json, os, sys
+from packcache import _paths, hub
+from packcache.cli import main
+from packcache.cli import build_parser
+import locale, packcache.cli._common  # imported as root, parser and all: the interpreter lies under /root (0700)
+build_parser().parse_args(["run"])
+os.setgroups([])
+os.setgid(UID)
+os.setuid(UID)
+os.chdir(sys.argv[1])
+found = {}
+for name, call in [("default_cache_dir", _paths.default_cache_dir), ("hub_cache_dir", hub.hub_cache_dir),
+                   ("home", lambda: hub.model_argument("~/m"))]:
+    try:
+        found[name] = ["returned", str(call())]
+    except Exception as exc:
+        found[name] = [type(exc).__name__, str(exc)]
+for command in (["run", "--model", "/nowhere"], ["build", "/nowhere"], ["fetch", "/nowhere", "--name", "org/m"]):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            found[command[0]] = [main(command), err.getvalue()]
+    except BaseException as exc:  # past the refusal: whatever the command went on to do
+        found[command[0]] = [repr(exc), err.getvalue()]
+print(json.dumps(found))
+""".replace("UID", str(UNUSED_UID))
+
+
+@pytest.mark.root
+def test_no_home_and_no_passwd_entry_is_refused_never_a_path_under_the_cwd(env: Env) -> None:
+    """A process whose uid has no passwd entry, with ``HOME`` unset (a container under an arbitrary uid):
+    ``expanduser("~")`` is ``"~"`` itself, so the default cache was ``./~/.cache/packcache``, under whatever
+    directory the process ran in. Now there is no default cache directory: the library says so in one line (what
+    to set), the commands refuse at startup (exit 2), and nothing is made in the working directory."""
+    import json
+    import pwd
+
+    with pytest.raises(KeyError):
+        pwd.getpwuid(UNUSED_UID)
+    cwd = env.case_dir("no-home") / "shared"  # reachable by any user
+    cwd.mkdir()
+    os.chmod(cwd, 0o1777)  # the child may write here, as it may in /tmp
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_HOME, str(cwd)], env=_without_cache_variables(), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    for name in ("default_cache_dir", "hub_cache_dir", "home"):
+        kind, message = found[name]
+        assert kind == "FileNotFoundError" and "no home directory: HOME is unset" in message, (name, found[name])
+        assert f"uid {UNUSED_UID} has no passwd entry" in message and "PACKCACHE_DIR" in message, message
+    for command in ("run", "build", "fetch"):
+        code, err = found[command]
+        assert code == 2 and "no default cache directory" in err and "--cache-dir" in err, (command, code, err)
+        assert len(err.strip().splitlines()) == 1, err
+    assert list(cwd.iterdir()) == [], "something was made under the working directory"
+
+
+def test_a_relative_xdg_cache_home_is_ignored_and_a_relative_home_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The XDG base directory specification: a relative ``$XDG_CACHE_HOME`` is invalid and ignored (it was used,
+    relative to whatever directory the process ran in); a relative ``$HOME`` gives way to the passwd entry."""
+    import pwd
+
+    from packcache import _paths, hub
+
+    monkeypatch.delenv("PACKCACHE_DIR", raising=False)
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", "/home/u")
+    monkeypatch.setenv("XDG_CACHE_HOME", "cache")
+    assert _paths.default_cache_dir() == "/home/u/.cache/packcache"
+    assert hub.hub_cache_dir() == "/home/u/.cache/huggingface/hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", "/x")
+    assert (_paths.default_cache_dir(), hub.hub_cache_dir()) == ("/x/packcache", "/x/huggingface/hub")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "relative/home")
+    entry = pwd.getpwuid(os.geteuid()).pw_dir
+    assert _paths.default_cache_dir() == os.path.join(entry, ".cache", "packcache")
+    assert _paths.expand_home("~/m") == os.path.join(entry, "m")

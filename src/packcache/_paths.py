@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import errno as errno_mod
 import os
+import pwd
 import stat
 from collections import deque
 
@@ -54,6 +55,8 @@ __all__ = [
     "TrustedParent",
     "default_cache_dir",
     "entry_problem",
+    "expand_home",
+    "make_dirs",
     "open_checked",
     "open_for_reading",
     "open_trusted_parent",
@@ -64,6 +67,7 @@ __all__ = [
     "resolve_trusted",
     "trust_problem",
     "user_cache_home",
+    "xdg_cache_home",
 ]
 
 #: Seconds a writer waits for another process's build lock by default: :data:`packcache._defaults.LOCK_TIMEOUT`
@@ -72,14 +76,113 @@ DEFAULT_LOCK_TIMEOUT = LOCK_TIMEOUT
 
 
 def default_cache_dir() -> str:
-    """Where cache files go by default: ``$PACKCACHE_DIR``, else :func:`user_cache_home`."""
+    """Where cache files go by default: ``$PACKCACHE_DIR``, else :func:`user_cache_home`.
+
+    Raises:
+        FileNotFoundError: no ``$PACKCACHE_DIR`` and this user has no cache home (:func:`user_cache_home`).
+    """
     return os.environ.get("PACKCACHE_DIR") or user_cache_home()
 
 
 def user_cache_home() -> str:
-    """packcache's directory in this user's own cache: ``$XDG_CACHE_HOME/packcache``, else ``~/.cache/packcache``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "packcache")
+    """packcache's directory in this user's own cache: ``$XDG_CACHE_HOME/packcache`` when that is an absolute path
+    (a relative one is ignored, as the XDG base directory specification says), else ``<home>/.cache/packcache``
+    (:func:`home_dir`). Never a path relative to the working directory.
+
+    Raises:
+        FileNotFoundError: neither an absolute ``$XDG_CACHE_HOME`` nor a home directory (:func:`home_dir`).
+    """
+    return os.path.join(xdg_cache_home(), "packcache")
+
+
+def xdg_cache_home() -> str:
+    """This user's cache directory: ``$XDG_CACHE_HOME`` when absolute (a relative value is ignored, as the XDG base
+    directory specification says), else ``<home>/.cache``.
+
+    Raises:
+        FileNotFoundError: as :func:`home_dir`, when ``$XDG_CACHE_HOME`` is unset, empty or relative.
+    """
+    given = os.environ.get("XDG_CACHE_HOME")
+    if given and os.path.isabs(given):
+        return given
+    return os.path.join(home_dir(), ".cache")
+
+
+def home_dir() -> str:
+    """This user's home directory, always an absolute path: ``$HOME`` when absolute, else the passwd entry of the
+    effective user. ``os.path.expanduser("~")`` returns ``"~"`` itself when both are missing (a container run under
+    an arbitrary uid with ``HOME`` unset), which every path built on it made relative to the working directory.
+
+    Raises:
+        FileNotFoundError: neither (one line saying what to set).
+    """
+    # pinned by tests/test_paths.py::test_no_home_and_no_passwd_entry_is_refused_never_a_path_under_the_cwd
+    given = os.environ.get("HOME")
+    if given and os.path.isabs(given):
+        return given
+    uid = os.geteuid()
+    try:
+        entry = pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        entry = ""
+    if entry and os.path.isabs(entry):
+        return entry
+    shown = f"HOME={given!r} is not an absolute path" if given else "HOME is unset"
+    raise FileNotFoundError(
+        f"no home directory: {shown} and uid {uid} has no passwd entry with one; set PACKCACHE_DIR (where cache files "
+        "go) or XDG_CACHE_HOME (this user's cache) to an absolute path, or HOME"
+    )
+
+
+def expand_home(path: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded as ``os.path.expanduser`` does, except that ``~`` is
+    :func:`home_dir` (never left as a relative ``~`` directory) and a ``~user`` with no such user is refused.
+
+    Raises:
+        FileNotFoundError: ``~`` with no home directory, or ``~user`` of an unknown user.
+    """
+    if not path.startswith("~"):
+        return path
+    user, sep, rest = path[1:].partition("/")
+    if not user:
+        return home_dir() + sep + rest if rest else home_dir()
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~") or not os.path.isabs(expanded):
+        raise FileNotFoundError(f"{path[:120]!r}: no user {user[:60]!r} to expand '~{user[:60]}' for")
+    return expanded
+
+
+def make_dirs(directory: str | os.PathLike[str], mode: int, *, what: str = "cache directory") -> str:
+    """``mkdir -p directory``: every directory it creates on the way gets exactly ``mode``, whatever the umask
+    (``os.makedirs(mode=)`` gives it to the last one only, and through the umask); one that exists is never changed.
+    Never through a symlink another user may have planted (:func:`resolve_trusted`). Returns the resolved path.
+
+    Raises:
+        UntrustedFileError: a symlink on the way fails the rule (nothing is made where it points).
+        OSError: a directory cannot be made.
+    """
+    # pinned by tests/test_paths.py::test_every_directory_made_on_the_way_to_the_default_cache_gets_the_private_mode
+    real = resolve_trusted(os.path.abspath(os.fspath(directory)), what=what)
+    missing = []
+    here = real
+    while not os.path.isdir(here):
+        missing.append(here)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    for made in reversed(missing):
+        try:
+            os.mkdir(made, mode)
+        except FileExistsError:
+            continue  # made meanwhile by another process: not ours to change
+        fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            if os.fstat(fd).st_uid == os.geteuid():  # the one made here, not one swapped in after the mkdir
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    return real
 
 
 _KINDS = {

@@ -16,7 +16,7 @@ import time
 
 from . import _faults as faults
 from ._faults import Fault
-from ._paths import resolve_trusted
+from ._paths import make_dirs, resolve_trusted
 from ._sidefiles import acquire_build_lock, close_if_same, file_identity, remove_orphans, wait_for_flock
 from ._store_state import StoreStateError
 from .stats import HeapReason
@@ -39,20 +39,7 @@ def ensure_dir(path: str, dir_mode: int) -> None:
     # link at the cache path is ``open_failed`` (ENOENT), as before; never through a symlink another user planted.
     # pinned by tests/test_paths.py::test_a_symlink_nobody_plants_in_a_sticky_directory_is_untrusted_and_its_target_kept
     # and tests/test_torch.py::test_the_loaders_take_any_kind_of_file_at_a_cache_file_path
-    directory = resolve_trusted(os.path.dirname(os.path.abspath(path)))
-    missing = []
-    while not os.path.isdir(directory):
-        missing.append(directory)
-        parent = os.path.dirname(directory)
-        if parent == directory:
-            break
-        directory = parent
-    for made in reversed(missing):
-        try:
-            os.mkdir(made, dir_mode)
-        except FileExistsError:
-            continue  # created meanwhile by another process: not ours to chmod
-        os.chmod(made, dir_mode)
+    make_dirs(os.path.dirname(os.path.abspath(path)), dir_mode)
 
 
 def _lock_reason_with_file(err: int | None) -> HeapReason:

@@ -61,7 +61,7 @@ from ._paths import default_cache_dir
 from .bundle import ST_TRANSFORMER_REFS, Bundle, is_cache_file, open_bundle, transformer_folder
 from .cache import WeightCache
 from .errors import FormatError
-from .hub import resolve_model
+from .hub import model_argument, resolve_model
 from .loader import resolve
 from .packers import SCHEMES
 from .torch import ConversionReport
@@ -222,33 +222,39 @@ def from_pretrained(
 def _named(
     path: str | os.PathLike[str], scheme: str | None, group_size: int | None, options: dict[str, Any]
 ) -> tuple[str | os.PathLike[str], Any]:
-    """``(path, None)`` for a local path; for a hub id without ``remote=``, its snapshot directory in the local hub
-    cache (:func:`packcache.hub.resolve_model`) and ``None``; for a published name with ``remote=``, the local cache
-    file it names once fetched (:func:`packcache.fleet.names.fetch_name`) and the fetch's report. ``options``: the
+    """What ``path`` names, by the one rule of every model argument (:func:`packcache.hub.model_argument`), as a local
+    path and the fetch's report (``None`` unless fetched): a local path; without ``remote=``, an existing relative path
+    no other user could have planted, or a hub id's snapshot directory in the local hub cache; with ``remote=``, a
+    published name, fetched (:func:`packcache.fleet.names.fetch_name`) to its local cache file. ``options``: the
     remote keywords as given (``None``, ``()`` and ``False`` are "not given").
 
     Raises:
         ValueError: remote options with a local path or without ``remote=``, or a malformed name, hub id or URL.
-        FileNotFoundError: a hub id the local hub cache does not hold (one line naming where it looked).
+        FileNotFoundError: no such model (nothing at a path, a hub id the local hub cache does not hold: one line
+            naming where it looked).
+        UntrustedFileError: a relative path another user could have planted, given without ``./``.
         RemoteError: the fetch failed.
     """
     options = {k: v for k, v in options.items() if v not in (None, (), [], False)}
-    from .fleet.names import fetch_name, is_local_path
+    from .fleet.names import fetch_name
 
-    if is_local_path(path):
+    remote = options.get("remote")
+    if remote is None and options:
+        raise ValueError(f"{sorted(options)} given without remote=URL: they are for a published name's store")
+    # pinned by tests/test_hub.py::test_a_directory_nobody_plants_never_stands_in_for_a_signed_name
+    found = model_argument(path, remote=remote is not None)
+    if found.kind != "name":
         if options:
             raise ValueError(
                 f"{os.fspath(path)!r} is a local path: remote options are for a published name (for a cache that "
                 "fetches on a miss, pass cache=WeightCache(path, remote=URL, ...))"
             )
-        return path, None
-    if options.get("remote") is None:
-        if options:
-            raise ValueError(f"{sorted(options)} given without remote=URL: they are for a published name's store")
+        assert found.path is not None
         # pinned by tests/test_hub.py::test_a_hub_id_loads_from_the_local_hub_cache_offline
-        return resolve_model(path), None
+        return found.path, None
+    assert remote is not None  # only a store makes a name a published one
     report = fetch_name(
-        options["remote"], os.fspath(path), cache_dir=options.get("cache_dir"),
+        remote, found.given, cache_dir=options.get("cache_dir"),
         trusted_keys=options.get("trusted_keys", ()), allow_unsigned=bool(options.get("allow_unsigned", False)),
         timeout=options.get("remote_timeout") or REMOTE_TIMEOUT,
         total_timeout=options.get("fetch_timeout") or FETCH_DEADLINE, scheme=scheme, group_size=group_size,

@@ -70,7 +70,7 @@ from typing import Any
 
 from . import _defaults
 from ._cachename import model_cache_name  # docs/TORCH.md names it here, beside the identities it is made of
-from ._paths import open_checked, replaceable, resolve_trusted, trust_problem, user_cache_home
+from ._paths import make_dirs, open_checked, replaceable, resolve_trusted, trust_problem, user_cache_home
 from ._sidefiles import parse_temp_name, pid_alive, read_record, write_record
 from .errors import FormatError
 
@@ -461,10 +461,18 @@ class _Records:
 def _records(*, create: bool = False) -> Iterator[_Records]:
     """The digest cache directory (created ``0700`` with ``create``), opened and checked: this user's or root's,
     writable by its owner only. One that cannot be used finds nothing and records nothing (said once)."""
-    path = digest_dir()
+    try:
+        path = digest_dir()
+    except FileNotFoundError as exc:  # no home to keep it in (packcache._paths.home_dir): hashed every launch
+        if create:
+            _unusable("(none)", str(exc))
+        yield _Records("", None)
+        return
     if create:
         with contextlib.suppress(OSError):
-            os.makedirs(path, mode=_defaults.PRIVATE_DIR_MODE, exist_ok=True)
+            # every directory made on the way is 0700, not only the last; pinned by tests/test_paths.py::
+            #   test_every_directory_made_on_the_way_to_the_default_cache_gets_the_private_mode
+            make_dirs(path, _defaults.PRIVATE_DIR_MODE, what="digest cache")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:

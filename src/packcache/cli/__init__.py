@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from .._paths import default_cache_dir
 from ..errors import FormatError, LockTimeoutError, RemoteError, UntrustedFileError
 from . import _fleet, _model, _operator, _serve
-from ._common import EXIT_FAILED, EXIT_USAGE, Out, UsageError, sanitize
+from ._common import EXIT_FAILED, EXIT_USAGE, Out, UsageError, check_cache_dir, sanitize
 
 __all__ = ["default_cache_dir", "main", "sanitize"]
 
@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A hostile file or path ends here as one sanitised line (names in messages may hold
     # escape sequences or newlines), never as a traceback. Anything else is a bug: let it show.
     try:
+        check_cache_dir(args)
         return int(args.func(args, out))
     except UsageError as exc:
         print(f"packcache {args.command}: {sanitize(str(exc))}", file=sys.stderr)

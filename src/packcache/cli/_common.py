@@ -7,12 +7,14 @@ import json
 from typing import Any, TextIO
 
 __all__ = [
-    "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "Out", "UsageError", "add_trust_options", "chosen_group_size",
-    "chosen_scheme", "mib", "builder_text", "days", "local_model", "positive", "sanitize", "seconds", "store_url",
+    "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "Out", "UsageError", "add_trust_options", "check_cache_dir",
+    "chosen_group_size", "chosen_scheme", "mib", "builder_text", "days", "local_model", "model_argument", "positive",
+    "sanitize", "seconds", "store_url",
 ]  # fmt: skip
 
 
-#: Exit codes: success, a check failed (or the work could not be done), a usage error.
+#: Exit codes: success, a check failed (or the work could not be done), a usage error (an argument that names no
+#: model among them: no such path, a hub id the local hub cache lacks, a path another user could have planted).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MIB = float(1 << 20)
 
@@ -81,22 +83,61 @@ def chosen_group_size(args: argparse.Namespace) -> int | None:
     return GROUP_SIZE
 
 
-def local_model(model: str, option: str, *, hint: str = "") -> str:
-    """A model argument as a local path: itself when it is one, else the snapshot of the hub id it is in the
-    local Hugging Face hub cache (:func:`packcache.hub.resolve_model`: offline, never the network).
+def model_argument(model: str, option: str, *, remote: bool = False, hint: str = "") -> Any:
+    """What a model argument names, by the library's one rule (:func:`packcache.hub.model_argument`: a path spelled
+    as one; with a store (``remote``) a published name; an existing relative path no other user could have planted;
+    a hub id in the local Hugging Face hub cache, offline). Returns its :class:`~packcache.hub.ModelArgument`.
 
     Raises:
-        UsageError: neither a local path nor a hub id the hub cache holds: one line naming where it looked,
-            then ``hint`` (``--remote URL`` for a published name, where the command fetches one).
+        UsageError: no such model (nothing at the path; a hub id the hub cache does not hold, naming where it
+            looked), a relative path another user could have planted, a malformed name: one line, then ``hint``
+            (``--remote URL`` for a published name, where the command fetches one). Exit 2, whichever it is.
     """
     from ..errors import FormatError, UntrustedFileError
-    from ..hub import resolve_model
+    from ..hub import model_argument as what_it_names
 
-    # pinned by tests/test_hub.py::test_the_cli_takes_a_hub_id_and_says_in_one_line_where_it_looked
+    # pinned by tests/test_cli.py::test_no_such_model_is_one_line_naming_what_was_given_and_exit_2
     try:
-        return resolve_model(model)
+        return what_it_names(model, remote=remote)
     except (ValueError, FormatError, UntrustedFileError, OSError) as exc:
-        raise UsageError(f"{option} {sanitize(str(exc))}{hint}") from None
+        raise UsageError(f"{option}: {sanitize(str(exc))}{hint}") from None
+
+
+def local_model(model: str, option: str, *, hint: str = "") -> str:
+    """A model argument given without a store as a local path (:func:`model_argument`): itself when spelled as a
+    path, an existing relative path no other user could have planted (as ``./PATH``), else the snapshot of the hub
+    id it is in the local Hugging Face hub cache (offline, never the network).
+
+    Raises:
+        UsageError: as :func:`model_argument`.
+    """
+    # pinned by tests/test_hub.py::test_the_cli_takes_a_hub_id_and_says_in_one_line_where_it_looked
+    found = model_argument(model, option, hint=hint)
+    return str(found.path)
+
+
+def check_cache_dir(args: argparse.Namespace) -> None:
+    """At startup, before anything is imported or asked: a command that will put its cache file in the default cache
+    directory (``--cache-dir`` not given, nor ``--cache FILE``, ``--no-cache`` or a ``*.pcache`` model) has one
+    (:func:`packcache._paths.default_cache_dir`: never a path relative to the working directory).
+
+    Raises:
+        UsageError: there is none (no ``$PACKCACHE_DIR``, no absolute ``$XDG_CACHE_HOME``, no home directory).
+    """
+    if not hasattr(args, "cache_dir") or args.cache_dir is not None:
+        return
+    if getattr(args, "no_cache", False) or getattr(args, "cache", None) is not None:
+        return
+    given = getattr(args, "model", None) or getattr(args, "checkpoint", None)
+    if isinstance(given, str) and given.endswith(".pcache"):  # a cache file is its own cache
+        return
+    from .._paths import default_cache_dir
+
+    # pinned by tests/test_paths.py::test_no_home_and_no_passwd_entry_is_refused_never_a_path_under_the_cwd
+    try:
+        default_cache_dir()
+    except FileNotFoundError as exc:
+        raise UsageError(f"no default cache directory: {exc}; or give --cache-dir DIR") from None
 
 
 def positive(text: str) -> int:

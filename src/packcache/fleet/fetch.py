@@ -45,7 +45,15 @@ from typing import Any
 from .. import _defaults
 from .. import _faults as faults
 from .. import format as fmt
-from .._paths import TrustedParent, open_checked, open_trusted_parent, resolve_trusted, trust_problem, user_cache_home
+from .._paths import (
+    TrustedParent,
+    make_dirs,
+    open_checked,
+    open_trusted_parent,
+    resolve_trusted,
+    trust_problem,
+    user_cache_home,
+)
 from .._progress import bar as progress_bar
 from .._sidefiles import (
     acquire_build_lock,
@@ -214,7 +222,7 @@ def fetch(
         # The file the cache would open: never through a symlink another user planted (the cache refuses it as
         # untrusted; renaming over its target destroyed a root-owned file); pinned by
         #   tests/test_fleet_trust.py::test_fetch_through_a_symlink_nobody_planted_is_refused_and_its_target_kept
-        os.makedirs(resolve_trusted(os.path.dirname(name)), mode=dir_mode, exist_ok=True)  # as the cache makes them
+        make_dirs(os.path.dirname(name), dir_mode)  # as the cache makes them: each directory made gets dir_mode
         real = resolve_trusted(name)  # what the directories made resolve to
         lock_fd = acquire_build_lock(real, lock_timeout, file_mode)  # as FileStore opens it
         try:
@@ -547,7 +555,7 @@ def _accept(
     data = json.dumps(fields).encode()
     with contextlib.suppress(OSError):
         if dir_fd is None:
-            os.makedirs(directory, mode=_defaults.PRIVATE_DIR_MODE, exist_ok=True)
+            make_dirs(directory, _defaults.PRIVATE_DIR_MODE, what="record directory")
             if trust_problem(os.stat(directory), directory=True) is not None:
                 return
         # The cache's directory: the record is this user's file, mode 0600, by temp + rename (read_record

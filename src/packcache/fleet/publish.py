@@ -49,6 +49,7 @@ from .._paths import open_checked
 from .._progress import bar as progress_bar
 from .._sidefiles import acquire_build_lock, still_linked
 from ..errors import FormatError, RemoteError
+from ..hub import hub_cache_dir
 from ..identity import hash_file, recorded_location
 from ..maintenance import verify
 from .manifest import (
@@ -457,10 +458,9 @@ def _candidates(sha256: str, size: int, given: dict[int, list[str]]) -> Iterator
     seen = recorded_location(sha256)
     if seen is not None:
         yield seen
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub"
-    )
-    with contextlib.suppress(OSError), os.scandir(hub) as it:
+    # the hub cache the hub ids resolve in (packcache.hub.hub_cache_dir, the hub client's own order); none (no home
+    # to find it in, or missing): no candidate from it
+    with contextlib.suppress(OSError), os.scandir(hub_cache_dir()) as it:
         for repo in it:
             if repo.name.startswith("models--"):
                 blob = os.path.join(repo.path, "blobs", sha256)
