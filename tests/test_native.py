@@ -501,15 +501,19 @@ def retype_entry(path: Path, suffix: str, dtype: str, shape: tuple[int, ...]) ->
 _ANSWERS = """
     import json, sys, torch
     from packcache import hf
+    from packcache.torch import check_kernels
     for path, tokens in json.loads(sys.argv[1]):
-        try:
-            model = hf.from_pretrained(path)  # maps: the parts are checked at their first use
-            with torch.inference_mode():  # 1 token: the compiled kernels of a decode step; 80: torch's kernels
-                logits = model(input_ids=torch.arange(1, tokens + 1)[None]).logits
-        except Exception as error:
-            print("refused", type(error).__name__, error, flush=True)
-        else:
-            print("answered", bool(logits.isfinite().all()), logits.flatten()[:3].tolist(), flush=True)
+        for start in (True, False):  # a server's start (check_kernels), or a first forward
+            try:
+                model = hf.from_pretrained(path)  # maps: the parts are checked at their first use
+                if start:
+                    check_kernels(model)
+                with torch.inference_mode():  # 1 token: the compiled kernels of a decode step; 80: torch's kernels
+                    logits = model(input_ids=torch.arange(1, tokens + 1)[None]).logits
+            except Exception as error:
+                print("refused", type(error).__name__, error, flush=True)
+            else:
+                print("answered", bool(logits.isfinite().all()), logits.flatten()[:3].tolist(), flush=True)
 """
 
 _DOWN = "layer 'model.layers.0.mlp.down_proj': packed operand"
@@ -545,9 +549,10 @@ def test_retyped_parts_of_a_cache_file_are_refused_before_a_kernel_reads_them(
     result = _child(_ANSWERS.replace("sys.argv[1]", repr(json.dumps(cases))))  # one child: it imports transformers
     answers = result.stdout.splitlines()
     assert result.returncode == 0, f"the child died ({result.returncode}) after {answers}:\n{result.stderr[-3000:]}"
-    assert answers[0].startswith("answered True"), answers[0]
-    for (case, (*_, refusal)), answer in zip(_RETYPED.items(), answers[1:], strict=True):
-        assert answer.startswith(f"refused PackResultError {refusal}"), (case, answer)
+    assert answers[0].startswith("answered True") and answers[1] == answers[0], answers[:2]
+    for (case, (*_, refusal)), at_start, at_forward in zip(_RETYPED.items(), answers[2::2], answers[3::2], strict=True):
+        assert at_start.startswith(f"refused PackResultError {refusal}"), (case, at_start)
+        assert at_forward == at_start, (case, at_forward)
 
 
 # ------------------------------------------------------------------ no operand reaches the C code unchecked
