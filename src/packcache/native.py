@@ -11,6 +11,8 @@ from the cache mapping, for a few rows of activations (a decode step, a short pr
 ``bf16``
     ``torch.linear.bf16`` packs. Activations rounded to bfloat16 (as torch's bf16 ``linear`` does), products
     accumulated in float32: ``vdpbf16ps`` on AVX512-BF16, widening and FMA on AVX2.
+``int4``
+    ``torch.int4wo`` packs in torch's CPU layout, bfloat16 scales and zeros per group; activations as for int8.
 
 **Dispatch.** The CPU decides the code (:func:`status`): ``avx512`` needs AVX512F/BW/VL, VNNI and BF16;
 ``avx2`` needs AVX2, FMA and F16C. ``$PACKCACHE_NATIVE`` overrides it: ``auto`` (the default: the best the
