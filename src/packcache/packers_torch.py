@@ -309,15 +309,22 @@ float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
         reinterpret = self.part_dtypes()
         return {part: _part_tensor(value, reinterpret.get(part), name, part) for part, value in parts.items()}
 
+    def _bound(self, operands: Operands) -> native.Bound:
+        """``operands`` bound: as they are if they already are (a :class:`packcache.native.Bound`, or the
+        :attr:`Prepared.bound` of prepared ones), else by :meth:`bind`."""
+        if isinstance(operands, native.Bound):
+            return operands
+        return operands.bound if isinstance(operands, Prepared) else self.bind(operands)
+
     def prepare(self, operands: Operands, path: str) -> dict[str, torch.Tensor | None]:
-        """What :meth:`linear` reads on ``path``: the operands bound (:meth:`bind`, unless they already are a
-        :class:`packcache.native.Bound`), with the small per-channel vectors (bias, scales) converted to the path's
-        dtype once instead of at every call. A :class:`Prepared` mapping.
+        """What :meth:`linear` reads on ``path``: the operands bound (:meth:`bind`, unless they already are: a
+        :class:`packcache.native.Bound`, or prepared), with the small per-channel vectors (bias, scales) converted
+        to the path's dtype once instead of at every call. A :class:`Prepared` mapping.
 
         Raises:
             PackResultError: the operands do not fit their layout (:meth:`bind`).
         """
-        bound = operands if isinstance(operands, native.Bound) else self.bind(operands)
+        bound = self._bound(operands)
         prepared = Prepared(bound)
         bias = bound["bias"]
         # the compiled kernels add the float32 bias of the bound operands themselves, on either path
@@ -326,7 +333,8 @@ float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         """``x @ W.T + bias`` for a 2-d contiguous ``x`` in the path's dtype, with operands from
-        :meth:`prepare`; returns ``[rows, out_features]`` in the same dtype."""
+        :meth:`prepare` (a :class:`Prepared`: anything else raises ``TypeError``, since only those were checked);
+        returns ``[rows, out_features]`` in the same dtype."""
         raise NotImplementedError
 
     def kernel(self, path: str, rows: int) -> str:
@@ -346,10 +354,11 @@ float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows ``ids`` (any shape of indices; result ``[*ids.shape, dim]``) of the weight a pack stands
         for, bit for bit the rows of :meth:`dequantized`: only those rows are read (``F.embedding`` over the packed
-        parts) and widened, never the whole table.
+        parts) and widened, never the whole table. ``operands``: bound (:meth:`bind`), or bound here.
 
         Raises:
             NotImplementedError: this packer's packs are not embedding tables (:attr:`embeds` is False).
+            PackResultError: the parts do not fit the packer's layout.
         """
         raise NotImplementedError(f"packer {self.id} does not pack embedding tables")
 
@@ -451,18 +460,12 @@ def _shape(parts: Mapping[str, Any], part: str, ndim: int) -> tuple[int, ...]:
     return tuple(int(n) for n in value.shape)
 
 
-def _native_product(op: str, x: torch.Tensor, operands: Operands, group: int = 0, block: int = 0) -> torch.Tensor:
+def _native_product(op: str, x: torch.Tensor, operands: Prepared, group: int = 0, block: int = 0) -> torch.Tensor:
     """``x @ W.T + bias`` by the compiled ``op`` over a layer's operands from :meth:`TorchPacker.prepare`: it reads
     only their :attr:`Prepared.bound`, checked when they were bound (``int4``: ``weight`` in torch's layout of
     ``block`` rows, ``scales_and_zeros`` per ``group``, the input scales unless ``prepare`` found them all ones);
     ``x`` contiguous float32 or bfloat16, the result in its dtype.
-
-    Raises:
-        TypeError: the operands did not come from :meth:`TorchPacker.prepare` (pinned by
-            tests/test_native.py::test_bound_operands_are_made_only_by_the_check_and_a_copy_is_checked_again).
     """
-    if not isinstance(operands, Prepared):
-        raise TypeError(f"the compiled {op} product reads operands from TorchPacker.prepare(), got {type(operands)}")
     threads = torch.get_num_threads()
     if op == "int4":
         scaled = operands.get("input_scales") is not None
@@ -520,6 +523,14 @@ def _check_rows(
             )
 
 
+def _prepared(operands: Operands) -> Prepared:
+    """The operands a forward reads: only what :meth:`TorchPacker.prepare` made, whose parts were checked (pinned by
+    tests/test_native.py::test_bound_operands_are_made_only_by_the_check_and_a_copy_is_checked_again)."""
+    if not isinstance(operands, Prepared):
+        raise TypeError(f"a packed layer's forward reads operands from TorchPacker.prepare(), got {type(operands)}")
+    return operands
+
+
 def _tensor(operands: Operands, name: str) -> torch.Tensor:
     tensor = operands[name]
     if tensor is None:
@@ -557,6 +568,7 @@ class LinearFloat32(TorchPacker):
         return 1e-4
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        operands = _prepared(operands)
         return F.linear(x, _tensor(operands, "weight"), operands.get("bias"))
 
     def kernel(self, path: str, rows: int) -> str:
@@ -565,10 +577,10 @@ class LinearFloat32(TorchPacker):
     embeds = True
 
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, _tensor(operands, "weight"))
+        return F.embedding(ids, _tensor(self._bound(operands), "weight"))
 
     def dequantized(self, operands: Operands) -> torch.Tensor:
-        return _tensor(operands, "weight")
+        return _tensor(self._bound(operands), "weight")
 
 
 class LinearBFloat16(TorchPacker):
@@ -618,6 +630,7 @@ class LinearBFloat16(TorchPacker):
     native_op = "bf16"
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        operands = _prepared(operands)
         weight = _tensor(operands, "weight")
         rows, in_features = x.shape
         if self._use_native(rows, in_features):
@@ -636,10 +649,10 @@ class LinearBFloat16(TorchPacker):
     embeds = True
 
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, _tensor(operands, "weight")).float()  # bf16 -> float32 is exact
+        return F.embedding(ids, _tensor(self._bound(operands), "weight")).float()  # bf16 -> float32 is exact
 
     def dequantized(self, operands: Operands) -> torch.Tensor:
-        return _tensor(operands, "weight").float()
+        return _tensor(self._bound(operands), "weight").float()
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
         return torch.bfloat16
@@ -696,6 +709,7 @@ class Int8WeightOnly(TorchPacker):
     native_op = "int8"
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        operands = _prepared(operands)
         weight, bias = _tensor(operands, "weight"), operands.get("bias")
         rows, in_features = x.shape
         if self._use_native(rows, in_features):
@@ -735,11 +749,13 @@ class Int8WeightOnly(TorchPacker):
 
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
         # Per-row int8 is per-output-channel int8: the rows of a [num, dim] table, each with its scale.
-        codes = F.embedding(ids, _tensor(operands, "weight")).float()
-        return codes.mul_(F.embedding(ids, _tensor(operands, "scales")[:, None]))
+        bound = self._bound(operands)
+        codes = F.embedding(ids, _tensor(bound, "weight")).float()
+        return codes.mul_(F.embedding(ids, _tensor(bound, "scales")[:, None]))
 
     def dequantized(self, operands: Operands) -> torch.Tensor:
-        return _tensor(operands, "weight").float().mul_(_tensor(operands, "scales")[:, None])
+        bound = self._bound(operands)
+        return _tensor(bound, "weight").float().mul_(_tensor(bound, "scales")[:, None])
 
 
 #: The most bytes of a weight converted to the activations' dtype at once: a larger weight is converted and
@@ -895,6 +911,7 @@ class Int4WeightOnly(TorchPacker):
         )  # fmt: skip
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        operands = _prepared(operands)
         weight, scales_and_zeros = _tensor(operands, "weight"), _tensor(operands, "scales_and_zeros")
         bias, input_scales = operands.get("bias"), operands.get("input_scales")
         rows, in_features = x.shape
