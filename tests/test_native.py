@@ -683,9 +683,16 @@ def test_no_operand_reaches_the_compiled_kernels_unless_it_fits_its_layout(case:
             return
         with pytest.raises(PackResultError, match=rf"^layer 'fc': packed operand {part!r} .* does not fit"):
             packer.bind(operands, name="fc", dims=(OUT, IN))  # the layer's shape, as convert() knows it
-        for path in packer.paths:  # the layer's shape read off its parts: refused too, naming what does not agree
-            with pytest.raises(PackResultError, match=r"packed operand '\w+' .* does not fit this layer"):
-                packer.prepare(operands, path)
+        for path in packer.paths:  # the layer's shape read off its parts: refused, or another (smaller) layer
+            try:
+                prepared = packer.prepare(operands, path)
+            except PackResultError as error:
+                assert re.search(r"packed operand '\w+' .* does not fit this layer", str(error)), error
+            else:
+                assert packer.dims(prepared.bound) != (OUT, IN)
+                if packer.native_op is not None:  # which reads its own bytes only: the layer's activations refused
+                    with pytest.raises(native.NativeError, match="input features"):
+                        _product(packer.native_op, torch.zeros(1, IN), prepared.bound)
         if packer.native_op is not None and type(tensor) in (torch.Tensor, _Subclass):
             assert isinstance(tensor, torch.Tensor)
             own = {**full_layout(packer), part: (tensor.dtype, tuple(tensor.shape))}
