@@ -266,7 +266,6 @@ def child_bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
     that faults it in) by packcache's compiled stream probe with :data:`THREADS` threads; the median of 5 reads."""
     import mmap
 
-    import numpy as np
     import torch
 
     from packcache import native
@@ -274,13 +273,12 @@ def child_bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(THREADS)
     with open(spec["file"], "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    view = np.frombuffer(mapping, np.uint8)
-    address, size = view.ctypes.data, view.nbytes
-    native.stream(address, size, THREADS)
+    size = len(mapping)
+    native.stream(mapping, THREADS)
     times = []
     for _ in range(5):
         began = time.perf_counter()
-        native.stream(address, size, THREADS)
+        native.stream(mapping, THREADS)
         times.append(time.perf_counter() - began)
     return {"gib_s": size / median(times) / 2**30, "bytes": size}
 

@@ -60,7 +60,7 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
 
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(0)
-    layers: list[tuple[torch.Tensor, ...]] = []
+    layers: list[tuple[Any, ...]] = []
     nbytes = 0
     prefill = "prefill" in kernel
     for n, k in SHAPES[:-1] if prefill else SHAPES:
@@ -91,29 +91,38 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
             x = torch.randn(1, k) if kernel == "packcache int4" else torch.randn(1, k).bfloat16()
             layers.append((packed, scales_and_zeros, x, torch.empty(1, n)))
             nbytes += packed.numel() + scales_and_zeros.numel() * 2
-    call: Callable[[tuple[torch.Tensor, ...]], Any]
+    call: Callable[[tuple[Any, ...]], Any]
     if kernel.startswith("packcache"):
         from packcache import native
         from packcache.kernels import int4_layout
+        from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16
 
         if native.status().isa is None:
             sys.exit(f"{kernel}: no compiled kernels in this process ({native.status().reason})")
         block = int4_layout().block if int4_layout() is not None else 0
-
-        def call(layer: tuple[torch.Tensor, ...]) -> Any:
-            w, x, y = layer[0], layer[2] if kernel != "packcache bf16" else layer[1], layer[-1]
-            rows, k = x.shape
-            n = y.shape[1]
+        # Each layer's operands bound (checked) once, as a packed layer's are; a call checks only its activations.
+        bound: list[tuple[Any, ...]] = []
+        for layer in layers:
             if kernel == "packcache bf16":
-                return native.bf16_product(x.data_ptr(), 1, rows, k, w.data_ptr(), n, None, y.data_ptr(), 1, threads)
+                bound.append((LinearBFloat16().bind({"weight": layer[0]}), layer[1]))
+            elif kernel == "packcache int4":
+                parts = {
+                    "weight": layer[0],
+                    "scales_and_zeros": layer[1],
+                    "input_scales": torch.ones(layer[2].shape[1]),
+                }
+                bound.append((Int4WeightOnly(32).bind(parts), layer[2]))
+            else:
+                bound.append((Int8WeightOnly().bind({"weight": layer[0], "scales": layer[1]}), layer[2]))
+        layers = bound
+
+        def call(layer: tuple[Any, ...]) -> Any:
+            operands, x = layer
+            if kernel == "packcache bf16":
+                return native.bf16_product(x, operands, threads)
             if kernel == "packcache int4":
-                return native.int4_product(
-                    x.data_ptr(), 0, rows, k, w.data_ptr(), layer[1].data_ptr(), n, 32, block, None, None,
-                    y.data_ptr(), 0, threads,
-                )  # fmt: skip
-            return native.int8_product(
-                x.data_ptr(), 0, rows, k, w.data_ptr(), layer[1].data_ptr(), n, None, y.data_ptr(), 0, threads
-            )
+                return native.int4_product(x, operands, 32, block, threads, input_scales=False)
+            return native.int8_product(x, operands, threads)
 
     elif kernel.startswith("linear"):
 

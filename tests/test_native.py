@@ -3,25 +3,42 @@ that applies the same numerics, on every ISA this CPU runs, with threads, forks 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import pickle
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from packcache import format as fmt
 from packcache import native
+from packcache._generations import pwrite_all, read_committed, write_generation
 from packcache.errors import PackResultError
+from packcache.kernels import int4_layout
+from packcache.loader import scheme_packer
+from packcache.packers import SCHEMES
 from packcache.packers_torch import (
     NATIVE_ISAS,
     NATIVE_MAX_ROWS,
     Int4WeightOnly,
     Int8WeightOnly,
     LinearBFloat16,
+    TorchPacker,
     as_tensor,
 )
+from packcache.torch import PackedEmbedding, PackedLinear, check_kernels
 
 _LEVEL = {"avx512": 2, "avx2": 1}
 #: Every code this CPU runs: the AVX512 code where it can, and the AVX2 code (what a CPU without AVX512 runs) always.
@@ -164,15 +181,17 @@ def test_calls_the_kernels_do_not_take_are_refused_with_an_errno():
     assert lib.pc_int8(x.data_ptr(), 7, 1, 64, w.data_ptr(), s.data_ptr(), 8, None, y.data_ptr(), 0, top) == -22
     assert lib.pc_int8(x.data_ptr(), 0, 1, 64, w.data_ptr(), s.data_ptr(), 8, None, y.data_ptr(), 0, 3) == -95
     with pytest.raises(native.NativeError, match="Invalid argument"):
-        native.int8_product(x.data_ptr(), 0, 65, 64, w.data_ptr(), s.data_ptr(), 8, None, y.data_ptr(), 0, 2)
+        native.int8_product(x, Int8WeightOnly().bind({"weight": w, "scales": s}), 2)
 
 
 def test_the_stream_probe_reads_every_word():
     data = np.random.default_rng(5).integers(0, 2**63, 1 << 17, dtype=np.uint64)
     data[-1] ^= np.uint64(0xDEADBEEF)  # the last word counts too
     expected = int(np.bitwise_xor.reduce(data))
-    assert native.stream(data.ctypes.data, data.nbytes, 2) == expected
-    assert native.stream(data.ctypes.data, data.nbytes, 1) == expected
+    assert native.stream(data, 2) == expected
+    assert native.stream(memoryview(data.tobytes()), 1) == expected
+    with pytest.raises(ValueError):
+        native.stream(data[::2], 1)  # a buffer with gaps: no address and byte count describe it
 
 
 def _child(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -397,15 +416,421 @@ def test_int4_layers_run_the_compiled_kernel_on_a_torch_avx2_layout_too():
 @pytest.mark.parametrize("packer", [Int8WeightOnly(), LinearBFloat16(), Int4WeightOnly(32)], ids=lambda p: p.id)
 def test_a_pack_whose_parts_do_not_fit_the_layer_is_refused_before_the_kernel_reads_it(packer, monkeypatch):
     # A cache file's index gives each part's shape; the key that named the pack does not. A file holding, under the
-    # right key, a part smaller than the layer needs would have the kernel read past it: refused first.
+    # right key, a part smaller than the layer needs would have the kernel read past it: refused when the layer's
+    # operands are bound (its first forward, or check_kernels), before any kernel runs.
     monkeypatch.setitem(NATIVE_ISAS, packer.native_op, (native.status().isa,))
     source = np.random.default_rng(2).standard_normal((128, 256)).astype(np.float32)
     parts = packer.pack(source, "F32")
-    shrunk = {name: array[: array.shape[0] // 2] for name, array in parts.items()}
+    shrunk = {name: np.ascontiguousarray(array[: array.shape[0] // 2]) for name, array in parts.items()}
     shrunk["weight"] = parts["weight"][:, : parts["weight"].shape[1] // 2].copy()  # half the input features
-    operands = {p: as_tensor(np.ascontiguousarray(a), packer.part_dtypes().get(p)) for p, a in shrunk.items()}
-    operands["bias"] = None
-    prepared = packer.prepare(operands, "fp32")
+    layer = PackedLinear.from_parts(packer, shrunk, None, name="fc", shape=(128, 256))
+    for use in (lambda: check_kernels(layer), lambda: layer(torch.ones(1, 256))):
+        with pytest.raises(PackResultError, match=r"layer 'fc': packed operand .* does not fit this layer"):
+            use()
+    # Whatever layer the parts themselves describe, the kernel reads that layer's bytes and no more: activations
+    # of another width are refused by the compiled product before the call.
     assert "packcache" in packer.kernel("fp32", 1)
-    with pytest.raises(PackResultError, match="does not fit this layer"):
+    layer = PackedLinear.from_parts(packer, shrunk, None, kernel_path="fp32")
+    try:
+        prepared = layer._operands()
+    except PackResultError:
+        return  # the parts do not even agree with each other
+    with pytest.raises(native.NativeError, match="input features"):
         packer.linear(prepared, torch.ones(1, 256), "fp32")
+
+
+# ------------------------------------------------------------------ a cache file whose parts have another dtype
+# The layer's check looked at each operand's shape, not its dtype. A file whose int8 pack held its scales as int8 [out]
+# (or a float16 bias) loaded, and the C code read 4x (2x) the part's bytes: whatever followed them became scales and
+# bias, and the logits garbage; past the end of the mapping the process died (SIGSEGV). torch's kernels read the
+# int8 scales as numbers, and a bfloat16 weight stored as uint8 failed with a raw RuntimeError. Now the first forward
+# (or check_kernels) refuses each, naming the layer and the part, before any kernel reads it. In a child: it could
+# fault.
+
+CAUSAL = "AutoModelForCausalLM"
+#: The tiny Llama's vocabulary: its output head's scales (128 KiB) are far larger than the file's index.
+VOCAB = 32768
+
+
+@pytest.fixture(scope="module")
+def llama_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random Llama with attention biases (transformers' config class, ``save_pretrained``), built into an int8
+    and a bf16 cache file by ``packcache.hf``: each file holds the whole model."""
+    import transformers
+
+    from packcache import hf
+
+    root = tmp_path_factory.mktemp("llama")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, attention_bias=True, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "checkpoint")
+    files = {}
+    for scheme in ("int8", "bf16"):
+        files[scheme] = root / f"{scheme}.pcache"
+        hf.from_pretrained(root / "checkpoint", scheme, files[scheme], auto_class=CAUSAL).packcache.close()
+    return files
+
+
+def retype_entry(path: Path, suffix: str, dtype: str, shape: tuple[int, ...]) -> None:
+    """Commit a new generation of the cache file at ``path`` in which the entry named ``...suffix`` has ``dtype`` and
+    ``shape``: its bytes the first ones of its old data, copied after every other pack (right before the new index),
+    its checksum theirs. Every reader accepts the file; only the layer can tell."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        header, slot, entries = read_committed(fd)
+        assert slot is not None
+        (name,) = [n for n in entries if n.endswith(suffix)]
+        entry = entries[name]
+        nbytes = int(np.prod(shape)) * np.dtype(fmt.numpy_dtype_str(dtype)).itemsize
+        assert nbytes < entry.nbytes
+        data = os.pread(fd, nbytes, entry.offset)
+        offset = fmt.align_up(os.fstat(fd).st_size, header.alignment)
+        pwrite_all(fd, data, offset)
+        entries[name] = entry._replace(dtype=dtype, shape=shape, offset=offset, nbytes=nbytes, crc32=fmt.crc32(data))
+        write_generation(
+            fd, list(entries.values()), fmt.align_up(offset + nbytes, header.alignment), slot.generation + 1
+        )
+    finally:
+        os.close(fd)
+
+
+_ANSWERS = """
+    import json, sys, torch
+    from packcache import hf
+    from packcache.torch import check_kernels
+    for path, tokens in json.loads(sys.argv[1]):
+        for start in (True, False):  # a server's start (check_kernels), or a first forward
+            try:
+                model = hf.from_pretrained(path)  # maps: the parts are checked at their first use
+                if start:
+                    check_kernels(model)
+                with torch.inference_mode():  # 1 token: the compiled kernels of a decode step; 80: torch's kernels
+                    logits = model(input_ids=torch.arange(1, tokens + 1)[None]).logits
+            except Exception as error:
+                print("refused", type(error).__name__, error, flush=True)
+            else:
+                print("answered", bool(logits.isfinite().all()), logits.flatten()[:3].tolist(), flush=True)
+"""
+
+_DOWN = "layer 'model.layers.0.mlp.down_proj': packed operand"
+_HEAD = "layer 'lm_head': packed operand"
+#: (scheme, entry, its new dtype and shape, tokens, what the load must say). Each entry's bytes are the first of its
+#: old ones, moved after every other pack: what a kernel reads past them is the index, then the end of the mapping.
+_RETYPED = {
+    "int8-scales-as-int8": ("int8", "layers.0.mlp.down_proj.weight:torch.int8wo:scales", "i1", (64,), 1,
+                            f"{_DOWN} 'scales' is int8 [64]; the layer needs float32 [64]"),
+    # torch's kernels (more rows than the compiled ones take) read the same parts: the same rule, not torch's checks
+    "int8-scales-as-int8-prefill": ("int8", "layers.0.mlp.down_proj.weight:torch.int8wo:scales", "i1", (64,), 80,
+                                    f"{_DOWN} 'scales' is int8 [64]; the layer needs float32 [64]"),
+    "bias-as-float16": ("int8", "layers.0.self_attn.v_proj.bias:np.f32:weight", "f2", (32,), 1,
+                        "layer 'model.layers.0.self_attn.v_proj': packed operand 'bias' is float16 [32]; the layer "
+                        "needs float32 [32]"),
+    # the kernel would read 96 KiB past them: far more than the index
+    "int8-head-scales-as-int8": ("int8", "lm_head.weight:torch.int8wo:scales", "i1", (VOCAB,), 1,
+                                 f"{_HEAD} 'scales' is int8 [{VOCAB}]; the layer needs float32 [{VOCAB}]"),
+    "bf16-head-as-uint8": ("bf16", "lm_head.weight:torch.linear.bf16:weight", "u1", (VOCAB, 64), 1,
+                           f"{_HEAD} 'weight' is uint8 [{VOCAB}, 64]; the layer needs bfloat16 [{VOCAB}, 64]"),
+}  # fmt: skip
+
+
+def test_retyped_parts_of_a_cache_file_are_refused_before_a_kernel_reads_them(
+    llama_files: dict[str, Path], tmp_path: Path
+) -> None:
+    cases = [(str(llama_files["int8"]), 1)]  # the file as built: it answers
+    for case, (scheme, suffix, dtype, shape, tokens, _) in _RETYPED.items():
+        path = tmp_path / f"{case}.pcache"
+        shutil.copy(llama_files[scheme], path)
+        retype_entry(path, suffix, dtype, shape)
+        cases.append((str(path), tokens))
+    result = _child(_ANSWERS.replace("sys.argv[1]", repr(json.dumps(cases))))  # one child: it imports transformers
+    answers = result.stdout.splitlines()
+    assert result.returncode == 0, f"the child died ({result.returncode}) after {answers}:\n{result.stderr[-3000:]}"
+    assert answers[0].startswith("answered True") and answers[1] == answers[0], answers[:2]
+    for (case, (*_, refusal)), at_start, at_forward in zip(_RETYPED.items(), answers[2::2], answers[3::2], strict=True):
+        assert at_start.startswith(f"refused PackResultError {refusal}"), (case, at_start)
+        assert at_forward == at_start, (case, at_forward)
+
+
+# ------------------------------------------------------------------ no operand reaches the C code unchecked
+
+#: Every dtype a cache file's entry may have, as torch names it, and bfloat16.
+TORCH_DTYPES = [
+    torch.bool, torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+]  # fmt: skip
+#: The layer every case binds: a multiple of what each compiled product takes (int4: 64 outputs, groups of 32).
+OUT, IN = 64, 128
+PACKERS = {scheme: scheme_packer(scheme) for scheme in SCHEMES}
+LIBRARY_CALLS = ("pc_int8", "pc_bf16", "pc_int4")
+
+
+class _Counting:
+    """A library function, called through and counted."""
+
+    def __init__(self, function: Any) -> None:
+        self.function, self.calls = function, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.function(*args)
+
+
+@contextlib.contextmanager
+def counted_library_calls() -> Iterator[dict[str, _Counting]]:
+    """Every call of the compiled products in the block, counted on the loaded library itself."""
+    lib = native._library()
+    counters = {name: _Counting(getattr(lib, name)) for name in LIBRARY_CALLS}
+    for name, counter in counters.items():
+        setattr(lib, name, counter)
+    try:
+        yield counters
+    finally:
+        for name, counter in counters.items():
+            setattr(lib, name, counter.function)
+
+
+def full_layout(packer: TorchPacker) -> dict[str, native.Spec]:
+    return {**packer.layout(OUT, IN), "bias": (torch.float32, (OUT,))}
+
+
+def valid_operands(packer: TorchPacker) -> dict[str, Any]:
+    return {part: torch.zeros(shape, dtype=dtype) for part, (dtype, shape) in full_layout(packer).items()}
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def _shapes(spec_shape: tuple[int, ...]) -> st.SearchStrategy[tuple[int, ...]]:
+    sizes = sorted({1, 2, 3, *spec_shape, *(d // 2 for d in spec_shape), *(d + 1 for d in spec_shape),
+                    *(2 * d for d in spec_shape)})  # fmt: skip
+    return st.one_of(st.just(spec_shape), st.lists(st.sampled_from(sizes), max_size=3).map(tuple))
+
+
+def _bad_tensor(draw: st.DrawFn, spec: native.Spec) -> tuple[object, bool]:
+    """A tensor (or something else) for an operand of ``spec``, and whether it is exactly what the kernel reads."""
+    dtype = draw(st.one_of(st.just(spec[0]), st.sampled_from(TORCH_DTYPES)))
+    shape = draw(_shapes(spec[1]))
+    how = draw(st.sampled_from(["contiguous", "transposed", "strided", "misaligned", "short storage", "meta",
+                                "negated view", "subclass", "numpy-like list"]))  # fmt: skip
+    fits = dtype == spec[0] and shape == spec[1]
+    if how == "contiguous":
+        return torch.zeros(shape, dtype=dtype), fits
+    if how == "transposed":
+        if len(shape) < 2:
+            shape = (*shape, 2) if shape else (2, 2)
+        tensor = torch.zeros(shape[::-1], dtype=dtype).transpose(0, -1)
+        return tensor, fits and tensor.shape == spec[1] and tensor.is_contiguous()
+    if how == "strided":
+        wide = torch.zeros((*shape[:-1], 2 * shape[-1]) if shape else (2,), dtype=dtype)
+        tensor = wide[..., ::2]
+        return tensor, fits and tensor.is_contiguous()
+    if how == "misaligned":  # one byte past an allocation: misaligned for any element wider than a byte
+        count = int(np.prod(shape, dtype=np.int64))
+        if not count:
+            return torch.zeros(shape, dtype=dtype), fits
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        tensor = torch.frombuffer(bytearray(count * itemsize + 1), dtype=dtype, offset=1, count=count).view(shape)
+        return tensor, fits and itemsize == 1
+    if how == "short storage":
+        tensor = torch.zeros(shape, dtype=dtype)
+        tensor.untyped_storage().resize_(0)  # the view now claims bytes its storage no longer has
+        return tensor, fits and tensor.numel() == 0
+    if how == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta"), False
+    if how == "negated view":  # torch reads it negated; its bytes are not
+        return torch._neg_view(torch.zeros(shape, dtype=dtype)), False
+    if how == "subclass":
+        return torch.zeros(shape, dtype=dtype).as_subclass(_Subclass), False
+    return torch.zeros(shape, dtype=dtype).tolist(), False
+
+
+@st.composite
+def bad_operands(draw: st.DrawFn) -> tuple[str, str, object, bool]:
+    scheme = draw(st.sampled_from(SCHEMES))
+    part = draw(st.sampled_from([*PACKERS[scheme].parts, "bias"]))
+    tensor, fits = _bad_tensor(draw, full_layout(PACKERS[scheme])[part])
+    return scheme, part, tensor, fits
+
+
+def _product(op: str, x: torch.Tensor, bound: native.Bound) -> torch.Tensor:
+    if op == "int8":
+        return native.int8_product(x, bound, 1)
+    if op == "bf16":
+        return native.bf16_product(x, bound, 1)
+    layout = int4_layout()
+    return native.int4_product(x, bound, 32, layout.block if layout is not None else 32, 1)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=bad_operands())
+def test_no_operand_reaches_the_compiled_kernels_unless_it_fits_its_layout(case: tuple[str, str, object, bool]):
+    """Every part of every scheme's packs (and the bias), given random dtypes, shapes, strides, addresses, storages,
+    devices and types: the production check (``TorchPacker.bind``, at ``prepare`` and when a layer is made) refuses
+    each that is not exactly what the kernels read, naming the part; and a :class:`~packcache.native.Bound` made
+    around it under its own layout is refused by the compiled product before the call. The library's entry points,
+    counted on the loaded library, are never called."""
+    scheme, part, tensor, fits = case
+    packer = PACKERS[scheme]
+    operands = {**valid_operands(packer), part: tensor}
+    with counted_library_calls() as calls:
+        if fits:
+            assert packer.bind(operands, dims=(OUT, IN))[part] is tensor
+            return
+        with pytest.raises(PackResultError, match=rf"^layer 'fc': packed operand {part!r} .* does not fit"):
+            packer.bind(operands, name="fc", dims=(OUT, IN))  # the layer's shape, as convert() knows it
+        for path in packer.paths:  # the layer's shape read off its parts: refused, or another (smaller) layer
+            try:
+                prepared = packer.prepare(operands, path)
+            except PackResultError as error:
+                assert re.search(r"packed operand '\w+' .* does not fit this layer", str(error)), error
+            else:
+                assert packer.dims(prepared.bound) != (OUT, IN)
+                if packer.native_op is not None:  # which reads its own bytes only: the layer's activations refused
+                    with pytest.raises(native.NativeError, match="input features"):
+                        _product(packer.native_op, torch.zeros(1, IN), prepared.bound)
+        if packer.native_op is not None and type(tensor) in (torch.Tensor, _Subclass):
+            assert isinstance(tensor, torch.Tensor)
+            own = {**full_layout(packer), part: (tensor.dtype, tuple(tensor.shape))}
+            try:
+                bound = native.bind(own, operands, optional=("bias",))
+            except PackResultError:
+                pass  # not even a tensor the C code could read as what it claims to be
+            else:
+                with pytest.raises(native.NativeError, match=f"compiled {packer.native_op} product reads"):
+                    _product(packer.native_op, torch.zeros(1, IN), bound)
+    assert sum(counter.calls for counter in calls.values()) == 0
+
+
+@st.composite
+def numpy_parts(draw: st.DrawFn) -> tuple[str, str, np.ndarray, bool]:
+    """A part as a cache file may hold it: any dtype the format has, any shape, C-contiguous or not."""
+    scheme = draw(st.sampled_from(SCHEMES))
+    part = draw(st.sampled_from([*PACKERS[scheme].parts, "bias"]))
+    dtype, shape = full_layout(PACKERS[scheme])[part]
+    stored = np.dtype("<u2") if dtype == torch.bfloat16 else np.dtype(str(dtype).removeprefix("torch."))
+    codes = [np.dtype(fmt.numpy_dtype_str(code)) for code in fmt.DTYPE_CODES]
+    array_dtype = draw(st.one_of(st.just(stored), st.sampled_from(codes)))
+    array_shape = draw(_shapes(shape))
+    array = np.zeros(array_shape, array_dtype)
+    if draw(st.booleans()) and array.ndim:
+        array = np.zeros((*array_shape[:-1], 2 * array_shape[-1]), array_dtype)[..., ::2]
+    fits = array.dtype == stored and array.shape == shape and array.flags.c_contiguous
+    return scheme, part, array, fits
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=numpy_parts())
+def test_a_layer_over_parts_that_do_not_fit_its_layout_refuses_its_first_use(
+    case: tuple[str, str, np.ndarray, bool],
+) -> None:
+    """The path of a cache's parts (numpy views of the mapping, a bfloat16 part as uint16 bits): a layer of the shape
+    of the module it replaces runs only over parts each exactly its layout's dtype and shape, C-contiguous. Made over
+    any other (the load only maps), its first use refuses, naming the layer and the part; an array no tensor can
+    view is refused by the load itself."""
+    scheme, part, array, fits = case
+    packer = PACKERS[scheme]
+    parts: dict[str, Any] = {}
+    for name, (dtype, shape) in full_layout(packer).items():
+        parts[name] = np.zeros(shape, np.uint16 if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."))
+    parts[part] = array
+    bias = parts.pop("bias")
+    refusal = rf"^layer 'fc': packed operand {part!r} .* (does not fit this layer|no kernel reads|not C-contiguous)"
+    try:
+        layer = PackedLinear.from_parts(packer, parts, bias, name="fc", shape=(OUT, IN))
+    except PackResultError as error:
+        assert not fits and re.match(refusal, str(error)), error
+        return
+    with counted_library_calls() as calls:
+        if fits:
+            assert check_kernels(layer) == 1
+            assert layer(torch.zeros(1, IN)).shape == (1, OUT)
+            return
+        for use in (lambda: check_kernels(layer), lambda: layer(torch.zeros(1, IN)), layer.float_weight):
+            with pytest.raises(PackResultError, match=refusal):
+                use()
+    assert sum(counter.calls for counter in calls.values()) == 0
+    if packer.embeds and part != "bias":  # the same parts as an embedding table: its lookups read them too
+        table = PackedEmbedding.from_parts(packer, parts, name="fc", shape=(OUT, IN))
+        for use in (lambda: table(torch.tensor([0, OUT - 1])), table.float_weight):
+            with pytest.raises(PackResultError, match=refusal):
+                use()
+
+
+@st.composite
+def activations(draw: st.DrawFn) -> tuple[object, bool]:
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, *TORCH_DTYPES]))
+    shape = draw(
+        st.one_of(
+            st.tuples(st.integers(0, 66), st.just(IN)),
+            st.lists(st.sampled_from([1, 2, 64, IN, 2 * IN]), max_size=3).map(tuple),
+        )
+    )
+    how = draw(st.sampled_from(["contiguous", "contiguous", "strided", "meta", "negated view", "subclass"]))
+    fits = dtype in (torch.float32, torch.bfloat16) and len(shape) == 2 and shape[1] == IN
+    if how == "contiguous":
+        return torch.zeros(shape, dtype=dtype), fits
+    if how == "strided":
+        tensor = torch.zeros((*shape[:-1], 2 * shape[-1]) if shape else (2,), dtype=dtype)[..., ::2]
+        return tensor, fits and tensor.is_contiguous()
+    if how == "meta":
+        return torch.zeros(shape, dtype=dtype, device="meta"), False
+    if how == "negated view" and dtype.is_floating_point:
+        return torch._neg_view(torch.zeros(shape, dtype=dtype)), False
+    return torch.zeros(shape, dtype=dtype).as_subclass(_Subclass), False
+
+
+@settings(max_examples=150, deadline=None)
+@given(scheme=st.sampled_from([s for s in SCHEMES if PACKERS[s].native_op is not None]), case=activations())
+def test_activations_reach_the_compiled_kernels_only_as_a_contiguous_float_matrix_of_the_layers_width(
+    scheme: str, case: tuple[object, bool]
+) -> None:
+    packer = PACKERS[scheme]
+    assert packer.native_op is not None
+    x, fits = case
+    bound = packer.bind(valid_operands(packer))
+    with counted_library_calls() as calls:
+        if fits:
+            assert isinstance(x, torch.Tensor)
+            rows = x.shape[0]
+            if rows > native.max_rows():
+                with pytest.raises(native.NativeError, match="Invalid argument"):  # the library's own check
+                    _product(packer.native_op, x, bound)
+            else:
+                y = _product(packer.native_op, x, bound)
+                assert y.shape == (rows, OUT) and y.dtype == x.dtype
+            assert sum(c.calls for c in calls.values()) == (1 if rows else 0)
+            return
+        with pytest.raises(native.NativeError, match=r"takes activations|input features"):
+            _product(packer.native_op, x, bound)  # type: ignore[arg-type]
+    assert sum(c.calls for c in calls.values()) == 0
+
+
+def test_bound_operands_are_made_only_by_the_check_and_a_copy_is_checked_again() -> None:
+    packer = Int8WeightOnly()
+    bound = packer.bind(packer.pack(np.ones((64, 64), np.float32), "F32"), name="fc")
+    with pytest.raises(TypeError, match=r"made by packcache\.native\.bind"):
+        native.Bound(object(), dict(bound.layout), dict(bound), frozenset(), "fc")
+    with pytest.raises(TypeError, match=r"operands from packcache\.native\.bind"):
+        native.int8_product(torch.zeros(1, 64), dict(bound), 1)  # type: ignore[arg-type]
+    copy = pickle.loads(pickle.dumps(bound))  # new tensors, new addresses: bound, and so checked, again
+    assert copy is not bound and copy["weight"].data_ptr() != bound["weight"].data_ptr()
+    assert copy._addresses["weight"] == copy["weight"].data_ptr()
+    assert torch.equal(
+        native.int8_product(torch.ones(1, 64), copy, 1), native.int8_product(torch.ones(1, 64), bound, 1)
+    )
+    with pytest.raises(TypeError, match=r"reads operands from TorchPacker\.prepare"):
+        packer.linear({**packer.prepare(bound, "fp32")}, torch.ones(1, 64), "fp32")  # a plain copy: not prepared
+
+
+def test_an_empty_batch_gets_an_empty_answer_from_the_compiled_kernels() -> None:
+    # Zero rows once reached the library, which refuses them (EINVAL): an empty batch raised NativeError.
+    for packer in (Int8WeightOnly(), LinearBFloat16(), Int4WeightOnly(32)):
+        layer = PackedLinear.from_parts(packer, packer.pack(np.ones((64, 128), np.float32), "F32"), None)
+        with torch.inference_mode():
+            assert layer(torch.ones(0, 128)).shape == (0, 64)
+            assert layer(torch.ones(2, 0, 128)).shape == (2, 0, 64)

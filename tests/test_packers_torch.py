@@ -109,3 +109,40 @@ def test_packers_of_embedding_tables_look_up_exactly_the_rows_of_their_dequantis
     assert not int4.embeds
     with pytest.raises(NotImplementedError, match=r"torch\.int4wo does not pack embedding tables"):
         int4.rows({}, ids)
+
+
+def test_every_scheme_declares_the_layout_of_its_packs_and_its_compiled_product_reads_exactly_that() -> None:
+    """``TorchPacker.layout`` is what ``bind`` checks every layer against: a pack of the packer fits it, bfloat16
+    parts are the ones stored as uint16 bits (``part_dtypes``), and the compiled product of the scheme takes the
+    bound operands as they are (its own check of what it reads agrees with the layout)."""
+    import torch
+
+    from packcache import native
+    from packcache.kernels import int4_layout
+    from packcache.loader import scheme_packer
+    from packcache.packers import SCHEMES
+    from packcache.packers_torch import Int4WeightOnly
+
+    out_features, in_features = 64, 256
+    packers = [scheme_packer(scheme) for scheme in SCHEMES] + [Int4WeightOnly(64), Int4WeightOnly(128)]
+    for packer in packers:
+        parts = packer.checked_pack(fingerprint_input((out_features, in_features)), "F32")
+        layout = packer.layout(out_features, in_features)
+        assert tuple(layout) == packer.parts, packer
+        assert {p for p, (dtype, _) in layout.items() if dtype == torch.bfloat16} == set(packer.part_dtypes()), packer
+        bound = packer.bind(parts, dims=(out_features, in_features))
+        assert packer.dims(parts) == (out_features, in_features) and bound["bias"] is None
+        for part, (dtype, shape) in layout.items():
+            assert (bound[part].dtype, tuple(bound[part].shape)) == (dtype, shape), (packer, part)
+        if packer.native_op is None or native.status().isa is None:
+            continue
+        x = torch.ones(1, in_features)
+        if packer.native_op == "int8":
+            y = native.int8_product(x, bound, 1)
+        elif packer.native_op == "bf16":
+            y = native.bf16_product(x, bound, 1)
+        else:
+            layout_int4 = int4_layout()
+            assert layout_int4 is not None
+            y = native.int4_product(x, bound, packer.params["group_size"], layout_int4.block, 1)
+        assert y.shape == (1, out_features) and bool(y.isfinite().all()), packer

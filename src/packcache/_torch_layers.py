@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import native
 from .kernels import activation_dtype, int4_layout
 from .packers import Packer, Parts
-from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, as_tensor
+from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
 
 __all__ = [
     "_READ_ONLY_HOOK",
@@ -57,8 +58,8 @@ class PackedLinear(nn.Module):
         # Plain attributes, set without nn.Module.__setattr__'s checks: this runs per layer on every warm load.
         self.__dict__.update(
             packer=packer, in_features=in_features, out_features=out_features, kernel_path=kernel_path,
-            transposed=transposed, _dtype=activation_dtype(kernel_path), _prepared=None, _tie=None,
-            training=False,  # inference only: its operands are read-only views of a file mapping
+            transposed=transposed, _dtype=activation_dtype(kernel_path), _prepared=None, _tie=None, _bound=None,
+            _name="", training=False,  # inference only: its operands are read-only views of a file mapping
         )  # fmt: skip
         self.packer: TorchPacker
         self.in_features: int
@@ -69,6 +70,10 @@ class PackedLinear(nn.Module):
         self._dtype: torch.dtype
         self._prepared: dict[str, torch.Tensor | None] | None
         self._tie: torch.Tensor | _SharedFloat | None
+        #: The operands as :meth:`TorchPacker.bind <packcache.packers_torch.TorchPacker.bind>` checked them, at
+        #: their first use (:meth:`_checked`); and the name the check's errors give the layer.
+        self._bound: native.Bound | None
+        self._name: str
 
     @property
     def tied_weight(self) -> torch.Tensor | None:
@@ -88,35 +93,55 @@ class PackedLinear(nn.Module):
         *,
         kernel_path: str | None = None,
         transposed: bool = False,
+        name: str = "",
+        shape: tuple[int, int] | None = None,
     ) -> PackedLinear:
         """A layer over ``parts`` (a pack of ``packer``) and a float32 ``bias``; tensors are zero-copy views.
 
         ``kernel_path``: ``"bf16"``, ``"fp32"``, or ``None``/``"auto"`` for this machine's rule
         (see :mod:`packcache.kernels`; ``$PACKCACHE_KERNEL_PATH`` applies to ``None``).
         ``transposed``: the layer replaces one that stores its weight ``[in, out]``; only what
-        ``state_dict`` writes depends on it.
+        ``state_dict`` writes depends on it. ``shape``: ``(out_features, in_features)`` of the module it
+        replaces (``None``: read off the parts); ``name``: its name, for errors.
 
-        The packer's kernel self-check on that path runs at the layer's first forward (or
-        :func:`check_kernels`), not here: a warm load only maps.
+        The parts are checked at the layer's first use, not here (a warm load only maps): each must be what every
+        kernel of the packer reads for this shape (:meth:`TorchPacker.bind
+        <packcache.packers_torch.TorchPacker.bind>`), or that use raises ``PackResultError`` naming the layer and
+        the part, before any kernel reads them. The packer's kernel self-check on that path runs then too.
+        :func:`check_kernels` runs both now.
 
         Raises:
             TypeError: ``packer`` is not a torch packer (it has no forward).
             ValueError: a path the packer does not have.
+            PackResultError: a part no tensor can view, or no shape to read (``shape`` not given).
         """
         if not isinstance(packer, TorchPacker):
             raise TypeError(f"PackedLinear has no kernel for packer {packer!r}: use a packcache.packers_torch packer")
-        out_features, in_features = packer.dims(parts)
+        out_features, in_features = shape if shape is not None else packer.dims(parts)
         path = packer.kernel_path(kernel_path)
         layer = cls(packer, in_features, out_features, path, transposed)
-        dtypes = packer.part_dtypes()
+        layer.__dict__["_name"] = name
         # Straight into the buffer table (what register_buffer does after its name checks, which
         # these fixed names pass): this runs for every layer of every warm load.
         buffers = layer._buffers
-        for part, array in parts.items():
-            buffers[part] = as_tensor(array, dtypes.get(part))
-        buffers["bias"] = None if bias is None else as_tensor(bias)
+        buffers.update(packer.tensors({**parts, "bias": bias}, name))
         layer._non_persistent_buffers_set.update(buffers)
         return layer
+
+    def _checked(self) -> native.Bound:
+        """The operands, checked against the packer's layout at the first call (what every kernel reads, and
+        :meth:`float_weight`).
+
+        Raises:
+            PackResultError: a part or the bias does not fit the layer (naming the layer and the part).
+        """
+        bound = self._bound
+        if bound is None:
+            # pinned by tests/test_native.py::test_retyped_parts_of_a_cache_file_are_refused_before_a_kernel_reads_them
+            operands = {name: self._buffers.get(name) for name in (*self.packer.parts, "bias")}
+            bound = self.packer.bind(operands, name=self._name, dims=(self.out_features, self.in_features))
+            self.__dict__["_bound"] = bound
+        return bound
 
     def _operands(self) -> dict[str, torch.Tensor | None]:
         prepared = self._prepared
@@ -124,17 +149,18 @@ class PackedLinear(nn.Module):
             # Derived once, at the first forward rather than at load: a warm load stays a mapping only. The kernel
             # self-check comes first (once per process and path, a set lookup afterwards): no output of a kernel
             # that misreads the layout is ever returned, and a load that never runs a layer pays nothing for it.
+            bound = self._checked()
             self.packer.check_path(self.kernel_path)
-            operands = {name: self._buffers[name] for name in (*self.packer.parts, "bias")}
-            prepared = self._prepared = self.packer.prepare(operands, self.kernel_path)
+            prepared = self._prepared = self.packer.prepare(bound, self.kernel_path)
         return prepared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + b`` over the packed operands, in ``x``'s dtype.
 
         Raises:
-            PackResultError: (at the first forward on a path, once per process) the packer's kernel fails
-                its self-check there: it misreads the layout the packer wrote.
+            PackResultError: (at the first forward) a part does not fit the layer; (at the first forward on a
+                path, once per process) the packer's kernel fails its self-check there: it misreads the layout
+                the packer wrote.
         """
         flat = x.reshape(-1, self.in_features).to(self._dtype).contiguous()
         y = self.packer.linear(self._operands(), flat, self.kernel_path)
@@ -170,7 +196,7 @@ class PackedLinear(nn.Module):
         tied = self.tied_weight
         weight = tied if tied is not None else self.float_weight()
         destination[prefix + "weight"] = weight.t().contiguous() if self.transposed else weight
-        bias = self._buffers["bias"]
+        bias = self._checked()["bias"]
         if bias is not None:
             destination[prefix + "bias"] = bias
 
@@ -200,12 +226,15 @@ class PackedLinear(nn.Module):
 
 
 def check_kernels(module: nn.Module) -> int:
-    """Run now the kernel self-check every :class:`PackedLinear` of ``module`` would run at its first forward
-    (once per process per packer and path): a service that wants a kernel misreading the layout to fail its
-    start, not its first request. Returns the number of packed layers (each check is a set lookup after the first).
+    """Run now the checks every packed layer of ``module`` would run at its first use: its operands checked
+    against its packer's layout (each layer once), and the kernel self-check of every :class:`PackedLinear`'s
+    path (once per process per packer and path): a service that wants a file whose packs do not fit their
+    layers, or a kernel misreading the layout, to fail its start, not its first request. Returns the number of
+    packed linear layers (each check is a lookup after the first).
 
     Raises:
-        PackResultError: a packer's kernel fails its self-check on the path its layers run.
+        PackResultError: a part does not fit its layer (naming both), or a packer's kernel fails its self-check
+            on the path its layers run.
 
     >>> from packcache import WeightCache
     >>> from packcache.packers_torch import Int8WeightOnly
@@ -216,7 +245,11 @@ def check_kernels(module: nn.Module) -> int:
     1
     """
     layers = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    for table in module.modules():
+        if isinstance(table, PackedEmbedding):
+            table._operands()
     for layer in layers:
+        layer._checked()
         layer.packer.check_path(layer.kernel_path)
     return len(layers)
 
@@ -263,35 +296,58 @@ class PackedEmbedding(nn.Module):
         self.__dict__.update(
             packer=packer, num_embeddings=num_embeddings, embedding_dim=embedding_dim, padding_idx=padding_idx,
             max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False, training=False,
-            _shared=_SharedFloat(self.float_weight),
+            _shared=_SharedFloat(self.float_weight), _bound=None, _name="",
         )  # fmt: skip
         self.packer: TorchPacker
         self.num_embeddings: int
         self.embedding_dim: int
         self.padding_idx: int | None
         self._shared: _SharedFloat
+        self._bound: native.Bound | None  # its parts, checked at their first use (:meth:`_operands`)
+        self._name: str
 
     @classmethod
-    def from_parts(cls, packer: Packer, parts: Parts, *, padding_idx: int | None = None) -> PackedEmbedding:
+    def from_parts(
+        cls,
+        packer: Packer,
+        parts: Parts,
+        *,
+        padding_idx: int | None = None,
+        name: str = "",
+        shape: tuple[int, int] | None = None,
+    ) -> PackedEmbedding:
         """A table over ``parts`` (a pack of ``packer``, whose packs are embedding tables); tensors are zero-copy views.
+        ``shape``: ``(num_embeddings, embedding_dim)`` of the module it replaces (``None``: read off the parts);
+        ``name``: its name, for errors. The parts are checked at the first use, as :meth:`PackedLinear.from_parts`
+        says.
 
         Raises:
             TypeError: ``packer`` does not pack embedding tables (:attr:`TorchPacker.embeds
                 <packcache.packers_torch.TorchPacker.embeds>`).
+            PackResultError: a part no tensor can view, or no shape to read (``shape`` not given).
         """
         if not isinstance(packer, TorchPacker) or not packer.embeds:
             raise TypeError(f"PackedEmbedding cannot look up rows of packer {packer!r}")
-        num_embeddings, embedding_dim = packer.dims(parts)
+        num_embeddings, embedding_dim = shape if shape is not None else packer.dims(parts)
         table = cls(packer, num_embeddings, embedding_dim, padding_idx)
-        dtypes = packer.part_dtypes()
+        table.__dict__["_name"] = name
         buffers = table._buffers
-        for part, array in parts.items():
-            buffers[part] = as_tensor(array, dtypes.get(part))
+        buffers.update(packer.tensors(parts, name))
         table._non_persistent_buffers_set.update(buffers)
         return table
 
-    def _operands(self) -> dict[str, torch.Tensor | None]:
-        return {name: self._buffers[name] for name in self.packer.parts}
+    def _operands(self) -> native.Bound:
+        """The parts, checked against the packer's layout at the first call.
+
+        Raises:
+            PackResultError: a part does not fit the table (naming the table and the part).
+        """
+        bound = self._bound
+        if bound is None:
+            operands = {name: self._buffers.get(name) for name in self.packer.parts}
+            bound = self.packer.bind(operands, name=self._name, dims=(self.num_embeddings, self.embedding_dim))
+            self.__dict__["_bound"] = bound
+        return bound
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows ``ids`` (``[*ids.shape, embedding_dim]``), dequantised one read row at a time."""
@@ -355,7 +411,7 @@ def _float_weight(layer: PackedLinear) -> torch.Tensor:
 
 
 def _operand(layer: PackedLinear, name: str) -> torch.Tensor:
-    tensor = layer._buffers[name]
+    tensor = layer._checked()[name]
     if tensor is None:
         raise ValueError(f"operand {name!r} is missing")
     return tensor

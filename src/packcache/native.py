@@ -11,6 +11,8 @@ from the cache mapping, for a few rows of activations (a decode step, a short pr
 ``bf16``
     ``torch.linear.bf16`` packs. Activations rounded to bfloat16 (as torch's bf16 ``linear`` does), products
     accumulated in float32: ``vdpbf16ps`` on AVX512-BF16, widening and FMA on AVX2.
+``int4``
+    ``torch.int4wo`` packs in torch's CPU layout, bfloat16 scales and zeros per group; activations as for int8.
 
 **Dispatch.** The CPU decides the code (:func:`status`): ``avx512`` needs AVX512F/BW/VL, VNNI and BF16;
 ``avx2`` needs AVX2, FMA and F16C. ``$PACKCACHE_NATIVE`` overrides it: ``auto`` (the default: the best the
@@ -25,6 +27,14 @@ choice is not logged) and :func:`status` says why.
 :mod:`packcache.packers_torch` pass torch's intra-op thread count). A pool of its own took turns with torch's
 on a 2-core machine and ran decode at a third of the kernels' speed.
 
+**What the C code reads is checked first, once.** C trusts its pointers and counts, and a pack's parts come
+from a cache file's index, which may say anything. So no entry point here takes a pointer: a product takes
+the layer's operands as a :class:`Bound`, which only :func:`bind` makes, after checking every tensor against
+the layout its packer declares (dtype, shape, C-contiguous strides, the bytes its storage holds, alignment,
+a CPU tensor), and checks once per bound operands that the layout is what this product reads. Per call only
+the activations are checked (a float32 or bfloat16 CPU tensor ``[rows, in]``, contiguous); the output is
+allocated here. :func:`stream` takes a buffer, not an address.
+
 >>> status().isa in (None, "avx2", "avx512")
 True
 """
@@ -36,10 +46,20 @@ import functools
 import importlib.util
 import logging
 import os
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["BFLOAT16", "FLOAT32", "ISAS", "NATIVE_ENV", "NativeError", "NativeStatus", "bf16_product", "int4_product",
-           "int8_product", "k_multiple", "max_rows", "status", "stream"]  # fmt: skip
+import numpy as np
+
+# torch before the library: see _load
+import torch
+
+from .errors import PackResultError
+
+__all__ = ["BFLOAT16", "FLOAT32", "ISAS", "NATIVE_ENV", "Bound", "NativeError", "NativeStatus", "Spec",
+           "bf16_product", "bind", "int4_product", "int8_product", "k_multiple", "max_rows", "misfit", "status",
+           "stream"]  # fmt: skip
 
 logger = logging.getLogger("packcache.native")
 
@@ -109,9 +129,7 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
     path = _find()
     # torch first: the library links libgomp.so.1 by soname, and the dynamic linker then hands it the libgomp torch
     # loaded, so a product runs on torch's OpenMP threads (csrc/kernels.c, "threads"). Loaded before torch, the
-    # system's libgomp would be the one both get.
-    import torch  # noqa: F401
-
+    # system's libgomp would be the one both get. (This module imports torch at its top for that reason too.)
     if requested == "off":
         return None, _report(NativeStatus(None, None, f"switched off by {NATIVE_ENV}=off", path), logging.INFO)
     if path is None:
@@ -196,62 +214,304 @@ def _check(rc: int, op: str) -> None:
         raise NativeError(f"compiled {op} product refused the call: {os.strerror(-rc)} ({rc})")
 
 
-def int8_product(
-    x: int, x_dtype: int, rows: int, k: int, weight: int, scales: int, n: int, bias: int | None, y: int,
-    y_dtype: int, threads: int,
-) -> None:  # fmt: skip
-    """``y[rows, n] = x[rows, k] @ (weight[n, k] * scales[n])^T + bias``: pointers to contiguous row-major
-    buffers (``x``/``y`` in :data:`FLOAT32` or :data:`BFLOAT16`; int8 ``weight``; float32 ``scales``/``bias``).
+# ---------------------------------------------------------------------------------------------- operands
+
+#: One operand's layout: its dtype and its shape, C-contiguous.
+Spec = tuple[torch.dtype, tuple[int, ...]]
+
+#: The tensor types an operand may be: a subclass may redefine what its data pointer or its strides mean.
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: Activation dtypes, by the code the library's calls take.
+_X_DTYPES = {torch.float32: FLOAT32, torch.bfloat16: BFLOAT16}
+
+
+def _problem(tensor: object, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+    """Why ``tensor`` is not a dense C-contiguous CPU tensor of ``dtype`` and ``shape`` whose bytes all lie in its
+    storage, at an address aligned to its elements (``None``: it is)."""
+    if type(tensor) not in _TENSOR_TYPES:
+        return f"is a {type(tensor).__module__}.{type(tensor).__qualname__}, not a torch.Tensor"
+    assert isinstance(tensor, torch.Tensor)
+    # The usual case first, in a few attribute reads: this runs for every part of every layer of a warm load. A nested
+    # tensor has no shape to read; a quantized one no dtype of a layout.
+    if tensor.is_nested:
+        return f"is a nested tensor of {str(tensor.dtype).removeprefix('torch.')}"
+    if tensor.dtype != dtype or tensor.shape != shape:
+        return f"is {_spec_text((tensor.dtype, tuple(tensor.shape)))}"
+    if tensor.layout != torch.strided or not tensor.is_cpu:
+        return f"is {_spec_text((dtype, shape))} on {tensor.device}, layout {tensor.layout}: not a dense CPU tensor"
+    if tensor.is_neg() or (dtype.is_complex and tensor.is_conj()):
+        return f"is {_spec_text((dtype, shape))} as a lazily negated or conjugated view: its bytes are not its values"
+    if not tensor.is_contiguous():
+        return f"is {_spec_text((dtype, shape))} with strides {list(tensor.stride())}: not C-contiguous"
+    itemsize = tensor.element_size()
+    end = (tensor.storage_offset() + tensor.numel()) * itemsize
+    held = tensor.untyped_storage().nbytes()
+    if held < end and tensor.numel():
+        return f"is {_spec_text((dtype, shape))} over a storage of {held} bytes, short of the {end} its view ends at"
+    if tensor.data_ptr() % itemsize:
+        return f"is {_spec_text((dtype, shape))} at address {tensor.data_ptr():#x}, not aligned to its elements"
+    return None
+
+
+def _spec_text(spec: Spec) -> str:
+    return f"{str(spec[0]).removeprefix('torch.')} {list(spec[1])}"
+
+
+def misfit(name: str, part: str, problem: str, spec: Spec | None = None) -> PackResultError:
+    """The error of an operand that does not fit its layer: ``name`` the layer (may be empty), ``part`` the
+    operand, ``problem`` what it is, ``spec`` what the layer needs.
+
+    >>> str(misfit("fc", "scales", "is int8 [4]", (torch.float32, (4,))))  # doctest: +NORMALIZE_WHITESPACE
+    "layer 'fc': packed operand 'scales' is int8 [4]; the layer needs float32 [4], C-contiguous: the cache holds a
+    pack that does not fit this layer"
+    """
+    where = f"layer {name!r}: " if name else ""
+    needs = "" if spec is None else f"; the layer needs {_spec_text(spec)}, C-contiguous"
+    return PackResultError(
+        f"{where}packed operand {part!r} {problem}{needs}: the cache holds a pack that does not fit this layer"
+    )
+
+
+#: Only :func:`bind` makes a :class:`Bound`.
+_BIND = object()
+
+
+class Bound(Mapping[str, "torch.Tensor | None"]):
+    """A layer's operands as :func:`bind` checked them: a read-only mapping of part name to tensor (``None``: an
+    optional part the layer does not have), its :attr:`layout` and the layer's :attr:`name`.
+
+    What a compiled product reads, and the only thing it reads: the tensors' addresses are taken at the check and
+    their storages kept alive, so nothing done to the tensor objects afterwards changes what the C code reads. A
+    copy or a pickle binds (checks) its tensors again."""
+
+    __slots__ = ("_addresses", "_fits", "_storages", "_tensors", "layout", "name", "optional")
+
+    def __init__(
+        self, token: object, layout: dict[str, Spec], tensors: dict[str, torch.Tensor | None], optional: frozenset[str],
+        name: str,
+    ) -> None:  # fmt: skip
+        if token is not _BIND:
+            raise TypeError("a Bound is made by packcache.native.bind(), which checks its operands")
+        self.layout: Mapping[str, Spec] = layout
+        self.optional = optional
+        self.name = name
+        self._tensors = tensors
+        self._addresses = {part: None if t is None else int(t.data_ptr()) for part, t in tensors.items()}
+        self._storages = tuple(t.untyped_storage() for t in tensors.values() if t is not None)
+        #: (product, in_features, group) -> out_features, for each product whose reads were checked against layout.
+        self._fits: dict[tuple[str, int, int], int] = {}
+
+    def __getitem__(self, part: str) -> torch.Tensor | None:
+        return self._tensors[part]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    # Mapping's __eq__ would compare the tensors element by element: a bound is equal only to itself.
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebind, (dict(self.layout), dict(self._tensors), sorted(self.optional), self.name))
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{part}: {_spec_text(spec)}" for part, spec in self.layout.items())
+        return f"Bound({self.name!r}, {{{parts}}})"
+
+    def _reads(self, op: str, k: int, group: int = 0) -> int:
+        """``out_features``, once the layout is checked to be what product ``op`` reads for ``k`` inputs."""
+        n = self._fits.get((op, k, group))
+        if n is not None:
+            return n
+        weight = self.layout.get("weight")
+        if weight is None or len(weight[1]) != 2:
+            raise NativeError(f"the compiled {op} product reads a 2-d 'weight'; {self!r} has none")
+        n = weight[1][0]
+        for part, spec in _READS[op](n, k, group).items():
+            if part in _NULLABLE and self._tensors.get(part) is None:
+                continue  # given as NULL
+            have = self.layout.get(part) if self._tensors.get(part) is not None else None
+            if have != spec:
+                raise NativeError(
+                    f"the compiled {op} product reads {part!r} as {_spec_text(spec)} for {k} input features; "
+                    f"{self!r} {'has no such part' if have is None else 'holds ' + _spec_text(have)}"
+                )
+        self._fits[(op, k, group)] = n
+        return n
+
+
+def _rebind(layout: dict[str, Spec], tensors: dict[str, torch.Tensor | None], optional: list[str], name: str) -> Bound:
+    return bind(layout, tensors, optional=optional, name=name)
+
+
+def bind(
+    layout: Mapping[str, Spec], tensors: Mapping[str, object], *, optional: Collection[str] = (), name: str = ""
+) -> Bound:
+    """Check a layer's operands against ``layout`` before any compiled code reads them: each part a dense,
+    C-contiguous CPU ``torch.Tensor`` (or ``nn.Parameter``) of exactly the layout's dtype and shape, not a lazily
+    negated or conjugated view, whose storage holds every byte of it, at an address aligned to its elements. A part
+    of ``optional`` may be missing or ``None``; parts outside ``layout`` are left out.
+
+    The one check of what the products of this module read (the packers of :mod:`packcache.packers_torch` call it
+    through :meth:`~packcache.packers_torch.TorchPacker.bind` when a layer's operands are bound, and every kernel,
+    torch's too, then reads the bound tensors). ``name`` names the layer in the error.
 
     Raises:
-        NativeError: no compiled part, or the call's shape or dtypes are not ones it takes.
+        PackResultError: naming the layer and the part, what it is and what the layer needs.
+
+    >>> ops = bind({"weight": (torch.int8, (2, 32))}, {"weight": torch.zeros(2, 32, dtype=torch.int8)})
+    >>> list(ops), ops["weight"].dtype
+    (['weight'], torch.int8)
+    >>> bind({"scales": (torch.float32, (2,))}, {"scales": torch.zeros(2, dtype=torch.int8)}, name="fc")
+    Traceback (most recent call last):
+    packcache.errors.PackResultError: layer 'fc': packed operand 'scales' is int8 [2]; the layer needs float32 [2], \
+C-contiguous: the cache holds a pack that does not fit this layer
     """
+    checked: dict[str, torch.Tensor | None] = {}
+    specs: dict[str, Spec] = {}
+    for part, (dtype, shape) in layout.items():
+        spec = specs[part] = (dtype, tuple(shape))
+        tensor = tensors.get(part)
+        if tensor is None:
+            if part not in optional:
+                raise misfit(name, part, "is missing", spec)
+            checked[part] = None
+            continue
+        problem = _problem(tensor, *spec)
+        if problem is not None:
+            raise misfit(name, part, problem, spec)
+        assert isinstance(tensor, torch.Tensor)
+        checked[part] = tensor
+    return Bound(_BIND, specs, checked, frozenset(optional), name)
+
+
+def _int8_reads(n: int, k: int, group: int) -> dict[str, Spec]:
+    return {"weight": (torch.int8, (n, k)), "scales": (torch.float32, (n,)), "bias": (torch.float32, (n,))}
+
+
+def _bf16_reads(n: int, k: int, group: int) -> dict[str, Spec]:
+    return {"weight": (torch.bfloat16, (n, k)), "bias": (torch.float32, (n,))}
+
+
+def _int4_reads(n: int, k: int, group: int) -> dict[str, Spec]:
+    return {
+        "weight": (torch.uint8, (n, k // 2)), "scales_and_zeros": (torch.bfloat16, (k // max(group, 1), n, 2)),
+        "input_scales": (torch.float32, (k,)), "bias": (torch.float32, (n,)),
+    }  # fmt: skip
+
+
+#: What each product of csrc/kernels.c reads, by part, for ``n`` outputs, ``k`` inputs (and the int4 group).
+_READS = {"int8": _int8_reads, "bf16": _bf16_reads, "int4": _int4_reads}
+#: Parts a product may be given as NULL.
+_NULLABLE = frozenset({"bias", "input_scales"})
+
+
+def _activations(x: torch.Tensor, op: str) -> tuple[int, int, int]:
+    """``rows``, ``in_features`` and the dtype code of activations a product may read: a dense, contiguous 2-d
+    float32 or bfloat16 CPU tensor whose storage holds it, element-aligned, its bytes its values (checked at every
+    call: they are new each call)."""
+    code = _X_DTYPES.get(x.dtype) if type(x) in _TENSOR_TYPES else None  # the type first: anything may come
+    if (
+        code is None or x.is_nested or x.layout != torch.strided or x.dim() != 2 or not x.is_cpu
+        or not x.is_contiguous() or x.is_neg() or x.data_ptr() % x.element_size()
+        or x.untyped_storage().nbytes() < (x.storage_offset() + x.numel()) * x.element_size()
+    ):  # fmt: skip
+        got = f"{x.dtype} {list(x.shape)}" if code is not None and not x.is_nested else type(x).__name__
+        raise NativeError(
+            f"the compiled {op} product takes activations as a contiguous 2-d float32 or bfloat16 CPU tensor, got {got}"
+        )
+    rows, k = x.shape
+    return int(rows), int(k), code
+
+
+def _call(op: str, x: torch.Tensor, operands: Bound, threads: int, group: int = 0) -> tuple[
+    ctypes.CDLL, int, int, int, int, torch.Tensor
+]:  # fmt: skip
+    """What every product does first: the activations checked, the operands' layout checked against what ``op``
+    reads (once per bound operands), the output allocated. Returns the library, ``rows``, ``k``, ``n``, the dtype
+    code and the output."""
+    if type(operands) is not Bound:
+        raise TypeError(f"the compiled {op} product takes operands from packcache.native.bind(), got {type(operands)}")
+    rows, k, code = _activations(x, op)
+    n = operands._reads(op, k, group)
     lib = _library()
     _set_threads(lib, threads)
-    _check(lib.pc_int8(x, x_dtype, rows, k, weight, scales, n, bias, y, y_dtype, _level()), "int8")
+    return lib, rows, k, n, code, torch.empty(rows, n, dtype=x.dtype)
 
 
-def bf16_product(
-    x: int, x_dtype: int, rows: int, k: int, weight: int, n: int, bias: int | None, y: int, y_dtype: int, threads: int
-) -> None:
-    """``y[rows, n] = bf16(x[rows, k]) @ weight[n, k]^T + bias`` (bfloat16 ``weight``, float32 accumulation, float32
-    ``bias``); pointers and dtypes as :func:`int8_product`.
+def int8_product(x: torch.Tensor, operands: Bound, threads: int) -> torch.Tensor:
+    """``x[rows, k] @ (weight * scales[:, None])^T + bias`` over ``operands`` bound (:func:`bind`) to an int8
+    ``weight [n, k]``, float32 ``scales [n]`` and optionally a float32 ``bias [n]``; ``x`` float32 or bfloat16, the
+    result ``[rows, n]`` in its dtype.
 
     Raises:
-        NativeError: no compiled part, or the call's shape or dtypes are not ones it takes.
+        NativeError: no compiled part; ``x`` or the operands' layout is not what it reads; a call it does not take.
+        TypeError: ``operands`` did not come from :func:`bind`.
     """
-    lib = _library()
-    _set_threads(lib, threads)
-    _check(lib.pc_bf16(x, x_dtype, rows, k, weight, n, bias, y, y_dtype, _level()), "bf16")
+    lib, rows, k, n, code, y = _call("int8", x, operands, threads)
+    if rows:
+        a = operands._addresses
+        rc = lib.pc_int8(x.data_ptr(), code, rows, k, a["weight"], a["scales"], n, a.get("bias"), y.data_ptr(), code,
+                         _level())  # fmt: skip
+        _check(rc, "int8")
+    return y
+
+
+def bf16_product(x: torch.Tensor, operands: Bound, threads: int) -> torch.Tensor:
+    """``bf16(x[rows, k]) @ weight^T + bias`` (float32 accumulation) over ``operands`` bound to a bfloat16
+    ``weight [n, k]`` and optionally a float32 ``bias [n]``; ``x`` and the result as :func:`int8_product`.
+
+    Raises:
+        NativeError: as :func:`int8_product`. TypeError: ``operands`` did not come from :func:`bind`.
+    """
+    lib, rows, k, n, code, y = _call("bf16", x, operands, threads)
+    if rows:
+        a = operands._addresses
+        _check(
+            lib.pc_bf16(x.data_ptr(), code, rows, k, a["weight"], n, a.get("bias"), y.data_ptr(), code, _level()),
+            "bf16",
+        )
+    return y
 
 
 def int4_product(
-    x: int, x_dtype: int, rows: int, k: int, weight: int, scales_and_zeros: int, n: int, group: int, block: int,
-    input_scales: int | None, bias: int | None, y: int, y_dtype: int, threads: int,
-) -> None:  # fmt: skip
-    """``y[rows, n] = (x * input_scales) @ W^T + bias`` for a ``torch.int4wo`` pack: ``weight`` in torch's CPU layout
-    with halves (``block`` 64 or 32, :class:`packcache.kernels.Int4Layout`), bf16 ``scales_and_zeros``
-    ``[k/group, n, 2]``; float32 ``input_scales`` and ``bias`` may be ``None``. ``n % 64 == 0``, ``group`` a multiple
-    of 32 dividing ``k``.
+    x: torch.Tensor, operands: Bound, group: int, block: int, threads: int, *, input_scales: bool = True
+) -> torch.Tensor:
+    """``(x * input_scales) @ W^T + bias`` for a ``torch.int4wo`` pack: ``operands`` bound to ``weight`` (uint8
+    ``[n, k/2]`` in torch's CPU layout with halves, ``block`` 64 or 32: :class:`packcache.kernels.Int4Layout`),
+    bfloat16 ``scales_and_zeros [k/group, n, 2]``, float32 ``input_scales [k]`` (not read when ``input_scales`` is
+    false: all ones) and optionally a float32 ``bias [n]``. ``n % 64 == 0``, ``group`` a multiple of 32 dividing
+    ``k``; ``x`` and the result as :func:`int8_product`.
 
     Raises:
-        NativeError: no compiled part, or the call's shape or dtypes are not ones it takes.
+        NativeError: as :func:`int8_product`. TypeError: ``operands`` did not come from :func:`bind`.
     """
-    lib = _library()
-    _set_threads(lib, threads)
-    rc = lib.pc_int4(x, x_dtype, rows, k, weight, scales_and_zeros, n, group, block, input_scales, bias, y, y_dtype,
-                     _level())  # fmt: skip
-    _check(rc, "int4")
+    lib, rows, k, n, code, y = _call("int4", x, operands, threads, group)
+    if rows:
+        a = operands._addresses
+        scales = a.get("input_scales") if input_scales else None
+        rc = lib.pc_int4(x.data_ptr(), code, rows, k, a["weight"], a["scales_and_zeros"], n, group, block, scales,
+                         a.get("bias"), y.data_ptr(), code, _level())  # fmt: skip
+        _check(rc, "int4")
+    return y
 
 
-def stream(address: int, nbytes: int, threads: int) -> int:
-    """Read ``nbytes`` at ``address`` once with ``threads`` threads, as the products read weights: the bandwidth
-    probe of ``benchmarks/decode.py`` (it times this over a file-backed mapping). Returns the xor of the bytes'
-    8-byte words, so no read can be left out.
+def stream(data: Any, threads: int) -> int:
+    """Read every byte of ``data`` (any object with a contiguous buffer: a ``mmap``, a numpy array, ``bytes``) once
+    with ``threads`` threads, as the products read weights: the bandwidth probe of ``benchmarks/decode.py`` (it times
+    this over a file-backed mapping). Returns the xor of the bytes' 8-byte words, so no read can be left out.
 
     Raises:
         NativeError: no compiled part in this process.
+        ValueError: ``data`` has no contiguous buffer.
     """
+    view = np.frombuffer(data, np.uint8)  # the buffer's own bounds: the probe reads nothing past them
     lib = _library()
     _set_threads(lib, threads)
-    return int(lib.pc_stream(address, nbytes))
+    return int(lib.pc_stream(view.ctypes.data, view.nbytes))

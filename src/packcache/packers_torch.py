@@ -61,6 +61,7 @@ __all__ = [
     "LinearBFloat16",
     "LinearFloat32",
     "Operands",
+    "Prepared",
     "TorchPacker",
     "as_tensor",
     "tensor_to_numpy",
@@ -85,8 +86,6 @@ NATIVE_MAX_ROWS = {"int8": 64, "bf16": 4, "int4": 64}
 #: layout it streams ~21 GiB/s on AVX512 where torch's own AVX512 kernel streams ~26 (a 1.24 B Llama's decode step
 #: 45 against 40 ms), and ~22 on AVX2 where torch's AVX2 kernel streams ~10 (``benchmarks/decode_kernels.py``).
 NATIVE_ISAS = {"int8": ("avx512", "avx2"), "bf16": ("avx512", "avx2"), "int4": ("avx2",)}
-
-_NATIVE_DTYPES = {torch.float32: native.FLOAT32, torch.bfloat16: native.BFLOAT16}
 
 #: torch dtypes a pack may hold, with the numpy dtype that stores their bytes.
 #: bfloat16 has no numpy dtype: its bits are stored as uint16 and read back as bfloat16.
@@ -248,25 +247,94 @@ class TorchPacker(Packer):
         return path
 
     def dims(self, parts: Mapping[str, Any]) -> tuple[int, int]:
-        """``(out_features, in_features)`` of the layer a pack (numpy parts or tensors) computes."""
-        out_features, in_features = parts["weight"].shape
-        return int(out_features), int(in_features)
+        """``(out_features, in_features)`` of the layer a pack (numpy parts or tensors) computes.
+
+        Raises:
+            PackResultError: the part they are read from is missing or has another number of dimensions.
+        """
+        out_features, in_features = _shape(parts, "weight", 2)
+        return out_features, in_features
 
     def part_dtypes(self) -> dict[str, torch.dtype]:
         """Parts whose stored bytes are read as another torch dtype (bf16 weights stored as uint16)."""
         return {}
 
+    def layout(self, out_features: int, in_features: int) -> dict[str, native.Spec]:
+        """Each part of a pack for a layer of ``out_features`` x ``in_features``, as every kernel of this packer
+        reads it (torch's and the compiled ones alike): its torch dtype and shape, C-contiguous. A bfloat16 part is
+        stored as uint16 bits. :meth:`bind` checks a layer's operands against it."""
+        raise NotImplementedError
+
+    def bind(self, operands: Mapping[str, Any], *, name: str = "", dims: tuple[int, int] | None = None) -> native.Bound:
+        """Check a layer's operands once, before any kernel reads them: every part of :meth:`layout` and the
+        optional float32 ``bias [out_features]``, as numpy arrays (a cache's views; a bfloat16 part as its uint16
+        bits) or tensors, against the layout for ``dims`` (``None``: :meth:`dims` of the parts), by
+        :func:`packcache.native.bind`. What it returns is what :meth:`prepare` and every kernel read;
+        :class:`packcache.torch.PackedLinear` and :class:`~packcache.torch.PackedEmbedding` bind their parts at their
+        first use (a forward, a lookup, their float weight, :func:`packcache.torch.check_kernels`), once: a warm load
+        only maps. ``name`` names the layer in the error.
+
+        Raises:
+            PackResultError: a part (or the bias) is missing, or not a C-contiguous array or tensor of the
+                layout's dtype and shape; the message names the layer and the part.
+
+        >>> packer = Int8WeightOnly()
+        >>> parts = packer.pack(np.ones((2, 32), np.float32), "F32")
+        >>> sorted(packer.bind(parts))
+        ['bias', 'scales', 'weight']
+        >>> packer.bind({**parts, "scales": parts["scales"].astype(np.float16)}, name="fc")
+        Traceback (most recent call last):
+        packcache.errors.PackResultError: layer 'fc': packed operand 'scales' is float16 [2]; the layer needs \
+float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
+        """
+        if dims is None:
+            try:
+                dims = self.dims(operands)
+            except PackResultError as error:
+                raise PackResultError(f"layer {name!r}: {error}" if name else str(error)) from None
+        out_features, in_features = dims
+        layout = {**self.layout(out_features, in_features), "bias": (torch.float32, (out_features,))}
+        return native.bind(
+            layout, self.tensors({p: operands.get(p) for p in layout}, name), optional=("bias",), name=name
+        )
+
+    def tensors(self, parts: Mapping[str, Any], name: str = "") -> dict[str, Any]:
+        """Zero-copy tensors over a pack's parts as a cache stores them: a numpy array becomes a tensor of its own
+        dtype (a uint16 part of :meth:`part_dtypes` its bfloat16), anything else stays what it is. Nothing is
+        checked here but what a tensor needs (:meth:`bind` checks the rest): a warm load makes these for every part.
+
+        Raises:
+            PackResultError: an array that no tensor can view (not C-contiguous, or of a dtype torch has not).
+        """
+        reinterpret = self.part_dtypes()
+        return {part: _part_tensor(value, reinterpret.get(part), name, part) for part, value in parts.items()}
+
+    def _bound(self, operands: Operands) -> native.Bound:
+        """``operands`` bound: as they are if they already are (a :class:`packcache.native.Bound`, or the
+        :attr:`Prepared.bound` of prepared ones), else by :meth:`bind`."""
+        if isinstance(operands, native.Bound):
+            return operands
+        return operands.bound if isinstance(operands, Prepared) else self.bind(operands)
+
     def prepare(self, operands: Operands, path: str) -> dict[str, torch.Tensor | None]:
-        """What :meth:`linear` reads on ``path``: the operands, with the small per-channel vectors
-        (bias, scales) converted to the path's dtype once instead of at every call."""
-        dtype = activation_dtype(path)
-        bias = operands.get("bias")
-        # bias_f32: the compiled kernels add the float32 bias themselves, on either path
-        return {**operands, "bias": None if bias is None else bias.to(dtype), "bias_f32": bias}
+        """What :meth:`linear` reads on ``path``: the operands bound (:meth:`bind`, unless they already are: a
+        :class:`packcache.native.Bound`, or prepared), with the small per-channel vectors (bias, scales) converted
+        to the path's dtype once instead of at every call. A :class:`Prepared` mapping.
+
+        Raises:
+            PackResultError: the operands do not fit their layout (:meth:`bind`).
+        """
+        bound = self._bound(operands)
+        prepared = Prepared(bound)
+        bias = bound["bias"]
+        # the compiled kernels add the float32 bias of the bound operands themselves, on either path
+        prepared["bias"] = None if bias is None else bias.to(activation_dtype(path))
+        return prepared
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         """``x @ W.T + bias`` for a 2-d contiguous ``x`` in the path's dtype, with operands from
-        :meth:`prepare`; returns ``[rows, out_features]`` in the same dtype."""
+        :meth:`prepare` (a :class:`Prepared`: anything else raises ``TypeError``, since only those were checked);
+        returns ``[rows, out_features]`` in the same dtype."""
         raise NotImplementedError
 
     def kernel(self, path: str, rows: int) -> str:
@@ -286,10 +354,11 @@ class TorchPacker(Packer):
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows ``ids`` (any shape of indices; result ``[*ids.shape, dim]``) of the weight a pack stands
         for, bit for bit the rows of :meth:`dequantized`: only those rows are read (``F.embedding`` over the packed
-        parts) and widened, never the whole table.
+        parts) and widened, never the whole table. ``operands``: bound (:meth:`bind`), or bound here.
 
         Raises:
             NotImplementedError: this packer's packs are not embedding tables (:attr:`embeds` is False).
+            PackResultError: the parts do not fit the packer's layout.
         """
         raise NotImplementedError(f"packer {self.id} does not pack embedding tables")
 
@@ -346,57 +415,64 @@ def _native_kernel(op: str) -> str:
     return f"packcache bf16 ({isa}: {'vdpbf16ps' if isa == 'avx512' else 'widen + FMA'}, float32 accumulation)"
 
 
-def _fit(what: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
-    """Refuse an operand the compiled kernel would read past: it trusts its pointers and counts, and a pack's part
-    shapes come from the cache file's index, not from the key that named the pack."""
-    if tensor is not None and (tuple(tensor.shape) != shape or not tensor.is_contiguous()):
-        raise PackResultError(
-            f"packed operand {what} has shape {list(tensor.shape)} (contiguous: {tensor.is_contiguous()}), the layer "
-            f"needs {list(shape)} contiguous: the cache holds a pack that does not fit this layer"
-        )
+class Prepared(dict[str, "torch.Tensor | None"]):
+    """What :meth:`TorchPacker.prepare` returns and :meth:`TorchPacker.linear` reads: the bound operands' tensors
+    and what ``prepare`` derived from them, with :attr:`bound`, the checked operands the compiled kernels read."""
+
+    __slots__ = ("bound",)
+
+    def __init__(self, bound: native.Bound) -> None:
+        super().__init__(bound)
+        self.bound = bound
 
 
-def _native_product(
-    op: str, x: torch.Tensor, operands: Operands, out_features: int, group: int = 0, block: int = 0
-) -> torch.Tensor:
-    """``x @ W.T + bias`` by the compiled ``op`` over a layer's prepared operands (``int8``: ``weight`` and float32
-    ``scales_f32``; ``bf16``: ``weight``; ``int4``: ``weight`` in torch's layout of ``block`` rows, ``scales_and_zeros``
-    per ``group`` and the float32 ``input_scales_f32``), with the float32 ``bias_f32``; ``x`` contiguous float32 or
-    bfloat16, the result in its dtype.
+#: Every dtype a cache file's entry may have (docs/FORMAT.md), as torch names it: a part of another dtype than its
+#: layout's becomes a tensor of its own dtype, for :func:`packcache.native.bind` to refuse by name.
+_STORED_DTYPES: dict[str, torch.dtype] = {
+    "|b1": torch.bool, "|i1": torch.int8, "<i2": torch.int16, "<i4": torch.int32, "<i8": torch.int64,
+    "|u1": torch.uint8, "<u2": torch.uint16, "<u4": torch.uint32, "<u8": torch.uint64, "<f2": torch.float16,
+    "<f4": torch.float32, "<f8": torch.float64, "<c8": torch.complex64, "<c16": torch.complex128,
+}  # fmt: skip
 
-    Raises:
-        PackResultError: an operand's shape does not fit the layer (pinned by
-            tests/test_native.py::test_a_pack_whose_parts_do_not_fit_the_layer_is_refused_before_the_kernel_reads_it).
+
+def _part_tensor(value: object, reinterpret: torch.dtype | None, name: str, part: str) -> object:
+    """:meth:`TorchPacker.tensors` of one part."""
+    if not isinstance(value, np.ndarray):
+        return value
+    stored = value.dtype.str
+    dtype = reinterpret if reinterpret is not None and stored == STORAGE_DTYPES[reinterpret].str else None
+    dtype = dtype or _STORED_DTYPES.get(stored)
+    if dtype is None:
+        raise native.misfit(name, part, f"is a numpy array of dtype {value.dtype}, which no kernel reads")
+    if not value.flags.c_contiguous:
+        shape, strides = list(value.shape), list(value.strides)
+        raise native.misfit(name, part, f"is {value.dtype} {shape} with strides {strides}: not C-contiguous")
+    return as_tensor(value, dtype)
+
+
+def _shape(parts: Mapping[str, Any], part: str, ndim: int) -> tuple[int, ...]:
+    """The shape of ``parts[part]``, which a layer's dimensions are read off, if it has ``ndim`` dimensions."""
+    value = parts.get(part)
+    if not isinstance(value, (np.ndarray, torch.Tensor)):
+        raise native.misfit("", part, "is missing" if value is None else f"is a {type(value).__name__}")
+    if value.ndim != ndim:
+        raise native.misfit("", part, f"has shape {list(value.shape)}, not {ndim} dimensions")
+    return tuple(int(n) for n in value.shape)
+
+
+def _native_product(op: str, x: torch.Tensor, operands: Prepared, group: int = 0, block: int = 0) -> torch.Tensor:
+    """``x @ W.T + bias`` by the compiled ``op`` over a layer's operands from :meth:`TorchPacker.prepare`: it reads
+    only their :attr:`Prepared.bound`, checked when they were bound (``int4``: ``weight`` in torch's layout of
+    ``block`` rows, ``scales_and_zeros`` per ``group``, the input scales unless ``prepare`` found them all ones);
+    ``x`` contiguous float32 or bfloat16, the result in its dtype.
     """
-    weight, bias = _tensor(operands, "weight"), operands.get("bias_f32")
-    rows, in_features = x.shape
-    _fit("weight", weight, (out_features, in_features // 2 if op == "int4" else in_features))
-    _fit("bias", bias, (out_features,))
-    y = torch.empty(rows, out_features, dtype=x.dtype)
-    dtype = _NATIVE_DTYPES[x.dtype]
-    bias_ptr = None if bias is None else bias.data_ptr()
     threads = torch.get_num_threads()
     if op == "int4":
-        scales_and_zeros, input_scales = _tensor(operands, "scales_and_zeros"), operands.get("input_scales_f32")
-        _fit("scales_and_zeros", scales_and_zeros, (in_features // group, out_features, 2))
-        _fit("input_scales", input_scales, (in_features,))
-        native.int4_product(
-            x.data_ptr(), dtype, rows, in_features, weight.data_ptr(), scales_and_zeros.data_ptr(), out_features, group,
-            block, None if input_scales is None else input_scales.data_ptr(), bias_ptr, y.data_ptr(), dtype, threads,
-        )  # fmt: skip
-    elif op == "int8":
-        scales = _tensor(operands, "scales_f32")
-        _fit("scales", scales, (out_features,))
-        native.int8_product(
-            x.data_ptr(), dtype, rows, in_features, weight.data_ptr(), scales.data_ptr(), out_features, bias_ptr,
-            y.data_ptr(), dtype, threads,
-        )  # fmt: skip
-    else:
-        native.bf16_product(
-            x.data_ptr(), dtype, rows, in_features, weight.data_ptr(), out_features, bias_ptr, y.data_ptr(), dtype,
-            threads,
-        )  # fmt: skip
-    return y
+        scaled = operands.get("input_scales") is not None
+        return native.int4_product(x, operands.bound, group, block, threads, input_scales=scaled)
+    if op == "int8":
+        return native.int8_product(x, operands.bound, threads)
+    return native.bf16_product(x, operands.bound, threads)
 
 
 #: (packer class, id, version, params, kernel path) whose kernel self-check passed in this process.
@@ -447,6 +523,14 @@ def _check_rows(
             )
 
 
+def _prepared(operands: Operands) -> Prepared:
+    """The operands a forward reads: only what :meth:`TorchPacker.prepare` made, whose parts were checked (pinned by
+    tests/test_native.py::test_bound_operands_are_made_only_by_the_check_and_a_copy_is_checked_again)."""
+    if not isinstance(operands, Prepared):
+        raise TypeError(f"a packed layer's forward reads operands from TorchPacker.prepare(), got {type(operands)}")
+    return operands
+
+
 def _tensor(operands: Operands, name: str) -> torch.Tensor:
     tensor = operands[name]
     if tensor is None:
@@ -468,6 +552,9 @@ class LinearFloat32(TorchPacker):
     def eligible(self, shape: tuple[int, ...]) -> str | None:
         return _two_d(shape)
 
+    def layout(self, out_features: int, in_features: int) -> dict[str, native.Spec]:
+        return {"weight": (torch.float32, (out_features, in_features))}
+
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
         weight = torch.from_numpy(finite_float32(source, dtype))
         return {"weight": tensor_to_numpy(weight.contiguous(), f"{self.id}:weight")}
@@ -481,6 +568,7 @@ class LinearFloat32(TorchPacker):
         return 1e-4
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        operands = _prepared(operands)
         return F.linear(x, _tensor(operands, "weight"), operands.get("bias"))
 
     def kernel(self, path: str, rows: int) -> str:
@@ -489,10 +577,10 @@ class LinearFloat32(TorchPacker):
     embeds = True
 
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, _tensor(operands, "weight"))
+        return F.embedding(ids, _tensor(self._bound(operands), "weight"))
 
     def dequantized(self, operands: Operands) -> torch.Tensor:
-        return _tensor(operands, "weight")
+        return _tensor(self._bound(operands), "weight")
 
 
 class LinearBFloat16(TorchPacker):
@@ -536,13 +624,17 @@ class LinearBFloat16(TorchPacker):
     def part_dtypes(self) -> dict[str, torch.dtype]:
         return {"weight": torch.bfloat16}
 
+    def layout(self, out_features: int, in_features: int) -> dict[str, native.Spec]:
+        return {"weight": (torch.bfloat16, (out_features, in_features))}
+
     native_op = "bf16"
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        operands = _prepared(operands)
         weight = _tensor(operands, "weight")
         rows, in_features = x.shape
         if self._use_native(rows, in_features):
-            return _native_product("bf16", x, operands, weight.shape[0])
+            return _native_product("bf16", x, operands)
         if path == "bf16":
             return F.linear(x, weight, operands.get("bias"))
         y = F.linear(x.to(torch.bfloat16), weight).float()
@@ -557,10 +649,10 @@ class LinearBFloat16(TorchPacker):
     embeds = True
 
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, _tensor(operands, "weight")).float()  # bf16 -> float32 is exact
+        return F.embedding(ids, _tensor(self._bound(operands), "weight")).float()  # bf16 -> float32 is exact
 
     def dequantized(self, operands: Operands) -> torch.Tensor:
-        return _tensor(operands, "weight").float()
+        return _tensor(self._bound(operands), "weight").float()
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
         return torch.bfloat16
@@ -586,6 +678,9 @@ class Int8WeightOnly(TorchPacker):
     def eligible(self, shape: tuple[int, ...]) -> str | None:
         return _two_d(shape)
 
+    def layout(self, out_features: int, in_features: int) -> dict[str, native.Spec]:
+        return {"weight": (torch.int8, (out_features, in_features)), "scales": (torch.float32, (out_features,))}
+
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
         weight, scales = quantize_int8_rows(finite_float32(source, dtype))
         return {
@@ -602,10 +697,9 @@ class Int8WeightOnly(TorchPacker):
 
     def prepare(self, operands: Operands, path: str) -> dict[str, torch.Tensor | None]:
         prepared = super().prepare(operands, path)
-        scales = _tensor(operands, "scales")
+        scales = _tensor(prepared, "scales")
         prepared["scales"] = scales.to(activation_dtype(path))
         prepared["scales_bf16"] = scales.to(torch.bfloat16)  # the fused kernel's dtype, on every path
-        prepared["scales_f32"] = scales  # the compiled kernel's
         return prepared
 
     def _fused(self, path: str, rows: int, in_features: int) -> bool:
@@ -615,10 +709,11 @@ class Int8WeightOnly(TorchPacker):
     native_op = "int8"
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        operands = _prepared(operands)
         weight, bias = _tensor(operands, "weight"), operands.get("bias")
         rows, in_features = x.shape
         if self._use_native(rows, in_features):
-            return _native_product("int8", x, operands, weight.shape[0])
+            return _native_product("int8", x, operands)
         if self._fused(path, rows, in_features):
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, _tensor(operands, "scales_bf16")).to(x.dtype)
             return y if bias is None else y.add_(bias)
@@ -654,11 +749,13 @@ class Int8WeightOnly(TorchPacker):
 
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
         # Per-row int8 is per-output-channel int8: the rows of a [num, dim] table, each with its scale.
-        codes = F.embedding(ids, _tensor(operands, "weight")).float()
-        return codes.mul_(F.embedding(ids, _tensor(operands, "scales")[:, None]))
+        bound = self._bound(operands)
+        codes = F.embedding(ids, _tensor(bound, "weight")).float()
+        return codes.mul_(F.embedding(ids, _tensor(bound, "scales")[:, None]))
 
     def dequantized(self, operands: Operands) -> torch.Tensor:
-        return _tensor(operands, "weight").float().mul_(_tensor(operands, "scales")[:, None])
+        bound = self._bound(operands)
+        return _tensor(bound, "weight").float().mul_(_tensor(bound, "scales")[:, None])
 
 
 #: The most bytes of a weight converted to the activations' dtype at once: a larger weight is converted and
@@ -775,21 +872,27 @@ class Int4WeightOnly(TorchPacker):
         return weight.astype(np.float32)
 
     def dims(self, parts: Mapping[str, Any]) -> tuple[int, int]:
-        groups, out_features, _ = parts["scales_and_zeros"].shape
-        return int(out_features), int(groups) * self.group_size
+        groups, out_features, _ = _shape(parts, "scales_and_zeros", 3)
+        return out_features, groups * self.group_size
+
+    def layout(self, out_features: int, in_features: int) -> dict[str, native.Spec]:
+        return {
+            "weight": (torch.uint8, (out_features, in_features // 2)),
+            "scales_and_zeros": (torch.bfloat16, (in_features // self.group_size, out_features, 2)),
+            "input_scales": (torch.float32, (in_features,)),
+        }
 
     def part_dtypes(self) -> dict[str, torch.dtype]:
         return {"scales_and_zeros": torch.bfloat16}
 
     def prepare(self, operands: Operands, path: str) -> dict[str, torch.Tensor | None]:
         prepared = super().prepare(operands, path)
-        input_scales = _tensor(operands, "input_scales")
+        input_scales = _tensor(prepared, "input_scales")
         # All ones without calibration statistics (every hf model): then no per-call multiply of the activations.
         ones = bool(torch.all(input_scales == 1))
         prepared["input_scales"] = None if ones else input_scales.to(activation_dtype(path))
-        prepared["input_scales_f32"] = None if ones else input_scales  # the compiled kernel's
         if not cpu_kernels().fused_weight_only:  # the fused kernel's reference loop takes the activations' dtype
-            prepared["scales_and_zeros"] = _tensor(operands, "scales_and_zeros").to(activation_dtype(path))
+            prepared["scales_and_zeros"] = _tensor(prepared, "scales_and_zeros").to(activation_dtype(path))
         return prepared
 
     def _fused(self, path: str, rows: int) -> bool:
@@ -808,6 +911,7 @@ class Int4WeightOnly(TorchPacker):
         )  # fmt: skip
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
+        operands = _prepared(operands)
         weight, scales_and_zeros = _tensor(operands, "weight"), _tensor(operands, "scales_and_zeros")
         bias, input_scales = operands.get("bias"), operands.get("input_scales")
         rows, in_features = x.shape
@@ -815,7 +919,7 @@ class Int4WeightOnly(TorchPacker):
         if self._use_native(rows, in_features, out_features):
             layout = int4_layout()
             assert layout is not None
-            return _native_product("int4", x, operands, out_features, self.group_size, layout.block)
+            return _native_product("int4", x, operands, self.group_size, layout.block)
         dtype = activation_dtype(path)
         if self._fused(path, x.shape[0]):
             # bf16 in: the kernel's only vectorised variant (a float32 input runs its scalar reference loop).

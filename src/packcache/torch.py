@@ -338,7 +338,9 @@ def _convert(
         parts = dict(zip(table.packer.parts, served[at], strict=True))
         shared: _SharedFloat | None = None
         for paths, padding_idx in table.modules:
-            new_table = PackedEmbedding.from_parts(table.packer, parts, padding_idx=padding_idx)
+            new_table = PackedEmbedding.from_parts(
+                table.packer, parts, padding_idx=padding_idx, name=paths[0], shape=table.shape
+            )
             if shared is None:
                 shared = new_table._shared
             new_table.__dict__["_shared"] = shared  # every module of a tie writes the one tensor
@@ -360,7 +362,8 @@ def _convert(
             assert embedding is not None and layer.table is not None
             layer_packer, parts = embedding, table_parts[layer.table][0]
         new = PackedLinear.from_parts(
-            layer_packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed
+            layer_packer, parts, bias, kernel_path=report.kernel_path, transposed=layer.transposed, name=layer.name,
+            shape=layer.shape,
         )  # fmt: skip
         tie = plan.table_ties.get(layer.name)
         if tie is not None:  # it saves the table's float32 weight, as the tied float model did
