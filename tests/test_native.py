@@ -534,6 +534,15 @@ _RETYPED = {
                                  f"{_HEAD} 'scales' is int8 [{VOCAB}]; the layer needs float32 [{VOCAB}]"),
     "bf16-head-as-uint8": ("bf16", "lm_head.weight:torch.linear.bf16:weight", "u1", (VOCAB, 64), 1,
                            f"{_HEAD} 'weight' is uint8 [{VOCAB}, 64]; the layer needs bfloat16 [{VOCAB}, 64]"),
+    # a float parameter served from the file (a norm) is read by torch's own ops, by its dtype: int8 bytes were read
+    # as weights of about -24 (logits far off, no error), float16 ones as other numbers, a wrong shape was a raw
+    # RuntimeError at the forward
+    "norm-as-int8": ("int8", "model.norm.weight:np.f32:weight", "i1", (64,), 1,
+                     "parameter 'model.norm.weight' is int8 [64]; the module needs float32 [64]"),
+    "norm-as-float16": ("bf16", "model.norm.weight:np.f32:weight", "f2", (64,), 1,
+                        "parameter 'model.norm.weight' is float16 [64]; the module needs float32 [64]"),
+    "norm-shorter": ("int8", "model.norm.weight:np.f32:weight", "f4", (32,), 1,
+                     "parameter 'model.norm.weight' is float32 [32]; the module needs float32 [64]"),
 }  # fmt: skip
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "LinearFloat32",
     "Operands",
     "Prepared",
+    "STORAGE_DTYPES",
     "TorchPacker",
     "as_tensor",
     "tensor_to_numpy",

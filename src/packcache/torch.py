@@ -70,9 +70,10 @@ from ._torch_sources import (
     record_linear_inputs,
 )
 from .cache import Request, Session, WeightCache
+from .errors import PackResultError
 from .loader import open_cache, scheme_packer
 from .packers import Float32, Packer, Parts, SourceMeta
-from .packers_torch import TorchPacker, as_tensor
+from .packers_torch import STORAGE_DTYPES, TorchPacker, as_tensor
 from .safetensors import TensorMeta
 from .stats import CacheStats
 
@@ -378,7 +379,7 @@ def _convert(
         kernels.add(name.rpartition(".")[2], "linear(float32), not packed")
     owners: dict[str, list[str]] = {}
     for names, at in parameters:
-        served_param = nn.Parameter(as_tensor(served[at][0]), requires_grad=False)
+        served_param = _served_parameter(names[0], served[at][0], module)
         for alias in names:
             owner, _, attr = alias.rpartition(".")
             modules[owner]._parameters[attr] = served_param
@@ -393,6 +394,27 @@ def _convert(
         # module): this runs for every module with a parameter on every warm load. One key: converting again
         # replaces it.
         modules[owner]._load_state_dict_pre_hooks[_READ_ONLY_HOOK] = _ReadOnlyTensors(tuple(attrs))
+
+
+def _served_parameter(name: str, array: np.ndarray[Any, Any], module: nn.Module) -> nn.Parameter:
+    """The read-only parameter over ``array``, what the cache served for the float parameter ``name`` of ``module``,
+    once it is checked against that parameter (dtype and shape, from the index: no byte is read). torch's own ops
+    read it by its dtype, so a file whose entry says int8 or float16, or another shape, would give wrong numbers or a
+    raw error at the forward.
+
+    Raises:
+        PackResultError: the served array is not the parameter's dtype and shape, C-contiguous.
+    """
+    # pinned by tests/test_native.py::test_retyped_parts_of_a_cache_file_are_refused_before_a_kernel_reads_them
+    needed = module.get_parameter(name)
+    stored = STORAGE_DTYPES.get(needed.dtype)  # its bytes as the cache stores them (bfloat16: uint16 bits)
+    if array.dtype != stored or tuple(array.shape) != tuple(needed.shape) or not array.flags.c_contiguous:
+        raise PackResultError(
+            f"parameter {name!r} is {array.dtype.name} {list(array.shape)}; the module needs "
+            f"{str(needed.dtype).removeprefix('torch.')} {list(needed.shape)}, C-contiguous: the cache holds a pack "
+            "that does not fit this model"
+        )
+    return nn.Parameter(as_tensor(array, needed.dtype), requires_grad=False)
 
 
 #: Requests :func:`convert` sends to :meth:`Session.get_many <packcache.Session.get_many>` at once: a few layers' parts.
