@@ -107,3 +107,26 @@ def test_a_tokenizer_giving_ids_past_the_tables_is_one_line_not_an_index_error(b
     for name, (_, says) in EMBED_CASES.items():
         line = one_line(results[name], "packcache run: cannot embed: ")
         assert "tokenizer" in line and says in line, line
+
+
+# --------------------------------------------------------------------------- a decoder BERT
+
+
+def test_a_decoder_bert_is_refused_not_run_as_an_encoder(base: Path, tmp_path: Path) -> None:
+    """A BERT config with ``is_decoder`` (transformers runs it with causal attention: each token sees the ones
+    before it) was read as an encoder's, attending both ways, without a word. The MiniLM encoder refuses it, and the
+    loader rule sends it to ``packcache.hf``, which runs the model's own code."""
+    import shutil
+
+    from packcache.models import minilm
+    from packcache.server.modelfiles import choose_loader
+
+    with pytest.raises(ValueError, match=r"is_decoder True is not supported \(a decoder"):
+        BertConfig(is_decoder=True)
+    assert BertConfig(is_decoder=False).is_decoder is False
+    directory = shutil.copytree(base, tmp_path / "decoder")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "is_decoder": True}))
+    with pytest.raises(FormatError, match=r"config\.json: is_decoder True is not supported"):
+        minilm.check_checkpoint(directory)
+    assert choose_loader(str(base)) == "minilm" and choose_loader(str(directory)) == "hf"

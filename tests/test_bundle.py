@@ -369,3 +369,143 @@ from test_hf import TEXTS
 report(ids=hf.tokenizer(sys.argv[1])(TEXTS).input_ids)
 """
     assert run_child(code, str(path))["ids"] == expected
+
+
+# --------------------------------------------------------------------------- a file that holds every module
+
+
+def _rewrite_record(path: Path, scheme: str, files: dict[str, bytes]) -> None:
+    """Give the file at ``path`` a new model record listing exactly ``files`` (an older build's, or a forged one)."""
+    from packcache.bundle import ModelRecord
+
+    with open_bundle(path) as bundle:
+        record = bundle.record
+    with WeightCache(path, platform=hf.platform(scheme)) as cache, cache.session() as session:
+        session.get_many(record_requests(ModelRecord(**{**record.__dict__, "files": {}}), files))
+
+
+def test_a_module_whose_weights_are_pickle_is_refused_at_build_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sentence-transformers model whose Dense module keeps its weights in ``pytorch_model.bin`` (what
+    ``save(safe_serialization=False)`` writes) built a file without them that passed ``build FILE``; no node could
+    load it. The build refuses it now, naming the module and the file, before anything is packed or written."""
+    from sentence_transformers import SentenceTransformer
+
+    from harness.checkpoints import tiny_sentence_transformer
+    from packcache.cli import main
+
+    model = tiny_sentence_transformer(tmp_path / "st", "bert", dense=16)
+    dense = SentenceTransformer(str(model), device="cpu", local_files_only=True)[2]
+    (model / "2_Dense" / "model.safetensors").unlink()
+    dense.save(str(model / "2_Dense"), safe_serialization=False)
+    assert (model / "2_Dense" / "pytorch_model.bin").is_file()
+    capsys.readouterr()
+    path = tmp_path / "st.pcache"
+    assert main(["build", str(model), "--scheme", "int8", "--cache", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "cannot make a self-contained cache file: module '2_Dense'" in err, err
+    assert "needs 2_Dense/pytorch_model.bin, pickle" in err, err
+    assert not path.exists()  # refused before anything was packed
+    with pytest.raises(FormatError, match=r"module '2_Dense' \(sentence_transformers\..*Dense\) needs 2_Dense/pyto"):
+        hf.sentence_transformer(model, "int8", tmp_path / "library.pcache")
+    assert not (tmp_path / "library.pcache").exists()
+
+
+def test_build_of_a_file_loads_every_module_its_record_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``build FILE`` loaded the Transformer alone, so a file lacking a Dense module's weights passed; loading it
+    then failed naming a temporary directory that no longer existed. It loads the whole pipeline now, as a node
+    with no checkpoint does, and a failure names the module and the file."""
+    from harness.checkpoints import tiny_sentence_transformer
+    from packcache.cli import main
+
+    model = tiny_sentence_transformer(tmp_path / "st", "bert", dense=16)
+    path = tmp_path / "st.pcache"
+    hf.sentence_transformer(model, "int8", path).packcache.close()
+    shutil.rmtree(model)
+    capsys.readouterr()
+    assert main(["build", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "from the file: sentence-transformers Transformer, Pooling, Dense, Normalize" in out, out
+    with open_bundle(path) as bundle:  # the file an older build made: no Dense weights
+        files = {name: bundle.read_file(name) for name in bundle.record.files}
+    del files["2_Dense/model.safetensors"]
+    _rewrite_record(path, "int8", files)
+    assert main(["build", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"packcache build: cannot load the model the file holds: {path}: "), err
+    assert "module '2_Dense'" in err and "packcache-st-" not in err and "Traceback" not in err, err
+    with pytest.raises(FormatError, match=r"module '2_Dense' \(sentence_transformers\..*Dense\)") as caught:
+        hf.sentence_transformer(path)
+    assert "packcache-st-" not in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_a_record_listing_a_file_and_a_file_inside_it_is_refused_naming_both(tmp_path: Path) -> None:
+    """A record listing ``x`` and ``x/config.json`` was accepted, and writing its files out raised a raw
+    ``NotADirectoryError``; the record's check refuses it, naming both paths."""
+    checkpoint = shutil.copytree(MINILM, tmp_path / "minilm")
+    path = tmp_path / "m.pcache"
+    hf.sentence_transformer(checkpoint, "int8", path).packcache.close()
+    with open_bundle(path) as bundle:
+        files = {name: bundle.read_file(name) for name in bundle.record.files}
+    files["1_Pooling"] = b"{}"  # besides 1_Pooling/config.json
+    _rewrite_record(path, "int8", files)
+    both = r"files list both '1_Pooling' and '1_Pooling/config.json'"
+    with pytest.raises(FormatError, match=both):
+        open_bundle(path)
+    with pytest.raises(FormatError, match=both):
+        hf.sentence_transformer(path)
+
+
+def test_run_of_a_causal_lm_says_run_is_for_embedding_models_and_names_serve(
+    base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``run --model`` of an LLM's file said "hidden_act 'silu' is not supported" (the BERT encoder's refusal); the
+    one causal-LM rule serve and build follow says what it is and what to use instead. A run that loads asks it
+    without importing transformers (``run`` is the lean path)."""
+    from packcache.cli import main
+
+    code = """
+import sys
+from packcache.cli import main
+report(code=main(["run", "--model", sys.argv[1], "--no-cache", "--json"]), imported="transformers" in sys.modules)
+"""
+    ran = run_child(code, str(base))
+    assert (ran["code"], ran["imported"]) == (0, False), ran
+
+    path, _ = built_llama(tmp_path)
+    gpt2 = save_tiny("gpt2", tmp_path / "gpt2")  # GPT2LMHeadModel: a causal LM by transformers' mapping, no suffix
+    for model in (str(path), str(gpt2)):
+        capsys.readouterr()
+        assert main(["run", "--model", model]) == 1
+        err = capsys.readouterr().err
+        assert err == (
+            f"packcache run: {model} is a causal LM, and run is for embedding models: generate with it through "
+            f"packcache serve --model {model} (OpenAI chat and text completions)\n"
+        ), err
+
+
+def test_every_vocabulary_file_transformers_tokenizers_read_is_embedded() -> None:
+    """A tokenizer whose vocabulary is a file packcache did not know (DeBERTa's ``spm.model``, ``bpe.codes``, ...)
+    loaded from the directory and not from its cache file; every name transformers' tokenizers declare is embedded."""
+    import importlib
+    import pkgutil
+
+    import transformers.models
+
+    from packcache.bundle import MODEL_FILES, TOKENIZER_FILES
+
+    declared: set[str] = set()
+    for module in pkgutil.iter_modules(transformers.models.__path__):
+        for name in (f"tokenization_{module.name}", f"tokenization_{module.name}_fast"):
+            try:
+                found = importlib.import_module(f"transformers.models.{module.name}.{name}")
+            except Exception:  # no such tokenizer, or an optional package it needs is missing
+                continue
+            names = getattr(found, "VOCAB_FILES_NAMES", None)
+            declared.update(v for v in (names or {}).values() if isinstance(v, str))
+    assert "spm.model" in declared and len(declared) > 10, declared
+    assert declared <= set(TOKENIZER_FILES) <= set(MODEL_FILES), sorted(declared - set(TOKENIZER_FILES))

@@ -859,6 +859,49 @@ def test_build_fails_when_the_file_cannot_hold_the_model(
     assert not (tmp_path / "c.pcache").exists()
 
 
+def test_build_of_a_causal_lm_without_auto_class_builds_the_file_serve_generates_with(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``build`` of a causal LM without ``--auto-class`` wrote an ``AutoModel`` file that serve never opens, exit 0,
+    no hint. One rule (transformers' causal-LM mapping, not a class-name suffix) now gives a causal LM, GPT-2's
+    ``GPT2LMHeadModel`` too, the class serve generates with; BERT, whose causal class in that mapping is
+    ``BertLMHeadModel``, stays an embedding model; fetch without ``--auto-class`` names the same file."""
+    from packcache.cli import main
+    from packcache.server.modelfiles import choose_loader
+
+    gpt2, cache_dir = checkpoints["gpt2"], tmp_path / "ci"
+    code, built = _build(capsys, str(gpt2), "--scheme", "int8", "--cache-dir", str(cache_dir))
+    assert code == 0, built
+    assert built["auto_class"] == CAUSAL and built["model_class"] == "GPT2LMHeadModel", built
+    file = Path(built["cache_file"])
+    assert file == hf.default_cache_path(gpt2, "int8", cache_dir=cache_dir, auto_class=CAUSAL)
+    assert choose_loader(str(file)) == "causal"
+    assert main(["build", str(gpt2), "--scheme", "int8", "--cache-dir", str(cache_dir)]) == 0
+    assert (
+        "auto class    AutoModelForCausalLM (a causal LM by transformers' causal-LM mapping" in capsys.readouterr().out
+    )
+    code, bert = _build(capsys, str(checkpoints["bert"]), "--scheme", "int8", "--cache-dir", str(cache_dir))
+    assert code == 0 and (bert["auto_class"], bert["model_class"]) == ("AutoModel", "BertModel"), bert
+    assert choose_loader(bert["cache_file"]) != "causal"
+    # fetch without --auto-class looks for the file build published
+    store = tmp_path / "store"
+    store.mkdir()
+    assert main(["publish", str(file), str(store), "--model", str(gpt2)]) == 0
+    capsys.readouterr()
+    fetched = tmp_path / "node"
+    argv = ["fetch", str(store), "--model", str(gpt2), "--scheme", "int8", "--allow-unsigned", "--cache-dir"]
+    assert main([*argv, str(fetched), "--json"]) == 0
+    assert Path(json.loads(capsys.readouterr().out)["path"]) == fetched / file.name
+    # an AutoModel file of a causal LM (what build made before): serve refuses it saying how to build the one it opens
+    base = tmp_path / "base.pcache"
+    assert main(["build", str(gpt2), "--scheme", "int8", "--cache", str(base), "--auto-class", "AutoModel"]) == 0
+    assert "serve does not open this file" in capsys.readouterr().out
+    with pytest.raises(
+        ValueError, match=r"holds a causal LM \(GPT2LMHeadModel\) built with AutoModel.*packcache build"
+    ):
+        choose_loader(str(base))
+
+
 # ----------------------------------------------------------------------------- hostile config values
 
 #: arch -> config.json edit -> what the one line says. Each ended in a traceback (ZeroDivisionError, TypeError,

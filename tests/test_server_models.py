@@ -1,8 +1,9 @@
 """``packcache serve --model`` on any sentence-transformers model, run the way it is deployed: real
 ``packcache serve`` processes (``harness.serve``) on tiny random XLM-R, MPNet and BERT models made here,
-answering what ``SentenceTransformer(dir).encode`` answers; a cache file alone as the model; a plain
-transformers checkpoint (mean pooling); the sentence-transformers baseline on the same models; the line each
-worker logs when ready; a bad checkpoint refused by the master in one line, before any worker boots.
+answering what ``SentenceTransformer(dir).encode`` answers; a cache file alone as the model, served exactly as its
+directory; a plain transformers checkpoint (mean pooling); the sentence-transformers baseline on the same models;
+the line each worker logs when ready; a bad checkpoint refused by the master in one line, before any worker boots;
+which models are causal LMs (``server.modelfiles``' one rule) and GPT-2 served as one.
 """
 
 from __future__ import annotations
@@ -177,14 +178,22 @@ def test_a_bad_checkpoint_is_refused_by_the_master_in_one_line(models: dict[str,
     modules = tmp_path / "modules"
     shutil.copytree(models["mpnet"], modules)
     (modules / "modules.json").write_text('{"not": "a list"}')
-    file = tmp_path / "plain.pcache"  # a cache file of a model that is no sentence-transformers one
+    import torch
+    import transformers
+
     from packcache import hf
 
-    hf.from_pretrained(models["plain"], "int8", file).packcache.close()
+    gpt2 = tmp_path / "gpt2"  # a causal LM whose file was built with AutoModel: it cannot generate
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    ).save_pretrained(gpt2)
+    file = tmp_path / "gpt2-base.pcache"
+    hf.from_pretrained(gpt2, "int8", file).packcache.close()
     for argv, says in (
         (["--model", str(broken)], "lacks"),
         (["--model", str(modules)], "modules.json: not a JSON list of modules"),
-        (["--model", str(file)], "neither a sentence-transformers one nor a causal LM"),
+        (["--model", str(file)], "holds a causal LM (GPT2LMHeadModel) built with AutoModel, so it cannot generate"),
         (["--model", str(file), "--engine", "sentence-transformers"], "loads a checkpoint directory"),
     ):
         code, err = serve_until_exit([*argv, "--workers", "2", "--cache-dir", str(tmp_path / "cache")])
@@ -223,3 +232,121 @@ def test_a_hub_id_serves_from_the_local_hub_cache_under_its_own_name(
     code, err = serve_until_exit(["--model", "org/absent", "--workers", "1", "--cache-dir", str(tmp_path / "cache")])
     assert code is not None and code != 0 and "Traceback" not in err, err[-2000:]
     assert err.count("\n") == 1 and str(hub) in err, err
+
+
+# --------------------------------------------------------- a file serves exactly what its directory serves
+
+
+@pytest.fixture(scope="module")
+def plain_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain BERT checkpoint (no ``modules.json``, no ``sentence_bert_config.json``) whose tokenizer truncates at
+    64 tokens (``tokenizer_config.json``)."""
+    directory = tiny_transformer(tmp_path_factory.mktemp("plain-bert") / "bert", "bert")
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 64}))
+    return directory
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "relu"])
+def test_a_plain_bert_file_serves_what_its_directory_serves(plain_bert: Path, tmp_path: Path, hidden_act: str) -> None:
+    """A plain BERT's cache file went to the MiniLM loader without the checks its directory took: with
+    ``model_max_length`` 64 the file truncated at 512 and the directory at 64 (cosine 0.849 on a 300-token text),
+    and with ``hidden_act: relu`` the file's server did not start. One rule reads the same files from the directory
+    or from the file, so both are served alike: the same bits for every text, the long one cut at 64 tokens."""
+    from packcache.cli import main
+    from packcache.server.modelfiles import choose_loader
+
+    directory = shutil.copytree(plain_bert, tmp_path / "bert")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "hidden_act": hidden_act}))
+    file = tmp_path / "files" / "bert.pcache"
+    assert main(["build", str(directory), "--scheme", "int8", "--cache", str(file)]) == 0
+    assert choose_loader(str(file)) == choose_loader(str(directory)) == "hf"
+    served = {}
+    for name, model in (("dir", directory), ("file", file)):
+        args = ("--model", str(model), "--scheme", "int8", "--cache-dir", str(tmp_path / "cache"))
+        with server(tmp_path / name, *args, workers=1) as srv:
+            served[name] = _served(srv, SERVED)
+    assert np.array_equal(served["dir"], served["file"])
+    expected = _expected(directory, SERVED)  # sentence-transformers truncates the long text at 64
+    assert _cosines(served["file"], expected).min() >= INT8_COSINE
+
+
+# --------------------------------------------------------- one rule decides what a causal LM is
+
+GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+
+
+@pytest.mark.parametrize(
+    ("config", "causal"),
+    [
+        (GPT2, True),  # a causal LM whose class does not end in ForCausalLM
+        ({"model_type": "gpt2"}, True),  # no architectures: a decoder family
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, True),
+        ({"model_type": "llama", "architectures": ["LlamaModel"]}, False),  # a base model has no head to generate
+        ({"model_type": "bert", "architectures": ["BertModel"]}, False),  # bert's causal class is BertLMHeadModel
+        ({"model_type": "bert"}, False),  # an encoder family, not made a decoder
+        ({"model_type": "bert", "is_decoder": True}, True),
+        ({"model_type": "bert", "architectures": ["BertLMHeadModel"], "is_decoder": True}, True),
+        ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, False),
+        ({"model_type": "roberta", "architectures": ["RobertaForCausalLM"], "is_decoder": True}, True),
+        ({"model_type": "mpnet"}, False),  # no causal-LM class at all
+        ({"model_type": "gpt2", "architectures": "GPT2LMHeadModel"}, True),  # not a list: read as naming none
+        ({"architectures": ["GPT2LMHeadModel"]}, False),  # no model type: nothing to look up
+    ],
+)
+def test_one_rule_tells_a_causal_lm_by_transformers_causal_lm_mapping(
+    tmp_path: Path, config: dict[str, Any], causal: bool
+) -> None:
+    """``serve`` told a causal LM by an architecture ending in ``ForCausalLM``, so GPT-2 (``GPT2LMHeadModel``) was
+    served as an embedding model; build, run, serve and fetch now ask one rule, transformers' own mapping."""
+    from packcache.server.modelfiles import causal_lm_class, choose_loader
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert (causal_lm_class(config) is not None) is causal
+    assert (choose_loader(str(tmp_path)) == "causal") is causal
+    (tmp_path / "modules.json").write_text("[]")  # a sentence-transformers save embeds, whatever its backbone
+    assert choose_loader(str(tmp_path)) != "causal"
+
+
+def _tiny_gpt2(directory: Path) -> Path:
+    """A tiny random ``GPT2LMHeadModel`` with :func:`harness.checkpoints.tiny_causal_lm`'s tokenizer."""
+    import torch
+    import transformers
+
+    from harness.checkpoints import tiny_causal_lm
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_causal_lm(directory.with_name("llama")))
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=2,
+        pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_gpt2_is_served_as_a_causal_lm(tmp_path: Path) -> None:
+    """GPT-2 was served as an embedding model (its class does not end in ForCausalLM); it generates now, the tokens
+    ``generate`` gives greedily."""
+    import torch
+    import transformers
+
+    directory = _tiny_gpt2(tmp_path / "gpt2")
+    reference = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = transformers.AutoTokenizer.from_pretrained(directory)("the river city", return_tensors="pt").input_ids
+    with torch.no_grad():
+        greedy = reference.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=1)
+    tokens = greedy[0, ids.shape[1] :]
+    expected = transformers.AutoTokenizer.from_pretrained(directory).decode(tokens, skip_special_tokens=True)
+    assert expected, "the tiny model's greedy text is empty: the test would prove nothing"
+    args = ("--model", str(directory), "--scheme", "fp32", "--cache-dir", str(tmp_path / "cache"))
+    with server(tmp_path / "srv", *args, workers=1) as srv:
+        request = {"prompt": ids[0].tolist(), "max_tokens": 8, "temperature": 0}
+        status, (_, body) = call(srv, "POST", "/v1/completions", json.dumps(request).encode())
+        assert status == 200, body[:500]
+        status, _ = call(srv, "POST", "/embed", json.dumps({"texts": ["x"]}).encode())
+        assert status == 404  # no embedding route: it is not served as an embedding model
+    answer = json.loads(body)
+    assert answer["choices"][0]["text"] == expected and answer["usage"]["completion_tokens"] == len(tokens)

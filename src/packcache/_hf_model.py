@@ -22,7 +22,7 @@ from transformers.pytorch_utils import Conv1D
 from ._defaults import GROUP_SIZE
 from ._hf_checkpoint import Checkpoint, _Bundled, _clip, _Renamed, _renaming, _Source
 from ._progress import bar as progress_bar
-from .bundle import Bundle, ModelRecord, collect_files, record_requests, tensor_table
+from .bundle import Bundle, ModelRecord, SourceFile, collect_files, record_requests, tensor_table
 from .cache import PackKey, Request, WeightCache
 from .errors import FormatError
 from .hub import resolve_model
@@ -287,6 +287,10 @@ def _load(
             remedy=recipe.remedy("packcache.hf"),
         )  # fmt: skip
     try:
+        embedded = None
+        if embed is not None and isinstance(checkpoint, Checkpoint) and weight_cache.path is not None:
+            # before anything is packed: a model the file could not hold whole is refused with nothing written
+            embedded = collect_files(embed[0], sentence_transformers=embed[1])
         model = _checked_skeleton(checkpoint, model_class, config)
         source = _renaming(model, parameter_groups(model), checkpoint)
         with (
@@ -309,8 +313,8 @@ def _load(
                 raise ValueError(
                     f"{model_class.__name__}: packcache cannot serve {', '.join(left)} (persistent buffers)"
                 )
-            if embed is not None and isinstance(checkpoint, Checkpoint) and weight_cache.path is not None:
-                session.get_many(_model_requests(checkpoint, recipe, model, _auto_name(auto_class), *embed))
+            if embedded is not None and embed is not None and isinstance(checkpoint, Checkpoint):
+                session.get_many(_model_requests(checkpoint, recipe, model, _auto_name(auto_class), embed[1], embedded))
         settings = checkpoint.generation_settings() if model.can_generate() else None
         if settings is not None:
             where = f"{checkpoint.directory}/generation_config.json"
@@ -349,16 +353,16 @@ def _model_requests(
     recipe: Recipe,
     model: Any,
     auto_class: str,
-    root: str | os.PathLike[str],
     sentence_transformers: str | None,
+    files: dict[str, SourceFile],
 ) -> list[Request]:
-    """The requests that store the model record and the checkpoint's files (:func:`packcache.bundle.collect_files`
-    of ``root``), so the cache file alone is the model (docs/FORMAT.md "Embedded entries"); a warm launch finds them.
+    """The requests that store the model record and the checkpoint's files (``files``:
+    :func:`packcache.bundle.collect_files` of the model's root), so the cache file alone is the model (docs/FORMAT.md
+    "Embedded entries"); a warm launch finds them.
 
     Raises:
         FormatError: a file to embed names remote code, or is malformed. UntrustedFileError, OSError: as the reader.
     """
-    files = collect_files(root, sentence_transformers=sentence_transformers)
     sources, tensors = tensor_table(checkpoint, checkpoint.names())
     record = ModelRecord(
         loader="hf", scheme=recipe.scheme, group_size=recipe.group_size, model_type=str(model.config.model_type),

@@ -59,7 +59,9 @@ from .safetensors import DTYPES, MAX_NDIM, TensorMeta
 
 __all__ = [
     "RECORD_VERSION",
+    "ST_MODULE_PREFIX",
     "ST_TRANSFORMER_REFS",
+    "TOKENIZER_FILES",
     "Bundle",
     "ModelRecord",
     "RecordSource",
@@ -74,17 +76,26 @@ __all__ = [
 ]
 
 RECORD_VERSION = 1
+#: Files a tokenizer reads: its configs, chat templates, and every vocabulary file name transformers' tokenizers
+#: declare (their ``VOCAB_FILES_NAMES``: sentencepiece models, BPE codes, vocabularies): data, never code.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt",
+    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "sentencepiece.model",
+    "spm.model", "spm_char.model", "bpe.codes", "dict.txt", "vocab-src.json", "vocab-tgt.json", "entity_vocab.json",
+    "emoji.json", "byte_maps.json", "normalizer.json", "word_pronunciation.json", "word_shape.json",
+    "prophetnet.tokenizer", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
 #: Files of a checkpoint (or of a sentence-transformers Transformer module's folder) a model needs as data.
 MODEL_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt",
-    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
-    "preprocessor_config.json", "sentence_bert_config.json",
+    "config.json", "generation_config.json", *TOKENIZER_FILES, "preprocessor_config.json",
+    "sentence_bert_config.json",
 )  # fmt: skip
 #: Files of a sentence-transformers model's root folder.
 ST_FILES = ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json")
 #: Files of a sentence-transformers module folder other than the Transformer's (Pooling, Normalize, Dense).
 ST_MODULE_FILES = re.compile(r"[A-Za-z0-9_.-]+\.json|model\.safetensors")
+#: Weights saved with ``torch.save`` (pickle): a module folder holding one cannot be embedded (no pickle, anywhere).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 #: The module types sentence-transformers itself defines: anything else in ``modules.json`` is code to import.
 ST_MODULE_PREFIX = "sentence_transformers."
 #: Config members that make transformers import a checkpoint's own Python code.
@@ -206,6 +217,15 @@ class ModelRecord:
         for file in files:
             if not _plain(file):
                 raise bad(f"file path {file[:80]!r} is not a relative path of plain components")
+        for file in files:
+            # a path that is a file and a folder at once cannot be written out (extract): refused here, by name
+            # pinned by tests/test_bundle.py::test_a_record_listing_a_file_and_a_file_inside_it_is_refused_naming_both
+            parts = file.split("/")
+            for end in range(1, len(parts)):
+                if (folder := "/".join(parts[:end])) in files:
+                    raise bad(
+                        f"files list both {folder[:80]!r} and {file[:80]!r}: one path cannot be a file and a folder"
+                    )
         return cls(
             loader=value["loader"], scheme=value["scheme"], group_size=group_size, model_type=value["model_type"],
             auto_class=value.get("auto_class"), sentence_transformers=value.get("sentence_transformers"),
@@ -347,15 +367,55 @@ def collect_files(
         modules = _json(listing.read(), listing.path) if listing is not None else []
         for module in modules if isinstance(modules, list) else []:
             sub = module.get("path") if isinstance(module, dict) else None
-            if not isinstance(sub, str) or sub in ("", folder) or not _plain(sub):
+            if not isinstance(sub, str) or sub.strip("/") in ("", folder):
                 continue
-            sub_dir = os.path.join(root, sub)
-            if not os.path.isdir(sub_dir) or os.path.islink(sub_dir):
-                continue
-            for name in sorted(os.listdir(sub_dir)):
-                if ST_MODULE_FILES.fullmatch(name):
-                    take(f"{sub}/{name}")
+            for relative in _module_files(root, sub, str(module.get("type"))):
+                take(relative)
     return found
+
+
+def _module_files(root: str, sub: str, kind: str) -> list[str]:
+    """The files of a sentence-transformers module folder (``sub``, as ``modules.json`` gives it) to embed: every
+    file in it, each of :data:`ST_MODULE_FILES`, so the file alone loads the module as its folder does.
+
+    Raises:
+        FormatError: a module the cache file could not hold: its folder outside the model or a symlink, or a file in
+            it that cannot be embedded (pickle weights, ``pytorch_model.bin``, above all: packcache never reads nor
+            stores pickle), naming the module and the file. A build refuses it rather than publish a file no node
+            can load.
+    """
+    # pinned by tests/test_bundle.py::test_a_module_whose_weights_are_pickle_is_refused_at_build_naming_it
+    folder = sub.rstrip("/")
+    module = f"module {folder[:80]!r} ({kind[:80]})"
+    if not _plain(folder):
+        raise FormatError(
+            f"{module}: its path is not a folder inside the model", path=os.path.join(root, "modules.json")
+        )
+    directory = os.path.join(root, folder)
+    if os.path.islink(directory):
+        raise FormatError(f"{module}: its folder is a symlink; packcache embeds the model's own folders only",
+                          path=directory)  # fmt: skip
+    if not os.path.isdir(directory):
+        return []  # a module with no files of its own (Normalize): sentence-transformers reads nothing there
+    wanted: list[str] = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("."):
+            continue  # hidden files (.gitattributes, ...) are no module's data
+        path = os.path.join(directory, name)
+        if not ST_MODULE_FILES.fullmatch(name) or not os.path.isfile(path):
+            why = (
+                "pickle, which packcache never reads nor embeds: save the model with safetensors "
+                "(SentenceTransformer.save writes model.safetensors)"
+                if name.endswith(PICKLE_SUFFIXES)
+                else "packcache embeds a module's *.json files and model.safetensors only"
+            )
+            raise FormatError(
+                f"cannot make a self-contained cache file: {module} needs {folder}/{name}, {why} (a load with "
+                "caching off, cache=False, writes no file)",
+                path=path,
+            )  # fmt: skip
+        wanted.append(f"{folder}/{name}")
+    return wanted
 
 
 def _json(data: bytes, where: str) -> Any:

@@ -47,18 +47,29 @@ Example (run by ``tests/test_hf.py``, not as a doctest: it needs a checkpoint)::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import transformers
 
 from ._defaults import FETCH_DEADLINE, GROUP_SIZE, REMOTE_TIMEOUT
-from ._hf_checkpoint import Checkpoint, _read_json, _short
+from ._hf_checkpoint import Checkpoint, _clip, _read_json, _short
 from ._hf_model import TRANSPOSED_LINEARS, _cache_name, _load, _Loaded, pack_count
 from ._paths import default_cache_dir
-from .bundle import ST_TRANSFORMER_REFS, Bundle, is_cache_file, open_bundle, transformer_folder
+from .bundle import (
+    ST_MODULE_PREFIX,
+    ST_TRANSFORMER_REFS,
+    TOKENIZER_FILES,
+    Bundle,
+    is_cache_file,
+    open_bundle,
+    transformer_folder,
+)
 from .cache import WeightCache
 from .errors import FormatError
 from .hub import model_argument, resolve_model
@@ -263,11 +274,7 @@ def _named(
 
 
 #: Files a tokenizer may read: the tokenizer files, and the config (``AutoTokenizer`` reads the model type from it).
-_TOKENIZER_FILES = frozenset({
-    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-    "chat_template.jinja", "chat_template.json",
-})  # fmt: skip
+_TOKENIZER_FILES = frozenset({"config.json", *TOKENIZER_FILES})
 
 
 def tokenizer(
@@ -306,7 +313,27 @@ def tokenizer(
         wanted = [name for name in bundle.record.files if name.startswith(prefix)]
         wanted = [name for name in wanted if name[len(prefix) :] in _TOKENIZER_FILES]
         bundle.extract(files, only=wanted)
-        return transformers.AutoTokenizer.from_pretrained(os.path.join(files, folder), **kwargs)
+        with _from_the_file(files, bundle.path):
+            return transformers.AutoTokenizer.from_pretrained(os.path.join(files, folder), **kwargs)
+
+
+@contextlib.contextmanager
+def _from_the_file(directory: str, path: str) -> Iterator[None]:
+    """Errors of a load from a cache file's files written out to ``directory`` name the file's entries instead
+    (``FILE::2_Dense``): the directory is gone once the load ends, and what a load misses there the file lacks.
+
+    Raises:
+        FormatError: an error naming ``directory``, so named (from the error); any other error as it is.
+    """
+    # pinned by tests/test_bundle.py::test_build_of_a_file_loads_every_module_its_record_names
+    try:
+        yield
+    except Exception as exc:
+        text = str(exc)
+        if directory not in text:
+            raise
+        named = " ".join(text.replace(directory + os.sep, f"{path}::").replace(directory, path).split())
+        raise FormatError(f"cannot load the model it holds: {named[:600]}", path=path) from exc
 
 
 def _attach(target: Any, loaded: _Loaded) -> None:
@@ -347,7 +374,8 @@ def sentence_transformer(
     loads one), a hub id in the local hub cache (as :func:`from_pretrained`), or a cache file (``*.pcache``) a
     load of one with
     ``cache=`` (or ``packcache build``) made: it holds every module's configuration and small weights, the
-    tokenizer and the packs. sentence-transformers loads
+    tokenizer and the packs; a plain checkpoint's file loads as its directory does (mean pooling, last-token
+    pooling for a causal LM). sentence-transformers loads
     every module itself (tokenizer, pooling, its configuration files), except that the
     Transformer module's model comes from :func:`from_pretrained`'s loader; modules with
     weights of their own (``Dense``) are loaded by sentence-transformers, unpacked (from a cache file: from the
@@ -364,7 +392,8 @@ def sentence_transformer(
 
     Raises:
         ValueError: the model has no Transformer module, or more than one; a backend other
-            than torch, or a PEFT adapter; a cache file of a model that is not a sentence-transformers one.
+            than torch, or a PEFT adapter; a cache file of a plain checkpoint built with another auto class than
+            ``AutoModel``. FormatError: a cache file that lacks what a module needs (naming it as ``FILE::FOLDER``).
             Otherwise as :func:`from_pretrained`.
     """
     given = {"remote": remote, "trusted_keys": trusted_keys, "allow_unsigned": allow_unsigned, "cache_dir": cache_dir,
@@ -377,13 +406,17 @@ def sentence_transformer(
     if not is_cache_file(path):
         return _sentence_transformer(os.fspath(path), scheme, cache, group_size, kernel_path, None, kwargs)
     with open_bundle(path) as bundle, tempfile.TemporaryDirectory(prefix="packcache-st-") as files:
-        if bundle.record.sentence_transformers is None:
+        record = bundle.record
+        built = record.auto_class or "AutoModel"
+        if record.sentence_transformers is None and built != "AutoModel":
+            # a plain checkpoint: sentence-transformers embeds it with AutoModel, whose packs the file lacks
             raise ValueError(
-                f"{os.fspath(path)} holds a {bundle.record.model_type} model, not a sentence-transformers one: "
-                "load it with packcache.hf.from_pretrained"
+                f"{os.fspath(path)} holds a {record.model_type} model built with {built}; sentence-transformers "
+                "embeds a plain checkpoint with AutoModel: load it with packcache.hf.from_pretrained"
             )
         bundle.extract(files)
-        return _sentence_transformer(files, scheme, cache, group_size, kernel_path, bundle, kwargs)
+        with _from_the_file(files, bundle.path):
+            return _sentence_transformer(files, scheme, cache, group_size, kernel_path, bundle, kwargs)
 
 
 def _sentence_transformer(
@@ -424,9 +457,11 @@ def _sentence_transformer(
 
     kwargs.setdefault("device", "cpu")
     kwargs["local_files_only"] = True
-    classes = dict.fromkeys(ST_TRANSFORMER_REFS, PackedTransformer)
+    classes: dict[str, type[Any]] = dict.fromkeys(ST_TRANSFORMER_REFS, PackedTransformer)
     try:
         if os.path.lexists(os.path.join(base, "modules.json")):
+            if bundle is not None:
+                classes = {**_module_classes(base), **classes}
             st = SentenceTransformer._load_with_module_classes(base, classes, **kwargs)
         else:
             st = _default_modules(SentenceTransformer, PackedTransformer, base, kwargs)
@@ -442,6 +477,38 @@ def _sentence_transformer(
             module.__class__ = Transformer  # exactly sentence-transformers' class from here on
     _attach(st, loads[0])
     return st
+
+
+def _module_classes(base: str) -> dict[str, type[Any]]:
+    """sentence-transformers' own class of every module ``modules.json`` (in ``base``: a cache file's files written
+    out) names besides the Transformer, each made to name its module when it cannot load: what that module's folder
+    lacks, the cache file lacks."""
+    from sentence_transformers.util.misc import import_from_string
+
+    modules = _read_json(Path(base) / "modules.json", "modules.json")
+    classes: dict[str, type[Any]] = {}
+    for module in modules if isinstance(modules, list) else []:
+        ref = module.get("type") if isinstance(module, dict) else None
+        # only sentence-transformers' own classes: anything else was refused when the file was read (no remote code)
+        if isinstance(ref, str) and ref.startswith(ST_MODULE_PREFIX) and ref not in ST_TRANSFORMER_REFS:
+            classes.setdefault(ref, _naming_failures(import_from_string(ref), ref))
+    return classes
+
+
+def _naming_failures(module_class: type[Any], ref: str) -> type[Any]:
+    """A subclass of ``module_class`` whose ``load`` (what sentence-transformers calls, with the same signature) names
+    the module's folder when it fails; the module it loads is of ``module_class`` itself."""
+    original = module_class.load
+
+    @functools.wraps(original)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except Exception as exc:
+            folder = kwargs.get("subfolder") or (os.path.basename(str(args[0])) if args else "")
+            raise ValueError(f"module {folder!r} ({ref}): {_clip(exc)}") from exc
+
+    return type(module_class.__name__, (module_class,), {"load": staticmethod(load), "__module__": __name__})
 
 
 def _default_modules(

@@ -305,6 +305,10 @@ def cmd_fetch(args: argparse.Namespace, out: Out) -> int:
             raise UsageError(str(exc)) from None
     if args.model is not None:
         args.model = local_model(args.model, "--model")
+        if args.auto_class is None:  # build's: the one rule names the file a build with default flags published
+            from ..server.modelfiles import default_auto_class
+
+            args.auto_class = default_auto_class(args.model)
     scheme = chosen_scheme(args)
     # --loader auto: the loader of build's rule (default_loader) first, then, when nothing is published under its
     # file's name, the other (a file built with an explicit --loader).
@@ -484,8 +488,9 @@ def add_store_parsers(sub: Any) -> None:
         "nothing is published under that file's name, the other loader's (the output says which)",
     )  # fmt: skip
     fetch.add_argument(
-        "--auto-class", default="AutoModel",
-        help="the transformers auto class the file was built with (build --auto-class): it names the hf file",
+        "--auto-class",
+        help="the transformers auto class the file was built with (build --auto-class): it names the hf file "
+        "(default: build's, AutoModelForCausalLM for a causal LM, else AutoModel)",
     )  # fmt: skip
     fetch.add_argument(
         "--scheme", choices=("auto", *SCHEMES), default=SCHEME,

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._defaults import BUILD_LOADER, GROUP_SIZE, GROUP_SIZES, KERNEL_PATH, REMOTE_TIMEOUT, SCHEME, SERVE_LOADER
@@ -177,15 +178,19 @@ def _model_file(model: str | None) -> bool:
 LOADERS = ("auto", "minilm", "hf")
 
 
-def default_loader(checkpoint: str, auto_class: str = "AutoModel") -> tuple[str, str]:
+def default_loader(checkpoint: str, auto_class: str | None = None) -> tuple[str, str]:
     """The loader of a checkpoint when none is given, the one rule of every command (``build``, ``fetch``; ``run``
     and ``serve`` map the MiniLM loader's file): ``minilm`` where the MiniLM loader reads the checkpoint
     (:func:`packcache.models.minilm.check_checkpoint`), the auto class is ``AutoModel`` and ``serve`` runs it on the
     MiniLM engine (:func:`packcache.server.modelfiles.choose_loader`), the file ``run`` and
     ``serve`` map (calibrated int4 included); else ``hf`` (any transformers architecture). So ``build``,
-    ``publish`` and ``fetch`` with default flags name one file. Returns the loader and why (for the report).
+    ``publish`` and ``fetch`` with default flags name one file. ``auto_class`` ``None``: the one a build gives the
+    checkpoint (:func:`packcache.server.modelfiles.default_auto_class`). Returns the loader and why (for the report).
     """
     # pinned by tests/test_defaults_cli.py::test_build_publish_fetch_with_default_flags_hits
+    from ..server.modelfiles import choose_loader, default_auto_class
+
+    auto_class = auto_class or default_auto_class(checkpoint)
     if auto_class != "AutoModel":
         return "hf", f"auto class {auto_class}: the minilm loader builds AutoModel files only"
     try:
@@ -195,8 +200,6 @@ def default_loader(checkpoint: str, auto_class: str = "AutoModel") -> tuple[str,
         return "hf", f"the minilm loader needs the models extra ({exc})"
     except (ValueError, FormatError, OSError) as exc:
         return "hf", f"the minilm loader does not read it: {exc}"
-    from ..server.modelfiles import choose_loader
-
     # serve's own rule (pooling, prompts, truncation as sentence-transformers runs the model): a BERT the MiniLM
     # encoder reads but would pool otherwise is served by packcache.hf, so it is built by it too
     if choose_loader(checkpoint) != "minilm":
@@ -232,6 +235,8 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
     except RemoteError as exc:
         print(f"packcache run: cannot fetch the model: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
+    if _model_file(args.model) and _causal_refused(args.model):  # a file's record says it, nothing imported
+        return EXIT_FAILED
     try:
         # Imported by name so the core type-checks and runs without the model extras.
         minilm: Any = importlib.import_module("packcache.models.minilm")
@@ -261,8 +266,10 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
                 group_size=group_size,
             )  # fmt: skip
     except (ValueError, ModuleNotFoundError, FormatError, OSError) as exc:
-        # A cache problem never lands here (it is reported in the stats); a bad model path does.
-        print(f"packcache run: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
+        # A cache problem never lands here (it is reported in the stats); a bad model path does. A directory the
+        # BERT encoder refused is asked the causal-LM rule only now: a run that loads imports no transformers.
+        if not _causal_refused(args.model):
+            print(f"packcache run: cannot load the model: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     load_seconds = time.perf_counter() - started
     release_free_heap()  # freed packing temporaries are not held memory
@@ -311,6 +318,24 @@ def cmd_run(args: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def _causal_refused(model: str | None) -> bool:
+    """Whether ``model`` is a causal LM by the rule ``serve`` and ``build`` follow
+    (:func:`packcache.server.modelfiles.is_causal_lm`); if so, ``run``'s one line saying what to use instead is
+    printed. ``run`` embeds; a causal LM is served, never embedded by its BERT encoder."""
+    from ..server.modelfiles import is_causal_lm
+
+    # pinned by tests/test_bundle.py::test_run_of_a_causal_lm_says_run_is_for_embedding_models_and_names_serve
+    if not is_causal_lm(model):
+        return False
+    name = sanitize(str(model))
+    print(
+        f"packcache run: {name} is a causal LM, and run is for embedding models: generate with it through "
+        f"packcache serve --model {name} (OpenAI chat and text completions)",
+        file=sys.stderr,
+    )  # fmt: skip
+    return True
+
+
 @dataclasses.dataclass
 class _Built:
     """What ``build`` loaded, whichever the loader: the cache, the conversion report, the model's class."""
@@ -356,33 +381,109 @@ def _build_with_minilm(args: argparse.Namespace, scheme: str) -> tuple[str, int,
 
 
 def _build_from_file(args: argparse.Namespace, scheme: str) -> tuple[str, int, Any, Any]:
-    """``build FILE.pcache``: load the model the file holds (no checkpoint) with the loader that built it, so the
-    exit status says whether the file alone holds the whole model; it is opened read-only, never changed."""
-    from ..bundle import open_bundle
+    """``build FILE.pcache``: load the model the file holds (no checkpoint) the way a node with no checkpoint loads
+    it, every part its record names, so the exit status says whether the file alone holds the whole model: the
+    loader that built it, and the pipeline ``serve`` runs on it (:func:`packcache.server.modelfiles.choose_loader`):
+    a causal LM and its tokenizer, a sentence-transformers model with every module (pooling, Dense, Normalize, its
+    tokenizer), or the MiniLM encoder. It is opened read-only, never changed."""
+    from ..bundle import TOKENIZER_FILES, open_bundle
+    from ..server.modelfiles import CAUSAL_AUTO_CLASS, EMBEDDING_AUTO_CLASS, choose_loader
 
+    # pinned by tests/test_bundle.py::test_build_of_a_file_loads_every_module_its_record_names
     with open_bundle(args.checkpoint) as bundle:
         record, total = bundle.record, bundle.entries
+        vocabularies = set(TOKENIZER_FILES) - _TOKENIZER_SETTINGS
+        vocabulary = any(name.rsplit("/", 1)[-1] in vocabularies for name in record.files)
     args.loader = record.loader
-    args.auto_class = record.auto_class or args.auto_class
+    args.auto_class = record.auto_class or EMBEDDING_AUTO_CLASS
+    file = args.checkpoint
+    steps: list[Callable[[], _Built]] = []
     if record.loader == "minilm":
         minilm: Any = importlib.import_module("packcache.models.minilm")
 
-        def load() -> _Built:
-            model = minilm.load(scheme, model_path=args.checkpoint)
+        def load_minilm() -> _Built:
+            model = minilm.load(scheme, model_path=file)
             return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, from the file")
 
-        return args.checkpoint, total, None, load
+        return file, total, None, load_minilm
     hf: Any = importlib.import_module("packcache.hf")
     # Before the memory baseline, as a checkpoint's build imports it (hf.pack_count): the base of every transformers
     # model, ~100 MiB of anonymous memory the first time a process imports it, is no part of the load; pinned by
     #   tests/test_cli_report.py::test_a_cold_build_of_a_tiny_model_does_not_warn_and_a_real_leak_does
     importlib.import_module("transformers.modeling_utils")
+    embeds = record.sentence_transformers is not None or args.auto_class == EMBEDDING_AUTO_CLASS
+    served = choose_loader(file) if embeds or args.auto_class == CAUSAL_AUTO_CLASS else None
+    if record.sentence_transformers is not None or served == "hf":
 
-    def load_hf() -> _Built:
-        model = hf.from_pretrained(args.checkpoint, scheme)
-        return _Built(model.packcache, hf.load_report(model), type(model).__name__, f"{args.auto_class}, from the file")
+        def load_st() -> _Built:
+            st = hf.sentence_transformer(file, scheme)
+            modules = ", ".join(type(module).__name__ for module in st)
+            how = f"{args.auto_class}, from the file: sentence-transformers {modules}"
+            return _Built(st.packcache, hf.load_report(st), type(st[0].model).__name__, how)
 
-    return args.checkpoint, total, None, load_hf
+        steps.append(load_st)
+    else:
+
+        def load_hf() -> _Built:
+            model = hf.from_pretrained(file, scheme)
+            if vocabulary:
+                hf.tokenizer(file)
+            return _Built(
+                model.packcache, hf.load_report(model), type(model).__name__, f"{args.auto_class}, from the file"
+            )
+
+        steps.append(load_hf)
+    if served == "minilm":
+        minilm_module: Any = importlib.import_module("packcache.models.minilm")
+
+        def load_encoder() -> _Built:
+            model = minilm_module.load(scheme, model_path=file)
+            return _Built(model.cache, model.report, type(model.encoder).__name__, "minilm loader, as serve maps it")
+
+        steps.append(load_encoder)
+
+    def load_all() -> _Built:
+        first = steps[0]()
+        try:
+            for step in steps[1:]:
+                step().cache.close()
+        except BaseException:
+            first.cache.close()
+            raise
+        return first
+
+    return file, total, None, load_all
+
+
+#: Tokenizer files that hold no vocabulary: a cache file holding only these has no tokenizer to check.
+_TOKENIZER_SETTINGS = frozenset({
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json",
+})  # fmt: skip
+
+
+def _choose_auto_class(args: argparse.Namespace) -> list[str]:
+    """``build``'s auto class: ``--auto-class`` as given, else the one rule's
+    (:func:`packcache.server.modelfiles.default_auto_class`: ``AutoModelForCausalLM`` for a causal LM, the file
+    ``serve`` generates with). Returns the report's lines about it: which the rule chose, or that a causal LM built
+    with another class is a file ``serve`` does not open."""
+    from ..server.modelfiles import CAUSAL_AUTO_CLASS, default_auto_class
+
+    # pinned by tests/test_hf.py::test_build_of_a_causal_lm_without_auto_class_builds_the_file_serve_generates_with
+    ruled = default_auto_class(args.checkpoint)
+    if args.auto_class is None:
+        args.auto_class = ruled
+        if ruled == CAUSAL_AUTO_CLASS:
+            return [
+                f"auto class    {ruled} (a causal LM by transformers' causal-LM mapping: the file serve generates with)"
+            ]
+        return []
+    if ruled == CAUSAL_AUTO_CLASS and args.auto_class != ruled:
+        return [
+            f"note          a causal LM built with {sanitize(args.auto_class)}: serve does not open this file (it "
+            f"generates with {ruled}: build without --auto-class)"
+        ]
+    return []
 
 
 def cmd_build(args: argparse.Namespace, out: Out) -> int:
@@ -400,11 +501,13 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
     fetched = fetch_named_model(args, "packcache build", "the checkpoint")
     args.checkpoint = args.model
     why = "as --loader says"
+    auto_lines: list[str] = []
     try:
         scheme = chosen_scheme(argparse.Namespace(scheme=args.scheme, model=args.checkpoint))
         if _model_file(args.checkpoint):
             path, total, cache, load = _build_from_file(args, scheme)
         else:
+            auto_lines = _choose_auto_class(args)
             if args.loader == "auto":
                 args.loader, why = default_loader(args.checkpoint, args.auto_class)
             path, total, cache, load = (_build_with_hf if args.loader == "hf" else _build_with_minilm)(args, scheme)
@@ -417,8 +520,9 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
         print(f"packcache build needs the {extra} extra ({exc}): pip install 'packcache[{extra}]'", file=sys.stderr)
         return EXIT_FAILED
     except (ValueError, KeyError, FormatError, OSError) as exc:
-        # A cache problem never lands here (it is reported in the stats); a bad checkpoint does.
-        print(f"packcache build: cannot load the checkpoint: {sanitize(str(exc))}", file=sys.stderr)
+        # A cache problem never lands here (it is reported in the stats); a bad checkpoint (or model file) does.
+        what = "the model the file holds" if _model_file(args.checkpoint) else "the checkpoint"
+        print(f"packcache build: cannot load {what}: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     load_seconds = time.perf_counter() - started
     release_free_heap()
@@ -458,6 +562,7 @@ def cmd_build(args: argparse.Namespace, out: Out) -> int:
     ]
     if why != "as --loader says" and not _model_file(args.checkpoint):
         lines.insert(1, f"loader        {args.loader} ({sanitize(why)})")
+    lines[1:1] = auto_lines
     out.emit(data, "\n".join(lines))
     built.cache.close()
     # A deploy step fails when the cache file does not hold the model afterwards.
@@ -638,7 +743,9 @@ def add_parsers(sub: Any) -> None:
     )
     build.add_argument("--cache-dir", help="directory of the default cache file ($PACKCACHE_DIR, $XDG_CACHE_HOME)")
     build.add_argument(
-        "--auto-class", default="AutoModel", help="the transformers auto class, e.g. AutoModelForCausalLM (hf loader)"
+        "--auto-class",
+        help="the transformers auto class (hf loader; default: AutoModelForCausalLM for a causal LM by transformers' "
+        "causal-LM mapping, the file serve generates with, else AutoModel)",
     )
     build.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size")
     _add_verify_option(build)

@@ -34,8 +34,7 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
 
     Raises:
         As :func:`packcache.models.minilm.load_tokenizer` and :func:`~packcache.models.minilm.pack_count` (the
-        ``minilm`` loader), :func:`packcache.hf.pack_count` and :func:`packcache.hf.tokenizer` (``hf``);
-        ValueError: a cache file of a model that is not a sentence-transformers one.
+        ``minilm`` loader), :func:`packcache.hf.pack_count` and :func:`packcache.hf.tokenizer` (``hf``).
     """
     if loader == "causal":
         hf_causal: Any = importlib.import_module("packcache.hf")
@@ -52,17 +51,11 @@ def _check_model(args: argparse.Namespace, scheme: str, loader: str) -> None:
         minilm.pack_count(scheme, model_path=args.model, group_size=chosen_group_size(args) or GROUP_SIZE)
         return
     hf: Any = importlib.import_module("packcache.hf")
-    from ..bundle import is_cache_file, open_bundle
+    from ..bundle import is_cache_file
     from ..server.modelfiles import transformer_folder_of
 
     if is_cache_file(args.model):
-        with open_bundle(args.model) as bundle:
-            if bundle.record.sentence_transformers is None:
-                raise ValueError(
-                    f"{args.model} holds a {bundle.record.model_type} model, neither a sentence-transformers one nor "
-                    "a causal LM: serve loads embedding models and causal LMs (build the file from a "
-                    "sentence-transformers model, or from a causal LM with --auto-class AutoModelForCausalLM)"
-                )
+        # a plain checkpoint's file serves mean pooling as its directory does; choose_loader refused one that cannot
         hf.tokenizer(args.model)
         return
     folder = transformer_folder_of(args.model)
@@ -131,7 +124,6 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
             return EXIT_FAILED
     from ..server import Batching, EngineSpec, Limits, ServeOptions, serve, worker_threads
     from ..server.completions import Generation
-    from ..server.llm import is_causal_lm
     from ..server.master import check_address
     from ..server.modelfiles import choose_loader, model_id_of
 
@@ -148,7 +140,7 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
             fetched = fetch_named_model(args, "packcache serve")
             if fetched:
                 print(fetched, file=sys.stderr)
-            loader = "causal" if is_causal_lm(args.model) else choose_loader(args.model)
+            loader = choose_loader(args.model)  # one rule: a causal LM, the MiniLM fast path, or packcache.hf
             if loader == "causal" and importlib.util.find_spec("transformers") is None:
                 raise ModuleNotFoundError(
                     f"{args.model} is a causal LM: serving it needs the hf extra (transformers is missing): "

@@ -59,7 +59,8 @@ class BertConfig:
     Checked when made: every size an integer from 1 to :data:`MAX_SIZE` (``true`` is not a
     number), ``hidden_size`` a multiple of ``num_attention_heads``, ``layer_norm_eps`` a
     positive finite number, ``hidden_act`` ``gelu`` and ``position_embedding_type``
-    ``absolute`` (the only ones this encoder computes), ``model_type`` a string.
+    ``absolute`` (the only ones this encoder computes), not ``is_decoder`` (it attends both ways), ``model_type``
+    a string.
 
     >>> BertConfig(num_attention_heads=0)
     Traceback (most recent call last):
@@ -77,6 +78,7 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
     position_embedding_type: str = "absolute"
+    is_decoder: Any = False  #: a decoder BERT attends to earlier tokens only: this encoder does not compute it
     model_type: str = "bert"  #: names the default cache file (a BERT-family checkpoint may say "roberta", ...)
 
     def __post_init__(self) -> None:
@@ -103,6 +105,12 @@ class BertConfig:
         if self.position_embedding_type != "absolute":
             kind = _REPR.repr(self.position_embedding_type)
             return f"position_embedding_type {kind} is not supported (only 'absolute')"
+        # a decoder's causal attention was computed both ways, without a word; pinned by
+        #   tests/test_bert.py::test_a_decoder_bert_is_refused_not_run_as_an_encoder
+        if self.is_decoder not in (False, None):
+            return (
+                f"is_decoder {_REPR.repr(self.is_decoder)} is not supported (a decoder; this encoder attends both ways)"
+            )
         if not isinstance(self.model_type, str):
             return f"model_type must be a string, got {type(self.model_type).__name__}"
         # pinned by tests/test_bert.py::test_bert_config_refuses_bad_values_made_in_code_too

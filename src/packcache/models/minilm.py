@@ -65,6 +65,7 @@ from ..bundle import (
     Bundle,
     ModelRecord,
     RecordSource,
+    SourceFile,
     collect_files,
     is_cache_file,
     open_bundle,
@@ -423,6 +424,11 @@ def _load(
     else:
         owns_cache = True
     try:
+        embedded = None
+        if isinstance(source, SafetensorsFile) and weight_cache.path is not None:
+            # before anything is packed: a model the file could not hold whole is refused with nothing written
+            folder = transformer_folder(files.config.parent)
+            embedded = (folder, collect_files(files.config.parent, sentence_transformers=folder))
         encoder = BertEncoder(config)
         encoder.compute_dtype = activation_dtype(path)
         calibration = None
@@ -443,8 +449,8 @@ def _load(
                     _pooler(config), weight_cache, linear_packer, source=source, source_prefix=prefix,
                     other=other_packer, kernel_path=path, session=session,
                 )  # fmt: skip
-            if isinstance(source, SafetensorsFile) and weight_cache.path is not None:
-                session.get_many(_model_requests(recipe, files, source, calibrated=linear_packer.uses_stats))
+            if isinstance(source, SafetensorsFile) and embedded is not None:
+                session.get_many(_model_requests(recipe, source, *embedded, calibrated=linear_packer.uses_stats))
         if calibration is not None and calibration.recorded:
             # The calibration ran a whole fp32 model; glibc keeps that freed memory unless asked
             # (not on a warm launch, where nothing was recorded: trimming the heap costs milliseconds).
@@ -482,21 +488,23 @@ def _pooler(config: BertConfig) -> torch.nn.Module:
     return root
 
 
-def _model_requests(recipe: Recipe, files: _Files, source: SafetensorsFile, *, calibrated: bool) -> list[Request]:
-    """The requests that store the model record and the checkpoint's files in the cache, so the file alone is the
-    model (docs/FORMAT.md "Embedded entries"). Uncalibrated packs are :mod:`packcache.hf`'s too (the pooler
-    included, :func:`_pooler`), and so is the record (loader ``hf``): a file either loader built serves both, never
-    rewritten back and forth. Calibrated int4 packs are this loader's alone (loader ``minilm``).
+def _model_requests(
+    recipe: Recipe, source: SafetensorsFile, folder: str | None, embedded: dict[str, SourceFile], *, calibrated: bool
+) -> list[Request]:
+    """The requests that store the model record and the checkpoint's files in the cache (``embedded``: what
+    :func:`packcache.bundle.collect_files` found, ``folder``: the sentence-transformers Transformer folder or
+    ``None``), so the file alone is the model (docs/FORMAT.md "Embedded entries"). Uncalibrated packs are
+    :mod:`packcache.hf`'s too (the pooler included, :func:`_pooler`), and so is the record (loader ``hf``): a file
+    either loader built serves both, never rewritten back and forth. Calibrated int4 packs are this loader's alone
+    (loader ``minilm``).
 
     Raises:
         FormatError: a file to embed names remote code, or is malformed. UntrustedFileError, OSError: as the reader.
     """
-    directory = files.config.parent
-    folder = transformer_folder(directory)
     sources, tensors = tensor_table(source, source.names())
     record = ModelRecord(
         loader="minilm" if calibrated else "hf", scheme=recipe.scheme, group_size=recipe.group_size,
         model_type="bert", auto_class="AutoModel", sentence_transformers=folder, sources=sources, tensors=tensors,
         files={},
     )  # fmt: skip
-    return record_requests(record, collect_files(directory, sentence_transformers=folder))
+    return record_requests(record, embedded)

@@ -35,7 +35,7 @@ from .. import _defaults
 from ..stats import CacheStats
 from .engines import EngineSpec
 from .filecheck import NOTHING, FileChecker
-from .modelfiles import model_id_of
+from .modelfiles import is_causal_lm, model_id_of  # is_causal_lm: the one rule, kept importable here
 from .sampling import Output, RequestState, Sampling, sampler_class
 
 __all__ = ["INTERNALS", "LLMEngine", "is_causal_lm", "load_llm"]
@@ -470,43 +470,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
         if ids:
             return ids
     return []
-
-
-def is_causal_lm(model: str | None) -> bool:
-    """Whether ``model`` is a causal LM ``serve`` generates with: a directory (or a hub id in the local hub cache)
-    whose ``config.json`` names an architecture ending in ``ForCausalLM`` (or, naming none, a ``model_type``
-    transformers has a causal LM class for), and that is no sentence-transformers save; or a cache file built with
-    ``AutoModelForCausalLM``. Never raises: anything unreadable is ``False``."""
-    if model is None:
-        return False
-    try:
-        from ..bundle import is_cache_file, open_bundle
-
-        if is_cache_file(model):
-            with open_bundle(model) as bundle:
-                return bundle.record.auto_class == "AutoModelForCausalLM"
-        from ..hub import is_local_path, resolve_model
-
-        path = model if is_local_path(model) else os.fspath(resolve_model(model))
-        if not os.path.isdir(path) or os.path.lexists(os.path.join(path, "modules.json")):
-            return False
-        from .._boundedjson import load_file
-
-        config = load_file(os.path.join(path, "config.json"), what="config.json", max_bytes=1 << 20)
-        if not isinstance(config, dict):
-            return False
-        architectures = config.get("architectures")
-        if isinstance(architectures, list) and architectures:
-            return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures)
-        model_type = config.get("model_type")
-        if not isinstance(model_type, str):
-            return False
-        import transformers.models.auto.modeling_auto as _auto_module
-
-        auto: Any = _auto_module
-        return model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except Exception:  # never raises: a model this cannot read is not one it serves as a causal LM
-        return False
 
 
 def load_llm(spec: EngineSpec) -> LLMEngine:

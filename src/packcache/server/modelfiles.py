@@ -1,5 +1,6 @@
 """What the master reads of a model's files before any worker starts: its served name, where its Transformer
-module is, and which loader takes it (no weight is read).
+module is, and which loader takes it (no weight is read): one rule for a checkpoint directory and for the cache file
+built from it, which also decides what a causal LM is for every command (:func:`causal_lm_class`).
 
 A worker then loads the model as :mod:`.engines` says, with the loader chosen here.
 """
@@ -10,7 +11,17 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BUNDLED_MODEL_ID", "choose_loader", "model_id_of", "transformer_folder_of"]
+__all__ = [
+    "BUNDLED_MODEL_ID",
+    "CAUSAL_AUTO_CLASS",
+    "EMBEDDING_AUTO_CLASS",
+    "causal_lm_class",
+    "choose_loader",
+    "default_auto_class",
+    "is_causal_lm",
+    "model_id_of",
+    "transformer_folder_of",
+]
 
 #: What ``model_id`` is for the bundled model (no ``--model``).
 BUNDLED_MODEL_ID = "all-MiniLM-L6-v2"
@@ -64,25 +75,110 @@ def transformer_folder_of(path: str | os.PathLike[str]) -> str:
     return folder.strip("/")
 
 
-def choose_loader(model: str | None) -> str:
-    """Which loader of :data:`~packcache.server.engines.LOADERS` ``serve`` loads ``model`` with, decided from its
-    files alone (no weight read).
+#: The auto class of a causal LM's file: what ``serve`` generates with, what ``build`` builds for one.
+CAUSAL_AUTO_CLASS = "AutoModelForCausalLM"
+#: The auto class of every other model's file: the one sentence-transformers embeds with.
+EMBEDDING_AUTO_CLASS = "AutoModel"
 
-    ``minilm`` (the fast path) for the bundled model (``None``), a path to a safetensors file, a cache file of
-    calibrated int4 packs (``packcache.models.minilm``'s alone), of a plain BERT checkpoint, or whose embedded files
-    have the shape below (a file either loader built serves both), and a checkpoint directory that
-    sentence-transformers runs exactly as the MiniLM
-    encoder does: ``config.json``'s ``model_type`` ``bert`` with ``hidden_act`` ``gelu`` and absolute positions,
-    one ``model.safetensors`` and a ``tokenizer.json`` at the root; ``modules.json`` absent (a plain checkpoint:
-    mean pooling) or the Transformer module at the root, mean pooling alone, then at most a Normalize; no prompt,
-    no ``do_lower_case``; and the truncation the MiniLM loader computes (``sentence_bert_config.json``'s
-    ``max_seq_length``, else the position limit) is sentence-transformers'. A checkpoint of that shape that is
-    malformed is the MiniLM loader's to refuse. Everything else is ``hf``: any model
-    :func:`packcache.hf.sentence_transformer` loads.
+
+def causal_lm_class(config: Any) -> str | None:
+    """The class ``AutoModelForCausalLM`` builds for a checkpoint whose ``config.json`` (parsed) is a causal LM, else
+    ``None``: the one rule of "causal LM" that ``build`` (its default auto class), ``run`` (which refuses one),
+    ``serve`` (which generates with one) and ``fetch`` (the file it names) follow, through :func:`choose_loader`.
+
+    It reads transformers' own causal-LM mapping (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: model type -> class),
+    never a suffix of a class name. A config is a causal LM when its ``model_type`` has a causal-LM class and:
+
+    - ``architectures`` (the classes the checkpoint was saved from) names that class: ``GPT2LMHeadModel``,
+      ``LlamaForCausalLM``; a base model (``LlamaModel``, ``BertModel``) or another head (``BertForMaskedLM``) is not;
+    - or it names none, and the model type is no encoder family (transformers has no masked-LM class for it), or the
+      config says ``is_decoder``. BERT and RoBERTa are in the mapping (``BertLMHeadModel``: a BERT made a decoder),
+      yet a config of theirs with neither ``architectures`` nor ``is_decoder`` is an encoder's.
+
+    Without transformers installed nothing is a causal LM (packcache builds and serves one through transformers).
+    Never raises: a config of another shape is not a causal LM's.
+
+    >>> causal_lm_class({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    'GPT2LMHeadModel'
+    >>> causal_lm_class({"model_type": "bert", "architectures": ["BertModel"]}) is None
+    True
+    >>> causal_lm_class({"model_type": "bert"}), causal_lm_class({"model_type": "bert", "is_decoder": True})
+    (None, 'BertLMHeadModel')
+    """
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return None
+    try:
+        import transformers.models.auto.modeling_auto as _auto_module
+    except ImportError:
+        return None
+    auto: Any = _auto_module
+    model_type = config["model_type"]
+    name = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if not isinstance(name, str):
+        return None
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        return name if name in architectures else None
+    encoder = model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return name if not encoder or config.get("is_decoder") is True else None
+
+
+def default_auto_class(model: str) -> str:
+    """The auto class ``build`` and ``fetch`` use for checkpoint ``model`` when none is given:
+    :data:`CAUSAL_AUTO_CLASS` for a causal LM (:func:`is_causal_lm`: the file ``serve`` generates with), else
+    :data:`EMBEDDING_AUTO_CLASS`. Never raises: the loaders say what is wrong with a checkpoint this cannot read."""
+    return CAUSAL_AUTO_CLASS if is_causal_lm(model) else EMBEDDING_AUTO_CLASS
+
+
+def is_causal_lm(model: str | None) -> bool:
+    """Whether ``serve`` generates with ``model`` (:func:`choose_loader` says ``causal``); a hub id is looked up in the
+    local hub cache. A cache file answers from its record alone (what it was built as), without importing
+    transformers. Never raises: anything unreadable is ``False``."""
+    try:
+        from ..bundle import is_cache_file, open_bundle
+        from ..hub import is_local_path, resolve_model
+
+        if model is not None and not is_local_path(model):
+            model = os.fspath(resolve_model(model))
+        if model is not None and is_cache_file(model):
+            with open_bundle(model) as bundle:
+                return _built_causal(bundle.record.loader, bundle.record.auto_class, bundle.has_file)
+        return choose_loader(model) == "causal"
+    except Exception:  # never raises: a model this cannot read is not one it serves as a causal LM
+        return False
+
+
+def _built_causal(loader: str, auto_class: str | None, has: Callable[[str], bool]) -> bool:
+    """Whether a cache file holds a causal LM ``serve`` generates with: built by ``packcache.hf`` as
+    :data:`CAUSAL_AUTO_CLASS`, and no sentence-transformers model (which embeds, whatever its backbone)."""
+    return loader == "hf" and auto_class == CAUSAL_AUTO_CLASS and not has("modules.json")
+
+
+def choose_loader(model: str | None) -> str:
+    """Which loader ``serve`` loads ``model`` with, decided from its files alone (no weight read), by one rule for a
+    checkpoint directory and for a cache file: the rule reads the directory's files, or the same files as the cache
+    file embeds them (its model record says which loader and auto class built it), so a file is served exactly as
+    the directory it was built from.
+
+    - ``causal`` (:func:`packcache.server.llm.load_llm`: OpenAI's completions): a causal LM by
+      :func:`causal_lm_class` that is no sentence-transformers save (no ``modules.json``); a cache file built with
+      :data:`CAUSAL_AUTO_CLASS`.
+    - ``minilm`` (the fast path, :mod:`packcache.models.minilm`) for the bundled model (``None``), a path to a
+      safetensors file, a cache file of calibrated int4 packs (that loader's alone), and a model that
+      sentence-transformers runs exactly as the MiniLM encoder does: ``config.json``'s ``model_type`` ``bert`` with
+      ``hidden_act`` ``gelu``, absolute positions and no ``is_decoder``, one ``model.safetensors`` (a directory's:
+      a file holds packs) and a ``tokenizer.json`` at the root; ``modules.json`` absent (a plain checkpoint: mean
+      pooling) or the Transformer module at the root, mean pooling alone, then at most a Normalize; no prompt, no
+      ``do_lower_case``; and the truncation the MiniLM loader computes (``sentence_bert_config.json``'s
+      ``max_seq_length``, else the position limit) is sentence-transformers'. A checkpoint of that shape that is
+      malformed is the MiniLM loader's to refuse.
+    - ``hf`` for everything else: any model :func:`packcache.hf.sentence_transformer` loads.
 
     Raises:
         FormatError: a malformed ``config.json``, ``modules.json`` or module config, or a cache file that is not
-            one. UntrustedFileError, OSError: a file cannot be read.
+            one. ValueError: a cache file that cannot serve what its directory serves: a causal LM's built without
+            :data:`CAUSAL_AUTO_CLASS`, or a plain checkpoint's built with another auto class than
+            :data:`EMBEDDING_AUTO_CLASS`. UntrustedFileError, OSError: a file cannot be read.
     """
     from ..bundle import is_cache_file, open_bundle
 
@@ -93,22 +189,42 @@ def choose_loader(model: str | None) -> str:
             record = bundle.record
             if record.loader == "minilm":
                 return "minilm"  # calibrated int4: this loader's alone
-            if record.sentence_transformers is None:
-                # a plain checkpoint's file: MiniLM's loader reads a BERT's; packcache.hf refuses the others clearly
-                return "minilm" if record.model_type == "bert" else "hf"
+            if _built_causal(record.loader, record.auto_class, bundle.has_file):
+                return "causal"
 
             def embedded(name: str) -> Any:
                 return bundle.read_json(name) if bundle.has_file(name) else None
 
-            shaped = _minilm_shaped(embedded, bundle.has_file, weights=False)
-        return "minilm" if shaped else "hf"
+            return _loader_of(embedded, bundle.has_file, built=record.auto_class or EMBEDDING_AUTO_CLASS, where=model)
     if not os.path.isdir(model):
         return "minilm"  # a safetensors file, or nothing there: the MiniLM loader says what is wrong
 
     def read(name: str) -> Any:
         return _json_or_none(os.path.join(model, name))
 
-    return "minilm" if _minilm_shaped(read, lambda name: os.path.lexists(os.path.join(model, name))) else "hf"
+    return _loader_of(read, lambda name: os.path.lexists(os.path.join(model, name)), built=None, where=model)
+
+
+def _loader_of(read: Callable[[str], Any], has: Callable[[str], bool], *, built: str | None, where: str) -> str:
+    """:func:`choose_loader`'s rule over a model's files, from a directory or a cache file alike: ``read(name)``
+    parses one (``None``: absent), ``has(name)`` says whether it is there; ``built``: the auto class a cache file was
+    built with (``None``: a directory, whose auto class the rule decides)."""
+    if not has("modules.json"):  # a sentence-transformers save embeds, whatever its backbone
+        causal = causal_lm_class(read("config.json"))
+        if built is None and causal is not None:
+            return "causal"
+        if built is not None and causal is not None:
+            raise ValueError(
+                f"{where} holds a causal LM ({causal}) built with {built}, so it cannot generate, and serve generates "
+                f"with a causal LM: build the file again from its checkpoint (packcache build DIR builds "
+                f"{CAUSAL_AUTO_CLASS} for a causal LM)"
+            )
+        if built is not None and built != EMBEDDING_AUTO_CLASS:
+            raise ValueError(
+                f"{where} holds a model built with {built}, and serve embeds with {EMBEDDING_AUTO_CLASS} "
+                "(sentence-transformers' class for a plain checkpoint): build the file without --auto-class"
+            )
+    return "minilm" if _minilm_shaped(read, has, weights=built is None) else "hf"
 
 
 _MAX_JSON_BYTES = 1 << 20
@@ -135,6 +251,8 @@ def _minilm_shaped(read: Callable[[str], Any], has: Callable[[str], bool], *, we
         return False
     if config.get("hidden_act", "gelu") != "gelu" or config.get("position_embedding_type", "absolute") != "absolute":
         return False  # the MiniLM encoder computes neither; packcache.hf runs the model's own code
+    if config.get("is_decoder") not in (None, False):
+        return False  # nor a decoder's causal attention
     if (weights and not has("model.safetensors")) or not has("tokenizer.json"):
         return False
     modules = read("modules.json")
