@@ -8,6 +8,9 @@ request samples the same tokens alone and batched; cancelling frees the slot; a 
 from __future__ import annotations
 
 import inspect
+import io
+import json
+import logging
 import shutil
 import threading
 import time
@@ -409,6 +412,50 @@ def test_stop_with_drain_finishes_the_running_requests_then_refuses_new_ones(loa
         engine.submit(prompts[0], greedy(5), Collect())
     assert engine.busy_since() is None
 
+
+
+class _Figures:
+    """What a worker's application reports to its metrics, kept: the answers it counted."""
+
+    def __init__(self) -> None:
+        self.observed: list[tuple[str, int]] = []
+
+    def publish(self, stats: Any) -> None:
+        pass
+
+    def observe(self, route: str, code: int, seconds: float) -> None:
+        self.observed.append((route, code))
+
+
+def test_a_generation_a_stopping_engine_cannot_take_is_a_503_in_openais_shape(
+    loaded: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shutdown past its grace stops the engine while a connection accepted before the signal may still be sending
+    its request. That request reached ``submit`` and was answered 500 "internal error" (a bare ``{"error"}``) with a
+    traceback in the log. The worker's application calls (the real application over the real engine) answer it 503
+    in OpenAI's shape, with ``Retry-After``, and log no traceback."""
+    from packcache.server._calls import AppCalls
+    from packcache.server._http1 import Request
+    from packcache.server.completions import CompletionApp
+
+    engine = make(loaded)
+    engine.stop(drain=False)
+    engine.run()  # stopped: returns at once
+    figures = _Figures()
+    app = CompletionApp(engine, figures, lambda: (b"", "text/plain"))
+    calls = AppCalls(app, logging.getLogger("packcache.test.calls"), lambda: True, lambda: None)
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 4}).encode()
+    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/v1/completions", "CONTENT_LENGTH": str(len(body)),
+               "wsgi.input": io.BytesIO(body)}  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        calls.start_generation(Request(conn=None, environ=environ, head_only=False))  # type: ignore[arg-type]
+    _, response, keep_alive = calls.done.get_nowait()
+    head, _, payload = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 1" in head and not keep_alive, response
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error", error
+    assert "stopping" in error["message"] and ("/v1/completions", 503) in figures.observed, (error, figures.observed)
+    assert not any(record.exc_info for record in caplog.records), [r.getMessage() for r in caplog.records]
 
 def test_a_hard_stop_cancels_the_running_requests_and_returns(loaded: tuple[Any, Any]) -> None:
     engine = make(loaded)

@@ -490,3 +490,4 @@ def test_tgi_and_vllm_health_probes_get_200(bare: Server) -> None:
     status, (_, body) = call(bare, "GET", "/health")
     assert (status, body) == (200, b"")
     assert call(bare, "POST", "/health", b"{}")[0] == 405
+

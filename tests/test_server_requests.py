@@ -305,3 +305,19 @@ def test_json_types_are_taken_strictly_and_bounds_by_name(generator: Server) -> 
     for field, value in {"temperature": 2, "top_p": 1, "seed": 2**64 - 1, "n": 1, "presence_penalty": 0.0}.items():
         body = json.dumps({"prompt": "x", "max_tokens": 2, field: value}).encode()
         assert call(generator, "POST", "/v1/completions", body)[0] == 200, (field, value)
+
+
+def test_a_body_over_the_limit_is_refused_in_the_routes_own_error_shape(embedder: Server, generator: Server) -> None:
+    """The worker refuses a body over ``--max-body-bytes`` itself, before any application reads it. Its 413 is in
+    the route's API shape all the same: OpenAI's on ``/v1/*`` (it was a bare ``{"error": "..."}``, which an OpenAI
+    client cannot read), this server's own on ``/embed``, whose API cannot be told from an unread body."""
+    big = json.dumps({"input": "x" * BODY_LIMIT}).encode()
+    for srv, route in ((embedder, "/v1/embeddings"), (generator, "/v1/completions"),
+                       (generator, "/v1/chat/completions")):  # fmt: skip
+        status, (headers, raw) = call(srv, "POST", route, big)
+        assert status == 413 and headers.get("Content-Type") == "application/json", (route, status, raw)
+        error = json.loads(raw)
+        assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}, (route, error)
+        assert error["error"]["type"] == "invalid_request_error" and "bytes" in error["error"]["message"], error
+    status, (_, raw) = call(embedder, "POST", "/embed", big)
+    assert status == 413 and set(json.loads(raw)) == {"error"}, raw

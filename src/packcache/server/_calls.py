@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._http1 import HttpRefusal, Request, refusal_response
+from .llm import EngineStopping
 
 __all__ = ["AppCalls"]
 
@@ -51,6 +52,18 @@ class AppCalls:
 
         try:
             request.generation = self.wsgi.engine.submit(completion.prompt, completion.sampling, sink)
+        except EngineStopping as exc:
+            # A shutdown's grace ran out while this request was still arriving: no failure, and another server (or
+            # this one restarted) takes it. pinned by
+            #   tests/test_server_llm.py::test_a_generation_a_stopping_engine_cannot_take_is_a_503_in_openais_shape
+            self.log.info("packcache serve: a generation request came as the engine stopped: 503")
+            route = str(request.environ.get("PATH_INFO", ""))
+            refused = getattr(self.wsgi, "refused", None)
+            if refused is not None:
+                refused(route, 503, 0.0)
+            refusal = HttpRefusal(503, f"{exc}: send it again", (("Retry-After", "1"),))
+            self._deliver(request, self.refusal(route, refusal), False)
+            return
         except BaseException as exc:
             self.fail(request, exc)
             return
@@ -110,7 +123,20 @@ class AppCalls:
         if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
             raise exc  # gunicorn's SIGABRT/SIGQUIT/SIGINT handlers exit from the main thread: a hung model included
         self.log.error("packcache serve: the application failed", exc_info=exc)
-        self._deliver(request, refusal_response(HttpRefusal(500, "internal error (logged by the worker)")), False)
+        route = str(request.environ.get("PATH_INFO", ""))
+        self._deliver(request, self.refusal(route, HttpRefusal(500, "internal error (logged by the worker)")), False)
+
+    def refusal(self, route: str, refusal: HttpRefusal) -> bytes:
+        """The response of ``refusal``, an answer the worker gives a request on ``route`` itself, its body in the
+        route's API error shape when the application names one (``refusal_body``), else ``{"error": ...}``."""
+        shaped = getattr(self.wsgi, "refusal_body", None)
+        body = None
+        if shaped is not None:
+            try:
+                body = shaped(route, refusal.code, str(refusal))
+            except Exception:  # an answer is owed whatever the application does
+                self.log.exception("packcache serve: shaping an error body failed")
+        return refusal_response(refusal, body)
 
     def _deliver(self, request: Request, response: bytes, keep_alive: bool) -> None:
         self.done.put((request, response, keep_alive))

@@ -368,9 +368,11 @@ def _chunk_framing(conn: Conn, limits: Limits, parsed: int, *, waiting: bool, tr
     del conn.framing[:parsed]
 
 
-def refusal_response(refusal: HttpRefusal) -> bytes:
-    """The whole response of an answer the worker gives itself: ``{"error": ...}``, and the connection closed."""
-    body = json.dumps({"error": str(refusal)}).encode()
+def refusal_response(refusal: HttpRefusal, body: bytes | None = None) -> bytes:
+    """The whole response of an answer the worker gives itself, and the connection closed: ``body`` (the JSON error
+    in the API shape of the request's route, which the application names), else ``{"error": ...}``."""
+    if body is None:
+        body = json.dumps({"error": str(refusal)}).encode()
     lines = [
         f"HTTP/1.1 {refusal.code} {REASONS[refusal.code]}",
         "Content-Type: application/json",

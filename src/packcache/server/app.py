@@ -64,7 +64,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -148,6 +148,7 @@ class EmbeddingApp(WSGIApp):
     """
 
     methods = _ROUTES
+    route_shapes: ClassVar[dict[str, str]] = {"/v1/embeddings": _OPENAI}
     shape = _LEGACY
     engine: Engine
     empty_body = 'send a JSON body: {"texts": ["..."]}, {"inputs": ...} or {"input": ...}'
@@ -174,8 +175,7 @@ class EmbeddingApp(WSGIApp):
     def _request(self, route: str, environ: dict[str, Any], started: float, call: Call) -> Job:
         from . import requests  # pydantic: a worker's import, never the command line's
 
-        if route == "/v1/embeddings":
-            call.shape = _OPENAI
+        if route == "/v1/embeddings":  # call.shape: OpenAI's (route_shapes)
             return self._openai(requests.parse(requests.EmbeddingsRequest, self._json(environ), self.bounds()),
                                 route, started)  # fmt: skip
         request = self._json(environ)  # /embed: TEI's shape or this server's own

@@ -38,7 +38,7 @@ from .filecheck import NOTHING, FileChecker
 from .modelfiles import is_causal_lm, model_id_of  # is_causal_lm: the one rule, kept importable here
 from .sampling import Output, RequestState, Sampling, sampler_class
 
-__all__ = ["INTERNALS", "LLMEngine", "is_causal_lm", "load_llm"]
+__all__ = ["INTERNALS", "EngineStopping", "LLMEngine", "is_causal_lm", "load_llm"]
 
 #: The members of transformers' continuous batching (5.23.0) this module relies on, beyond its public
 #: ``init_continuous_batching``/``add_request``/``cancel_request``: ``(class, attribute)``.
@@ -55,6 +55,10 @@ INTERNALS = (
     ("ContinuousBatchProcessor", "fail_all_requests"),
     ("ContinuousBatchProcessor", "cache"),
 )
+
+
+class EngineStopping(RuntimeError):
+    """The engine is stopping (a shutdown or a restart): it takes no new request, which another server may serve."""
 
 
 class LLMEngine:
@@ -266,12 +270,12 @@ class LLMEngine:
 
         Raises:
             ValueError: what :meth:`check` refuses.
-            RuntimeError: the engine is stopping.
+            EngineStopping: the engine is stopping.
         """
         self.check(prompt, sampling)
         with self._lock:
             if self._stopping is not None:
-                raise RuntimeError("the engine is stopping: it takes no new request")
+                raise EngineStopping("the engine is stopping: it takes no new request")
             number = next(self._counter)
             request = RequestState(f"gen-{number}", number, list(prompt), sampling, sink, self.tokenizer)
             self._requests[request.id] = request

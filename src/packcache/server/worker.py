@@ -77,7 +77,6 @@ from ._http1 import (
     frame_stream,
     parse_body,
     parse_head,
-    refusal_response,
     wsgi_environ,
 )  # fmt: skip
 from ._lanes import BatchLane, GenerateLane, Lane
@@ -568,7 +567,7 @@ class BufferingWorker(Worker):  # type: ignore[misc]
         if recorder is not None:
             with contextlib.suppress(Exception):  # metrics never fail an answer
                 recorder(route, refusal.code, now - conn.began)
-        conn.out = memoryview(refusal_response(refusal))
+        conn.out = memoryview(self.calls.refusal(route, refusal))
         conn.state, conn.keep_alive, conn.deadline = State.LINGER, False, now + self.limits.send_timeout
         conn.buf, conn.parser, conn.framing = bytearray(), None, bytearray()
         self._send(conn)

@@ -114,12 +114,14 @@ class WSGIApp:
     with its ``publish``/``observe``); ``exposition`` returns the ``/metrics`` body and type.
 
     A subclass names its routes in ``methods`` (path: method), the shape of an error before its route chose one
-    (``shape``), how deep its JSON may nest, and implements :meth:`_request` (a ``POST`` route) and
+    (``shape``, or per route ``route_shapes``: what the worker's own refusals of a route's requests take), how deep its
+    JSON may nest, and implements :meth:`_request` (a ``POST`` route) and
     :meth:`_alone` (a prepared request under a WSGI server other than the worker).
     """
 
     methods: ClassVar[dict[str, str]] = {"/v1/models": "GET", "/metrics": "GET", "/healthz": "GET", "/health": "GET"}
     shape: ClassVar[str] = "openai"
+    route_shapes: ClassVar[dict[str, str]] = {}
     max_json_depth: ClassVar[int] = 4
     empty_body: ClassVar[str] = "send a JSON body"
 
@@ -144,13 +146,20 @@ class WSGIApp:
         """Count a request the worker answered itself (408, 413, ...), as :meth:`prepare` counts its own."""
         self.metrics.observe(route if route in self.methods else "other", code, seconds)
 
+    def refusal_body(self, route: str, code: int, message: str) -> bytes:
+        """The body of an answer the worker gives a request on ``route`` itself (408, 413, 503 of its body budget, the
+        500 of a failed call), in the error shape of the route's API, as :meth:`prepare` answers its own refusals: an
+        OpenAI client reads an OpenAI error whoever refused its request."""
+        # pinned by tests/test_server_requests.py::test_a_body_over_the_limit_is_refused_in_the_routes_own_error_shape
+        return self._error(self.route_shapes.get(route, self.shape), Refusal(code, message))
+
     def prepare(self, environ: dict[str, Any]) -> Any:
         """Read and check a request: its answer, or what the subclass makes of a ``POST`` route (:meth:`_request`).
         Never raises: a bad request is a 4xx answer, a failure a 500."""
         started = time.perf_counter()
         path = environ.get("PATH_INFO") or "/"
         route = path if path in self.methods else "other"
-        call = Call(self.shape)
+        call = Call(self.route_shapes.get(route, self.shape))
         try:
             if route == "other":
                 listed = ", ".join(f"{m} {p}" for p, m in self.methods.items())
