@@ -257,7 +257,7 @@ def test_a_directory_nobody_plants_never_stands_in_for_a_signed_name(
     path), with no fetch, no signature check and no warning, while ``hf.from_pretrained`` refused the same call. Now
     one rule reads the name for the library and every command: with a store, a name is the published one, checked;
     the local path spelled the same is never used, and a warning names it."""
-    from harness.serve import TEXTS, embed, server
+    from harness.serve import TEXTS, call, embed, server
     from packcache.models import minilm
 
     shared = _plant(env)
@@ -278,6 +278,9 @@ def test_a_directory_nobody_plants_never_stands_in_for_a_signed_name(
     monkeypatch.chdir(shared)
     with server(tmp_path / "srv", "--model", NAME, *signed, workers=1) as srv:
         _, served = embed(srv, TEXTS[:3])
+        _, (_, listed) = call(srv, "GET", "/v1/models")
+    # served under the name it was given and fetched by, not the planted directory's base name ("m-int8")
+    assert [card["id"] for card in json.loads(listed)["data"]] == [NAME], listed
     signed_model = minilm.load(model_path=fetched)
     planted = minilm.load("int8", cache=False, model_path=f"./{NAME}")
     try:

@@ -133,7 +133,8 @@ def cmd_serve(args: argparse.Namespace, out: Out) -> int:
         print(f"packcache serve: {sanitize(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     scheme, path, loader = "fp32", None, _defaults.SERVE_LOADER
-    model_id = args.served_model_name or model_id_of(args.model)  # the name as given, before a fetch replaces it
+    # the name as given, before a fetch replaces it; read as every command reads it (a published name with --remote)
+    model_id = args.served_model_name or model_id_of(args.model, remote=args.remote is not None)
     try:
         if args.engine == "packcache":
             # in the master, once: the workers map the file it fetched

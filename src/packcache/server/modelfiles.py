@@ -27,10 +27,11 @@ __all__ = [
 BUNDLED_MODEL_ID = "all-MiniLM-L6-v2"
 
 
-def model_id_of(model: str | None) -> str:
+def model_id_of(model: str | None, *, remote: bool = False) -> str:
     """The name a model is served under by default (``GET /v1/models``, each response's ``model``): a directory's
     or cache file's base name (without ``.pcache``), a name that is no local path as given (a hub id, a published
-    name), the bundled model's own name without ``--model``.
+    name: with ``remote``, whatever lies at that path, as :func:`packcache.hub.model_argument` reads it), the
+    bundled model's own name without ``--model``.
 
     >>> model_id_of(None), model_id_of("/srv/models/e5-small/"), model_id_of("/c/bert-int8-0123.pcache")
     ('all-MiniLM-L6-v2', 'e5-small', 'bert-int8-0123')
@@ -41,7 +42,7 @@ def model_id_of(model: str | None) -> str:
 
     if model is None:
         return BUNDLED_MODEL_ID
-    if not is_local_path(model):
+    if not is_local_path(model, remote=remote):
         return model
     base = os.path.basename(os.path.normpath(model))
     return base.removesuffix(".pcache") or base
