@@ -200,7 +200,9 @@ def cmd_probe(args: argparse.Namespace, out: Out) -> int:
             if report.verdict.value == "incompatible"
             else f", {report.live_bytes} live bytes, {report.superseded_bytes} superseded"
         ),
-        f"read          {report.bytes_read} bytes (header and index)",
+        # a verdict on the header and index says nothing of the packs' bytes: say so, and what checks them
+        f"read          {report.bytes_read} bytes (header and index; no pack's checksum: `packcache verify` checks "
+        "them)",
         *(f"reason        {sanitize(r)}" for r in report.reasons),
     ]
     out.emit(report.to_dict(), "\n".join(lines))
