@@ -102,7 +102,7 @@ FETCH_LOADER = BUILD_LOADER
 
 #: The loader ``serve`` (and ``run``) use when no ``--model`` picks one: the bundled all-MiniLM-L6-v2 is read by
 #: the MiniLM loader, whose int4 is calibrated (``serve --model`` decides by
-#: ``server.engines.choose_loader``; there is no ``--loader`` to give).
+#: ``server.modelfiles.choose_loader``; there is no ``--loader`` to give).
 SERVE_LOADER = "minilm"
 
 # --------------------------------------------------------------------------- serving (packcache serve)
