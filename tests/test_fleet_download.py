@@ -154,6 +154,7 @@ _KILLABLE_SERVER = textwrap.dedent(
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from pathlib import Path
     root = Path(sys.argv[1])
+    said = threading.Lock()  # parts are sent by concurrent threads: one whole line each
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -174,7 +175,8 @@ _KILLABLE_SERVER = textwrap.dedent(
             if path.name.endswith(".pcache") and end - start > 4096:
                 self.wfile.write(body[: len(body) // 2])
                 self.wfile.flush()
-                print("sending", flush=True)
+                with said:
+                    print("sending", flush=True)
                 threading.Event().wait()
             self.wfile.write(body)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

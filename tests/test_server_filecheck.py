@@ -98,6 +98,7 @@ def test_a_server_of_a_damaged_file_says_so_in_healthz_metrics_and_its_log(model
         assert len(errors) == 1 and str(bad) in errors[0], errors
         assert repr(entry.name) in errors[0] and f"offset {entry.offset}" in errors[0], errors[0]
         assert len(log_lines(srv, "INFO", "checking every pack of")) == 1, "one checker for the whole server"
+        assert call(srv, "GET", "/health")[0] == 503, "TEI's probe says what /healthz says"
         # /healthz said it while the workers kept serving: taking the node out is the load balancer's move
         assert call(srv, "POST", "/embed", json.dumps({"texts": ["still answered"]}).encode())[0] == 200
     print(f"damaged file: /healthz 503 {seconds:.2f} s after the server listened")
