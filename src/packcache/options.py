@@ -10,8 +10,10 @@ read-only key or a value of the wrong type raises too. Nothing is ever accepted
 silently.
 
 >>> import packcache
->>> packcache.get_option("packed_cache_heap_reason")
-'none'
+>>> cache = packcache.WeightCache(None)           # caching off: nothing held yet
+>>> cache.get_option("packed_cache_state"), cache.get_option("packed_cache_heap_reason")
+('off', 'none')
+>>> cache.close()
 >>> packcache.get_option("packed_cache_heap_mb")
 Traceback (most recent call last):
 ...
