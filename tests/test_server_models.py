@@ -309,6 +309,20 @@ def test_one_rule_tells_a_causal_lm_by_transformers_causal_lm_mapping(
     assert choose_loader(str(tmp_path)) != "causal"
 
 
+
+def test_the_causal_lm_rule_reads_the_tables_transformers_itself_holds() -> None:
+    """The rule reads transformers' two tables as data from its ``modeling_auto.py`` (importing it cost 1.6-4 s at
+    every ``serve`` start of a plain checkpoint): they are exactly the tables transformers' own module holds."""
+    import transformers.models.auto.modeling_auto as auto
+
+    from packcache.server.modelfiles import _auto_tables
+
+    tables = _auto_tables()
+    assert tables is not None
+    causal, masked = tables
+    assert causal == dict(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) and len(causal) > 100
+    assert masked == frozenset(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES) and "bert" in masked
+
 def _tiny_gpt2(directory: Path) -> Path:
     """A tiny random ``GPT2LMHeadModel`` with :func:`harness.checkpoints.tiny_causal_lm`'s tokenizer."""
     import torch

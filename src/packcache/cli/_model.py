@@ -411,6 +411,7 @@ def _build_from_file(args: argparse.Namespace, scheme: str) -> tuple[str, int, A
     # model, ~100 MiB of anonymous memory the first time a process imports it, is no part of the load; pinned by
     #   tests/test_cli_report.py::test_a_cold_build_of_a_tiny_model_does_not_warn_and_a_real_leak_does
     import transformers.modeling_utils  # noqa: F401
+
     embeds = record.sentence_transformers is not None or args.auto_class == EMBEDDING_AUTO_CLASS
     served = choose_loader(file) if embeds or args.auto_class == CAUSAL_AUTO_CLASS else None
     if record.sentence_transformers is not None or served == "hf":

@@ -7,6 +7,9 @@ A worker then loads the model as :mod:`.engines` says, with the loader chosen he
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
@@ -108,20 +111,62 @@ def causal_lm_class(config: Any) -> str | None:
     """
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         return None
-    try:
-        import transformers.models.auto.modeling_auto as _auto_module
-    except ImportError:
+    tables = _auto_tables()
+    if tables is None:
         return None
-    auto: Any = _auto_module
+    causal, masked = tables
     model_type = config["model_type"]
-    name = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    name = causal.get(model_type)
     if not isinstance(name, str):
         return None
     architectures = config.get("architectures")
     if isinstance(architectures, list) and architectures:
         return name if name in architectures else None
-    encoder = model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    encoder = model_type in masked
     return name if not encoder or config.get("is_decoder") is True else None
+
+
+#: The two tables of transformers' ``models/auto/modeling_auto.py`` the causal-LM rule reads.
+_TABLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES")
+
+
+@functools.lru_cache(maxsize=1)
+def _auto_tables() -> tuple[dict[str, str], frozenset[str]] | None:
+    """transformers' causal-LM mapping (model type -> class name) and the model types that have a masked-LM class;
+    ``None`` without transformers.
+
+    Read as data from transformers' own ``modeling_auto.py`` (two literal tables, parsed, nothing executed) rather
+    than by importing it: the import brings torch and transformers' import structure of every model, 1.6-4 s at
+    every ``serve`` start of a plain checkpoint, against 0.03 s. A module whose tables are not plain literals (another
+    transformers) is imported instead. pinned by
+    tests/test_server_models.py::test_the_causal_lm_rule_reads_the_tables_transformers_itself_holds
+    """
+    try:
+        spec = importlib.util.find_spec("transformers")  # finds the package without importing it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    source = os.path.join(os.path.dirname(spec.origin), "models", "auto", "modeling_auto.py")
+    found: dict[str, dict[str, str]] = {}
+    try:
+        with open(source, encoding="utf-8") as file:
+            tree = ast.parse(file.read(), source)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                target, value = node.targets[0].id, node.value
+                if target in _TABLES and isinstance(value, ast.Call) and len(value.args) == 1:
+                    found[target] = dict(ast.literal_eval(value.args[0]))
+    except (OSError, SyntaxError, ValueError, TypeError):
+        found = {}
+    if set(found) != set(_TABLES):
+        try:
+            import transformers.models.auto.modeling_auto as imported
+        except ImportError:
+            return None
+        found = {name: dict(getattr(imported, name)) for name in _TABLES}
+    causal, masked = (found[name] for name in _TABLES)
+    return causal, frozenset(masked)
 
 
 def default_auto_class(model: str) -> str:
