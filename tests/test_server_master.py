@@ -117,8 +117,8 @@ def _lost_connection(exc: BaseException) -> bool:
 
 def test_the_server_package_imports_neither_gunicorn_nor_prometheus_client_nor_torch() -> None:
     """``packcache`` and ``packcache.server`` import without the serve extra's packages or the model's;
-    ``packcache serve --help`` too. The master imports them only when it runs (pydantic: a worker, when it parses
-    its first request)."""
+    ``packcache serve --help`` too. The master imports them only when it runs (pydantic, the request models'
+    library, before it forks the workers)."""
     code = (
         "import sys\n"
         "import packcache, packcache.server, packcache.cli\n"

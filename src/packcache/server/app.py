@@ -173,7 +173,7 @@ class EmbeddingApp(WSGIApp):
         return prepared
 
     def _request(self, route: str, environ: dict[str, Any], started: float, call: Call) -> Job:
-        from . import requests  # pydantic: a worker's import, never the command line's
+        from . import requests  # pydantic: imported by the master before it forks (engines.preimport), never by the CLI
 
         if route == "/v1/embeddings":  # call.shape: OpenAI's (route_shapes)
             return self._openai(requests.parse(requests.EmbeddingsRequest, self._json(environ), self.bounds()),

@@ -252,7 +252,7 @@ class CompletionApp(WSGIApp):
         return prepared
 
     def _request(self, route: str, environ: dict[str, Any], started: float, call: Call) -> Completion:
-        from . import requests  # pydantic: a worker's import, never the command line's
+        from . import requests  # pydantic: imported by the master before it forks (engines.preimport), never by the CLI
 
         body, bounds = self._json(environ), self.bounds()
         request: ChatRequest | CompletionRequest = (

@@ -350,7 +350,7 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
 
 def preimport(engine: str, loader: str = _defaults.SERVE_LOADER) -> None:
     """Import the engine's modules (torch, tokenizers, the model code; for the ``hf`` loader transformers and
-    sentence-transformers too) without loading a model.
+    sentence-transformers too) and the request models (:mod:`.requests`) without loading a model.
 
     The gunicorn master calls it before forking: every worker then starts with them imported
     (shared pages, no per-worker import time). It starts no thread and runs no kernel, so the
@@ -364,6 +364,8 @@ def preimport(engine: str, loader: str = _defaults.SERVE_LOADER) -> None:
     if engine == "packcache" and loader in ("hf", "causal"):
         importlib.import_module("packcache.hf")
     importlib.import_module("packcache.models.minilm")
+    # The request models (pydantic: 0.4 s of import), which every worker's first request would import again.
+    importlib.import_module("packcache.server.requests")
 
 
 def load_engine(spec: EngineSpec) -> Engine:
