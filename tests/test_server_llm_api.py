@@ -21,6 +21,8 @@ from harness.serve import Server, call, scrape, server, wait_for
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai (bash scripts/setup.sh)")
 
+#: The module's costly fixture (a server): its users run on one xdist worker, so it is started once (conftest.py).
+XDIST_SHARED_FIXTURES = ("bare",)
 #: A generation long enough to be cut off mid-way on this machine's 2 cores (the tiny model makes ~1 ms tokens).
 LONG = 200
 

@@ -24,6 +24,8 @@ from harness.checkpoints import tiny_bert, tiny_causal_lm
 from harness.serve import Server, call, server
 from packcache.server import requests
 
+#: Every test here talks to the module's two servers: one xdist worker runs them all, so each server starts once.
+pytestmark = pytest.mark.xdist_group("server-requests")
 #: Bytes of body each fuzzed server takes: huge strings stay within it (a larger body is the worker's own 413).
 BODY_LIMIT = 65536
 MAX_TEXTS = 8
