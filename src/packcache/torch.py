@@ -324,10 +324,10 @@ def _convert(
             # pinned by tests/test_hf_ties.py::test_a_masked_lm_checkpoint_saved_tied_loads_in_every_scheme
             wanted([f"{dotted}bias", *layer.bias_tied], (layer.shape[0],), other) if layer.has_bias else None,
         ))  # fmt: skip
-    parameters = [
-        (names, wanted([*names, *plan.also.get(names[0], ())], tuple(module.get_parameter(names[0]).shape), other))
-        for names in plan.parameters
-    ]
+    parameters = []  # (its names, the module's parameter, where its array lands in served)
+    for names in plan.parameters:
+        needed = module.get_parameter(names[0])
+        parameters.append((names, needed, wanted([*names, *plan.also.get(names[0], ())], tuple(needed.shape), other)))
     flush()
     report.packed_bytes += sum(int(a.nbytes) for a in served)
 
@@ -378,8 +378,8 @@ def _convert(
     for name in plan.ineligible:
         kernels.add(name.rpartition(".")[2], "linear(float32), not packed")
     owners: dict[str, list[str]] = {}
-    for names, at in parameters:
-        served_param = _served_parameter(names[0], served[at][0], module)
+    for names, needed, at in parameters:
+        served_param = _served_parameter(names[0], served[at][0], needed)
         for alias in names:
             owner, _, attr = alias.rpartition(".")
             modules[owner]._parameters[attr] = served_param
@@ -396,9 +396,9 @@ def _convert(
         modules[owner]._load_state_dict_pre_hooks[_READ_ONLY_HOOK] = _ReadOnlyTensors(tuple(attrs))
 
 
-def _served_parameter(name: str, array: np.ndarray[Any, Any], module: nn.Module) -> nn.Parameter:
-    """The read-only parameter over ``array``, what the cache served for the float parameter ``name`` of ``module``,
-    once it is checked against that parameter (dtype and shape, from the index: no byte is read). torch's own ops
+def _served_parameter(name: str, array: np.ndarray[Any, Any], needed: nn.Parameter) -> nn.Parameter:
+    """The read-only parameter over ``array``, what the cache served for the float parameter ``name``, once it is
+    checked against ``needed``, the module's own (dtype and shape, from the index: no byte is read). torch's own ops
     read it by its dtype, so a file whose entry says int8 or float16, or another shape, would give wrong numbers or a
     raw error at the forward.
 
@@ -406,7 +406,6 @@ def _served_parameter(name: str, array: np.ndarray[Any, Any], module: nn.Module)
         PackResultError: the served array is not the parameter's dtype and shape, C-contiguous.
     """
     # pinned by tests/test_native.py::test_retyped_parts_of_a_cache_file_are_refused_before_a_kernel_reads_them
-    needed = module.get_parameter(name)
     stored = STORAGE_DTYPES.get(needed.dtype)  # its bytes as the cache stores them (bfloat16: uint16 bits)
     if array.dtype != stored or tuple(array.shape) != tuple(needed.shape) or not array.flags.c_contiguous:
         raise PackResultError(
