@@ -14,7 +14,9 @@ Method (printed first when run):
   32, bf16 scales and zeros), ``_int_mm`` (int8 activations quantised per call x int8 weight:
   the W8A8 alternative), and packcache's compiled kernels (``packcache.native``) on the
   same operand layouts: ``packcache int8``, ``packcache int4`` (torch's int4 layout), ``packcache
-  bf16``, and ``packcache int8`` on a 32-row prefill. Threads: ``--threads`` (2).
+  bf16``, and ``packcache int8`` on a 32-row prefill; ``packcache dense`` (what the packed fp32, bf16 and
+  int8 layers run, one sum order at every row count: float32 activations, each weight widened exactly) on
+  int8, bf16 and float32 weights, and on int8 for the 32-row prefill. Threads: ``--threads`` (2).
 * A prefill's int8 layers (32 rows; the 16 layers, not the head, which a prefill runs on its last
   row only): each weight converted to bf16 whole per call and multiplied (packcache before issue
   22), against ``packers_torch._blocked_linear`` (``DEQUANT_BLOCK_BYTES`` at a time, what
@@ -26,7 +28,7 @@ Method (printed first when run):
 Absolute figures drift on a shared machine (two threads stall at every barrier when anything else
 runs: check the load average printed beside them); compare kernels within one run.
 
-Usage: python benchmarks/decode_kernels.py [--threads N] [--isa native|avx2|both] [--json FILE]
+Usage: python benchmarks/decode_kernels.py [--threads N] [--isa native|avx2|both] [--kernels K,...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER
           (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [(VOCAB, HIDDEN)]  # fmt: skip
 KERNELS = ("linear f32", "linear bf16", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_int_mm (W8A8)",
            "packcache int8", "packcache int4", "packcache bf16", "int8 prefill 32 rows, whole",
-           "int8 prefill 32 rows, blocks", "packcache int8 prefill 32 rows")  # fmt: skip
+           "int8 prefill 32 rows, blocks", "packcache int8 prefill 32 rows", "packcache dense int8",
+           "packcache dense bf16", "packcache dense f32", "packcache dense int8 prefill 32 rows")  # fmt: skip
 PREFILL_ROWS = 32
 
 
@@ -64,7 +67,8 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
     nbytes = 0
     prefill = "prefill" in kernel
     for n, k in SHAPES[:-1] if prefill else SHAPES:
-        if kernel in ("packcache int8", "packcache int8 prefill 32 rows"):
+        if kernel in ("packcache int8", "packcache int8 prefill 32 rows", "packcache dense int8",
+                      "packcache dense int8 prefill 32 rows"):  # fmt: skip
             rows = PREFILL_ROWS if prefill else 1
             weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
             layers.append((weight, torch.rand(n), torch.randn(rows, k), torch.empty(rows, n)))
@@ -73,6 +77,10 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
             weight = torch.randn(n, k, generator=generator).bfloat16()
             layers.append((weight, torch.randn(1, k).bfloat16(), torch.empty(1, n, dtype=torch.bfloat16)))
             nbytes += n * k * 2
+        elif kernel in ("packcache dense bf16", "packcache dense f32"):
+            dtype = torch.bfloat16 if kernel.endswith("bf16") else torch.float32
+            layers.append((torch.randn(n, k, generator=generator).to(dtype), torch.randn(1, k)))
+            nbytes += n * k * (2 if dtype == torch.bfloat16 else 4)
         elif kernel == "linear f32":
             layers.append((torch.randn(n, k, generator=generator), torch.randn(1, k)))
             nbytes += n * k * 4
@@ -95,7 +103,7 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
     if kernel.startswith("packcache"):
         from packcache import native
         from packcache.kernels import int4_layout
-        from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16
+        from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 
         if native.status().isa is None:
             sys.exit(f"{kernel}: no compiled kernels in this process ({native.status().reason})")
@@ -103,8 +111,10 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
         # Each layer's operands bound (checked) once, as a packed layer's are; a call checks only its activations.
         bound: list[tuple[Any, ...]] = []
         for layer in layers:
-            if kernel == "packcache bf16":
+            if kernel in ("packcache bf16", "packcache dense bf16"):
                 bound.append((LinearBFloat16().bind({"weight": layer[0]}), layer[1]))
+            elif kernel == "packcache dense f32":
+                bound.append((LinearFloat32().bind({"weight": layer[0]}), layer[1]))
             elif kernel == "packcache int4":
                 parts = {
                     "weight": layer[0],
@@ -118,6 +128,8 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
 
         def call(layer: tuple[Any, ...]) -> Any:
             operands, x = layer
+            if kernel.startswith("packcache dense"):
+                return native.dense_product(x, operands, threads)
             if kernel == "packcache bf16":
                 return native.bf16_product(x, operands, threads)
             if kernel == "packcache int4":
@@ -180,12 +192,12 @@ def _native_isa() -> str | None:
     return native.status().isa
 
 
-def run_isa(isa: str, threads: int) -> list[dict[str, Any]]:
+def run_isa(isa: str, threads: int, kernels: tuple[str, ...] = KERNELS) -> list[dict[str, Any]]:
     env = dict(os.environ)
     if isa == "avx2":
         env.update(core.AVX2_ENV)
     results = []
-    for kernel in KERNELS:
+    for kernel in kernels:
         proc = subprocess.run([sys.executable, __file__, "--child", kernel, "--threads", str(threads)],
                               capture_output=True, text=True, env=env, timeout=1800, check=True)  # fmt: skip
         result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -204,8 +216,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isa", choices=("native", "avx2", "both"), default="both")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--kernels", help="comma-separated kernel names to run (default: all)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    kernels = tuple(args.kernels.split(",")) if args.kernels else KERNELS
+    if set(kernels) - set(KERNELS):
+        parser.error(f"--kernels: unknown {sorted(set(kernels) - set(KERNELS))}; one of {', '.join(KERNELS)}")
     if args.child:
         print(json.dumps(measure(args.child, args.threads)), flush=True)
         return
@@ -213,7 +229,7 @@ def main() -> None:
     print(f"\ncpu: {core.cpu_model()}, {os.cpu_count()} CPUs, {args.threads} threads\n")
     results: list[dict[str, Any]] = []
     for isa in ("native", "avx2") if args.isa == "both" else (args.isa,):
-        results += run_isa(isa, args.threads)
+        results += run_isa(isa, args.threads, kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": core.cpu_model(), "threads": args.threads, "results": results}, f, indent=2)

@@ -52,7 +52,7 @@ PC_API int pc_isa(void) {
     return 0;
 }
 
-PC_API int pc_abi_version(void) { return 1; }
+PC_API int pc_abi_version(void) { return 2; }
 
 /* ------------------------------------------------------------------ activation quantisation (scalar) */
 
@@ -678,6 +678,7 @@ static void bf16_task(void *p, int n0, int n1) {
 /* The K multiple each ISA's int8 / bf16 loop steps by. */
 PC_API int pc_k_multiple(int op, int isa) {
     if (op == 2) return QBLOCK; /* int4: and a multiple of its group */
+    if (op == 3) return 8;      /* dense: the AVX2 code on either level */
     return op == 0 ? (isa == 2 ? 64 : 32) : (isa == 2 ? 32 : 16);
 }
 
@@ -834,6 +835,161 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
                     .isa = isa, .ydtype = ydtype, .q = q, .bscale = bscale, .bsum = bsum, .y = y};
     run(int4_task, &job, N, 64);
     free(q), free(bscale), free(bsum), free(row), free(lane);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ one family for every row count */
+
+/* y [M, N] = x [M, K] @ (W [N, K] * scales [N])^T + bias [N], for float32, bfloat16 and int8 weights alike, on
+ * float32 activations. Each weight is widened to float32 exactly (an int8 code, a bfloat16's bits), so a product's
+ * only roundings are the multiply-adds. Every output (row m, column n) has its own eight lanes: lane l adds
+ * x[m, k] * w[n, k] for k = l, l + 8, l + 16, ... in increasing k, one fused multiply-add each; then the lanes are
+ * added in hsum256's order, the sum times scales[n], plus bias[n]. No step of that depends on M, on which tile an
+ * output falls in, on the chunking of K or on the thread that runs it: a row's bits are the same alone and inside
+ * any batch (one answer per input). A tile of MR activation rows x NR weight rows keeps MR * NR such accumulators
+ * in registers (3 x 4: 12 of the 16, beside the 4 widened weight vectors; the activations are memory operands). */
+
+#define DENSE_K_CHUNK 512 /* float32 activations per row and pass: 3 rows x 2 KiB + 4 weight rows stay in L1 */
+#define DENSE_M_BLOCK 48  /* activation rows a weight tile passes before the next: 48 x 2 KiB in L2 */
+
+#define W_F32(w, k) _mm256_loadu_ps((const float *)(w) + (k))
+#define W_BF16(w, k) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(w) + (k)))), 16))
+#define W_INT8(w, k) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)(w) + (k)))))
+
+#define DENSE_TILE(NAME, WT, LOADW, NR, MR)                                                                       \
+    __attribute__((target("avx2,fma,f16c"))) static void NAME##_##NR##x##MR(                                     \
+        const WT *w, size_t K, size_t k0, size_t k1, const float *x, size_t xstride, __m256 *acc_io) {            \
+        __m256 acc[MR][NR];                                                                                      \
+        for (int i = 0; i < MR; i++)                                                                             \
+            for (int j = 0; j < NR; j++) acc[i][j] = acc_io[i * NR + j];                                         \
+        for (size_t k = k0; k < k1; k += 8) {                                                                    \
+            __m256 wv[NR];                                                                                       \
+            for (int j = 0; j < NR; j++) wv[j] = LOADW(w + j * K, k);                                            \
+            for (int i = 0; i < MR; i++) {                                                                       \
+                const __m256 xv = _mm256_loadu_ps(x + i * xstride + k);                                          \
+                for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);                  \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int i = 0; i < MR; i++)                                                                             \
+            for (int j = 0; j < NR; j++) acc_io[i * NR + j] = acc[i][j];                                         \
+    }
+
+#define DENSE_TILES(NAME, WT, LOADW, WIDENS)                                                                      \
+    DENSE_TILE(NAME, WT, LOADW, 4, 1)                                                                             \
+    DENSE_TILE(NAME, WT, LOADW, 4, 2)                                                                             \
+    DENSE_TILE(NAME, WT, LOADW, 4, 3)                                                                             \
+    DENSE_TILE(NAME, WT, LOADW, 1, 1)                                                                             \
+    DENSE_TILE(NAME, WT, LOADW, 1, 2)                                                                             \
+    DENSE_TILE(NAME, WT, LOADW, 1, 3)                                                                             \
+    /* Output columns [n0, n1) for every activation row: blocks of DENSE_M_BLOCK rows; in each, tiles of 4 weight \
+     * rows (the last n1 - n0 mod 4 one at a time) pass the block's rows 3 at a time, a chunk of K at a time. */   \
+    __attribute__((target("avx2,fma,f16c"))) static void NAME##_columns(                                         \
+        const WT *W, const float *scales, const float *bias, int K, int M, const float *x, void *y, int ydtype,   \
+        int N, int n0, int n1) {                                                                                 \
+        __m256 acc[DENSE_M_BLOCK * 4];                                                                           \
+        float wide[WIDENS ? 4 * DENSE_K_CHUNK : 1];                                                              \
+        for (int mb = 0; mb < M; mb += DENSE_M_BLOCK) {                                                          \
+            const int mrows = M - mb < DENSE_M_BLOCK ? M - mb : DENSE_M_BLOCK;                                   \
+            for (int n = n0; n < n1;) {                                                                          \
+                const int nr = n1 - n >= 4 ? 4 : 1;                                                              \
+                const WT *w = W + (size_t)n * K;                                                                 \
+                for (int i = 0; i < mrows * nr; i++) acc[i] = _mm256_setzero_ps();                               \
+                for (size_t k0 = 0; k0 < (size_t)K; k0 += DENSE_K_CHUNK) {                                       \
+                    const size_t k1 = k0 + DENSE_K_CHUNK < (size_t)K ? k0 + DENSE_K_CHUNK : (size_t)K;           \
+                    /* Past a few rows the weight tile's chunk is widened once into L1 and read as float32: the   \
+                     * same numbers, without widening them again for every 3 activation rows. */                  \
+                    const int widen = WIDENS && mrows > 3;                                                       \
+                    if (widen)                                                                                   \
+                        for (int j = 0; j < nr; j++)                                                             \
+                            for (size_t k = k0; k < k1; k += 8)                                                  \
+                                _mm256_storeu_ps(wide + j * DENSE_K_CHUNK + (k - k0), LOADW(w + j * K, k));     \
+                    for (int m0 = 0; m0 < mrows; m0 += 3) {                                                      \
+                        const int mc = mrows - m0 < 3 ? mrows - m0 : 3;                                          \
+                        const float *xm = x + (size_t)(mb + m0) * K;                                             \
+                        __m256 *am = acc + (size_t)m0 * nr;                                                      \
+                        if (widen) {                                                                             \
+                            dense_wide_tile(nr, mc, wide, k1 - k0, xm + k0, K, am);                              \
+                            continue;                                                                            \
+                        }                                                                                        \
+                        switch (nr * 8 + mc) {                                                                   \
+                            case 33: NAME##_4x1(w, K, k0, k1, xm, K, am); break;                                 \
+                            case 34: NAME##_4x2(w, K, k0, k1, xm, K, am); break;                                 \
+                            case 35: NAME##_4x3(w, K, k0, k1, xm, K, am); break;                                 \
+                            case 9: NAME##_1x1(w, K, k0, k1, xm, K, am); break;                                  \
+                            case 10: NAME##_1x2(w, K, k0, k1, xm, K, am); break;                                 \
+                            default: NAME##_1x3(w, K, k0, k1, xm, K, am); break;                                 \
+                        }                                                                                        \
+                    }                                                                                            \
+                }                                                                                                \
+                for (int i = 0; i < mrows; i++)                                                                  \
+                    for (int j = 0; j < nr; j++) {                                                               \
+                        float v = hsum256(acc[(size_t)i * nr + j]);                                              \
+                        if (scales) v *= scales[n + j];                                                          \
+                        store(y, (size_t)(mb + i) * N + n + j, bias ? v + bias[n + j] : v, ydtype);              \
+                    }                                                                                            \
+                n += nr;                                                                                         \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+__attribute__((target("avx2,fma,f16c"))) static void dense_wide_tile(int nr, int mc, const float *wide, size_t kc,
+                                                                     const float *x, size_t xstride, __m256 *acc);
+DENSE_TILES(dense_f32, float, W_F32, 0)
+
+/* A float32 tile of nr x mc over a widened chunk (rows DENSE_K_CHUNK apart, k from 0 to kc). */
+__attribute__((target("avx2,fma,f16c"))) static void dense_wide_tile(int nr, int mc, const float *wide, size_t kc, const float *x, size_t xstride, __m256 *acc) {
+    switch (nr * 8 + mc) {
+        case 33: dense_f32_4x1(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 34: dense_f32_4x2(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 35: dense_f32_4x3(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 9: dense_f32_1x1(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 10: dense_f32_1x2(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        default: dense_f32_1x3(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+    }
+}
+
+DENSE_TILES(dense_bf16, uint16_t, W_BF16, 1)
+DENSE_TILES(dense_int8, int8_t, W_INT8, 1)
+
+typedef struct {
+    const void *W;
+    const float *scales, *bias, *x;
+    int K, M, N, wdtype, ydtype;
+    void *y;
+} dense_job;
+
+static void dense_task(void *p, int n0, int n1) {
+    dense_job *j = p;
+    if (j->wdtype == 2)
+        dense_int8_columns(j->W, j->scales, j->bias, j->K, j->M, j->x, j->y, j->ydtype, j->N, n0, n1);
+    else if (j->wdtype == 1)
+        dense_bf16_columns(j->W, j->scales, j->bias, j->K, j->M, j->x, j->y, j->ydtype, j->N, n0, n1);
+    else
+        dense_f32_columns(j->W, j->scales, j->bias, j->K, j->M, j->x, j->y, j->ydtype, j->N, n0, n1);
+}
+
+/* y [M, N] = x [M, K] @ (W [N, K] * scales [N])^T + bias [N] with W float32 (wdtype 0), bfloat16 (1) or int8 (2);
+ * x and y float32 (0) or bfloat16 (1), x widened to float32 exactly; scales (may be NULL; int8 needs them) and bias
+ * (may be NULL) float32. Any M >= 1; K a multiple of 8. Runs the AVX2 code on either ISA level (its numbers are the
+ * same on every x86 CPU that has AVX2 and FMA). Returns 0, -EINVAL, -ENOTSUP or -ENOMEM. */
+PC_API int pc_dense(const void *x, int xdtype, int M, int K, const void *W, int wdtype, const float *scales, int N,
+                    const float *bias, void *y, int ydtype, int isa) {
+    if (isa < 1 || isa > pc_isa()) return -ENOTSUP;
+    if (M < 1 || N < 1 || K < 8 || K % 8 || wdtype < 0 || wdtype > 2 || (wdtype == 2 && !scales) ||
+        (xdtype != 0 && xdtype != 1) || (ydtype != 0 && ydtype != 1) || (size_t)M * K > ((size_t)1 << 40))
+        return -EINVAL;
+    float *xw = NULL;
+    if (xdtype) {
+        size_t count = (size_t)M * K;
+        xw = malloc(count * sizeof(float));
+        if (!xw) return -ENOMEM;
+        for (size_t i = 0; i < count; i++) xw[i] = load_x(x, i, 1);
+    }
+    dense_job job = {.W = W, .scales = scales, .bias = bias, .x = xw ? xw : x, .K = K, .M = M, .N = N,
+                     .wdtype = wdtype, .ydtype = ydtype, .y = y};
+    run(dense_task, &job, N, 8);
+    free(xw);
     return 0;
 }
 

@@ -23,6 +23,7 @@ from packcache._generations import read_committed
 from packcache.cli import main
 from packcache.kernels import cpu_kernels
 from packcache.models import minilm
+from packcache.packers_torch import LinearFloat32
 from test_safetensors import HANG, HOSTILE, write
 
 
@@ -87,8 +88,8 @@ def test_run_twice_stores_then_maps(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert second["embeddings_shape"] == [3, 384] and second["load_seconds"] > 0
     assert second["scheme"] == minilm.default_scheme() and second["scheme_chosen"] == "auto"
     assert second["kernel_path"] == cpu_kernels().default_path and second["cpu"] == cpu_kernels().flags()
-    # The few-row int8 kernel: packcache's compiled one where this CPU runs it (up to 64 rows), else torch's fused.
-    few = "packcache int8" if native.status().isa is not None else "_weight_int8pack_mm"
+    # The int8 kernel: packcache's compiled one where this CPU runs it (every row count), else torch's fused.
+    few = "packcache dense" if native.status().isa is not None else "_weight_int8pack_mm"
     assert second["kernels"] and few in second["kernels"]
     # Per kind of linear layer: BERT's query, key, value and the three dense layers.
     assert set(second["kernels_by_layer"]) == {"query", "key", "value", "dense"}
@@ -115,7 +116,7 @@ def test_run_text_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     text = capsys.readouterr().out
     for label in ("state         stored", "load", "packed        mapped", "heap reasons  none", "file", "memory"):
         assert label in text, label
-    assert "kernels       path fp32 (" in text and "linear(float32)" in text
+    assert "kernels       path fp32 (" in text and LinearFloat32().kernels("fp32") in text
     assert "embedding     3 texts: " in text and " texts/s), first call " in text
 
 

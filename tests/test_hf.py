@@ -166,7 +166,7 @@ def test_a_tied_head_and_its_embedding_read_one_int8_pack_of_the_one_source_tens
     assert "lm_head" not in report.ineligible
     embedding_name = "model.embed_tokens.weight" if arch == "qwen2" else "transformer.wte.weight"
     assert report.packed_ties == {"lm_head": [embedding_name]}
-    few = "packcache int8" if native.status().isa is not None else "_weight_int8pack_mm"
+    few = "packcache dense" if native.status().isa is not None else "_weight_int8pack_mm"
     assert few in report.kernels["lm_head"]  # reported per layer kind, the head among them
     assert model.lm_head.tied_weight is embeddings and embeddings.dtype == torch.float32
     table = model.get_input_embeddings()

@@ -36,6 +36,7 @@ from harness.serve import SRC
 from packcache import FormatError, UntrustedFileError
 from packcache.kernels import cpu_kernels
 from packcache.models import minilm
+from packcache.packers_torch import LinearFloat32
 from packcache.safetensors import SafetensorsFile
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text(encoding="utf-8"))
@@ -142,7 +143,7 @@ def test_fp32_runs_the_fp32_path_only(launches: dict[str, dict[str, Any]]) -> No
     with pytest.raises(ValueError, match="has no kernel path 'bf16'"):
         minilm.load("fp32", cache=False, kernel_path="bf16")
     model = minilm.load("fp32", cache=launches["fp32"]["path"], kernel_path="fp32")
-    assert model.kernel_path == "fp32" and model.kernels == "linear(float32)"
+    assert model.kernel_path == "fp32" and model.kernels == LinearFloat32().kernels("fp32")
     assert model.embed(SENTENCES).tobytes() == launches["fp32"]["warm"].tobytes()
     model.close()
 

@@ -35,6 +35,7 @@ from packcache.packers_torch import (
     Int4WeightOnly,
     Int8WeightOnly,
     LinearBFloat16,
+    LinearFloat32,
     TorchPacker,
     as_tensor,
 )
@@ -169,6 +170,77 @@ def test_one_thread_and_two_threads_compute_the_same_bits(isa, rows):
     assert torch.equal(one, two)
 
 
+# ------------------------------------------------------------------ dense: one sum order at every row count
+
+DENSE_WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def _dense_operands(kind: str, n: int, k: int, seed: int) -> tuple[native.Bound, np.ndarray]:
+    """A bound dense layer of ``kind`` weights ``[n, k]`` with a bias (and int8 scales), and its exact float64
+    weight (what the kernel multiplies by: each weight widened exactly, times its scale)."""
+    rng = np.random.default_rng(seed)
+    if kind == "int8":
+        codes = rng.integers(-127, 128, (n, k), dtype=np.int8)
+        scales = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+        tensors = {"weight": torch.from_numpy(codes), "scales": torch.from_numpy(scales)}
+        exact = codes.astype(np.float64) * scales.astype(np.float64)[:, None]
+    else:
+        weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).to(DENSE_WEIGHTS[kind])
+        tensors = {"weight": weight}
+        exact = weight.double().numpy()
+    tensors["bias"] = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    layout = {part: (t.dtype, tuple(t.shape)) for part, t in tensors.items()}
+    return native.bind(layout, tensors), exact
+
+
+@pytest.mark.parametrize("kind", DENSE_WEIGHTS)
+@pytest.mark.parametrize("rows,k,n", [(1, 8, 1), (3, 64, 5), (50, 1032, 83), (97, 384, 130)])
+def test_dense_products_equal_float64_products_of_the_widened_weights(kind, rows, k, n):
+    # 1032 = two chunks of K and a part of one; 83 and 130 outputs leave a remainder past the tiles of 4; 50 and 97
+    # rows cross the blocks of 48 rows and end inside a tile of 3.
+    bound, exact = _dense_operands(kind, n, k, seed=rows + k + n)
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    expected = x.astype(np.float64) @ exact.T + bound["bias"].double().numpy()
+    for xt in (torch.from_numpy(x), torch.from_numpy(x).to(torch.bfloat16)):
+        got = native.dense_product(xt, bound, 2)
+        assert got.dtype == xt.dtype and got.shape == (rows, n)
+        reference = (
+            expected if xt.dtype == torch.float32 else xt.double().numpy() @ exact.T + bound["bias"].double().numpy()
+        )
+        tol = 1e-5 if xt.dtype == torch.float32 else 1e-2  # a bfloat16 output is rounded to bfloat16
+        np.testing.assert_allclose(got.double().numpy(), reference, rtol=tol, atol=tol * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("kind", DENSE_WEIGHTS)
+def test_a_dense_row_has_the_same_bits_alone_and_in_any_batch_on_any_thread_count(kind):
+    k, n = 1032, 83
+    bound, _ = _dense_operands(kind, n, k, seed=7)
+    x = torch.from_numpy(np.random.default_rng(8).standard_normal((200, k)).astype(np.float32))
+    alone = torch.cat([native.dense_product(x[i : i + 1], bound, 1) for i in range(200)])
+    for rows in (2, 3, 4, 5, 47, 48, 49, 96, 97, 200):
+        for threads in (1, 2):
+            assert torch.equal(native.dense_product(x[:rows], bound, threads), alone[:rows]), (rows, threads)
+    # and inside the batch, at any offset: rows 100.. of a batch are the same rows alone
+    assert torch.equal(native.dense_product(x[100:], bound, 2), alone[100:])
+
+
+def test_dense_calls_the_kernel_does_not_take_are_refused_with_an_errno():
+    lib = native._library()
+    x, w, s, y = torch.zeros(2, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), torch.empty(2, 8)
+    top = {"avx512": 2, "avx2": 1}[native.status().cpu]
+    ok = lib.pc_dense(x.data_ptr(), 0, 2, 64, w.data_ptr(), 2, s.data_ptr(), 8, None, y.data_ptr(), 0, top)
+    assert ok == 0
+    assert lib.pc_dense(x.data_ptr(), 0, 2, 60, w.data_ptr(), 2, s.data_ptr(), 8, None, y.data_ptr(), 0, top) == -22
+    assert lib.pc_dense(x.data_ptr(), 0, 2, 64, w.data_ptr(), 2, None, 8, None, y.data_ptr(), 0, top) == -22  # scales
+    assert lib.pc_dense(x.data_ptr(), 0, 2, 64, w.data_ptr(), 3, s.data_ptr(), 8, None, y.data_ptr(), 0, top) == -22
+    assert lib.pc_dense(x.data_ptr(), 0, 0, 64, w.data_ptr(), 2, s.data_ptr(), 8, None, y.data_ptr(), 0, top) == -22
+    assert lib.pc_dense(x.data_ptr(), 0, 2, 64, w.data_ptr(), 2, s.data_ptr(), 8, None, y.data_ptr(), 0, 3) == -95
+    with pytest.raises(native.NativeError, match="compiled dense product reads a float32, bfloat16 or int8"):
+        native.dense_product(
+            x, native.bind({"weight": (torch.int16, (8, 64))}, {"weight": torch.zeros(8, 64, dtype=torch.int16)}), 1
+        )
+
+
 def test_calls_the_kernels_do_not_take_are_refused_with_an_errno():
     lib = native._library()
     x = torch.zeros(65, 64)
@@ -215,7 +287,7 @@ def test_a_fork_child_that_runs_torch_on_one_thread_runs_the_compiled_products_t
         parts = packer.pack(torch.ones(4096, 2048).numpy(), "F32")
         ops = packer.prepare({**{p: as_tensor(a) for p, a in parts.items()}, "bias": None}, "fp32")
         x = torch.ones(1, 2048)
-        assert "packcache int8" in packer.kernel("fp32", 1)
+        assert "packcache dense" in packer.kernel("fp32", 1)
         first = packer.linear(ops, x, "fp32")  # the parent runs a parallel region
         pid = os.fork()
         if pid == 0:
@@ -251,7 +323,7 @@ def test_the_environment_switches_the_compiled_kernels_off_or_to_their_avx2_code
     avx2 = _child(_packer_kernels_code(), {native.NATIVE_ENV: "avx2"})
     assert avx2.returncode == 0, avx2.stderr
     assert avx2.stdout.startswith("avx2 |")
-    assert "packcache int8 (avx2: vpmaddubsw" in avx2.stdout
+    assert avx2.stdout.count("packcache dense (avx2 code") == 2
 
     bad = _child(_packer_kernels_code(), {native.NATIVE_ENV: "fast"})
     assert bad.returncode != 0
@@ -287,9 +359,18 @@ def test_each_compiled_operation_runs_on_the_codes_where_it_was_measured_faster(
     assert NATIVE_ISAS["int4"] == ("avx2",)  # torch's own AVX512 int4 kernel is faster (docs/TORCH.md)
 
 
-@pytest.mark.parametrize("packer", [Int8WeightOnly(), LinearBFloat16(), Int4WeightOnly(32)], ids=lambda p: p.id)
-@pytest.mark.parametrize("path", ["bf16", "fp32"])
-def test_packed_layers_run_the_compiled_kernel_for_few_rows_and_torch_for_more(packer, path, monkeypatch):
+@pytest.mark.parametrize(
+    ("packer", "path"),
+    [(LinearFloat32(), "fp32")]
+    + [
+        (packer, path)
+        for packer in (Int8WeightOnly(), LinearBFloat16(), Int4WeightOnly(32))
+        for path in ("bf16", "fp32")
+    ],
+    ids=lambda p: p if isinstance(p, str) else p.id,
+)
+def test_packed_layers_run_the_compiled_kernel_for_every_row_count_it_takes(packer, path, monkeypatch):
+    # dense (fp32, bf16, int8): every row count, so a row's bits never depend on the batch; int4: up to 64 rows
     monkeypatch.setitem(NATIVE_ISAS, packer.native_op, (native.status().isa,))  # int4's too, on any code
     rng = np.random.default_rng(11)
     source = rng.standard_normal((128, 256)).astype(np.float32)
@@ -300,8 +381,10 @@ def test_packed_layers_run_the_compiled_kernel_for_few_rows_and_torch_for_more(p
     weight = torch.from_numpy(packer.intended(source, "F32"))
     dtype = torch.bfloat16 if path == "bf16" else torch.float32
     limit = NATIVE_MAX_ROWS[packer.native_op]
-    for rows in (1, limit, limit + 1, 65):
-        assert ("packcache" in packer.kernel(path, rows)) == (rows <= limit), (rows, packer.kernel(path, rows))
+    assert (limit is None) == (packer.native_op == "dense")
+    for rows in (1, 4, 5, 64, 65, 300):
+        native_rows = limit is None or rows <= limit
+        assert ("packcache" in packer.kernel(path, rows)) == native_rows, (rows, packer.kernel(path, rows))
         x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32)).to(dtype)
         got = packer.linear(prepared, x, path)
         assert got.dtype == dtype and got.shape == (rows, 128)
@@ -574,7 +657,7 @@ TORCH_DTYPES = [
 #: The layer every case binds: a multiple of what each compiled product takes (int4: 64 outputs, groups of 32).
 OUT, IN = 64, 128
 PACKERS = {scheme: scheme_packer(scheme) for scheme in SCHEMES}
-LIBRARY_CALLS = ("pc_int8", "pc_bf16", "pc_int4")
+LIBRARY_CALLS = ("pc_dense", "pc_int8", "pc_bf16", "pc_int4")
 
 
 class _Counting:
@@ -667,6 +750,8 @@ def bad_operands(draw: st.DrawFn) -> tuple[str, str, object, bool]:
 
 
 def _product(op: str, x: torch.Tensor, bound: native.Bound) -> torch.Tensor:
+    if op == "dense":
+        return native.dense_product(x, bound, 1)
     if op == "int8":
         return native.int8_product(x, bound, 1)
     if op == "bf16":
@@ -710,7 +795,7 @@ def test_no_operand_reaches_the_compiled_kernels_unless_it_fits_its_layout(case:
             except PackResultError:
                 pass  # not even a tensor the C code could read as what it claims to be
             else:
-                with pytest.raises(native.NativeError, match=f"compiled {packer.native_op} product reads"):
+                with pytest.raises(native.NativeError, match=rf"compiled {packer.native_op}( \w+)? product reads"):
                     _product(packer.native_op, torch.zeros(1, IN), bound)
     assert sum(counter.calls for counter in calls.values()) == 0
 
@@ -806,7 +891,7 @@ def test_activations_reach_the_compiled_kernels_only_as_a_contiguous_float_matri
         if fits:
             assert isinstance(x, torch.Tensor)
             rows = x.shape[0]
-            if rows > native.max_rows():
+            if NATIVE_MAX_ROWS[packer.native_op] is not None and rows > native.max_rows():
                 with pytest.raises(native.NativeError, match="Invalid argument"):  # the library's own check
                     _product(packer.native_op, x, bound)
             else:

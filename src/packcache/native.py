@@ -1,8 +1,17 @@
 """packcache's compiled kernels: loading them, choosing their code for this CPU, and saying which runs.
 
 ``csrc/kernels.c`` is built at install into ``packcache._kernels`` (``setup.py``; optional: an install
-without a C compiler succeeds without it). It holds streaming products over packed weights read in place
-from the cache mapping, for a few rows of activations (a decode step, a short prefill):
+without a C compiler succeeds without it). It holds products over packed weights read in place from the cache
+mapping:
+
+``dense``
+    float32, bfloat16 and int8 (``torch.linear.fp32``, ``torch.linear.bf16``, ``torch.int8wo``) packs, for any
+    number of rows. Float32 activations (bfloat16 ones widened); each weight widened to float32 exactly; every
+    output summed in an order fixed by ``in_features`` alone, so a row gets the same bits alone and inside any
+    batch (:func:`dense_product`). The AVX2 code, on either ISA level: what the packed layers of those schemes run.
+
+The products below take at most :func:`max_rows` rows, and a row's bits depend only on the code level, not on the
+rows beside it; the packed layers run them for int4 (on AVX2), and ``benchmarks/decode_kernels.py`` measures them:
 
 ``int8``
     ``torch.int8wo`` packs (int8 ``[out, in]``, a float32 scale per output row). The activations are
@@ -58,8 +67,8 @@ import torch
 from .errors import PackResultError
 
 __all__ = ["BFLOAT16", "FLOAT32", "ISAS", "NATIVE_ENV", "Bound", "NativeError", "NativeStatus", "Spec",
-           "bf16_product", "bind", "int4_product", "int8_product", "k_multiple", "max_rows", "misfit", "status",
-           "stream"]  # fmt: skip
+           "bf16_product", "bind", "dense_product", "int4_product", "int8_product", "k_multiple", "max_rows", "misfit",
+           "status", "stream"]  # fmt: skip
 
 logger = logging.getLogger("packcache.native")
 
@@ -69,10 +78,12 @@ NATIVE_ENV = "PACKCACHE_NATIVE"
 ISAS = {2: "avx512", 1: "avx2"}
 _LEVELS = {name: level for level, name in ISAS.items()}
 #: The ``pc_abi_version()`` this module calls: a stale build of another version is not loaded.
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: Operand dtypes of the library's calls.
 FLOAT32, BFLOAT16 = 0, 1
-_OPS = {"int8": 0, "bf16": 1, "int4": 2}
+_OPS = {"int8": 0, "bf16": 1, "int4": 2, "dense": 3}
+#: The weight dtypes :func:`dense_product` reads, by the code the library's call takes.
+_DENSE_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 class NativeError(RuntimeError):
@@ -95,9 +106,20 @@ class NativeStatus:
     reason: str
     library: str | None
 
+    @property
+    def batch_invariant(self) -> tuple[str, ...]:
+        """The schemes whose packed linear layers give a row the same bits alone and inside any batch in this
+        process: fp32, bf16 and int8 where the compiled kernels run (:func:`dense_product`, every row count); none
+        without them (torch's kernels change with the row count). int4 is not one yet: its compiled kernel takes
+        at most :func:`max_rows` rows and torch's runs past them."""
+        return ("fp32", "bf16", "int8") if self.isa is not None else ()
+
     def flags(self) -> dict[str, object]:
         """As a JSON-able mapping (for reports)."""
-        return {"native_isa": self.isa, "native_cpu": self.cpu, "native_reason": self.reason}
+        return {
+            "native_isa": self.isa, "native_cpu": self.cpu, "native_reason": self.reason,
+            "native_batch_invariant": list(self.batch_invariant),
+        }  # fmt: skip
 
 
 def _find() -> str | None:
@@ -114,7 +136,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pc_int8.argtypes = [p, i, i, i, p, p, i, p, p, i, i]
     lib.pc_bf16.argtypes = [p, i, i, i, p, i, p, p, i, i]
     lib.pc_int4.argtypes = [p, i, i, i, p, p, i, i, i, p, p, p, i, i]
-    lib.pc_int8.restype = lib.pc_bf16.restype = lib.pc_int4.restype = i
+    lib.pc_dense.argtypes = [p, i, i, i, p, i, p, i, p, p, i, i]
+    lib.pc_int8.restype = lib.pc_bf16.restype = lib.pc_int4.restype = lib.pc_dense.restype = i
     lib.pc_stream.argtypes, lib.pc_stream.restype = [p, ctypes.c_size_t], ctypes.c_uint64
 
 
@@ -188,14 +211,15 @@ def _level() -> int:
 
 @functools.cache
 def max_rows() -> int:
-    """The most activation rows one compiled product takes (0 without the compiled part)."""
+    """The most activation rows one ``int8``, ``bf16`` or ``int4`` product takes (0 without the compiled part);
+    :func:`dense_product` takes any number."""
     return int(_library().pc_max_rows()) if status().isa is not None else 0
 
 
 @functools.cache
 def k_multiple(op: str) -> int:
-    """What a product's ``in_features`` must be a multiple of, for ``op`` (``int8``, ``int4``, ``bf16``) in the code
-    that runs."""
+    """What a product's ``in_features`` must be a multiple of, for ``op`` (``dense``, ``int8``, ``int4``, ``bf16``) in
+    the code that runs."""
     return int(_library().pc_k_multiple(_OPS[op], _level()))
 
 
@@ -399,6 +423,14 @@ def _bf16_reads(n: int, k: int, group: int) -> dict[str, Spec]:
     return {"weight": (torch.bfloat16, (n, k)), "bias": (torch.float32, (n,))}
 
 
+def _dense_reads(dtype: torch.dtype) -> Any:
+    def reads(n: int, k: int, group: int) -> dict[str, Spec]:
+        scales = {"scales": (torch.float32, (n,))} if dtype == torch.int8 else {}
+        return {"weight": (dtype, (n, k)), **scales, "bias": (torch.float32, (n,))}
+
+    return reads
+
+
 def _int4_reads(n: int, k: int, group: int) -> dict[str, Spec]:
     return {
         "weight": (torch.uint8, (n, k // 2)), "scales_and_zeros": (torch.bfloat16, (k // max(group, 1), n, 2)),
@@ -407,7 +439,10 @@ def _int4_reads(n: int, k: int, group: int) -> dict[str, Spec]:
 
 
 #: What each product of csrc/kernels.c reads, by part, for ``n`` outputs, ``k`` inputs (and the int4 group).
-_READS = {"int8": _int8_reads, "bf16": _bf16_reads, "int4": _int4_reads}
+_READS = {
+    "int8": _int8_reads, "bf16": _bf16_reads, "int4": _int4_reads,
+    **{f"dense {str(dtype).removeprefix('torch.')}": _dense_reads(dtype) for dtype in _DENSE_WEIGHTS},
+}  # fmt: skip
 #: Parts a product may be given as NULL.
 _NULLABLE = frozenset({"bias", "input_scales"})
 
@@ -477,6 +512,34 @@ def bf16_product(x: torch.Tensor, operands: Bound, threads: int) -> torch.Tensor
             lib.pc_bf16(x.data_ptr(), code, rows, k, a["weight"], n, a.get("bias"), y.data_ptr(), code, _level()),
             "bf16",
         )
+    return y
+
+
+def dense_product(x: torch.Tensor, operands: Bound, threads: int) -> torch.Tensor:
+    """``x[rows, k] @ (weight * scales[:, None])^T + bias`` over ``operands`` bound (:func:`bind`) to a float32,
+    bfloat16 or int8 ``weight [n, k]``, float32 ``scales [n]`` (int8 only) and optionally a float32 ``bias [n]``;
+    ``x`` float32 or bfloat16 (widened to float32), the result ``[rows, n]`` in its dtype; any number of rows,
+    ``k`` a multiple of ``k_multiple("dense")`` (8).
+
+    Row ``i`` of the result has the same bits whatever the other rows are and however many: each output is a
+    sum of ``x[i, k] * w[n, k]`` (fused multiply-adds, ``w`` exact in float32) over eight lanes of ``k`` modulo
+    8 in increasing ``k``, the lanes then added in a fixed order, times the scale, plus the bias.
+
+    Raises:
+        NativeError: as :func:`int8_product`. TypeError: ``operands`` did not come from :func:`bind`.
+    """
+    weight = operands.layout.get("weight")
+    dtype = weight[0] if weight is not None else None
+    if dtype not in _DENSE_WEIGHTS:
+        raise NativeError(f"the compiled dense product reads a float32, bfloat16 or int8 'weight'; {operands!r}")
+    assert dtype is not None
+    op = f"dense {str(dtype).removeprefix('torch.')}"
+    lib, rows, k, n, code, y = _call(op, x, operands, threads)
+    if rows:
+        a = operands._addresses
+        rc = lib.pc_dense(x.data_ptr(), code, rows, k, a["weight"], _DENSE_WEIGHTS[dtype], a.get("scales"), n,
+                          a.get("bias"), y.data_ptr(), code, _level())  # fmt: skip
+        _check(rc, "dense")
     return y
 
 

@@ -77,16 +77,17 @@ Operands = Mapping[str, "torch.Tensor | None"]
 #: (384x384, 384x1536, 1536x384) on an AVX512-BF16/AMX Xeon, 2 threads (``docs/TORCH.md``).
 FUSED_MAX_ROWS_INT8 = {"bf16": 16, "fp32": 32}
 FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
-#: Per compiled operation (:mod:`packcache.native`), the most rows it is called for; more rows are a GEMM (torch's
-#: dequantise-and-multiply, or oneDNN's bf16 GEMM), faster from there (``docs/TORCH.md``, "Compiled kernels").
-#: int8 and int4: every row count the kernels take (``native.max_rows()``, 64): int8's register tiles beat torch's
-#: fused kernel and the per-call dequantisation at 1-64 rows on a 1.24 B Llama's shapes, the output head included;
-#: int4 (where it runs: AVX2) unpacks each block once for all rows and beats torch's AVX2 kernel at 1-64 rows.
-NATIVE_MAX_ROWS = {"int8": 64, "bf16": 4, "int4": 64}
-#: Per compiled operation, the codes (``native.status().isa``) it is used on. int4 only on AVX2: over torch's int4
-#: layout it streams ~21 GiB/s on AVX512 where torch's own AVX512 kernel streams ~26 (a 1.24 B Llama's decode step
-#: 45 against 40 ms), and ~22 on AVX2 where torch's AVX2 kernel streams ~10 (``benchmarks/decode_kernels.py``).
-NATIVE_ISAS = {"int8": ("avx512", "avx2"), "bf16": ("avx512", "avx2"), "int4": ("avx2",)}
+#: Per compiled operation (:mod:`packcache.native`), the most rows it is called for (``None``: every row count).
+#: ``dense`` (fp32, bf16, int8) runs for every row count: one sum order whatever the batch, so a row's answer does
+#: not depend on the rows beside it, and at a MiniLM batch or a prefill it keeps up with torch's dequantise and
+#: float32 GEMM (``docs/TORCH.md``, "Compiled kernels"). int4: every row count the kernel takes
+#: (``native.max_rows()``, 64); it unpacks each block once for all rows and beats torch's AVX2 kernel at 1-64 rows.
+NATIVE_MAX_ROWS: dict[str, int | None] = {"dense": None, "int4": 64}
+#: Per compiled operation, the codes (``native.status().isa``) it is used on. ``dense`` is AVX2 code, run on both.
+#: int4 only on AVX2: over torch's int4 layout it streams ~21 GiB/s on AVX512 where torch's own AVX512 kernel
+#: streams ~26 (a 1.24 B Llama's decode step 45 against 40 ms), and ~22 on AVX2 where torch's AVX2 kernel streams
+#: ~10 (``benchmarks/decode_kernels.py``).
+NATIVE_ISAS = {"dense": ("avx512", "avx2"), "int4": ("avx2",)}
 
 #: torch dtypes a pack may hold, with the numpy dtype that stores their bytes.
 #: bfloat16 has no numpy dtype: its bits are stored as uint16 and read back as bfloat16.
@@ -374,8 +375,9 @@ float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
     def kernels(self, path: str) -> str:
         """Every op this packer runs on ``path``, with the row ranges: e.g. for ``repr``."""
         limits = {self.fused_max_rows.get(path, 0)}
-        if self.native_op is not None:
-            limits.add(NATIVE_MAX_ROWS[self.native_op])
+        most = NATIVE_MAX_ROWS[self.native_op] if self.native_op is not None else None
+        if most is not None:
+            limits.add(most)
         ranges: list[tuple[str, int]] = []  # (op, the most rows it runs for)
         for limit in sorted(n for n in limits if n > 0):
             op = self.kernel(path, limit)
@@ -399,18 +401,17 @@ float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
     def _use_native(self, rows: int, in_features: int) -> bool:
         """Whether :meth:`linear` calls the compiled kernel for ``rows`` rows of ``in_features`` (on either path)."""
         op = self.native_op
-        return (
-            op is not None
-            and rows <= NATIVE_MAX_ROWS[op]
-            and native.status().isa in NATIVE_ISAS[op]
-            and rows <= native.max_rows()
-            and in_features % native.k_multiple(op) == 0
-        )
+        if op is None or native.status().isa not in NATIVE_ISAS[op]:
+            return False
+        most = NATIVE_MAX_ROWS[op]
+        return (most is None or rows <= min(most, native.max_rows())) and in_features % native.k_multiple(op) == 0
 
 
 def _native_kernel(op: str) -> str:
     """How :meth:`TorchPacker.kernel` names a compiled operation."""
     isa = native.status().isa
+    if op == "dense":
+        return "packcache dense (avx2 code: weights widened to float32, FMA, one sum order at every row count)"
     if op in ("int4", "int8"):
         return f"packcache {op} ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
     return f"packcache bf16 ({isa}: {'vdpbf16ps' if isa == 'avx512' else 'widen + FMA'}, float32 accumulation)"
@@ -468,6 +469,8 @@ def _native_product(op: str, x: torch.Tensor, operands: Prepared, group: int = 0
     ``x`` contiguous float32 or bfloat16, the result in its dtype.
     """
     threads = torch.get_num_threads()
+    if op == "dense":
+        return native.dense_product(x, operands.bound, threads)
     if op == "int4":
         scaled = operands.get("input_scales") is not None
         return native.int4_product(x, operands.bound, group, block, threads, input_scales=scaled)
@@ -568,12 +571,16 @@ class LinearFloat32(TorchPacker):
     def tolerance(self, path: str = "fp32", rows: int = 1) -> float:
         return 1e-4
 
+    native_op = "dense"
+
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
+        if self._use_native(x.shape[0], x.shape[1]):
+            return _native_product("dense", x, operands)
         return F.linear(x, _tensor(operands, "weight"), operands.get("bias"))
 
     def kernel(self, path: str, rows: int) -> str:
-        return "linear(float32)"
+        return _native_kernel("dense") if self._use_native(rows, 1 << 12) else "linear(float32)"
 
     embeds = True
 
@@ -628,14 +635,14 @@ class LinearBFloat16(TorchPacker):
     def layout(self, out_features: int, in_features: int) -> dict[str, native.Spec]:
         return {"weight": (torch.bfloat16, (out_features, in_features))}
 
-    native_op = "bf16"
+    native_op = "dense"
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
         weight = _tensor(operands, "weight")
         rows, in_features = x.shape
         if self._use_native(rows, in_features):
-            return _native_product("bf16", x, operands)
+            return _native_product("dense", x, operands)
         if path == "bf16":
             return F.linear(x, weight, operands.get("bias"))
         y = F.linear(x.to(torch.bfloat16), weight).float()
@@ -644,7 +651,7 @@ class LinearBFloat16(TorchPacker):
 
     def kernel(self, path: str, rows: int) -> str:
         if self._use_native(rows, 1 << 12):
-            return _native_kernel("bf16")
+            return _native_kernel("dense")
         return "linear(bfloat16)" if path == "bf16" else "activations to bfloat16 + linear(bfloat16)"
 
     embeds = True
@@ -656,7 +663,8 @@ class LinearBFloat16(TorchPacker):
         return _tensor(self._bound(operands), "weight").float()
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
-        return torch.bfloat16
+        # the compiled kernel reads the path's activations (widened to float32); torch's linear bfloat16 ones
+        return activation_dtype(path) if self._use_native(rows, 1 << 12) else torch.bfloat16
 
 
 class Int8WeightOnly(TorchPacker):
@@ -707,14 +715,14 @@ class Int8WeightOnly(TorchPacker):
         # The vectorised kernel reads 16 (AVX512) or 8 (AVX2) input features at a time.
         return self._use_fused(path, rows) and in_features % 16 == 0
 
-    native_op = "int8"
+    native_op = "dense"
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
         weight, bias = _tensor(operands, "weight"), operands.get("bias")
         rows, in_features = x.shape
         if self._use_native(rows, in_features):
-            return _native_product("int8", x, operands)
+            return _native_product("dense", x, operands)
         if self._fused(path, rows, in_features):
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, _tensor(operands, "scales_bf16")).to(x.dtype)
             return y if bias is None else y.add_(bias)
@@ -735,7 +743,7 @@ class Int8WeightOnly(TorchPacker):
 
     def kernel(self, path: str, rows: int) -> str:
         if self._use_native(rows, 1 << 12):
-            return _native_kernel("int8")
+            return _native_kernel("dense")
         if self._fused(path, rows, 16):
             return "_weight_int8pack_mm(bfloat16)"
         dtype = "bfloat16" if path == "bf16" else "float32"
@@ -743,7 +751,7 @@ class Int8WeightOnly(TorchPacker):
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
         if self._use_native(rows, 1 << 12):
-            return torch.int8  # quantised per block of 32 inside the compiled kernel
+            return activation_dtype(path)  # widened to float32 inside the compiled kernel
         return torch.bfloat16 if self._fused(path, rows, 16) else activation_dtype(path)
 
     embeds = True
