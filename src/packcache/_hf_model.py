@@ -19,6 +19,7 @@ import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ._attention import per_sequence
 from ._defaults import GROUP_SIZE
 from ._hf_checkpoint import Checkpoint, _Bundled, _clip, _Renamed, _renaming, _Source
 from ._progress import bar as progress_bar
@@ -330,6 +331,7 @@ def _load(
         raise
     model.eval()
     model.config._name_or_path = os.fspath(directory)
+    per_sequence(model)  # an encoder's texts attend over their own tokens: one answer per text, whatever the batch
     return _Loaded(model, weight_cache, owns_cache, report)
 
 

@@ -99,10 +99,11 @@ class MiniLM:
 
         Texts are stripped of surrounding whitespace and truncated to the tokenizer's
         limit (256 tokens), as sentence-transformers does. The encoder runs on packed tokens
-        (:mod:`packcache.models.bert`): texts longest first, up to ``max_tokens`` tokens per
-        forward pass, no padding except inside the attention, whose groups hold at most
-        ``batch_size`` texts and end where a text is less than half as long as the group's
-        longest. A row's bits can depend on the other texts of the call, never on where
+        (:mod:`packcache.models.bert`): texts longest first, at most ``batch_size`` texts and
+        ``max_tokens`` tokens per forward pass (a longer text is a pass of its own), no padding
+        anywhere: each text attends over its own tokens alone. With the compiled kernels
+        (``packcache.native.status().isa``) and the fp32, bf16 or int8 scheme, a text's vector has
+        the same bits alone and among any others; whatever the scheme, it never depends on where
         the weights came from.
         """
         if isinstance(texts, str):
@@ -110,10 +111,10 @@ class MiniLM:
         result = np.empty((len(texts), self.dimension), dtype=np.float32)
         encodings = self.tokenizer.encode_batch([str(t).strip() for t in texts])
         with torch.inference_mode():
-            for chunk in _chunks(_batches([len(e.ids) for e in encodings], batch_size), encodings, max_tokens):
-                order = [index for group in chunk for index in group]
+            for order in _passes([len(e.ids) for e in encodings], batch_size, max_tokens):
+                # one attention group per text: its attention sums over its own tokens, whatever shares the pass
                 tokens = PackedTokens.build(
-                    [encodings[i].ids for i in order], [encodings[i].type_ids for i in order], [len(g) for g in chunk]
+                    [encodings[i].ids for i in order], [encodings[i].type_ids for i in order], [1] * len(order)
                 )
                 hidden = self.encoder.encode(tokens).float()
                 lengths = torch.tensor(tokens.lengths)
@@ -140,36 +141,24 @@ class MiniLM:
         return f"MiniLM(scheme={self.scheme!r}, kernel_path={self.kernel_path!r}, cache={self.cache!r})"
 
 
-def _chunks(groups: list[list[int]], encodings: Sequence[Any], max_tokens: int) -> list[list[list[int]]]:
-    """Consecutive attention groups, cut into forward passes of at most ``max_tokens`` real tokens
-    (a group longer than that is a pass of its own)."""
-    chunks: list[list[list[int]]] = []
-    total = 0
-    for group in groups:
-        count = sum(len(encodings[i].ids) for i in group)
-        if not chunks or total + count > max_tokens:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(group)
-        total += count
-    return chunks
+def _passes(lengths: Sequence[int], batch_size: int, max_tokens: int) -> list[list[int]]:
+    """Indices longest first, cut into forward passes of at most ``batch_size`` texts and ``max_tokens`` tokens (a
+    text longer than that is a pass of its own).
 
-
-def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped longest first: at most ``batch_size`` each, none shorter than half its first.
-
-    >>> _batches([3, 10, 9, 2, 4], 2)
+    >>> _passes([3, 10, 9, 2, 4], 2, 100)
     [[1, 2], [4, 0], [3]]
+    >>> _passes([3, 10, 9, 2, 4], 8, 12)
+    [[1], [2], [4, 0, 3]]
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for index in order:
-        batch = batches[-1] if batches else None
-        if batch is None or len(batch) >= batch_size or 2 * lengths[index] < lengths[batch[0]]:
-            batches.append([index])
-        else:
-            batch.append(index)
-    return batches
+    passes: list[list[int]] = []
+    total = 0
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if not passes or len(passes[-1]) >= batch_size or total + lengths[index] > max_tokens:
+            passes.append([])
+            total = 0
+        passes[-1].append(index)
+        total += lengths[index]
+    return passes
 
 
 # The public face is packcache.models.minilm: reprs and help() name it, whichever private module defines the class.
