@@ -16,7 +16,8 @@ Method (printed first when run):
   same operand layouts: ``packcache int8``, ``packcache int4`` (torch's int4 layout), ``packcache
   bf16``, and ``packcache int8`` on a 32-row prefill; ``packcache dense`` (what the packed fp32, bf16 and
   int8 layers run, one sum order at every row count: float32 activations, each weight widened exactly) on
-  int8, bf16 and float32 weights, and on int8 for the 32-row prefill. Threads: ``--threads`` (2).
+  int8, bf16 and float32 weights, and on int8 for the 32-row prefill. Threads: ``--threads`` (2); ``--kernel``
+  (repeated) runs only the kernels named.
 * A prefill's int8 layers (32 rows; the 16 layers, not the head, which a prefill runs on its last
   row only): each weight converted to bf16 whole per call and multiplied (packcache before issue
   22), against ``packers_torch._blocked_linear`` (``DEQUANT_BLOCK_BYTES`` at a time, what
@@ -28,7 +29,7 @@ Method (printed first when run):
 Absolute figures drift on a shared machine (two threads stall at every barrier when anything else
 runs: check the load average printed beside them); compare kernels within one run.
 
-Usage: python benchmarks/decode_kernels.py [--threads N] [--isa native|avx2|both] [--kernels K,...] [--json FILE]
+Usage: python benchmarks/decode_kernels.py [--threads N] [--isa native|avx2|both] [--kernel NAME ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -216,12 +217,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isa", choices=("native", "avx2", "both"), default="both")
     parser.add_argument("--json", help="write the results to this file")
-    parser.add_argument("--kernels", help="comma-separated kernel names to run (default: all)")
+    parser.add_argument("--kernel", action="append", help="a kernel to run, by name; repeat it (default: all)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    kernels = tuple(args.kernels.split(",")) if args.kernels else KERNELS
+    kernels = tuple(args.kernel) if args.kernel else KERNELS
     if set(kernels) - set(KERNELS):
-        parser.error(f"--kernels: unknown {sorted(set(kernels) - set(KERNELS))}; one of {', '.join(KERNELS)}")
+        parser.error(f"--kernel: unknown {sorted(set(kernels) - set(KERNELS))}; one of {'; '.join(KERNELS)}")
     if args.child:
         print(json.dumps(measure(args.child, args.threads)), flush=True)
         return

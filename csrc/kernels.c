@@ -857,7 +857,7 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(w) + (k)))), 16))
 #define W_INT8(w, k) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)(w) + (k)))))
 
-#define DENSE_TILE(NAME, WT, LOADW, NR, MR)                                                                       \
+#define DENSE_TILE(NAME, WT, LOADW, NR, MR)                                                                   \
     __attribute__((target("avx2,fma,f16c"))) static void NAME##_##NR##x##MR(                                     \
         const WT *w, size_t K, size_t k0, size_t k1, const float *x, size_t xstride, __m256 *acc_io) {            \
         __m256 acc[MR][NR];                                                                                      \
@@ -875,13 +875,16 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
             for (int j = 0; j < NR; j++) acc_io[i * NR + j] = acc[i][j];                                         \
     }
 
-#define DENSE_TILES(NAME, WT, LOADW, WIDENS)                                                                      \
+#define DENSE_TILE_SET(NAME, WT, LOADW)                                                                           \
     DENSE_TILE(NAME, WT, LOADW, 4, 1)                                                                             \
     DENSE_TILE(NAME, WT, LOADW, 4, 2)                                                                             \
     DENSE_TILE(NAME, WT, LOADW, 4, 3)                                                                             \
     DENSE_TILE(NAME, WT, LOADW, 1, 1)                                                                             \
     DENSE_TILE(NAME, WT, LOADW, 1, 2)                                                                             \
-    DENSE_TILE(NAME, WT, LOADW, 1, 3)                                                                             \
+    DENSE_TILE(NAME, WT, LOADW, 1, 3)
+
+#define DENSE_TILES(NAME, WT, LOADW, WIDENS)                                                                      \
+    DENSE_TILE_SET(NAME, WT, LOADW)                                                                               \
     /* Output columns [n0, n1) for every activation row: blocks of DENSE_M_BLOCK rows; in each, tiles of 4 weight \
      * rows (the last n1 - n0 mod 4 one at a time) pass the block's rows 3 at a time, a chunk of K at a time. */   \
     __attribute__((target("avx2,fma,f16c"))) static void NAME##_columns(                                         \
@@ -933,21 +936,22 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
         }                                                                                                        \
     }
 
-__attribute__((target("avx2,fma,f16c"))) static void dense_wide_tile(int nr, int mc, const float *wide, size_t kc,
-                                                                     const float *x, size_t xstride, __m256 *acc);
-DENSE_TILES(dense_f32, float, W_F32, 0)
+DENSE_TILE_SET(dense_wide, float, W_F32)
 
 /* A float32 tile of nr x mc over a widened chunk (rows DENSE_K_CHUNK apart, k from 0 to kc). */
-__attribute__((target("avx2,fma,f16c"))) static void dense_wide_tile(int nr, int mc, const float *wide, size_t kc, const float *x, size_t xstride, __m256 *acc) {
+__attribute__((target("avx2,fma,f16c"))) static void dense_wide_tile(int nr, int mc, const float *wide, size_t kc,
+                                                                     const float *x, size_t xstride, __m256 *acc) {
     switch (nr * 8 + mc) {
-        case 33: dense_f32_4x1(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        case 34: dense_f32_4x2(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        case 35: dense_f32_4x3(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        case 9: dense_f32_1x1(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        case 10: dense_f32_1x2(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        default: dense_f32_1x3(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 33: dense_wide_4x1(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 34: dense_wide_4x2(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 35: dense_wide_4x3(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 9: dense_wide_1x1(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        case 10: dense_wide_1x2(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
+        default: dense_wide_1x3(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
     }
 }
+
+DENSE_TILES(dense_f32, float, W_F32, 0)
 
 DENSE_TILES(dense_bf16, uint16_t, W_BF16, 1)
 DENSE_TILES(dense_int8, int8_t, W_INT8, 1)
