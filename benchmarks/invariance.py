@@ -183,7 +183,7 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "cpus": os.cpu_count(),
         "packcache_native": state.isa or f"off ({state.reason})",
-        "batch_invariant_schemes": list(state.batch_invariant),
+        "batch_invariant_schemes": list(getattr(state, "batch_invariant", ())),  # absent before issue 47
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
     }

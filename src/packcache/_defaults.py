@@ -87,8 +87,9 @@ GROUP_SIZES = (32, 64, 128)
 #: (:mod:`packcache.kernels`).
 KERNEL_PATH: str | None = None
 
-#: Texts one forward of :meth:`packcache.models.minilm.MiniLM.embed` (and of a sentence-transformers model a
-#: worker runs) takes together: sentence-transformers' own ``encode`` default, so both engines batch alike.
+#: Texts one forward of a sentence-transformers model a worker runs takes together: sentence-transformers' own
+#: ``encode`` default. (:meth:`packcache.models.minilm.MiniLM.embed` bounds a forward by its tokens alone: each text
+#: attends over its own tokens, so a pass of many texts pads nothing.)
 EMBED_BATCH_SIZE = 32
 
 #: ``packcache build``'s ``--loader``: ``auto`` is ``cli._model.default_loader``'s rule (the MiniLM loader where
