@@ -875,13 +875,26 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
             for (int j = 0; j < NR; j++) acc_io[i * NR + j] = acc[i][j];                                         \
     }
 
+/* The tiles of one weight type, and NAME_tile: the tile of nr (4 or 1) weight rows x mc (1-3) activation rows. */
 #define DENSE_TILE_SET(NAME, WT, LOADW)                                                                           \
     DENSE_TILE(NAME, WT, LOADW, 4, 1)                                                                             \
     DENSE_TILE(NAME, WT, LOADW, 4, 2)                                                                             \
     DENSE_TILE(NAME, WT, LOADW, 4, 3)                                                                             \
     DENSE_TILE(NAME, WT, LOADW, 1, 1)                                                                             \
     DENSE_TILE(NAME, WT, LOADW, 1, 2)                                                                             \
-    DENSE_TILE(NAME, WT, LOADW, 1, 3)
+    DENSE_TILE(NAME, WT, LOADW, 1, 3)                                                                             \
+    __attribute__((target("avx2,fma,f16c"))) static void NAME##_tile(int nr, int mc, const WT *w, size_t K,       \
+                                                                    size_t k0, size_t k1, const float *x,        \
+                                                                    size_t xstride, __m256 *acc) {               \
+        switch (nr * 8 + mc) {                                                                                   \
+            case 33: NAME##_4x1(w, K, k0, k1, x, xstride, acc); break;                                           \
+            case 34: NAME##_4x2(w, K, k0, k1, x, xstride, acc); break;                                           \
+            case 35: NAME##_4x3(w, K, k0, k1, x, xstride, acc); break;                                           \
+            case 9: NAME##_1x1(w, K, k0, k1, x, xstride, acc); break;                                            \
+            case 10: NAME##_1x2(w, K, k0, k1, x, xstride, acc); break;                                           \
+            default: NAME##_1x3(w, K, k0, k1, x, xstride, acc); break;                                           \
+        }                                                                                                        \
+    }
 
 #define DENSE_TILES(NAME, WT, LOADW, WIDENS)                                                                      \
     DENSE_TILE_SET(NAME, WT, LOADW)                                                                               \
@@ -911,18 +924,10 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
                         const int mc = mrows - m0 < 3 ? mrows - m0 : 3;                                          \
                         const float *xm = x + (size_t)(mb + m0) * K;                                             \
                         __m256 *am = acc + (size_t)m0 * nr;                                                      \
-                        if (widen) {                                                                             \
-                            dense_wide_tile(nr, mc, wide, k1 - k0, xm + k0, K, am);                              \
-                            continue;                                                                            \
-                        }                                                                                        \
-                        switch (nr * 8 + mc) {                                                                   \
-                            case 33: NAME##_4x1(w, K, k0, k1, xm, K, am); break;                                 \
-                            case 34: NAME##_4x2(w, K, k0, k1, xm, K, am); break;                                 \
-                            case 35: NAME##_4x3(w, K, k0, k1, xm, K, am); break;                                 \
-                            case 9: NAME##_1x1(w, K, k0, k1, xm, K, am); break;                                  \
-                            case 10: NAME##_1x2(w, K, k0, k1, xm, K, am); break;                                 \
-                            default: NAME##_1x3(w, K, k0, k1, xm, K, am); break;                                 \
-                        }                                                                                        \
+                        if (widen) /* the chunk's rows DENSE_K_CHUNK apart, k from 0 */                          \
+                            dense_wide_tile(nr, mc, wide, DENSE_K_CHUNK, 0, k1 - k0, xm + k0, K, am);            \
+                        else                                                                                     \
+                            NAME##_tile(nr, mc, w, K, k0, k1, xm, K, am);                                        \
                     }                                                                                            \
                 }                                                                                                \
                 for (int i = 0; i < mrows; i++)                                                                  \
@@ -936,20 +941,8 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
         }                                                                                                        \
     }
 
+/* float32 tiles over a weight chunk widened into L1 (the int8 and bfloat16 products' rows past 3) */
 DENSE_TILE_SET(dense_wide, float, W_F32)
-
-/* A float32 tile of nr x mc over a widened chunk (rows DENSE_K_CHUNK apart, k from 0 to kc). */
-__attribute__((target("avx2,fma,f16c"))) static void dense_wide_tile(int nr, int mc, const float *wide, size_t kc,
-                                                                     const float *x, size_t xstride, __m256 *acc) {
-    switch (nr * 8 + mc) {
-        case 33: dense_wide_4x1(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        case 34: dense_wide_4x2(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        case 35: dense_wide_4x3(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        case 9: dense_wide_1x1(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        case 10: dense_wide_1x2(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-        default: dense_wide_1x3(wide, DENSE_K_CHUNK, 0, kc, x, xstride, acc); break;
-    }
-}
 
 DENSE_TILES(dense_f32, float, W_F32, 0)
 

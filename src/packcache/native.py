@@ -82,8 +82,11 @@ ABI_VERSION = 2
 #: Operand dtypes of the library's calls.
 FLOAT32, BFLOAT16 = 0, 1
 _OPS = {"int8": 0, "bf16": 1, "int4": 2, "dense": 3}
-#: The weight dtypes :func:`dense_product` reads, by the code the library's call takes.
-_DENSE_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+#: The weight dtypes :func:`dense_product` reads: the code the library's call takes, and the product's name in
+#: :data:`_READS` and in errors.
+_DENSE_WEIGHTS = {
+    torch.float32: (0, "dense float32"), torch.bfloat16: (1, "dense bfloat16"), torch.int8: (2, "dense int8"),
+}  # fmt: skip
 
 
 class NativeError(RuntimeError):
@@ -441,7 +444,7 @@ def _int4_reads(n: int, k: int, group: int) -> dict[str, Spec]:
 #: What each product of csrc/kernels.c reads, by part, for ``n`` outputs, ``k`` inputs (and the int4 group).
 _READS = {
     "int8": _int8_reads, "bf16": _bf16_reads, "int4": _int4_reads,
-    **{f"dense {str(dtype).removeprefix('torch.')}": _dense_reads(dtype) for dtype in _DENSE_WEIGHTS},
+    **{name: _dense_reads(dtype) for dtype, (_, name) in _DENSE_WEIGHTS.items()},
 }  # fmt: skip
 #: Parts a product may be given as NULL.
 _NULLABLE = frozenset({"bias", "input_scales"})
@@ -529,16 +532,15 @@ def dense_product(x: torch.Tensor, operands: Bound, threads: int) -> torch.Tenso
         NativeError: as :func:`int8_product`. TypeError: ``operands`` did not come from :func:`bind`.
     """
     weight = operands.layout.get("weight")
-    dtype = weight[0] if weight is not None else None
-    if dtype not in _DENSE_WEIGHTS:
+    dense = _DENSE_WEIGHTS.get(weight[0]) if weight is not None else None
+    if dense is None:
         raise NativeError(f"the compiled dense product reads a float32, bfloat16 or int8 'weight'; {operands!r}")
-    assert dtype is not None
-    op = f"dense {str(dtype).removeprefix('torch.')}"
+    wcode, op = dense
     lib, rows, k, n, code, y = _call(op, x, operands, threads)
     if rows:
         a = operands._addresses
-        rc = lib.pc_dense(x.data_ptr(), code, rows, k, a["weight"], _DENSE_WEIGHTS[dtype], a.get("scales"), n,
-                          a.get("bias"), y.data_ptr(), code, _level())  # fmt: skip
+        rc = lib.pc_dense(x.data_ptr(), code, rows, k, a["weight"], wcode, a.get("scales"), n, a.get("bias"),
+                          y.data_ptr(), code, _level())  # fmt: skip
         _check(rc, "dense")
     return y
 

@@ -409,12 +409,10 @@ float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
 
 def _native_kernel(op: str) -> str:
     """How :meth:`TorchPacker.kernel` names a compiled operation."""
-    isa = native.status().isa
     if op == "dense":
         return "packcache dense (avx2 code: weights widened to float32, FMA, one sum order at every row count)"
-    if op in ("int4", "int8"):
-        return f"packcache {op} ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
-    return f"packcache bf16 ({isa}: {'vdpbf16ps' if isa == 'avx512' else 'widen + FMA'}, float32 accumulation)"
+    isa = native.status().isa  # int4, the other operation a packer runs
+    return f"packcache int4 ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
 
 
 class Prepared(dict[str, "torch.Tensor | None"]):
@@ -471,12 +469,8 @@ def _native_product(op: str, x: torch.Tensor, operands: Prepared, group: int = 0
     threads = torch.get_num_threads()
     if op == "dense":
         return native.dense_product(x, operands.bound, threads)
-    if op == "int4":
-        scaled = operands.get("input_scales") is not None
-        return native.int4_product(x, operands.bound, group, block, threads, input_scales=scaled)
-    if op == "int8":
-        return native.int8_product(x, operands.bound, threads)
-    return native.bf16_product(x, operands.bound, threads)
+    scaled = operands.get("input_scales") is not None  # int4, the other operation a packer runs
+    return native.int4_product(x, operands.bound, group, block, threads, input_scales=scaled)
 
 
 #: (packer class, id, version, params, kernel path) whose kernel self-check passed in this process.
