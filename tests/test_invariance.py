@@ -90,6 +90,8 @@ def test_a_minilm_text_gets_the_same_vector_alone_and_among_others(tmp_path: Pat
     with minilm.load(scheme, cache=tmp_path / "m.pcache", model_path=checkpoint) as model:
         together = model.embed(TEXTS)
         small = model.embed(TEXTS, batch_size=2, max_tokens=40)  # other passes, other neighbours
+        with pytest.raises(ValueError, match="batch_size must be at least 1"):
+            model.embed(TEXTS, batch_size=0)
         for i, text in enumerate(TEXTS):
             alone = model.embed([text])[0]
             assert alone.tobytes() == together[i].tobytes() == small[i].tobytes(), (scheme, i)

@@ -108,6 +108,8 @@ class MiniLM:
         """
         if isinstance(texts, str):
             raise TypeError("embed() takes a sequence of strings; wrap a single text in a list")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1 (or None: as many as max_tokens holds), not {batch_size}")
         result = np.empty((len(texts), self.dimension), dtype=np.float32)
         encodings = self.tokenizer.encode_batch([str(t).strip() for t in texts])
         with torch.inference_mode():
