@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from packcache import format as fmt
@@ -222,6 +222,20 @@ def test_a_dense_row_has_the_same_bits_alone_and_in_any_batch_on_any_thread_coun
             assert torch.equal(native.dense_product(x[:rows], bound, threads), alone[:rows]), (rows, threads)
     # and inside the batch, at any offset: rows 100.. of a batch are the same rows alone
     assert torch.equal(native.dense_product(x[100:], bound, 2), alone[100:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float_weight_s_dense_product_never_hands_the_kernel_a_scales_part_it_did_not_check(dtype):
+    """The float32 and bfloat16 products read no scales, so they check none: a ``scales`` part bound beside such a
+    weight (here one element for 8 outputs, which the C code would read 8 floats past) is not passed to the kernel,
+    and the result is the unscaled product."""
+    n, k = 8, 64
+    weight = torch.from_numpy(np.random.default_rng(3).standard_normal((n, k)).astype(np.float32)).to(dtype)
+    tensors = {"weight": weight, "scales": torch.full((1,), 2.0)}
+    bound = native.bind({part: (t.dtype, tuple(t.shape)) for part, t in tensors.items()}, tensors)
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((3, k)).astype(np.float32))
+    expected = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(native.dense_product(x, bound, 1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_dense_calls_the_kernel_does_not_take_are_refused_with_an_errno():
@@ -762,6 +776,8 @@ def _product(op: str, x: torch.Tensor, bound: native.Bound) -> torch.Tensor:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=bad_operands())
+@example(case=("fp32", "weight", torch.zeros(OUT, IN, dtype=torch.bfloat16), False))  # a bfloat16 layer, read so
+@example(case=("int8", "weight", torch.zeros(OUT, IN), False))  # a float32 layer with scales it does not read
 def test_no_operand_reaches_the_compiled_kernels_unless_it_fits_its_layout(case: tuple[str, str, object, bool]):
     """Every part of every scheme's packs (and the bias), given random dtypes, shapes, strides, addresses, storages,
     devices and types: the production check (``TorchPacker.bind``, at ``prepare`` and when a layer is made) refuses
@@ -771,6 +787,7 @@ def test_no_operand_reaches_the_compiled_kernels_unless_it_fits_its_layout(case:
     scheme, part, tensor, fits = case
     packer = PACKERS[scheme]
     operands = {**valid_operands(packer), part: tensor}
+    read = 0  # products that ran: operands that are, under their own layout, another layer the kernel reads
     with counted_library_calls() as calls:
         if fits:
             assert packer.bind(operands, dims=(OUT, IN))[part] is tensor
@@ -795,9 +812,22 @@ def test_no_operand_reaches_the_compiled_kernels_unless_it_fits_its_layout(case:
             except PackResultError:
                 pass  # not even a tensor the C code could read as what it claims to be
             else:
-                with pytest.raises(native.NativeError, match=rf"compiled {packer.native_op}( \w+)? product reads"):
-                    _product(packer.native_op, torch.zeros(1, IN), bound)
-    assert sum(counter.calls for counter in calls.values()) == 0
+                x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, IN)).astype(np.float32))
+                try:
+                    got = _product(packer.native_op, x, bound)
+                except native.NativeError as error:
+                    assert re.search(rf"compiled {packer.native_op}( \w+)? product reads", str(error)), error
+                else:
+                    # The dense product takes float32, bfloat16 and int8 weights: an fp32 layer's weight bound as
+                    # the bfloat16 it is, say, is read as bfloat16, all of it and nothing past it.
+                    assert packer.native_op == "dense" and bound["weight"].dtype in native._DENSE_WEIGHTS, own
+                    read += 1
+                    w = bound["weight"].double()
+                    if bound["weight"].dtype == torch.int8:
+                        w = w * bound["scales"].double()[:, None]
+                    expected = x.double() @ w.T + bound["bias"].double()
+                    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert sum(counter.calls for counter in calls.values()) == read
 
 
 @st.composite

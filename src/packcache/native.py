@@ -539,8 +539,10 @@ def dense_product(x: torch.Tensor, operands: Bound, threads: int) -> torch.Tenso
     lib, rows, k, n, code, y = _call(op, x, operands, threads)
     if rows:
         a = operands._addresses
-        rc = lib.pc_dense(x.data_ptr(), code, rows, k, a["weight"], wcode, a.get("scales"), n, a.get("bias"),
-                          y.data_ptr(), code, _level())  # fmt: skip
+        # Only the int8 product reads (and so checked) scales: any other part named so stays out of the call.
+        scales = a.get("scales") if wcode == _DENSE_WEIGHTS[torch.int8][0] else None
+        rc = lib.pc_dense(x.data_ptr(), code, rows, k, a["weight"], wcode, scales, n, a.get("bias"), y.data_ptr(),
+                          code, _level())  # fmt: skip
         _check(rc, "dense")
     return y
 
