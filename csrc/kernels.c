@@ -52,7 +52,7 @@ PC_API int pc_isa(void) {
     return 0;
 }
 
-PC_API int pc_abi_version(void) { return 2; }
+PC_API int pc_abi_version(void) { return 3; }
 
 /* ------------------------------------------------------------------ activation quantisation (scalar) */
 
@@ -596,12 +596,12 @@ typedef struct {
                 }                                                                                                 \
     }
 
-#define DOT_VNNI(acc, codes, act) _mm256_dpbusd_epi32(acc, codes, act)
+/* vpmaddubsw cannot saturate here (two products of a code 0..15 and an int8 code: at most 3810), so its int32 sums
+ * are exact, as vpdpbusd's would be: the AVX2 code runs on both ISA levels. On a Xeon with AVX512-VNNI it decoded
+ * faster than torch's AVX512 int4 kernel, and the 256-bit vpdpbusd variant it replaces slower. */
 #define DOT_AVX2(acc, codes, act) \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, act), _mm256_set1_epi16(1)))
-INT4_UNIT(int4_unit_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma"))), DOT_VNNI)
 INT4_UNIT(int4_unit_avx2, __attribute__((target("avx2,fma,f16c"))), DOT_AVX2)
-INT4_ROWS(int4_rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma"))), DOT_VNNI)
 INT4_ROWS(int4_rows_avx2, __attribute__((target("avx2,fma,f16c"))), DOT_AVX2)
 
 /* ------------------------------------------------------------------ threads */
@@ -757,7 +757,7 @@ typedef struct {
     const uint8_t *W;
     const uint16_t *sz;
     const float *bias;
-    int K, N, M, block, group, isa, ydtype;
+    int K, N, M, block, group, ydtype;
     const int8_t *q;
     const float *bscale, *bsum;
     void *y;
@@ -774,28 +774,21 @@ static void int4_task(void *p, int n0, int n1) {
         } else { /* blocks base / 32 and base / 32 + 1 */
             u = (int4_unit){{first, first + 32 * half_k}, 16, {0, 32, 16, 48}, base};
         }
-        if (j->M > 1) {
+        /* MAX_ROWS activation rows at a time, each row's numbers the same in any of them (INT4_ROWS) */
+        for (int m0 = 0; m0 < j->M; m0 += MAX_ROWS) {
+            const int rows = j->M - m0 < MAX_ROWS ? j->M - m0 : MAX_ROWS;
+            const size_t blocks = (size_t)j->K / QBLOCK;
+            const int8_t *q = j->q + (size_t)m0 * j->K;
+            const float *bscale = j->bscale + m0 * blocks, *bsum = j->bsum + m0 * blocks;
             float out[MAX_ROWS * 64];
-            if (j->isa == 2)
-                int4_rows_avx512(&u, j->K, j->group, j->N, j->M, j->q, j->bscale, j->bsum, j->sz, out);
-            else
-                int4_rows_avx2(&u, j->K, j->group, j->N, j->M, j->q, j->bscale, j->bsum, j->sz, out);
-            for (int m = 0; m < j->M; m++)
-                for (int r = 0; r < 64; r++)
-                    store(j->y, (size_t)m * j->N + base + r,
-                          j->bias ? out[m * 64 + r] + j->bias[base + r] : out[m * 64 + r], j->ydtype);
-            continue;
-        }
-        for (int m = 0; m < j->M; m++) {
-            float out[64];
-            const int8_t *q = j->q + (size_t)m * j->K;
-            const float *bscale = j->bscale + (size_t)m * (j->K / QBLOCK), *bsum = j->bsum + (size_t)m * (j->K / QBLOCK);
-            if (j->isa == 2)
-                int4_unit_avx512(&u, j->K, j->group, j->N, q, bscale, bsum, j->sz, out);
+            if (rows > 1)
+                int4_rows_avx2(&u, j->K, j->group, j->N, rows, q, bscale, bsum, j->sz, out);
             else
                 int4_unit_avx2(&u, j->K, j->group, j->N, q, bscale, bsum, j->sz, out);
-            for (int r = 0; r < 64; r++)
-                store(j->y, (size_t)m * j->N + base + r, j->bias ? out[r] + j->bias[base + r] : out[r], j->ydtype);
+            for (int m = 0; m < rows; m++)
+                for (int r = 0; r < 64; r++)
+                    store(j->y, (size_t)(m0 + m) * j->N + base + r,
+                          j->bias ? out[m * 64 + r] + j->bias[base + r] : out[m * 64 + r], j->ydtype);
         }
     }
 }
@@ -803,12 +796,15 @@ static void int4_task(void *p, int n0, int n1) {
 /* y [M, N] = (x [M, K] * in_scales [K]) @ W^T + bias [N] for an int4 pack in torch's CPU layout with halves
  * (block 64 or 32: torch.int4wo on AVX512 or AVX2 builds), bf16 (scale, zero) pairs sz [K/group, N, 2]. x and y
  * float32 (0) or bfloat16 (1); in_scales and bias (each may be NULL) float32. The activations are quantised as for
- * pc_int8 (blocks of 32). N % 64 == 0, K % group == 0, group % 32 == 0, 1 <= M <= 64. Returns as pc_int8. */
+ * pc_int8 (blocks of 32), each row on its own. N % 64 == 0, K % group == 0, group % 32 == 0, any M >= 1: a row's
+ * bits are the same alone and among any rows (one answer per input). The AVX2 code runs on either ISA level.
+ * Returns as pc_int8. */
 PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, const uint16_t *sz, int N, int group,
                    int block, const float *in_scales, const float *bias, void *y, int ydtype, int isa) {
     if (isa < 1 || isa > pc_isa()) return -ENOTSUP;
-    if (M < 1 || M > MAX_ROWS || N < 64 || N % 64 || group < QBLOCK || group % QBLOCK || K < group || K % group ||
-        (block != 32 && block != 64) || (xdtype != 0 && xdtype != 1) || (ydtype != 0 && ydtype != 1))
+    if (M < 1 || N < 64 || N % 64 || group < QBLOCK || group % QBLOCK || K < group || K % group ||
+        (block != 32 && block != 64) || (xdtype != 0 && xdtype != 1) || (ydtype != 0 && ydtype != 1) ||
+        (size_t)M * K > ((size_t)1 << 40))
         return -EINVAL;
     int blocks = K / QBLOCK;
     int8_t *q = malloc((size_t)M * K);
@@ -832,7 +828,7 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
         }
     }
     int4_job job = {.W = W, .sz = sz, .bias = bias, .K = K, .N = N, .M = M, .block = block, .group = group,
-                    .isa = isa, .ydtype = ydtype, .q = q, .bscale = bscale, .bsum = bsum, .y = y};
+                    .ydtype = ydtype, .q = q, .bscale = bscale, .bsum = bsum, .y = y};
     run(int4_task, &job, N, 64);
     free(q), free(bscale), free(bsum), free(row), free(lane);
     return 0;

@@ -33,6 +33,10 @@ from packcache.models import minilm
 from packcache.torch import PackedEmbedding, PackedLinear
 
 THRESHOLDS = {"fp32": 0.99999, "bf16": 0.999, "int8": 0.99, "int4": 0.95}
+#: How close a plain model over a packed model's saved float weights comes to the packed model: its float weight is
+#: exactly what the packed product multiplies by, but int4's product also rounds the activations to int8 per 32
+#: (as llama.cpp's Q4_0 x Q8_0 does), which the plain model does not.
+RELOADED = {"fp32": 0.99999, "bf16": 0.99999, "int8": 0.99999, "int4": 0.997}
 CAUSAL = "AutoModelForCausalLM"
 TEXTS = ["a sentence", "", "The quick brown fox jumps over the lazy dog.", "Packed weights are mapped from a file."]
 
@@ -405,7 +409,7 @@ def test_save_pretrained_writes_a_checkpoint_plain_transformers_reloads_whole(
     # A packed head tied to the embeddings saves the tie's float32 tensor (the saved model stays tied, like the
     # source): the reload's head is that tensor, the packed model's its packed form, within the scheme's tolerance.
     tied = bool(hf.load_report(model).packed_ties)
-    tolerances = (THRESHOLDS[scheme],) * 2 if tied else (0.99999, 0.999)
+    tolerances = (THRESHOLDS[scheme],) * 2 if tied else (RELOADED[scheme], 0.999)
     for ids, tolerance in zip((long_ids(), ids_for()), tolerances, strict=True):
         similarity = cosine(outputs(reloaded, ids), outputs(model, ids))
         assert similarity >= tolerance, f"{arch} {scheme} {tuple(ids.shape)}: cosine {similarity:.7f}"
@@ -579,7 +583,7 @@ def test_sentence_transformer_save_reloads_in_plain_sentence_transformers(
     assert result["packcache"] == []
     for scheme, directory in directories.items():
         plain = torch.tensor(result["embeddings"][str(directory)])
-        assert cosine(plain, packed[scheme]) >= 0.99999, f"{scheme}: {cosine(plain, packed[scheme]):.7f}"
+        assert cosine(plain, packed[scheme]) >= RELOADED[scheme], f"{scheme}: {cosine(plain, packed[scheme]):.7f}"
         assert cosine(plain, expected_embeddings) >= THRESHOLDS[scheme], scheme
 
 
@@ -601,7 +605,8 @@ def test_minilm_load_state_dict_loads_into_transformers_bert(
         packed = m.encoder(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]).float()
     real = batch["attention_mask"].bool()
     assert int(real.sum()) > 192
-    assert cosine(hidden[real], packed[real]) >= 0.99999, f"{scheme}: {cosine(hidden[real], packed[real]):.7f}"
+    similarity = cosine(hidden[real], packed[real])
+    assert similarity >= RELOADED[scheme], f"{scheme}: {similarity:.7f}"
     name = "encoder.layer.0.attention.self.query.weight"
     assert not torch.equal(
         m.encoder.state_dict()[name], reference(minilm_reference["path"], "AutoModel").state_dict()[name]

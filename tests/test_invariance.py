@@ -1,9 +1,9 @@
 """One answer per input: what a row, or a text, gets does not depend on what else shares its batch.
 
-With the compiled kernels, a packed ``nn.Linear`` of the fp32, bf16 and int8 schemes gives row ``i`` the same bits
-alone and inside any batch of 1-512 rows, 2-d or 3-d; a text's embedding is the same alone and among other texts,
-through ``minilm`` and through ``hf.sentence_transformer`` (whose encoder runs packcache's per-sequence attention).
-int4 is not there yet: its compiled kernel takes 64 rows and torch's runs past them (docs/TORCH.md).
+With the compiled kernels, a packed ``nn.Linear`` of every scheme (fp32, bf16, int8, int4) gives row ``i`` the same
+bits alone and inside any batch of 1-512 rows, 2-d or 3-d; a text's embedding is the same alone and among other
+texts, through ``minilm`` and through ``hf.sentence_transformer`` (whose encoder runs packcache's per-sequence
+attention).
 """
 
 from __future__ import annotations
@@ -28,44 +28,55 @@ from harness.checkpoints import tiny_bert, tiny_sentence_transformer, tiny_trans
 from packcache import hf, native
 from packcache.models import minilm
 from packcache.packers import Float32, platform_for
-from packcache.packers_torch import Int8WeightOnly, LinearBFloat16, LinearFloat32
+from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.torch import PackedLinear, convert
 
 ROOT = Path(__file__).resolve().parent.parent
-INVARIANT = {"fp32": LinearFloat32, "bf16": LinearBFloat16, "int8": Int8WeightOnly}
-OUT, IN, ROWS = 83, 136, 512  # 83 outputs: a remainder past the kernel's tiles of 4; 136 inputs: 17 steps of 8
+ROWS = 512
+#: Per case: the scheme's packer, the layer's (out, in) and the compiled product it runs. 83 outputs leave a
+#: remainder past the dense kernel's tiles of 4, 136 inputs are 17 steps of 8; int4 takes groups of 32 inputs, its
+#: kernel 64 outputs at a time, and a layer of 48 outputs runs the dense product over its weight dequantised.
+LAYERS = {
+    "fp32": (LinearFloat32, (83, 136), "packcache dense"),
+    "bf16": (LinearBFloat16, (83, 136), "packcache dense"),
+    "int8": (Int8WeightOnly, (83, 136), "packcache dense"),
+    "int4": (Int4WeightOnly, (128, 160), "packcache int4"),
+    "int4, 48 outputs": (Int4WeightOnly, (48, 160), "int4 weight to float32 per call + packcache dense"),
+}
 
 
 @functools.cache
-def _layer(scheme: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """A packed linear of ``scheme``, ``x [512, IN]`` and each row of ``x`` run alone."""
+def _layer(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A packed linear of ``case``, ``x [512, in]`` and each row of ``x`` run alone."""
+    packer_class, (out, in_), _ = LAYERS[case]
     torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(IN, OUT))
-    packer = INVARIANT[scheme]()
+    model = nn.Sequential(nn.Linear(in_, out))
+    packer = packer_class()
     convert(model, packcache.WeightCache(None, platform=platform_for([packer, Float32()])), packer, model_id="inv")
     assert isinstance(model[0], PackedLinear)
-    x = torch.randn(ROWS, IN, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(ROWS, in_, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         alone = torch.cat([model(x[i : i + 1]) for i in range(ROWS)])
     return model, x, alone
 
 
-@settings(max_examples=60, deadline=None)
-@given(scheme=st.sampled_from(sorted(INVARIANT)), rows=st.integers(1, ROWS), start=st.integers(0, ROWS - 1),
+@settings(max_examples=80, deadline=None)
+@given(case=st.sampled_from(sorted(LAYERS)), rows=st.integers(1, ROWS), start=st.integers(0, ROWS - 1),
        split=st.integers(1, 8), three_d=st.booleans())  # fmt: skip
 def test_a_packed_linear_gives_a_row_the_same_bits_alone_and_inside_any_batch(
-    scheme: str, rows: int, start: int, split: int, three_d: bool
+    case: str, rows: int, start: int, split: int, three_d: bool
 ) -> None:
-    model, x, alone = _layer(scheme)
+    model, x, alone = _layer(case)
+    out, in_ = LAYERS[case][1]
     start = min(start, ROWS - rows)
     batch = x[start : start + rows]
-    if three_d:  # [a, b, IN] with a * b = rows: the layer flattens the leading dimensions
+    if three_d:  # [a, b, in] with a * b = rows: the layer flattens the leading dimensions
         a = next(d for d in range(min(split, rows), 0, -1) if rows % d == 0)
-        batch = batch.reshape(a, rows // a, IN)
+        batch = batch.reshape(a, rows // a, in_)
     with torch.inference_mode():
-        got = model(batch).reshape(rows, OUT)
-    assert "packcache dense" in model[0].kernel(rows)
-    assert torch.equal(got, alone[start : start + rows]), (scheme, rows, start, tuple(batch.shape))
+        got = model(batch).reshape(rows, out)
+    assert model[0].kernel(rows).startswith(LAYERS[case][2]), (case, model[0].kernel(rows))
+    assert torch.equal(got, alone[start : start + rows]), (case, rows, start, tuple(batch.shape))
 
 
 #: Texts of 2 to 60 words: a batch of them is padded (hf) or packed (minilm) around texts of other lengths.
@@ -75,7 +86,7 @@ TEXTS = [" ".join(["packed weights shared by every worker"] * n) for n in (1, 12
 def test_the_compiled_kernels_are_here_and_status_names_the_invariant_schemes() -> None:
     # what every invariance below stands on: CI builds them, and a missing build must fail, not pass quietly
     assert native.status().isa in ("avx2", "avx512"), native.status()
-    assert native.status().batch_invariant == ("fp32", "bf16", "int8")
+    assert native.status().batch_invariant == ("fp32", "bf16", "int8", "int4")
     code = "from packcache import native; print(native.status().flags()['native_batch_invariant'])"
     off = subprocess.run(
         [sys.executable, "-c", code],

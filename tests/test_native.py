@@ -365,12 +365,13 @@ def test_without_the_compiled_part_torch_runs_and_a_warning_says_why():
     assert "WARNING packcache compiled kernels not used (packcache._kernels is not installed" in result.stderr
 
 
-def test_each_compiled_operation_runs_on_the_codes_where_it_was_measured_faster():
+def test_each_compiled_operation_runs_its_avx2_code_on_both_isa_levels():
+    # one code on every CPU with AVX2 and FMA: the same numbers, and one answer per input, wherever it runs
     isa = native.status().isa
     for packer in (Int8WeightOnly(), LinearBFloat16(), Int4WeightOnly(32)):
-        uses = packer.kernel("fp32", 1).startswith("packcache ")
-        assert uses == (isa in NATIVE_ISAS[packer.native_op]), (packer.id, isa)
-    assert NATIVE_ISAS["int4"] == ("avx2",)  # torch's own AVX512 int4 kernel is faster (docs/TORCH.md)
+        assert packer.kernel("fp32", 1).startswith("packcache ") == (isa in NATIVE_ISAS[packer.native_op])
+        assert "avx2 code" in packer.kernel("fp32", 1), packer.kernel("fp32", 1)
+    assert NATIVE_ISAS == {"dense": ("avx512", "avx2"), "int4": ("avx512", "avx2")}
 
 
 @pytest.mark.parametrize(
@@ -384,8 +385,8 @@ def test_each_compiled_operation_runs_on_the_codes_where_it_was_measured_faster(
     ids=lambda p: p if isinstance(p, str) else p.id,
 )
 def test_packed_layers_run_the_compiled_kernel_for_every_row_count_it_takes(packer, path, monkeypatch):
-    # dense (fp32, bf16, int8): every row count, so a row's bits never depend on the batch; int4: up to 64 rows
-    monkeypatch.setitem(NATIVE_ISAS, packer.native_op, (native.status().isa,))  # int4's too, on any code
+    # every row count, so a row's bits never depend on the batch
+    monkeypatch.setitem(NATIVE_ISAS, packer.native_op, (native.status().isa,))
     rng = np.random.default_rng(11)
     source = rng.standard_normal((128, 256)).astype(np.float32)
     parts = packer.pack(source, "F32")
@@ -394,11 +395,9 @@ def test_packed_layers_run_the_compiled_kernel_for_every_row_count_it_takes(pack
     prepared = packer.prepare(operands, path)
     weight = torch.from_numpy(packer.intended(source, "F32"))
     dtype = torch.bfloat16 if path == "bf16" else torch.float32
-    limit = NATIVE_MAX_ROWS[packer.native_op]
-    assert (limit is None) == (packer.native_op == "dense")
+    assert NATIVE_MAX_ROWS[packer.native_op] is None
     for rows in (1, 4, 5, 64, 65, 300):
-        native_rows = limit is None or rows <= limit
-        assert ("packcache" in packer.kernel(path, rows)) == native_rows, (rows, packer.kernel(path, rows))
+        assert packer.kernel(path, rows).startswith("packcache "), (rows, packer.kernel(path, rows))
         x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32)).to(dtype)
         got = packer.linear(prepared, x, path)
         assert got.dtype == dtype and got.shape == (rows, 128)

@@ -41,7 +41,7 @@ from harness.serve import TEXTS, assert_embeddings, call, embed, loaded_workers,
 from packcache import hf
 from packcache.models import minilm
 from packcache.packers import SCHEMES, Float32, platform_for
-from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
+from packcache.packers_torch import NATIVE_ISAS, Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.safetensors import SafetensorsFile
 from packcache.torch import PackedEmbedding, PackedLinear, as_tensor, convert, scheme_packer
 
@@ -117,10 +117,13 @@ class _Int8Renamed(Int8WeightOnly):
 @pytest.mark.parametrize(
     "packer", [LinearFloat32(), LinearBFloat16(), Int8WeightOnly(), Int4WeightOnly(32), _Int8Renamed()], ids=repr
 )
-def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(packer: Any, tmp_path: Path) -> None:
+def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(
+    packer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``state_dict()`` of a converted module has exactly the keys, shapes and dtypes of the float module, each
     packed layer's weight the float32 weight its forward multiplies by: a plain module loads it (strict) and
-    gives the packed module's answers on the dequantising path (enough rows that no fused bf16 kernel runs),
+    gives the packed module's answers on the dequantising path (enough rows that no fused kernel runs; int4 with
+    its compiled product off, which rounds the activations to int8 per block of 32 and the plain module does not),
     through ``torch.save`` and ``torch.load(weights_only=True)`` too."""
     model = _toy()
     layout = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
@@ -130,6 +133,10 @@ def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(pa
     torch.save(state, tmp_path / "toy.pt")
     reloaded = _float_toy_from(torch.load(tmp_path / "toy.pt", weights_only=True))
     rows = torch.randn(256, 64, generator=torch.Generator().manual_seed(2))  # past every fused kernel's rows
+    if isinstance(packer, Int4WeightOnly):
+        monkeypatch.setitem(NATIVE_ISAS, "int4", ())
+        monkeypatch.setitem(NATIVE_ISAS, "dense", ())
+        assert "per call + addmm(float32)" in model.up.kernel(256)
     with torch.no_grad():
         packed, plain = model(rows), reloaded(rows)
     # The bf16 scheme rounds the activations to bfloat16 on every path (its weight is never widened): ~2^-8.

@@ -168,7 +168,7 @@ class PackedLinear(nn.Module):
 
     def kernel(self, rows: int) -> str:
         """The torch op this layer runs for an input of ``rows`` rows."""
-        return self.packer.kernel(self.kernel_path, rows)
+        return self.packer.kernel(self.kernel_path, rows, out_features=self.out_features, in_features=self.in_features)
 
     def float_weight(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight this layer multiplies by: its operands

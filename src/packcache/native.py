@@ -78,7 +78,7 @@ NATIVE_ENV = "PACKCACHE_NATIVE"
 ISAS = {2: "avx512", 1: "avx2"}
 _LEVELS = {name: level for level, name in ISAS.items()}
 #: The ``pc_abi_version()`` this module calls: a stale build of another version is not loaded.
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: Operand dtypes of the library's calls.
 FLOAT32, BFLOAT16 = 0, 1
 _OPS = {"int8": 0, "bf16": 1, "int4": 2, "dense": 3}
@@ -112,10 +112,15 @@ class NativeStatus:
     @property
     def batch_invariant(self) -> tuple[str, ...]:
         """The schemes whose packed linear layers give a row the same bits alone and inside any batch in this
-        process: fp32, bf16 and int8 where the compiled kernels run (:func:`dense_product`, every row count); none
-        without them (torch's kernels change with the row count). int4 is not one yet: its compiled kernel takes
-        at most :func:`max_rows` rows and torch's runs past them."""
-        return ("fp32", "bf16", "int8") if self.isa is not None else ()
+        process: where the compiled kernels run, fp32, bf16 and int8 (:func:`dense_product`) and int4
+        (:func:`int4_product`, or the dense product over a weight it cannot take, dequantised), every row count;
+        none without them (torch's kernels change with the row count). int4 needs torch's int4 layout to be one
+        packcache reads (:func:`packcache.kernels.int4_layout`); it always was on the CPUs measured."""
+        if self.isa is None:
+            return ()
+        from .kernels import int4_layout  # torch's layout, probed once per process
+
+        return ("fp32", "bf16", "int8", "int4") if int4_layout() is not None else ("fp32", "bf16", "int8")
 
     def flags(self) -> dict[str, object]:
         """As a JSON-able mapping (for reports)."""

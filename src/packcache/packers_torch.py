@@ -78,16 +78,16 @@ Operands = Mapping[str, "torch.Tensor | None"]
 FUSED_MAX_ROWS_INT8 = {"bf16": 16, "fp32": 32}
 FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
 #: Per compiled operation (:mod:`packcache.native`), the most rows it is called for (``None``: every row count).
-#: ``dense`` (fp32, bf16, int8) runs for every row count: one sum order whatever the batch, so a row's answer does
-#: not depend on the rows beside it, and at a MiniLM batch or a prefill it keeps up with torch's dequantise and
-#: float32 GEMM (``docs/TORCH.md``, "Compiled kernels"). int4: every row count the kernel takes
-#: (``native.max_rows()``, 64); it unpacks each block once for all rows and beats torch's AVX2 kernel at 1-64 rows.
-NATIVE_MAX_ROWS: dict[str, int | None] = {"dense": None, "int4": 64}
-#: Per compiled operation, the codes (``native.status().isa``) it is used on. ``dense`` is AVX2 code, run on both.
-#: int4 only on AVX2: over torch's int4 layout it streams ~21 GiB/s on AVX512 where torch's own AVX512 kernel
-#: streams ~26 (a 1.24 B Llama's decode step 45 against 40 ms), and ~22 on AVX2 where torch's AVX2 kernel streams
-#: ~10 (``benchmarks/decode_kernels.py``).
-NATIVE_ISAS = {"dense": ("avx512", "avx2"), "int4": ("avx2",)}
+#: Both run for every row count: one sum order whatever the batch, so a row's answer does not depend on the rows
+#: beside it. ``dense`` (fp32, bf16, int8) keeps up with torch's dequantise and float32 GEMM at a MiniLM batch or a
+#: prefill; int4's kernel unpacks each block once for 64 rows at a time and beats torch's AVX2 kernel at 1-512 rows
+#: (``docs/TORCH.md``, "Compiled kernels").
+NATIVE_MAX_ROWS: dict[str, int | None] = {"dense": None, "int4": None}
+#: Per compiled operation, the codes (``native.status().isa``) it is used on: both are AVX2 code, run on both levels
+#: (the same numbers on every x86 CPU with AVX2 and FMA). int4's 256-bit VNNI variant streamed ~21 GiB/s on an
+#: AVX512 Xeon where torch's AVX512 kernel streamed ~26 and, on the same Xeon, the AVX2 code decoded faster than
+#: torch's AVX512 kernel (``benchmarks/decode_kernels.py``, ``docs/BENCHMARKS.md``).
+NATIVE_ISAS = {"dense": ("avx512", "avx2"), "int4": ("avx512", "avx2")}
 
 #: torch dtypes a pack may hold, with the numpy dtype that stores their bytes.
 #: bfloat16 has no numpy dtype: its bits are stored as uint16 and read back as bfloat16.
@@ -339,8 +339,9 @@ float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
         returns ``[rows, out_features]`` in the same dtype."""
         raise NotImplementedError
 
-    def kernel(self, path: str, rows: int) -> str:
-        """The torch op :meth:`linear` runs for ``rows`` input rows on ``path`` (for reports and tests)."""
+    def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
+        """The op :meth:`linear` runs for ``rows`` input rows on ``path`` (for reports and tests), for a layer of
+        ``out_features`` and ``in_features`` (by default a shape every kernel takes)."""
         raise NotImplementedError
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
@@ -411,8 +412,8 @@ def _native_kernel(op: str) -> str:
     """How :meth:`TorchPacker.kernel` names a compiled operation."""
     if op == "dense":
         return "packcache dense (avx2 code: weights widened to float32, FMA, one sum order at every row count)"
-    isa = native.status().isa  # int4, the other operation a packer runs
-    return f"packcache int4 ({isa}: {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'}, activations int8 per 32)"
+    # int4, the other operation a packer runs
+    return "packcache int4 (avx2 code: activations int8 per 32, vpmaddubsw, one sum order at every row count)"
 
 
 class Prepared(dict[str, "torch.Tensor | None"]):
@@ -573,8 +574,8 @@ class LinearFloat32(TorchPacker):
             return _native_product("dense", x, operands)
         return F.linear(x, _tensor(operands, "weight"), operands.get("bias"))
 
-    def kernel(self, path: str, rows: int) -> str:
-        return _native_kernel("dense") if self._use_native(rows, 1 << 12) else "linear(float32)"
+    def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
+        return _native_kernel("dense") if self._use_native(rows, in_features) else "linear(float32)"
 
     embeds = True
 
@@ -643,8 +644,8 @@ class LinearBFloat16(TorchPacker):
         bias = operands.get("bias")
         return y if bias is None else y.add_(bias)
 
-    def kernel(self, path: str, rows: int) -> str:
-        if self._use_native(rows, 1 << 12):
+    def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
+        if self._use_native(rows, in_features):
             return _native_kernel("dense")
         return "linear(bfloat16)" if path == "bf16" else "activations to bfloat16 + linear(bfloat16)"
 
@@ -735,10 +736,10 @@ class Int8WeightOnly(TorchPacker):
             return y if bias is None else y.add_(bias)
         return y.mul_(scales) if bias is None else torch.addcmul(bias, y, scales)
 
-    def kernel(self, path: str, rows: int) -> str:
-        if self._use_native(rows, 1 << 12):
+    def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
+        if self._use_native(rows, in_features):
             return _native_kernel("dense")
-        if self._fused(path, rows, 16):
+        if self._fused(path, rows, in_features):
             return "_weight_int8pack_mm(bfloat16)"
         dtype = "bfloat16" if path == "bf16" else "float32"
         return f"int8 weight to {dtype} per call + linear({dtype})"
@@ -913,6 +914,15 @@ class Int4WeightOnly(TorchPacker):
             and super()._use_native(rows, in_features)
         )  # fmt: skip
 
+    def _use_dense(self, in_features: int, out_features: int) -> bool:
+        """Whether a layer the int4 kernel does not take (``out_features`` not a multiple of 64, a layout without
+        halves) runs the compiled dense product over its weight dequantised per call: one sum order at every row
+        count for it too, where the compiled kernels run."""
+        return (
+            int4_layout() is not None and not self._use_native(1, in_features, out_features)
+            and native.status().isa in NATIVE_ISAS["dense"] and in_features % native.k_multiple("dense") == 0
+        )  # fmt: skip
+
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
         weight, scales_and_zeros = _tensor(operands, "weight"), _tensor(operands, "scales_and_zeros")
@@ -923,6 +933,13 @@ class Int4WeightOnly(TorchPacker):
             layout = int4_layout()
             assert layout is not None
             return _native_product("int4", x, operands, self.group_size, layout.block)
+        if self._use_dense(in_features, out_features):
+            # float32 [out, in], as exact as dequantised_t's float32; the bias the bound operands' float32 one
+            dense = self.dequantized_t(weight, scales_and_zeros, input_scales, torch.float32).t().contiguous()
+            tensors = {"weight": dense, "bias": operands.bound["bias"]}
+            spec = {"weight": (torch.float32, (out_features, in_features)), "bias": (torch.float32, (out_features,))}
+            bound = native.bind(spec, tensors, optional=("bias",))
+            return native.dense_product(x, bound, torch.get_num_threads())
         dtype = activation_dtype(path)
         if self._fused(path, x.shape[0]):
             # bf16 in: the kernel's only vectorised variant (a float32 input runs its scalar reference loop).
@@ -957,9 +974,11 @@ class Int4WeightOnly(TorchPacker):
             weight_t.mul_(input_scales[:, None])
         return weight_t
 
-    def kernel(self, path: str, rows: int) -> str:
-        if self._use_native(rows, 1 << 12):
+    def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
+        if self._use_native(rows, in_features, out_features):
             return _native_kernel("int4")
+        if self._use_dense(in_features, out_features):
+            return f"int4 weight to float32 per call + {_native_kernel('dense')}"
         dtype = "bfloat16" if path == "bf16" else "float32"
         if self._fused(path, rows):
             return f"_weight_int4pack_mm_for_cpu({'bfloat16' if cpu_kernels().fused_weight_only else dtype})"
@@ -968,6 +987,8 @@ class Int4WeightOnly(TorchPacker):
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
         if self._use_native(rows, 1 << 12):
             return torch.int8  # quantised per block of 32 inside the compiled kernel
+        if self._use_dense(1 << 12, 64):
+            return activation_dtype(path)
         if self._fused(path, rows) and cpu_kernels().fused_weight_only:
             return torch.bfloat16
         return activation_dtype(path)
