@@ -9,7 +9,7 @@ Method (printed first when run):
   running sequence), ``packer.linear`` on random activations, twice: with ``packers_torch.NATIVE_MAX_ROWS`` of
   the scheme set to 0 (torch's path: its fused weight-only kernel up to ``FUSED_MAX_ROWS``, above that the weight
   dequantised per call and the GEMM) and to 64 (packcache's compiled kernel, on the code ``native.status()``
-  picks; ``--native-isas`` also where ``NATIVE_ISAS`` does not use it, e.g. int4 on AVX512).
+  picks; ``--native-isas`` also on a code ``NATIVE_ISAS`` leaves out). Both now run every row count by default.
 * Each call timed alone for ``--seconds`` per point after a warm-up; reported: the 10th percentile ms per call
   (``--percentile``). ``--threads 1`` times the calling thread's CPU time instead of the wall clock, so a
   shared machine's other processes do not count; with 2 threads a call waits for both, and any other process

@@ -689,7 +689,7 @@ static int check(int op, int M, int K, int N, int isa, int xdtype, int ydtype) {
     return 0;
 }
 
-/* Rows of activations one call takes (a prefill of more rows is a GEMM: torch's). */
+/* Rows of activations one pc_int8 or pc_bf16 call takes (pc_int4 and pc_dense take any number). */
 PC_API int pc_max_rows(void) { return MAX_ROWS; }
 
 /* y [M, N] = x [M, K] @ (W int8 [N, K] * scales [N])^T + bias [N]. x and y are float32 (dtype 0) or bfloat16

@@ -448,9 +448,9 @@ def test_int4_products_read_torchs_layout_on_this_cpu(isa, group, rows, k, n):
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
-@pytest.mark.parametrize("rows", [2, 3, 16, 33])
+@pytest.mark.parametrize("rows", [2, 3, 16, 33, 65, 130])  # past 64: the call takes 64 rows at a time
 def test_int4_products_of_several_rows_are_each_rows_own_product_bit_for_bit(isa, rows):
-    # Several rows unpack each block's nibbles once for all of them; every row's numbers stay those of a one-row call.
+    # Several rows unpack each block's nibbles once for up to 64 of them; each row's numbers are a one-row call's.
     from packcache.kernels import int4_layout
 
     layout = int4_layout()

@@ -9,9 +9,13 @@ mapping:
     number of rows. Float32 activations (bfloat16 ones widened); each weight widened to float32 exactly; every
     output summed in an order fixed by ``in_features`` alone, so a row gets the same bits alone and inside any
     batch (:func:`dense_product`). The AVX2 code, on either ISA level: what the packed layers of those schemes run.
+``int4``
+    ``torch.int4wo`` packs in torch's CPU layout, bfloat16 scales and zeros per group; activations quantised per
+    row as for ``int8`` below; any number of rows, a row's bits the same alone and inside any batch
+    (:func:`int4_product`). The AVX2 code, on either ISA level: what the packed int4 layers run.
 
-The products below take at most :func:`max_rows` rows, and a row's bits depend only on the code level, not on the
-rows beside it; the packed layers run them for int4 (on AVX2), and ``benchmarks/decode_kernels.py`` measures them:
+The two products below take at most :func:`max_rows` rows, and a row's bits depend only on the code level, not on
+the rows beside it; no packed layer runs them any more, and ``benchmarks/decode_kernels.py`` compares them:
 
 ``int8``
     ``torch.int8wo`` packs (int8 ``[out, in]``, a float32 scale per output row). The activations are
@@ -20,8 +24,6 @@ rows beside it; the packed layers run them for int4 (on AVX2), and ``benchmarks/
 ``bf16``
     ``torch.linear.bf16`` packs. Activations rounded to bfloat16 (as torch's bf16 ``linear`` does), products
     accumulated in float32: ``vdpbf16ps`` on AVX512-BF16, widening and FMA on AVX2.
-``int4``
-    ``torch.int4wo`` packs in torch's CPU layout, bfloat16 scales and zeros per group; activations as for int8.
 
 **Dispatch.** The CPU decides the code (:func:`status`): ``avx512`` needs AVX512F/BW/VL, VNNI and BF16;
 ``avx2`` needs AVX2, FMA and F16C. ``$PACKCACHE_NATIVE`` overrides it: ``auto`` (the default: the best the
@@ -219,8 +221,8 @@ def _level() -> int:
 
 @functools.cache
 def max_rows() -> int:
-    """The most activation rows one ``int8``, ``bf16`` or ``int4`` product takes (0 without the compiled part);
-    :func:`dense_product` takes any number."""
+    """The most activation rows one ``int8`` or ``bf16`` product takes (0 without the compiled part);
+    :func:`dense_product` and :func:`int4_product` take any number."""
     return int(_library().pc_max_rows()) if status().isa is not None else 0
 
 
@@ -559,7 +561,11 @@ def int4_product(
     ``[n, k/2]`` in torch's CPU layout with halves, ``block`` 64 or 32: :class:`packcache.kernels.Int4Layout`),
     bfloat16 ``scales_and_zeros [k/group, n, 2]``, float32 ``input_scales [k]`` (not read when ``input_scales`` is
     false: all ones) and optionally a float32 ``bias [n]``. ``n % 64 == 0``, ``group`` a multiple of 32 dividing
-    ``k``; ``x`` and the result as :func:`int8_product`.
+    ``k``; ``x`` and the result as :func:`int8_product`, any number of rows.
+
+    Each row's activations are rounded to int8 per block of 32 on their own and its sums taken in one order, so
+    row ``i`` of the result has the same bits whatever the other rows are and however many (the AVX2 code, on
+    either ISA level).
 
     Raises:
         NativeError: as :func:`int8_product`. TypeError: ``operands`` did not come from :func:`bind`.

@@ -802,7 +802,10 @@ class Int4WeightOnly(TorchPacker):
     against those bf16 values: stored as float32, every call would convert them to bf16 again (243 MB of
     conversions per token of a 1 B model, 11 % of its decode). Version 1 stored float32.
 
-    Forward: path ``bf16`` calls the fused kernel on bf16 activations for up to
+    Forward: with the compiled kernels, packcache's int4 product (:func:`packcache.native.int4_product`,
+    activations int8 per block of 32) at every row count, one sum order per row; a layer it cannot take
+    (``out_features`` not a multiple of 64) the dense product over its weight dequantised per call.
+    Without them, path ``bf16`` calls torch's fused kernel on bf16 activations for up to
     :attr:`fused_max_rows` rows; with more rows, and on path ``fp32``, the codes are read out
     of the kernel's layout (:func:`packcache.kernels.int4_layout`, checked against torch once
     per process) and dequantised once per call into the path's dtype for ``addmm``.
@@ -906,20 +909,21 @@ class Int4WeightOnly(TorchPacker):
 
     native_op = "int4"
 
-    def _use_native(self, rows: int, in_features: int, out_features: int = 64) -> bool:
-        # The compiled kernel reads torch's layouts with halves (AVX512 and AVX2 builds), 64 rows at a time.
+    def _takes(self, in_features: int, out_features: int) -> bool:
+        """Whether the compiled int4 product takes a layer of this shape: it reads torch's layouts with halves
+        (AVX512 and AVX2 builds), 64 output features at a time."""
         layout = int4_layout()
-        return (
-            layout is not None and layout.halves and out_features % 64 == 0 and in_features % self.group_size == 0
-            and super()._use_native(rows, in_features)
-        )  # fmt: skip
+        return layout is not None and layout.halves and out_features % 64 == 0 and in_features % self.group_size == 0
+
+    def _use_native(self, rows: int, in_features: int, out_features: int = 64) -> bool:
+        return self._takes(in_features, out_features) and super()._use_native(rows, in_features)
 
     def _use_dense(self, in_features: int, out_features: int) -> bool:
-        """Whether a layer the int4 kernel does not take (``out_features`` not a multiple of 64, a layout without
+        """Whether a layer the int4 product does not take (``out_features`` not a multiple of 64, a layout without
         halves) runs the compiled dense product over its weight dequantised per call: one sum order at every row
         count for it too, where the compiled kernels run."""
         return (
-            int4_layout() is not None and not self._use_native(1, in_features, out_features)
+            int4_layout() is not None and not self._takes(in_features, out_features)
             and native.status().isa in NATIVE_ISAS["dense"] and in_features % native.k_multiple("dense") == 0
         )  # fmt: skip
 
