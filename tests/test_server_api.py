@@ -5,7 +5,7 @@ against real ``packcache serve`` processes on 127.0.0.1 (``harness.serve``).
   list input, base64 equal to float, ``dimensions``, ``usage``, bad requests raising the client's own errors.
 * TEI's ``POST /embed {"inputs": ...}`` and ``GET /info`` over plain HTTP: its answers, its error shape and codes.
 * Batching: concurrent requests share forwards (``/metrics``), within the token budget, and batched answers equal
-  unbatched ones; ``--max-batch-tokens 0`` runs one forward per request.
+  unbatched ones bit for bit; ``--max-batch-tokens 0`` runs one forward per request.
 """
 
 from __future__ import annotations
@@ -271,13 +271,11 @@ def test_concurrent_requests_share_forwards_within_the_budget_and_answer_as_unba
             unbatched = answers["unbatched"][index]
             for (status, got, forward), (base_status, base, alone) in zip(answers[name][index], unbatched, strict=True):
                 assert status == base_status == 200 and alone == 2 and forward >= 2
-                # The same texts in a bigger forward: up to 64 rows the compiled kernel quantises activations to
-                # int8 per 32, past it torch's path runs them in bf16, so an element differs by up to ~0.007
-                # and the cosine by ~0.0015 (measured; CHANGELOG, "Changed": a forward of more than 64 rows).
+                # The same texts in a bigger forward, among other texts: the same floats, bit for bit (one
+                # answer per input: the compiled kernels' one sum order, each text's own attention).
                 a, b = np.asarray(got["embeddings"]), np.asarray(base["embeddings"])
                 assert a.shape == b.shape == (2, 384)
-                np.testing.assert_allclose(a, b, rtol=0, atol=1e-2)
-                assert (np.sum(a * b, axis=1) > 0.998).all()  # 0.9985 measured between the two paths
+                assert a.tobytes() == b.tobytes(), np.abs(a - b).max()
 
 
 def test_batching_options_refuse_bad_values(tmp_path: Path) -> None:
