@@ -95,6 +95,8 @@ UNRELATED: dict[tuple[str, str], str] = {
     ("models/bert.py", "field BertConfig.max_position_embeddings"): "BERT's 512 positions, not LLM_MAX_BATCH_TOKENS",
     ("server/modelfiles.py", "get() fallback"): "a config.json without max_position_embeddings: BERT's 512 positions",
     ("packers_torch.py", "parameter out_features"): "the compiled kernel's 64-row block, not ALIGNMENT",
+    ("packers_torch.py", "parameter in_features"): "a layer width every kernel takes (kernel()'s stand-in shape), "
+    "not LLM_MAX_MODEL_LEN",
 }
 
 
