@@ -228,6 +228,20 @@ def test_int8_greedy_alone_equals_generate_batched_rows_may_round_apart(lm_dir: 
     print(f"int8: alone 4 of 4 prompts equal generate(); batched 4 together {same} of 4 (common prefix chars {common})")
 
 
+def test_a_step_reads_at_most_max_batch_tokens_and_a_longer_prompt_over_several(loaded: tuple[Any, Any]) -> None:
+    engine = make(loaded, warmup=False, max_batch_tokens=16)
+    assert engine.max_batch_tokens == 16 and make(loaded, warmup=False, max_batch_tokens=2).max_batch_tokens == 4
+    sink = Collect()
+    engine.submit(list(range(5, 45)), greedy(2), sink)
+    read = []
+    while not sink.done.is_set():
+        assert engine._step()
+        read.append([int(f.query_length) for f in engine._processor.inputs_and_outputs.requests_in_batch])
+    assert read == [[16], [16], [8], [1]]  # the prompt's 40 tokens, then the second token's step
+    with pytest.raises(ValueError, match="max_batch_tokens must be at least 1, not 0"):
+        make(loaded, warmup=False, max_batch_tokens=0)
+
+
 # --------------------------------------------------------------------------- text out
 
 

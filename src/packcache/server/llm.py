@@ -54,6 +54,7 @@ INTERNALS = (
     ("ContinuousBatchProcessor", "handle_batch_error"),
     ("ContinuousBatchProcessor", "fail_all_requests"),
     ("ContinuousBatchProcessor", "cache"),
+    ("ContinuousBatchProcessor", "inputs_and_outputs"),
 )
 
 
@@ -72,6 +73,8 @@ class LLMEngine:
         max_model_len: prompt and completion tokens one sequence may hold.
         max_seqs: sequences generated together in one step at most.
         page_size: tokens per block of the paged KV cache.
+        max_batch_tokens: tokens one step reads at most (at least ``max_seqs``): a longer prompt, or one that
+            arrives while others run, is read in chunks over several steps.
         kv_bytes: bytes of the KV cache (allocated, and zero-filled, at load).
         has_chat_template: whether the tokenizer has a chat template (:meth:`chat_prompt`).
         eos_token_ids: the token ids that end a generation (the generation config's, else the tokenizer's).
@@ -95,14 +98,15 @@ class LLMEngine:
         max_seqs: int = _defaults.LLM_MAX_SEQS,
         max_model_len: int | None = None,
         page_size: int = _defaults.LLM_PAGE_SIZE,
+        max_batch_tokens: int = _defaults.LLM_MAX_BATCH_TOKENS,
         warmup: bool = True,
     ) -> None:
         """Set up continuous batching on ``model`` (its KV cache allocated here) and, with ``warmup``, run one short
         request so the first user request does not pay the first forward's costs.
 
         Raises:
-            ValueError: ``max_seqs``, ``max_model_len`` or ``page_size`` out of range (named), a model without a
-                position limit and no ``max_model_len``.
+            ValueError: ``max_seqs``, ``max_model_len``, ``page_size`` or ``max_batch_tokens`` out of range (named),
+                a model without a position limit and no ``max_model_len``.
         """
 
         import transformers as _transformers_module
@@ -120,6 +124,8 @@ class LLMEngine:
             raise ValueError(f"max_seqs must be at least 1, not {max_seqs}")
         if page_size < 4:
             raise ValueError(f"page_size must be at least 4, not {page_size}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, not {max_batch_tokens}")
         config = model.config.get_text_config()
         positions = getattr(config, "max_position_embeddings", None)
         if max_model_len is None:
@@ -134,6 +140,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = int(config.vocab_size)
         self.page_size = page_size
+        self.max_batch_tokens = max(max_batch_tokens, max_seqs)  # a step holds one token of every sequence
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
@@ -154,7 +161,7 @@ class LLMEngine:
             max_new_tokens=max_model_len, do_sample=False, eos_token_id=self.eos_token_ids or -1
         )
         batching = transformers.ContinuousBatchingConfig(
-            num_blocks=blocks, page_size=page_size, max_batch_tokens=max(_defaults.LLM_MAX_BATCH_TOKENS, max_seqs),
+            num_blocks=blocks, page_size=page_size, max_batch_tokens=self.max_batch_tokens,
             max_requests_per_batch=max_seqs, use_async_batching=False, use_cuda_graph=False,
             allow_block_sharing=False, scheduler_type="fifo",
         )  # fmt: skip
