@@ -311,6 +311,36 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_batched(loaded: tupl
     assert unseeded[0].text != unseeded[1].text, "no seed: each request its own random generator"
 
 
+def test_a_seeded_request_draws_once_per_token_beside_a_split_prompt(loaded: tuple[Any, Any]) -> None:
+    """A step has a row of logits per sequence, but a sequence whose prompt the step reads only in part gets no token:
+    transformers leaves row 0's logits in its row and an earlier step's arguments (the slot of the request that had
+    that place then). The sampler drew for that request too, so a seeded request that a long prompt joined beside
+    (as another request finished) spent an extra draw and gave other tokens than alone."""
+    seeded = Sampling(max_tokens=10, temperature=0.9, seed=42)
+    prompt = [0, 48, 85, 122]
+
+    def run(plan: list[tuple[int, list[int], Sampling]]) -> tuple[str, list[list[bool]]]:
+        engine = make(loaded, warmup=False, max_batch_tokens=16)
+        sinks = [Collect() for _ in plan]
+        steps = []
+        for step in range(60):
+            for (start, ids, how), sink in zip(plan, sinks, strict=True):
+                if start == step:
+                    engine.submit(ids, how, sink)
+            if all(sink.done.is_set() for sink in sinks):
+                break
+            assert engine._step()
+            steps.append([f.has_new_token for f in engine._processor.inputs_and_outputs.requests_in_batch])
+        return sinks[-1].text, steps
+
+    (alone, _) = run([(0, prompt, seeded)])
+    others = [(0, [0, 9, 10], greedy(3)), (0, [0, 11, 12, 13], greedy(10)), (0, [0, 14, 15, 16], greedy(10))]
+    among, steps = run([*others, (3, list(range(5, 45)), greedy(3)), (0, prompt, seeded)])
+    # the step the long prompt joins at: three tokens (the seeded request's the last), then its first part
+    assert [True, True, True, False] in steps
+    assert among == alone != ""
+
+
 def test_temperature_zero_is_greedy_whatever_top_p_and_seed(loaded: tuple[Any, Any]) -> None:
     engine = make(loaded)
     prompt = engine.encode(PROMPTS[2])
