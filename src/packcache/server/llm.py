@@ -14,6 +14,12 @@ also lets one step's error fail that step's requests instead of the whole loop.
 
 Sampling and the text of each request: :mod:`.sampling`.
 
+What a request gets does not depend on the requests it shares its steps with: the packed layers give a row the same
+bits at every row count, and once continuous batching is set up the model attends through
+``packcache._attention`` (each query row in its own call over its sequence's keys, the call it gets alone), not
+through transformers' ``sdpa`` over the whole step. Its logits are the same alone and among others, whether others
+join mid-decode or its prompt is read over other steps because they share the step's ``max_batch_tokens``.
+
 The paged KV cache is sized from the engine's options (``max_seqs`` sequences of ``max_model_len`` tokens), not
 from free memory as transformers does by default: that default allocated (and zero-filled) gigabytes at the first
 request. The pinned transformers internals this module uses are listed in :data:`INTERNALS`; a test checks them.
@@ -32,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _defaults
+from .._attention import NAME, per_sequence_generating, plain_sdpa
 from ..stats import CacheStats
 from .engines import EngineSpec
 from .filecheck import NOTHING, FileChecker
@@ -80,6 +87,9 @@ class LLMEngine:
         eos_token_ids: the token ids that end a generation (the generation config's, else the tokenizer's).
         setup_seconds: continuous batching's setup at load (the KV cache allocated and zero-filled).
         warmup_seconds: the warm-up request's time at load.
+        attention: the model's attention under continuous batching: ``packcache_per_sequence`` (each query row in
+            its own call, so a request's logits do not depend on the other requests of its steps), or transformers'
+            own for a model that cannot take it.
     """
 
     name = "packcache"
@@ -165,6 +175,7 @@ class LLMEngine:
             max_requests_per_batch=max_seqs, use_async_batching=False, use_cuda_graph=False,
             allow_block_sharing=False, scheduler_type="fifo",
         )  # fmt: skip
+        plain_sdpa(model)  # a model an earlier engine switched: continuous batching's setup takes only its own
         self._manager: Any = model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
         )
@@ -179,6 +190,11 @@ class LLMEngine:
         self._processor: Any = self._manager._create_batch_processor()
         self._manager.batch_processor = self._processor
         self._manager.current_batch = 0
+        # Each query row attends in its own call (packcache._attention): a request's logits do not depend on what
+        # shares its steps. Switched only now: the processor, made on sdpa, builds the packed mask that the calls
+        # handed back to transformers' sdpa (a sliding window, several layer types) need.
+        masked = self._processor.inputs_and_outputs.attention_mask is not None
+        self.attention = NAME if masked and per_sequence_generating(model) else str(model.config._attn_implementation)
         kv = self._processor.cache.cache_tensor
         self.kv_bytes = int(kv.numel() * kv.element_size())
         self.setup_seconds = time.perf_counter() - started
