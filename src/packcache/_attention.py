@@ -155,9 +155,10 @@ _ALIGNMENT = 64
 
 def _token_major(states: torch.Tensor) -> torch.Tensor:
     """``states`` ``[1, heads, tokens, dim]`` (one sequence's keys or values) laid out token-major (a token's heads
-    side by side) from a 64-byte aligned address: ``states`` itself when it is (the cache's read of a step with
-    past keys, when a token's heads fill whole 64 bytes), else a copy in a new buffer. So every row's call reads one
-    layout from one alignment, whatever the sequence's place in the pack or length, or what the cache handed back."""
+    side by side) from a 64-byte aligned address: ``states`` itself when it is (what the cache hands back is
+    token-major; a sequence's start is aligned when a token's heads fill whole 64 bytes), else a copy in a new
+    buffer. So every row's call reads one layout from one alignment, whatever the sequence's place in the pack or
+    its length."""
     _, heads, tokens, dim = states.shape
     if states.stride()[1:] == (dim, heads * dim, 1) and states.data_ptr() % _ALIGNMENT == 0:
         return states
