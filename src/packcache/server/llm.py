@@ -14,6 +14,12 @@ also lets one step's error fail that step's requests instead of the whole loop.
 
 Sampling and the text of each request: :mod:`.sampling`.
 
+What a request gets does not depend on the requests it shares its steps with: the packed layers give a row the same
+bits at every row count, and once continuous batching is set up the model attends through
+``packcache._attention`` (each query row in its own call over its sequence's keys, the call it gets alone), not
+through transformers' ``sdpa`` over the whole step. Its logits are the same alone and among others, whether others
+join mid-decode or its prompt is read over other steps because they share the step's ``max_batch_tokens``.
+
 The paged KV cache is sized from the engine's options (``max_seqs`` sequences of ``max_model_len`` tokens), not
 from free memory as transformers does by default: that default allocated (and zero-filled) gigabytes at the first
 request. The pinned transformers internals this module uses are listed in :data:`INTERNALS`; a test checks them.
@@ -32,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _defaults
+from .._attention import NAME, per_sequence_generating, plain_sdpa
 from ..stats import CacheStats
 from .engines import EngineSpec
 from .filecheck import NOTHING, FileChecker
@@ -54,6 +61,7 @@ INTERNALS = (
     ("ContinuousBatchProcessor", "handle_batch_error"),
     ("ContinuousBatchProcessor", "fail_all_requests"),
     ("ContinuousBatchProcessor", "cache"),
+    ("ContinuousBatchProcessor", "inputs_and_outputs"),
 )
 
 
@@ -72,11 +80,16 @@ class LLMEngine:
         max_model_len: prompt and completion tokens one sequence may hold.
         max_seqs: sequences generated together in one step at most.
         page_size: tokens per block of the paged KV cache.
+        max_batch_tokens: tokens one step reads at most (at least ``max_seqs``): a longer prompt, or one that
+            arrives while others run, is read in chunks over several steps.
         kv_bytes: bytes of the KV cache (allocated, and zero-filled, at load).
         has_chat_template: whether the tokenizer has a chat template (:meth:`chat_prompt`).
         eos_token_ids: the token ids that end a generation (the generation config's, else the tokenizer's).
         setup_seconds: continuous batching's setup at load (the KV cache allocated and zero-filled).
         warmup_seconds: the warm-up request's time at load.
+        attention: the model's attention under continuous batching: ``packcache_per_sequence`` (each query row in
+            its own call, so a request's logits do not depend on the other requests of its steps), or transformers'
+            own for a model that cannot take it.
     """
 
     name = "packcache"
@@ -95,14 +108,15 @@ class LLMEngine:
         max_seqs: int = _defaults.LLM_MAX_SEQS,
         max_model_len: int | None = None,
         page_size: int = _defaults.LLM_PAGE_SIZE,
+        max_batch_tokens: int = _defaults.LLM_MAX_BATCH_TOKENS,
         warmup: bool = True,
     ) -> None:
         """Set up continuous batching on ``model`` (its KV cache allocated here) and, with ``warmup``, run one short
         request so the first user request does not pay the first forward's costs.
 
         Raises:
-            ValueError: ``max_seqs``, ``max_model_len`` or ``page_size`` out of range (named), a model without a
-                position limit and no ``max_model_len``.
+            ValueError: ``max_seqs``, ``max_model_len``, ``page_size`` or ``max_batch_tokens`` out of range (named),
+                a model without a position limit and no ``max_model_len``.
         """
 
         import transformers as _transformers_module
@@ -120,6 +134,8 @@ class LLMEngine:
             raise ValueError(f"max_seqs must be at least 1, not {max_seqs}")
         if page_size < 4:
             raise ValueError(f"page_size must be at least 4, not {page_size}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, not {max_batch_tokens}")
         config = model.config.get_text_config()
         positions = getattr(config, "max_position_embeddings", None)
         if max_model_len is None:
@@ -134,6 +150,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = int(config.vocab_size)
         self.page_size = page_size
+        self.max_batch_tokens = max(max_batch_tokens, max_seqs)  # a step holds one token of every sequence
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.eos_token_ids = _eos_ids(model, tokenizer)
 
@@ -154,10 +171,11 @@ class LLMEngine:
             max_new_tokens=max_model_len, do_sample=False, eos_token_id=self.eos_token_ids or -1
         )
         batching = transformers.ContinuousBatchingConfig(
-            num_blocks=blocks, page_size=page_size, max_batch_tokens=max(_defaults.LLM_MAX_BATCH_TOKENS, max_seqs),
+            num_blocks=blocks, page_size=page_size, max_batch_tokens=self.max_batch_tokens,
             max_requests_per_batch=max_seqs, use_async_batching=False, use_cuda_graph=False,
             allow_block_sharing=False, scheduler_type="fifo",
         )  # fmt: skip
+        plain_sdpa(model)  # a model an earlier engine switched: continuous batching's setup takes only its own
         self._manager: Any = model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
         )
@@ -172,6 +190,11 @@ class LLMEngine:
         self._processor: Any = self._manager._create_batch_processor()
         self._manager.batch_processor = self._processor
         self._manager.current_batch = 0
+        # Each query row attends in its own call (packcache._attention): a request's logits do not depend on what
+        # shares its steps. Switched only now: the processor, made on sdpa, builds the packed mask that the calls
+        # handed back to transformers' sdpa (a sliding window, several layer types) need.
+        masked = self._processor.inputs_and_outputs.attention_mask is not None
+        self.attention = NAME if masked and per_sequence_generating(model) else str(model.config._attn_implementation)
         kv = self._processor.cache.cache_tensor
         self.kv_bytes = int(kv.numel() * kv.element_size())
         self.setup_seconds = time.perf_counter() - started

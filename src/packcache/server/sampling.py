@@ -4,7 +4,9 @@ Sampling is per request (OpenAI sends ``temperature``, ``top_p`` and ``seed`` wi
 transformers' is per manager: the manager decodes greedily, and one logits processor (:func:`sampler_class`)
 samples each sampled row itself with its request's parameters and its own generator, leaving the chosen token the
 only finite score so the greedy argmax takes it. A seeded request draws one uniform number per token from its own
-generator, so it gives the same tokens alone and batched (up to float rounding of its logits).
+generator (a row that gets no token, a prompt read in part, is never sampled); with the compiled kernels its
+logits are the same bits alone and batched at every scheme (:mod:`packcache.server.llm`), so it gives the same
+tokens alone and batched.
 
 Sampling is exact for every value a request may give (:mod:`.requests` bounds them): the probabilities are
 computed in float64 from the logits minus their maximum, so no temperature in (0, 2] overflows them (the smallest
@@ -180,6 +182,7 @@ def sampler_class() -> type:
 
         def __init__(self, slots: dict[int, RequestState]) -> None:
             self.slots = slots
+            self.rows = 0  # rows of this step with a new token (prepare_tensor_args)
 
         def fill_defaults(self, int32_tensor: Any) -> None:
             int32_tensor.fill_(-1)
@@ -188,6 +191,7 @@ def sampler_class() -> type:
             import torch
 
             by_id = self.slots_by_id()
+            self.rows = len(requests_with_new_token)
             return torch.tensor([by_id.get(r.state.request_id, -1) for r in requests_with_new_token], dtype=torch.int32)
 
         def slots_by_id(self) -> dict[str, int]:
@@ -195,7 +199,11 @@ def sampler_class() -> type:
 
         def __call__(self, scores: Any, tensor_arg: Any) -> Any:
             chosen: list[tuple[int, RequestState, np.random.Generator]] = []
-            for row, slot in enumerate(tensor_arg[: scores.size(0)].tolist()):
+            # A step has a row per sequence, but only the first self.rows get a token: the others (a prompt read
+            # in part) hold row 0's logits and an earlier step's slot, and sampling one spent a draw of a request
+            # that got no token from it.
+            # pinned by tests/test_server_llm.py::test_a_seeded_request_draws_once_per_token_beside_a_split_prompt
+            for row, slot in enumerate(tensor_arg[: min(scores.size(0), self.rows)].tolist()):
                 request = self.slots.get(slot)
                 if request is not None and request.generator is not None:  # a greedy row has none
                     chosen.append((row, request, request.generator))
