@@ -15,8 +15,15 @@ with what broke it:
   :func:`packcache.hf.sentence_transformer`, each scheme: ``--texts`` texts of 3 to 120 words embedded one per
   call, then all in one call; a text counts when its vector differs in any bit. The largest difference is
   printed beside the count, so a broken invariance shows how far it moves.
+* **Generation** (``--what generate``): ``serve``'s engine (:class:`packcache.server.llm.LLMEngine`, continuous
+  batching, driven one step at a time) on a random Llama (hidden 256, 4 layers, 8 heads, 2 key heads, MiniLM's
+  tokenizer and vocabulary), each scheme. A greedy request of 40 prompt tokens runs alone, then among three others
+  (prompts of 9-60 tokens, one joining while it decodes) with 32 tokens a step, so its prompt is read over other
+  steps than alone; each of its 12 steps' logits, as the sampler sees them, counts when it differs in any bit.
+  The vocabulary (30522) is not a multiple of 16, so int4 does not pack the output head: it stays torch's
+  ``nn.Linear``, whose product changes with the row count (what a real model of that vocabulary gets).
 
-Usage: python benchmarks/invariance.py [--what linear,embed] [--schemes fp32,bf16,int8,int4] [--json FILE]
+Usage: python benchmarks/invariance.py [--what linear,embed,generate] [--schemes fp32,bf16,int8,int4] [--json FILE]
 """
 
 from __future__ import annotations
@@ -166,6 +173,104 @@ def embed_verdicts(schemes: Sequence[str], count: int) -> list[Verdict]:
     return verdicts
 
 
+def random_llama(directory: str, hidden: int = 256, layers: int = 4, heads: int = 8, kv_heads: int = 2) -> str:
+    """A random Llama saved in ``directory`` with MiniLM's tokenizer (its vocabulary size), head dimension
+    ``hidden / heads``: a model the engine serves, made in seconds, nothing downloaded."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from packcache.models._minilm_files import default_model_path
+
+    shipped = default_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(shipped / name, os.path.join(directory, name))
+    config = transformers.LlamaConfig(
+        vocab_size=30522, hidden_size=hidden, intermediate_size=2 * hidden if hidden < 1024 else 4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+        bos_token_id=101, eos_token_id=102, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # larger than the initialisation's, so greedy decoding varies its tokens
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+def _logits_of(plan: list[tuple[int, list[int], int]], model: Any, tokenizer: Any) -> dict[int, list[Any]]:
+    """Run ``plan`` (step to submit at, prompt, greedy tokens) on a new engine, one step at a time; the logits of
+    each request's steps, by its place in the plan, as its sampler saw them."""
+    from packcache.server import llm, sampling
+
+    seen: dict[str, list[Any]] = {}
+    base: Any = sampling.sampler_class()
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+            for row, slot in enumerate(tensor_arg[: min(scores.size(0), self.rows)].tolist()):
+                request = self.slots.get(slot)
+                if request is not None:
+                    seen.setdefault(request.id, []).append(scores[row].clone())
+            return super().__call__(scores, tensor_arg)
+
+    original = llm.sampler_class
+    llm.sampler_class = lambda: Recording
+    try:
+        engine = llm.LLMEngine(model, tokenizer, scheme="", max_seqs=4, max_model_len=128, page_size=16,
+                               max_batch_tokens=32, warmup=False)  # fmt: skip
+    finally:
+        llm.sampler_class = original
+    finished: dict[int, bool] = {}
+    ids: dict[str, int] = {}
+    step = 0
+    while len(ids) < len(plan) or not all(finished.values()):
+        for i, (start, prompt, tokens) in enumerate(plan):
+            if start == step:
+                finished[i] = False
+
+                def sink(output: Any, i: int = i) -> None:
+                    if output.finish_reason is not None:
+                        finished[i] = True
+
+                ids[engine.submit(prompt, sampling.Sampling(max_tokens=tokens, temperature=0.0), sink)] = i
+        if not engine._step() or step > 500:
+            raise RuntimeError(f"the engine stopped at step {step} with requests unfinished")
+        step += 1
+    return {i: seen.get(request_id, []) for request_id, i in ids.items()}
+
+
+def generate_verdicts(schemes: Sequence[str]) -> list[Verdict]:
+    """Per scheme, whether a greedy request's logits at each step are the same alone and among others."""
+    import torch
+
+    from packcache import hf
+
+    def prompt(count: int, seed: int) -> list[int]:
+        return [101, *torch.randint(1000, 30000, (count - 1,), generator=torch.Generator().manual_seed(seed)).tolist()]
+
+    x = prompt(40, 1)
+    others = [(0, prompt(9, 2), 14), (0, prompt(20, 3), 10), (5, prompt(60, 4), 6)]
+    verdicts = []
+    with tempfile.TemporaryDirectory(prefix="packcache-invariance-") as tmp:
+        directory = random_llama(tmp)
+        tokenizer = hf.tokenizer(directory)
+        for scheme in schemes:
+            model = hf.from_pretrained(directory, scheme, False, auto_class="AutoModelForCausalLM")
+            alone = _logits_of([(0, x, 12)], model, tokenizer)[0]
+            among = _logits_of([others[0], others[1], (0, x, 12), others[2]], model, tokenizer)[2]
+            verdict = Verdict(f"serve engine greedy logits {scheme}")
+            for step in range(max(len(alone), len(among))):
+                missing = torch.empty(0)
+                verdict.add(f"step {step}", alone[step] if step < len(alone) else missing,
+                            among[step] if step < len(among) else missing)  # fmt: skip
+            verdicts.append(verdict)
+    return verdicts
+
+
 def machine() -> dict[str, Any]:
     """The CPU, the compiled code path this process runs and torch's, as the report's first line says."""
     import torch
@@ -191,15 +296,15 @@ def machine() -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--what", default="linear,embed", help="comma-separated: linear, embed")
+    parser.add_argument("--what", default="linear,embed,generate", help="comma-separated: linear, embed, generate")
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes of the linear layers")
     parser.add_argument("--texts", type=int, default=24, help="texts embedded alone and together")
     parser.add_argument("--json", help="write the verdicts to this file")
     args = parser.parse_args(argv)
     what = set(args.what.split(","))
-    if what - {"linear", "embed"}:
-        parser.error(f"--what: unknown {', '.join(sorted(what - {'linear', 'embed'}))}")
+    if what - {"linear", "embed", "generate"}:
+        parser.error(f"--what: unknown {', '.join(sorted(what - {'linear', 'embed', 'generate'}))}")
     schemes = args.schemes.split(",")
     if set(schemes) - set(SCHEMES):
         parser.error(f"--schemes: one of {', '.join(SCHEMES)}")
@@ -219,6 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "embed" in what:
         print(f"embeddings: {args.texts} texts, each alone against all in one call")
         for verdict in embed_verdicts(schemes, args.texts):
+            print(verdict.line(), flush=True)
+            verdicts.append(verdict)
+    if "generate" in what:
+        print("generation: a greedy request's logits at each step, alone against among others (continuous batching)")
+        for verdict in generate_verdicts(schemes):
             print(verdict.line(), flush=True)
             verdicts.append(verdict)
     held = sum(v.holds for v in verdicts)
