@@ -10,7 +10,6 @@ other steps.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import subprocess
@@ -28,6 +27,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import packcache
+import packcache._attention
 from harness.checkpoints import tiny_bert, tiny_causal_lm, tiny_sentence_transformer, tiny_transformer
 from packcache import hf, native
 from packcache.models import minilm
@@ -51,9 +51,23 @@ LAYERS = {
 }
 
 
-@functools.cache
-def _layer(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """A packed linear of ``case``, ``x [512, in]`` and each row of ``x`` run alone."""
+@pytest.fixture(scope="module")
+def layers() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
+    """:func:`_layer`'s memo, dropped with the module: a cache kept alive past it would count in every later test's
+    process-wide statistics (``packcache.get_option``) in this worker."""
+    return {}
+
+
+def _layer(
+    memo: dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]], case: str
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A packed linear of ``case``, ``x [512, in]`` and each row of ``x`` run alone (made once per module)."""
+    if case not in memo:
+        memo[case] = _make_layer(case)
+    return memo[case]
+
+
+def _make_layer(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     packer_class, (out, in_), _ = LAYERS[case]
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(in_, out))
@@ -70,9 +84,9 @@ def _layer(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 @given(case=st.sampled_from(sorted(LAYERS)), rows=st.integers(1, ROWS), start=st.integers(0, ROWS - 1),
        split=st.integers(1, 8), three_d=st.booleans())  # fmt: skip
 def test_a_packed_linear_gives_a_row_the_same_bits_alone_and_inside_any_batch(
-    case: str, rows: int, start: int, split: int, three_d: bool
+    layers: dict[str, Any], case: str, rows: int, start: int, split: int, three_d: bool
 ) -> None:
-    model, x, alone = _layer(case)
+    model, x, alone = _layer(layers, case)
     out, in_ = LAYERS[case][1]
     start = min(start, ROWS - rows)
     batch = x[start : start + rows]
@@ -173,10 +187,19 @@ def causal_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_causal_lm(tmp_path_factory.mktemp("lm") / "tiny-llama")
 
 
-@functools.cache
-def _causal(directory: Path, scheme: str) -> tuple[Any, Any]:
-    """The tiny causal LM at ``scheme`` (caching off) and its tokenizer, loaded once per scheme."""
-    return hf.from_pretrained(directory, scheme, False, auto_class="AutoModelForCausalLM"), hf.tokenizer(directory)
+@pytest.fixture(scope="module")
+def causal(causal_dir: Path) -> Callable[[str], tuple[Any, Any]]:
+    """The tiny causal LM at a scheme (caching off) and its tokenizer, loaded once per scheme and module (dropped
+    with the module, as :func:`layers`)."""
+    loaded: dict[str, tuple[Any, Any]] = {}
+
+    def load(scheme: str) -> tuple[Any, Any]:
+        if scheme not in loaded:
+            model = hf.from_pretrained(causal_dir, scheme, False, auto_class="AutoModelForCausalLM")
+            loaded[scheme] = (model, hf.tokenizer(causal_dir))
+        return loaded[scheme]
+
+    return load
 
 
 def _ids(count: int, seed: int) -> list[int]:
@@ -258,16 +281,16 @@ OTHERS = [_ids(9, 2), _ids(20, 3), _ids(5, 4)]
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp32", "int4", "int8"])
-def test_a_generated_requests_logits_are_the_same_bits_alone_and_among_others(causal_dir: Path, scheme: str) -> None:
+def test_a_generated_requests_logits_are_the_same_bits_alone_and_among_others(causal: Any, scheme: str) -> None:
     greedy = Sampling(max_tokens=8, temperature=0.0)
-    alone = _generate(_causal(causal_dir, scheme), [(0, X, greedy)])
+    alone = _generate(causal(scheme), [(0, X, greedy)])
     plan = [
         (0, OTHERS[0], Sampling(max_tokens=10, temperature=0.0)),
         (0, OTHERS[1], Sampling(max_tokens=9, temperature=0.0)),
         (0, X, greedy),
         (4, OTHERS[2], Sampling(max_tokens=6, temperature=0.0)),
     ]
-    among = _generate(_causal(causal_dir, scheme), plan)
+    among = _generate(causal(scheme), plan)
     assert [rows for _, rows in alone.rows[0][:2]] == [12, 1], "alone, one step reads the whole prompt"
     assert [rows for _, rows in among.rows[2][:3]] == [2, 10, 1], "among others, two steps read it"
     joined = among.rows[3][0][0]
@@ -276,29 +299,29 @@ def test_a_generated_requests_logits_are_the_same_bits_alone_and_among_others(ca
     _assert_same_bits(alone.logits[0], among.logits[2], f"{scheme}: X alone and among others")
 
 
-def test_a_seeded_request_samples_the_same_tokens_alone_and_among_others_at_int8(causal_dir: Path) -> None:
+def test_a_seeded_request_samples_the_same_tokens_alone_and_among_others_at_int8(causal: Any) -> None:
     seeded = Sampling(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234)
-    alone = _generate(_causal(causal_dir, "int8"), [(0, X, seeded)])
+    alone = _generate(causal("int8"), [(0, X, seeded)])
     plan = [
         (0, OTHERS[0], Sampling(max_tokens=8, temperature=1.0, seed=7)),
         (0, X, seeded),
         (3, OTHERS[1], Sampling(max_tokens=8, temperature=0.0)),
         (3, OTHERS[2], Sampling(max_tokens=8, seed=8)),
     ]
-    among = _generate(_causal(causal_dir, "int8"), plan)
+    among = _generate(causal("int8"), plan)
     assert [rows for _, rows in among.rows[1][:2]] == [7, 5], "among others, two steps read the prompt"
     assert among.text[1] == alone.text[0] != ""
     _assert_same_bits(alone.logits[0], among.logits[1], "int8 seeded: X alone and among others")
 
 
 def test_per_row_attention_computes_what_sdpa_computes_and_leaves_what_it_cannot_take_apart_to_sdpa(
-    causal_dir: Path, monkeypatch: pytest.MonkeyPatch
+    causal: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import transformers
 
     greedy = Sampling(max_tokens=6, temperature=0.0)
     plan = [(0, OTHERS[0], greedy), (0, X, greedy), (2, OTHERS[2], greedy)]
-    llama = _causal(causal_dir, "fp32")
+    llama = causal("fp32")
     config = transformers.Qwen2Config(
         vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, use_sliding_window=True, sliding_window=4,
@@ -307,7 +330,7 @@ def test_per_row_attention_computes_what_sdpa_computes_and_leaves_what_it_cannot
     torch.manual_seed(0)
     sliding = (transformers.Qwen2ForCausalLM(config).eval(), llama[1])
     ours = {"llama": _generate(llama, plan), "sliding": _generate(sliding, plan)}
-    monkeypatch.setattr(llm, "per_sequence_generating", lambda model: False)
+    monkeypatch.setattr(packcache._attention, "per_sequence_generating", lambda model: False)  # the engine's switch
     theirs = {"llama": _generate(llama, plan), "sliding": _generate(sliding, plan)}
     assert {run.attention for run in ours.values()} == {"packcache_per_sequence"}
     assert {run.attention for run in theirs.values()} == {"sdpa"}

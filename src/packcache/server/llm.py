@@ -38,7 +38,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _defaults
-from .._attention import NAME, per_sequence_generating, plain_sdpa
 from ..stats import CacheStats
 from .engines import EngineSpec
 from .filecheck import NOTHING, FileChecker
@@ -175,6 +174,9 @@ class LLMEngine:
             max_requests_per_batch=max_seqs, use_async_batching=False, use_cuda_graph=False,
             allow_block_sharing=False, scheduler_type="fifo",
         )  # fmt: skip
+        # imported here: the server package imports no torch until a worker loads a model
+        from .._attention import NAME, per_sequence_generating, plain_sdpa
+
         plain_sdpa(model)  # a model an earlier engine switched: continuous batching's setup takes only its own
         self._manager: Any = model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
