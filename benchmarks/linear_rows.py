@@ -7,9 +7,10 @@ Method (printed first when run):
   kernel path; bias none.
 * Per row count (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64: continuous batching's decode steps, one row per
   running sequence), ``packer.linear`` on random activations, twice: with ``packers_torch.NATIVE_MAX_ROWS`` of
-  the scheme set to 0 (torch's path: its fused weight-only kernel up to ``FUSED_MAX_ROWS``, above that the weight
-  dequantised per call and the GEMM) and to 64 (packcache's compiled kernel, on the code ``native.status()``
-  picks; ``--native-isas`` also on a code ``NATIVE_ISAS`` leaves out). Both now run every row count by default.
+  the scheme's compiled operation (int8: ``dense``; int4: ``int4``) set to 0 (torch's path: its fused weight-only
+  kernel up to ``FUSED_MAX_ROWS``, above that the weight dequantised per call and the GEMM) and to ``None``
+  (packcache's compiled product at every row count, what a packed layer runs, on the code ``native.status()``
+  picks; ``--native-isas`` also on a code ``NATIVE_ISAS`` leaves out).
 * Each call timed alone for ``--seconds`` per point after a warm-up; reported: the 10th percentile ms per call
   (``--percentile``). ``--threads 1`` times the calling thread's CPU time instead of the wall clock, so a
   shared machine's other processes do not count; with 2 threads a call waits for both, and any other process
@@ -47,9 +48,11 @@ def measure(scheme: str, shapes: list[tuple[int, int]], rows_list: list[int], ar
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     isa = native.status().isa
-    if args.native_isas and isa is not None:
-        P.NATIVE_ISAS[scheme] = (isa,)
     packer = {"int8": P.Int8WeightOnly(), "int4": P.Int4WeightOnly(32)}[scheme]
+    op = packer.native_op  # the knobs are per compiled operation: int8 runs "dense"
+    assert op is not None
+    if args.native_isas and isa is not None:
+        P.NATIVE_ISAS[op] = (isa,)
     results = []
     for n, k in shapes:
         source = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) * np.float32(0.02)
@@ -61,9 +64,9 @@ def measure(scheme: str, shapes: list[tuple[int, int]], rows_list: list[int], ar
         for rows in rows_list:
             x = torch.randn(rows, k)
             point: dict[str, Any] = {"shape": f"{n}x{k}", "rows": rows}
-            for name, limit in (("torch", 0), ("packcache", 64)):
-                saved = P.NATIVE_MAX_ROWS[scheme]
-                P.NATIVE_MAX_ROWS[scheme] = limit
+            for name, limit in (("torch", 0), ("packcache", None)):
+                saved = P.NATIVE_MAX_ROWS[op]
+                P.NATIVE_MAX_ROWS[op] = limit
                 try:
                     point[f"{name}_kernel"] = packer.kernel("fp32", rows)
                     packer.linear(prepared, x, "fp32")
@@ -74,7 +77,7 @@ def measure(scheme: str, shapes: list[tuple[int, int]], rows_list: list[int], ar
                         packer.linear(prepared, x, "fp32")
                         times.append(clock() - t)
                 finally:
-                    P.NATIVE_MAX_ROWS[scheme] = saved
+                    P.NATIVE_MAX_ROWS[op] = saved
                 times.sort()
                 point[f"{name}_ms"] = times[len(times) * args.percentile // 100] * 1000
             print(f"  {scheme} {n}x{k} rows {rows:3d}: torch {point['torch_ms']:8.3f} ms  packcache "
