@@ -30,7 +30,7 @@ from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 from harness import run_child
 from packcache import FormatError, WeightCache, hf, identity, inspect, native
 from packcache.models import minilm
-from packcache.torch import PackedEmbedding, PackedLinear
+from packcache.torch import FloatLinear, PackedEmbedding, PackedLinear
 
 THRESHOLDS = {"fp32": 0.99999, "bf16": 0.999, "int8": 0.99, "int4": 0.95}
 #: How close a plain model over a packed model's saved float weights comes to the packed model: its float weight is
@@ -108,7 +108,8 @@ def test_tiny_architectures_match_transformers(
     assert model.packcache.stats().heap_bytes == 0
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert layers, "no layer was packed"
-    leftovers = [n for n, m in model.named_modules() if type(m) in (torch.nn.Linear, *hf.TRANSPOSED_LINEARS)]
+    unpacked = (torch.nn.Linear, FloatLinear, *hf.TRANSPOSED_LINEARS)
+    leftovers = [n for n, m in model.named_modules() if type(m) in unpacked]
     assert leftovers == [n for n in hf.load_report(model).ineligible], "an eligible linear layer stayed unpacked"
     assert not model.training
     similarity = cosine(outputs(model, ids_for()), outputs(ref, ids_for()))

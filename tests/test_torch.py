@@ -43,7 +43,7 @@ from packcache.models import minilm
 from packcache.packers import SCHEMES, Float32, platform_for
 from packcache.packers_torch import NATIVE_ISAS, Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 from packcache.safetensors import SafetensorsFile
-from packcache.torch import PackedEmbedding, PackedLinear, as_tensor, convert, scheme_packer
+from packcache.torch import FloatLinear, PackedEmbedding, PackedLinear, as_tensor, convert, scheme_packer
 
 
 class Toy(nn.Module):
@@ -94,7 +94,9 @@ def test_convert_packs_linears_and_keeps_the_answers(packer: Any, tolerance: flo
     if isinstance(packer, Int4WeightOnly):
         assert report.converted == ["up", "down"]
         assert set(report.ineligible) == {"odd"} and "multiple of 16" in report.ineligible["odd"]
-        assert type(model.odd) is nn.Linear  # ineligible layers stay as they were, listed
+        # ineligible layers keep their float weight, listed; an nn.Linear that runs the one-order dense product
+        assert type(model.odd) is FloatLinear and isinstance(model.odd, nn.Linear)
+        assert report.kernels["odd"].startswith("not packed: FloatLinear")
     else:
         assert report.converted == ["up", "down", "odd"] and report.ineligible == {}
     with torch.no_grad():

@@ -26,6 +26,7 @@ from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, Linea
 
 __all__ = [
     "_READ_ONLY_HOOK",
+    "FloatLinear",
     "PackedEmbedding",
     "PackedLinear",
     "_ReadOnlyTensors",
@@ -435,6 +436,52 @@ def _probed_weight(layer: PackedLinear) -> torch.Tensor:
     return torch.cat(blocks).t().contiguous()
 
 
+class FloatLinear(nn.Linear):
+    """An ``nn.Linear`` a packer left unpacked (``ConversionReport.ineligible``: an int4 head of 30522 outputs, a
+    float32 head tied to the embeddings), whose forward gives every row the same bits alone and in any batch.
+
+    :func:`~packcache.torch.convert` turns such a layer into this class in place: the same parameters, state dict
+    and ``isinstance``. Its forward runs the compiled dense product (:func:`packcache.native.dense_product`: one sum
+    order whatever the rows beside a row) where that product runs and takes the layer: compiled kernels present, a
+    float32 or bfloat16 weight and input of one dtype, contiguous on the CPU, ``in_features`` a multiple of 8, no
+    gradient wanted. Anywhere else it is ``nn.Linear``'s ``F.linear``, whose sums on torch's CPU path depend on the
+    row count (``native.status().batch_invariant`` says when the compiled kernels are absent).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._fits(x):
+            return super().forward(x)
+        flat = x.reshape(-1, self.in_features).contiguous()
+        y = native.dense_product(flat, self._bound(), torch.get_num_threads())
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _fits(self, x: torch.Tensor) -> bool:
+        weight = self.weight
+        return (
+            x.dtype == weight.dtype and weight.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
+            and x.shape[-1] == self.in_features and x.numel() > 0 and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and LinearFloat32()._use_native(x.numel() // self.in_features, self.in_features)
+        )  # fmt: skip
+
+    def _bound(self) -> native.Bound:
+        """The weight and a float32 bias bound for the compiled product, again only when a parameter changed."""
+        weight, bias = self.weight, self.bias
+        cached = self.__dict__.get("_binding")
+        if cached is not None and cached[0] is weight and cached[1] is bias:
+            return cached[2]  # type: ignore[no-any-return]
+        wide = None if bias is None else bias.detach().float().contiguous()
+        spec = {"weight": (weight.dtype, tuple(weight.shape)), "bias": (torch.float32, (self.out_features,))}
+        bound = native.bind(spec, {"weight": weight.detach(), "bias": wide}, optional=("bias",), name="FloatLinear")
+        self.__dict__["_binding"] = (weight, bias, bound)
+        return bound
+
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
+        state.pop("_binding", None)  # holds tensors bound to this process's checks, not part of the module
+        return state
+
+
 def _refuse_read_only(state_dict: Mapping[str, Any], prefix: str, names: tuple[str, ...]) -> None:
     """Raise before ``load_state_dict`` copies into a tensor served from the cache (a read-only mapping:
     the copy would kill the process with SIGSEGV; a heap pack is the cache's own copy, which it serves again)."""
@@ -466,9 +513,11 @@ _READ_ONLY_HOOK = -1
 
 # The public face is packcache.torch: reprs, help() and pickles name it, so a module pickled or saved whole
 # loads whichever private module defines its classes.
-for _public in (PackedLinear, PackedEmbedding, _SharedFloat, _ReadOnlyTensors):
+for _public in (FloatLinear, PackedLinear, PackedEmbedding, _SharedFloat, _ReadOnlyTensors):
     _public.__module__ = "packcache.torch"
 del _public
 # doctest looks for a class's examples only in the module its __module__ names, and their methods' here:
 # name them here so that their examples run.
-__test__ = {_class.__name__: _class for _class in (PackedLinear, PackedEmbedding, _SharedFloat, _ReadOnlyTensors)}
+__test__ = {
+    _class.__name__: _class for _class in (FloatLinear, PackedLinear, PackedEmbedding, _SharedFloat, _ReadOnlyTensors)
+}

@@ -53,6 +53,7 @@ from torch import nn
 
 from ._torch_layers import (
     _READ_ONLY_HOOK,
+    FloatLinear,
     PackedEmbedding,
     PackedLinear,
     _ReadOnlyTensors,
@@ -80,6 +81,7 @@ from .stats import CacheStats
 __all__ = [
     "Calibration",
     "ConversionReport",
+    "FloatLinear",
     "ModuleSource",
     "PackedEmbedding",
     "PackedLinear",
@@ -376,7 +378,13 @@ def _convert(
             report.packed_ties[layer.name] = list(layer.tied)
             tied_layers[layer.tied[0]] = new
     for name in plan.ineligible:
-        kernels.add(name.rpartition(".")[2], "linear(float32), not packed")
+        if type(modules[name]) is nn.Linear:
+            # Its float weight, under the one sum order of the packed layers around it where the compiled product
+            # runs: an unpacked head must not make a text's answer depend on its batch either.
+            modules[name].__class__ = FloatLinear
+            kernels.add(name.rpartition(".")[2], "not packed: FloatLinear (packcache dense, else linear)")
+        else:
+            kernels.add(name.rpartition(".")[2], "linear(float32), not packed")
     owners: dict[str, list[str]] = {}
     for names, needed, at in parameters:
         served_param = _served_parameter(names[0], served[at][0], needed)
