@@ -23,7 +23,7 @@ Method (printed first when run):
   once from the store so that the *store* is warm (a remote server's cache is not the node's); a new
   process with new, empty ``HOME``, ``HF_HOME``, ``XDG_CACHE_HOME`` and cache directories; 2 torch threads.
   Timed from before ``subprocess.Popen`` to the child's ``FIRST`` line: interpreter start and imports
-  included. Peak RSS is the child's own ``ru_maxrss``.
+  included. Peak RSS is the child's own ``VmHWM`` (``ru_maxrss`` carries the launcher's over exec).
 * Rows. Llama: ``hf-bf16``/``hf-fp32`` (obstore downloads the directory, 8 concurrent 32 MiB range
   reads written in place, then ``AutoModelForCausalLM.from_pretrained(dir, dtype=bf16|float32)``,
   tokenizer, one forward); ``runai`` (config and tokenizer by obstore, the safetensors by Run:ai's

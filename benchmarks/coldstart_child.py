@@ -16,7 +16,6 @@ STARTED_WALL = time.time()
 import concurrent.futures  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import resource  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -159,8 +158,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     print("FIRST", flush=True)
     out["marks"] = marks
     out["started_wall"] = STARTED_WALL
-    out["rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out["rss_kb"] = peak_rss_kib()
     return out
+
+
+def peak_rss_kib() -> int:
+    """Its own peak resident set (``VmHWM``); ``ru_maxrss`` would carry the launcher's over ``execve``. As
+    ``benchmarks/core.py``'s, which this child does not import (its imports are timed)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
 def packcache_row(spec: dict[str, Any], marks: dict[str, float]) -> dict[str, Any]:

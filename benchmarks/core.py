@@ -86,6 +86,17 @@ def cpu_seconds() -> tuple[float, float]:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
 
 
+def peak_rss_kib() -> int:
+    """This process's peak resident set, KiB: ``VmHWM`` of ``/proc/self/status``, the high-water mark of its own
+    address space. Not ``getrusage``'s ``ru_maxrss``: Linux carries that over ``execve``, so a child started by
+    a large parent reports the parent's peak (a decode child of an 80 MiB process read 941 MiB)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
 def compared(
     workload: str, ours: tuple[str, list[float]], baseline: tuple[str, list[float]], ratio: str
 ) -> dict[str, Any]:

@@ -21,10 +21,12 @@ Method (printed first when run):
   KV cache ("prefill", the compute); llama.cpp's prefill is its first (its load reads the file,
   and Q4_0 copies its weights into a repacked layout at load). Then 64 greedy tokens: the first
   from the prompt's logits, 63 more one forward each with the KV cache (decode, timed): decode
-  tok/s = 63 / decode seconds. Peak RSS (``ru_maxrss``) and PSS (``/proc/self/smaps_rollup``)
-  after decoding. ``--runs`` launches of every system in rounds (order rotated each round), page
-  cache warm; medians. Then one launch of each with its weight files dropped from the page cache
-  first (``posix_fadvise DONTNEED``): the load "out of the page cache".
+  tok/s = 63 / decode seconds. Then a long prompt, ``1000..1511`` (512 tokens, ``--long-prompt``),
+  in one forward on a fresh KV cache ("prefill 512", once per launch; llama.cpp in batches of 512).
+  Peak RSS (the child's own ``VmHWM``) and PSS (``/proc/self/smaps_rollup``) at the end.
+  ``--runs`` launches of every system in rounds (order rotated each round), page cache warm;
+  medians. Then one launch of each with its weight files dropped from the page cache first
+  (``posix_fadvise DONTNEED``): the load "out of the page cache".
 * Quality: cosine of the prompt's last-position logits against transformers fp32 and whether
   the 64 greedy tokens are the same.
 * Bytes per token: the weight bytes a decode step reads (every linear layer's operands and the
@@ -43,7 +45,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,7 @@ import core  # noqa: E402  (benchmarks/core.py)
 
 THREADS = 2
 PROMPT = list(range(1000, 1032))
+LONG_PROMPT = 512
 NEW_TOKENS = 64
 CAUSAL = "AutoModelForCausalLM"
 
@@ -79,7 +81,7 @@ LLAMA_ROWS = [("llama.cpp", "BF16"), ("llama.cpp", "Q8_0"), ("llama.cpp", "Q4_0"
 
 
 #: What the report keeps of every launch.
-RUN_FIELDS = ("tok_s", "tok_s_median_step", "prefill_s", "load_s", "others_cpu_share")
+RUN_FIELDS = ("tok_s", "tok_s_median_step", "prefill_s", "prefill_long_s", "load_s", "others_cpu_share")
 
 
 def label(system: str, scheme: str) -> str:
@@ -201,6 +203,11 @@ def child_torch(spec: dict[str, Any]) -> dict[str, Any]:
             steps.append(time.perf_counter() - step)
         decode_s = time.perf_counter() - started
         busy_end, own_end = core.cpu_seconds()
+        if spec.get("long"):  # a fresh KV cache: the long prompt's own prefill, as a chat's first request
+            long_ids = torch.tensor([list(range(1000, 1000 + spec["long"]))])
+            started = time.perf_counter()
+            model(input_ids=long_ids, use_cache=True, logits_to_keep=1)
+            result["prefill_long_s"] = time.perf_counter() - started
     np.save(spec["logits"], logits.numpy())
     # Two threads on two shared cores stall at every barrier when anything else runs: the CPU share other
     # processes took while decoding says whether a launch was contended (above ~0.05), and the median step's
@@ -209,7 +216,7 @@ def child_torch(spec: dict[str, Any]) -> dict[str, Any]:
     result.update(
         decode_s=decode_s, tok_s=(NEW_TOKENS - 1) / decode_s, tokens=tokens,
         tok_s_median_step=1 / sorted(steps)[len(steps) // 2], others_cpu_share=others,
-        peak_rss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, pss_kib=_pss_kib(),
+        peak_rss_kib=core.peak_rss_kib(), pss_kib=_pss_kib(),
     )  # fmt: skip
     return result
 
@@ -252,7 +259,8 @@ def child_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("drop"):
         core.drop_pages(spec["drop"])
     result: dict[str, Any] = decode_llamacpp.run(spec["gguf"], PROMPT, NEW_TOKENS, threads=THREADS,
-                                                 logits_path=spec["logits"])  # fmt: skip
+                                                 logits_path=spec["logits"],
+                                                 long_prompt=spec.get("long", 0))  # fmt: skip
     return result
 
 
@@ -361,12 +369,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def spec(row: tuple[str, str], tag: str, drop: bool = False) -> dict[str, Any]:
         system, scheme = row
         logits = str(logits_dir / f"{system}-{scheme}-{tag}.npy")
+        long = 0 if drop else args.long_prompt  # a cold launch measures the load and the first prefill
         if system == "llama.cpp":
             return {"kind": "llamacpp", "gguf": ggufs[scheme], "logits": logits,
-                    "drop": [ggufs[scheme]] if drop else []}  # fmt: skip
+                    "drop": [ggufs[scheme]] if drop else [], "long": long}  # fmt: skip
         files = [caches[scheme]] if system == "packcache" else [str(p) for p in model_dir.glob("*.safetensors")]
         return {"kind": "torch", "system": system, "scheme": scheme, "model": str(model_dir),
-                "cache": caches.get(scheme), "logits": logits, "drop": files if drop else []}  # fmt: skip
+                "cache": caches.get(scheme), "logits": logits, "drop": files if drop else [], "long": long}  # fmt: skip
 
     probe = caches.get("bf16") or next(iter(caches.values()), None) or str(next(model_dir.glob("*.safetensors")))
     bandwidth = [launch({"kind": "bandwidth", "file": probe})]
@@ -379,8 +388,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if row[0] == "packcache" and (result["state"] != "mapped" or result["heap_bytes"]):
             sys.exit(f"a warm launch of {label(*row)} was not all mapped: {result}")
         samples[label(*row)].append(result)
-        print(f"  round {r} {label(*row):<22} load {result['load_s']:.2f} s  prefill {result['prefill_s']:.2f} s  "
-              f"decode {result['tok_s']:.2f} tok/s (median step {result['tok_s_median_step']:.2f})  "
+        long = f" ({args.long_prompt}: {result['prefill_long_s']:.2f} s)" if args.long_prompt else ""
+        print(f"  round {r} {label(*row):<22} load {result['load_s']:.2f} s  "
+              f"prefill {result['prefill_s']:.2f} s{long}  decode {result['tok_s']:.2f} tok/s "
+              f"(median step {result['tok_s_median_step']:.2f})  "
               f"others' CPU {result['others_cpu_share']:.2f}", flush=True)  # fmt: skip
     bandwidth.append(launch({"kind": "bandwidth", "file": probe}))
     print(f"bandwidth after the rounds: {bandwidth[1]['gib_s']:.1f} GiB/s", flush=True)
@@ -405,12 +416,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "others_cpu_share_max": max(s["others_cpu_share"] for s in runs_),
             "prefill_s": median([s["prefill_s"] for s in runs_]),
             "first_prefill_s": median([s.get("first_prefill_s", s["prefill_s"]) for s in runs_]),
+            "prefill_long_s": median([s["prefill_long_s"] for s in runs_]) if args.long_prompt else None,
             "load_warm_s": median([s["load_s"] for s in runs_]),
             "load_cold_s": cold[name]["load_s"],
             "prefill_cold_s": cold[name].get("first_prefill_s", cold[name]["prefill_s"]),
             "peak_rss_mib": max(s["peak_rss_kib"] for s in runs_) / 1024,
             "pss_mib": median([s["pss_kib"] for s in runs_]) / 1024,
-            "runs": [{k: s[k] for k in RUN_FIELDS} for s in runs_],
+            "runs": [{k: s.get(k) for k in RUN_FIELDS} for s in runs_],
             "build_s": builds.get(name),
         }
         first = runs_[0]
@@ -428,15 +440,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         table[name] = entry
     return {"table": table, "profiles": profiles, "missing": missing, "model": shape, "model_dir": str(model_dir),
-            "bandwidth_gib_s": [b["gib_s"] for b in bandwidth]}  # fmt: skip
+            "bandwidth_gib_s": [b["gib_s"] for b in bandwidth], "long_prompt": args.long_prompt}  # fmt: skip
 
 
-def goals(table: dict[str, Any]) -> list[tuple[str, float | None, bool | None]]:
-    """The issue's goals: each a ratio of this run (``None`` where a row is missing), met at 1.0, or at 0.8
-    for a share of the measured bandwidth."""
+def goals(table: dict[str, Any], long_prompt: int = LONG_PROMPT) -> list[tuple[str, float | None, bool | None]]:
+    """The issue's goals: each a ratio of this run (``None`` where a row is missing), met at 1.0, 1.5 for a
+    packed prefill against transformers bf16 (fp32: 1.0), or 0.8 for a share of the measured bandwidth."""
 
     def ratio(key: str, a: str, b: str, invert: bool = False) -> float | None:
-        if a not in table or b not in table:
+        if a not in table or b not in table or table[a].get(key) is None or table[b].get(key) is None:
             return None
         x, y = table[a][key], table[b][key]
         return y / x if invert else x / y
@@ -451,9 +463,12 @@ def goals(table: dict[str, Any]) -> list[tuple[str, float | None, bool | None]]:
     for scheme in ("int8", "int4", "bf16"):
         row = table.get(f"packcache {scheme}", {})
         checks.append((f"packcache {scheme} achieved / measured bandwidth", row.get("of_bandwidth"), 0.8))
-    for scheme in ("fp32", "bf16", "int8", "int4"):
-        checks.append((f"transformers bf16 prefill s / packcache {scheme} prefill s",
-                       ratio("prefill_s", f"packcache {scheme}", "transformers bf16", invert=True), 1.0))  # fmt: skip
+    # the issue's prefill goal: 1.5x transformers bf16, at 32 and at 512 tokens, for int8, int4 and bf16
+    for key, tokens in (("prefill_s", len(PROMPT)), ("prefill_long_s", long_prompt)):
+        for scheme in ("fp32", "bf16", "int8", "int4"):
+            checks.append((f"transformers bf16 prefill {tokens} s / packcache {scheme}",
+                           ratio(key, f"packcache {scheme}", "transformers bf16", invert=True),
+                           1.0 if scheme == "fp32" else 1.5))  # fmt: skip
     return [(what, value, None if value is None else value >= goal) for what, value, goal in checks]
 
 
@@ -462,9 +477,10 @@ def print_report(result: dict[str, Any]) -> None:
     bf16 = table.get("transformers bf16", {}).get("tok_s")
     q8 = table.get("llama.cpp Q8_0", {}).get("tok_s")
     print("\n| system / scheme | decode tok/s (median step) | x transformers bf16 | x llama.cpp Q8_0 | "
-          "prefill 32 tok (first) | load warm / cold page cache | peak RSS | PSS | build | weight bytes/token | "
+          "prefill 32 tok (first) | prefill 512 tok | load warm / cold page cache | peak RSS | PSS | build | "
+          "weight bytes/token | "
           "achieved (of bandwidth) | logits cos | same 64 tokens |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, e in table.items():
         x_bf16 = f"{e['tok_s'] / bf16:.2f}" if bf16 else "-"
         x_q8 = f"{e['tok_s'] / q8:.2f}" if q8 else "-"
@@ -477,6 +493,7 @@ def print_report(result: dict[str, Any]) -> None:
             same = "yes" if e["same_tokens"] else f"no (from {e['first_token_difference']})"
         print(f"| {name} | {e['tok_s']:.2f} ({e['tok_s_median_step']:.2f}) | {x_bf16} | {x_q8} | "
               f"{e['prefill_s']:.2f} s ({e['first_prefill_s']:.2f} s) | "
+              f"{'-' if e.get('prefill_long_s') is None else format(e['prefill_long_s'], '.2f') + ' s'} | "
               f"{e['load_warm_s']:.2f} / {e['load_cold_s']:.2f} s | "
               f"{e['peak_rss_mib']:.0f} MiB | {e['pss_mib']:.0f} MiB | "
               f"{build} | {per_token} | {achieved} | {cos} | {same} |")  # fmt: skip
@@ -520,6 +537,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a 4-layer, 512-wide model (vocabulary kept)")
     parser.add_argument("--runs", type=int, default=3, help="warm launches of every system (median)")
+    parser.add_argument("--long-prompt", type=int, default=LONG_PROMPT,
+                        help="tokens of the long prompt each warm launch prefills last (0: none)")  # fmt: skip
     parser.add_argument("--only", nargs="*", help="rows to run, e.g. 'packcache int8' 'llama.cpp Q8_0'")
     parser.add_argument("--profile", action="store_true", help="also profile the decode of every torch row")
     parser.add_argument("--work", default=str(HERE.parent / ".bench" / "decode" / "work"), help="model, GGUF, caches")
@@ -549,7 +568,7 @@ def main() -> None:
     result = run(args)
     print_report(result)
     print("\ngoals (ratios of this run; >= 1 is met):")
-    for what, value, ok in goals(result["table"]):
+    for what, value, ok in goals(result["table"], result["long_prompt"]):
         shown = "missing" if value is None else f"{value:.2f}"
         print(f"  {'-' if ok is None else 'met' if ok else 'NOT met':<8} {what:<60} {shown}")
     load_end, elapsed = os.getloadavg(), time.perf_counter() - began
@@ -558,7 +577,8 @@ def main() -> None:
         info.update(load_average_start=list(load_start), load_average_end=list(load_end))
         with open(args.json, "w") as f:
             json.dump({"quick": args.quick, "machine": info, "elapsed_s": elapsed, **result,
-                       "goals": [{"what": w, "value": v, "met": ok} for w, v, ok in goals(result["table"])]},
+                       "goals": [{"what": w, "value": v, "met": ok}
+                                 for w, v, ok in goals(result["table"], result["long_prompt"])]},
                       f, indent=2)  # fmt: skip
 
 

@@ -27,7 +27,6 @@ import mmap
 import os
 import random
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -428,7 +427,7 @@ def kernel_path(load_log: str) -> dict[str, Any]:
 
 def _memory_kib() -> dict[str, int]:
     fields = {"Rss": "rss_kib", "Pss": "pss_kib", "Pss_Anon": "pss_anon_kib", "Pss_File": "pss_file_kib"}
-    memory = {"peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    memory = {"peak_rss_kib": core.peak_rss_kib()}
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in fields:
@@ -445,10 +444,12 @@ def run(
     logits_path: str | os.PathLike[str] | None = None,
     cold: bool = False,
     warm: bool = False,
+    long_prompt: int = 0,
 ) -> dict[str, Any]:
     """Load a GGUF with llama-cpp-python, evaluate the prompt, greedily decode; meant for a fresh process.
 
-    ``Llama(n_ctx=256, n_threads=n_threads_batch=threads, n_batch=64, use_mmap=True, logits_all=False)``. The
+    ``Llama(n_ctx=max(256, long_prompt), n_threads=n_threads_batch=threads, n_batch=512, use_mmap=True,
+    logits_all=False)`` (``n_batch`` as llama-server's ``--ubatch-size`` default). The
     prompt is one ``eval`` (one batch); its last logits give the first token; each further token is one
     ``eval([token])`` followed by a numpy argmax over ``llama_get_logits_ith(ctx, -1)`` (the binding's sampler
     is never used). With mmap, weights are read by the page faults of the first evaluation, so a cold cache
@@ -462,6 +463,8 @@ def run(
         threads: llama.cpp threads for both prompt and decode.
         logits_path: where to save the last prompt position's logits (float32 ``.npy``), if given.
         cold: evict the file from the page cache first (``posix_fadvise(DONTNEED)``).
+        long_prompt: after decoding, this many tokens (ids from 1000) evaluated on an emptied KV cache
+            (``prefill_long_s``; 0: not measured).
         warm: read the file through first if any page of it is not cached. Neither: the cache as found
             (``page_cache_fraction_before`` says how much of the file it held).
 
@@ -473,8 +476,9 @@ def run(
         (``median``, ``min``, ``max`` and ``each`` decode step, in order), ``tok_s_median_step`` (1000 / median
         step ms: robust to the stalls another process's load causes), ``others_cpu_share`` (CPU time other
         processes took during decoding, as a share of all CPUs: above ~0.05 the run was contended), ``tokens``
-        (the generated ids), ``logits_path``, memory after decoding (``peak_rss_kib`` from getrusage;
-        ``rss_kib``, ``pss_kib``, ``pss_anon_kib``, ``pss_file_kib`` from ``/proc/self/smaps_rollup``),
+        (the generated ids), ``logits_path``, ``prefill_long_s`` (when ``long_prompt``), memory at the end
+        (``peak_rss_kib``: the process's own ``VmHWM``; ``rss_kib``, ``pss_kib``, ``pss_anon_kib``,
+        ``pss_file_kib`` from ``/proc/self/smaps_rollup``),
         ``n_vocab``, ``file_types`` (tensor type counts), ``weight_bytes_per_token`` (every tensor once; an
         untied embedding counts one row), ``kernel_path`` (llama.cpp's weight buffers in MiB and its repacked
         layouts, from its load log), ``llama_cpp_python``, ``system_info`` (``llama_print_system_info``: the
@@ -512,7 +516,7 @@ def run(
 
     llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     try:
-        result = _measure(llama_cpp, path, prompt, new_tokens, threads, logits_path)
+        result = _measure(llama_cpp, path, prompt, new_tokens, threads, logits_path, long_prompt)
     finally:
         # llama.cpp logs while freeing too: once collect is garbage it would call freed memory, so the model is
         # freed first and the binding's own logger put back (seen: a TypeError from a reused object at exit).
@@ -547,16 +551,17 @@ def _measure(
     new_tokens: int,
     threads: int,
     logits_path: str | os.PathLike[str] | None,
+    long_prompt: int = 0,
 ) -> dict[str, Any]:
     import numpy as np
 
     start = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=str(path),
-        n_ctx=256,
+        n_ctx=max(256, long_prompt),
         n_threads=threads,
         n_threads_batch=threads,
-        n_batch=64,
+        n_batch=512,
         use_mmap=True,
         logits_all=False,
         verbose=False,
@@ -584,6 +589,13 @@ def _measure(
         token_s.append(time.perf_counter() - start)
     decode_s = time.perf_counter() - decode_start
     busy_end, own_end = core.cpu_seconds()
+    long: dict[str, float] = {}
+    if long_prompt:
+        llm.reset()  # position 0: eval removes the KV cache's entries from there on
+        start = time.perf_counter()
+        llm.eval(list(range(1000, 1000 + long_prompt)))
+        last_logits()
+        long["prefill_long_s"] = time.perf_counter() - start
     memory = _memory_kib()
     llm.close()
     token_ms = [round(1000 * s, 3) for s in token_s]
@@ -598,6 +610,7 @@ def _measure(
         "others_cpu_share": max(0.0, (busy_end - busy_start) - (own_end - own_start)) / (decode_s * os.cpu_count()),
         "token_ms": {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1], "each": token_ms},
         "tokens": generated,
+        **long,
         **memory,
         "n_vocab": n_vocab,
     }
