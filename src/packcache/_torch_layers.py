@@ -35,6 +35,31 @@ __all__ = [
 ]
 
 
+def _keep_operands(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.dtype:
+    """What ``nn.Module._apply`` (``.to``, ``.half()``, ``.float()``, ``.cpu()``) does to a packed layer: nothing.
+    Its operands are the cache file's bytes in a kernel's layout, and a cast would make private heap copies that
+    no kernel can read (bfloat16 scales turned float32 are refused at the first forward; a layer already run
+    kept its old operands and ignored the copies). The forward casts its input to the path's dtype and its result
+    back, so a model cast to bfloat16 runs as such. A move off the CPU raises, naming the layer. Returns the dtype
+    ``fn`` gives a float32 tensor: what a float module's output would now be.
+
+    Raises:
+        RuntimeError: ``fn`` moves tensors to another device.
+    """
+    for buffer in module._buffers.values():
+        if buffer is None:
+            continue
+        probe = fn(torch.empty(0, dtype=buffer.dtype, device=buffer.device))
+        if probe.device != buffer.device:
+            raise RuntimeError(
+                f"packcache's {type(module).__name__} {getattr(module, '_name', '') or ''!r} computes on the CPU "
+                f"over its cache file's mapping; it cannot move to {probe.device}. Load a float model "
+                "(transformers' from_pretrained) for another device"
+            )
+        break  # every operand of a layer lives on the same device
+    return fn(torch.empty(0, dtype=torch.float32)).dtype
+
+
 class PackedLinear(nn.Module):
     """A linear layer computing ``x @ W.T + b`` with its packer's forward over packed operands.
 
@@ -166,6 +191,10 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(self._dtype).contiguous()
         y = self.packer.linear(self._operands(), flat, self.kernel_path)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PackedLinear:
+        _keep_operands(self, fn)  # a cast leaves the packed operands as the file holds them
+        return self
 
     def kernel(self, rows: int) -> str:
         """The torch op this layer runs for an input of ``rows`` rows."""
@@ -351,8 +380,16 @@ class PackedEmbedding(nn.Module):
         return bound
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """The float32 rows ``ids`` (``[*ids.shape, embedding_dim]``), dequantised one read row at a time."""
-        return self.packer.rows(self._operands(), ids)
+        """The rows ``ids`` (``[*ids.shape, embedding_dim]``), dequantised one read row at a time: float32, or the
+        float dtype the module was cast to (``model.to(torch.bfloat16)``)."""
+        rows = self.packer.rows(self._operands(), ids)
+        dtype = self.__dict__.get("_out_dtype")
+        return rows if dtype is None or dtype == rows.dtype else rows.to(dtype)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PackedEmbedding:
+        # the packed table stays as the file holds it; the rows come out in the dtype a float table would have now
+        self.__dict__["_out_dtype"] = _keep_operands(self, fn)
+        return self
 
     @property
     def weight(self) -> torch.Tensor:
