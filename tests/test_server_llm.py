@@ -275,6 +275,24 @@ def test_eos_finishes_with_stop_and_is_no_text_max_tokens_with_length(loaded: tu
     assert cut.text == text_of(loaded, expected[:5])
 
 
+def test_every_generated_token_is_an_output_even_when_its_text_is_held_back(loaded: tuple[Any, Any]) -> None:
+    """A token whose text is empty so far (here: all of it may begin a stop string, so it is held back) still
+    reaches the sink, as an empty output: a stream sends an event per token, and a client can time the first.
+    Before, such a token sent nothing (a random model's streams had no token events at all)."""
+    engine = make(loaded)
+    prompt = engine.encode(PROMPTS[1])
+    tokens = reference(loaded, prompt, 12)
+    assert EOS not in tokens[:12]
+    # the text token 4 adds, then a character the text never has: token 4's text is held back, never a stop
+    start, end = len(text_of(loaded, tokens[:3])), len(text_of(loaded, tokens[:4]))
+    held = text_of(loaded, tokens[:4])[start:end]
+    assert held, "token 4 adds text"
+    (sink,) = generate_all(engine, [(prompt, greedy(12, stop=(held + "\x00",)))])
+    assert [o.completion_tokens for o in sink.outputs] == list(range(1, 13)), sink.outputs
+    assert sink.outputs[3].text == "" and sink.outputs[3].finish_reason is None
+    assert sink.text == text_of(loaded, tokens[:12]) and sink.final.finish_reason == "length"
+
+
 def test_stop_strings_cut_the_text_across_token_boundaries(loaded: tuple[Any, Any]) -> None:
     engine = make(loaded)
     prompt = engine.encode(PROMPTS[1])

@@ -455,7 +455,7 @@ class LLMEngine:
         elif finished:
             self._finish(request, "stop" if eos else "length", text=text)
         else:
-            request.deliver(text)
+            request.deliver(text, token=bool(new))
 
     def _warm_up(self) -> None:
         """One short request, generated here: the first forward's one-time costs (allocations, kernel setup) are

@@ -129,12 +129,17 @@ class RequestState:
         self.greedy = sampling.temperature <= 0.0
         self.generator = None if self.greedy else generator(sampling.seed)
 
-    def deliver(self, text: str, finish_reason: str | None = None, error: str | None = None) -> None:
+    def deliver(
+        self, text: str, finish_reason: str | None = None, error: str | None = None, *, token: bool = False
+    ) -> None:
+        """Hand ``text`` to the sink at the end (``finish_reason``), whenever there is text, and for every generated
+        ``token`` even when its text is empty (a partial UTF-8 sequence, or text a stop string may still claim): a
+        stream sends an event per token, so a client sees each one, and the time to the first."""
         if self.done:
             return
         if finish_reason is not None:
             self.done = True
-        elif not text:
+        elif not text and not token:
             return
         self.sink(Output(text, self.prompt_tokens, self.seen, finish_reason, error))
 
