@@ -28,6 +28,7 @@ import transformers
 from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 
 from harness import run_child
+from harness.checkpoints import tiny_bert
 from packcache import FormatError, WeightCache, hf, identity, inspect, native
 from packcache.models import minilm
 from packcache.torch import FloatLinear, PackedEmbedding, PackedLinear
@@ -958,3 +959,20 @@ def test_a_hostile_generation_config_is_a_format_error_naming_it(checkpoints: di
     (directory / "generation_config.json").write_text(json.dumps({"watermarking_config": "x"}))
     with pytest.raises(FormatError, match=r"generation_config\.json: not a generation config: .*validate"):
         hf.from_pretrained(directory, "int8", False, auto_class=CAUSAL)
+
+
+def test_a_load_from_a_local_path_imports_nothing_of_the_fleet_layer(tmp_path: Path) -> None:
+    """Fetching by name is the fleet layer's; a load from a directory or a cache file imported it anyway (the
+    published-name lookup and the platform comparison, at module level): milliseconds of every warm launch."""
+    checkpoint = tiny_bert(tmp_path / "ckpt", seed=3)
+    script = f"""
+import sys
+from packcache import hf
+for launch in ("cold", "warm"):
+    hf.from_pretrained({str(checkpoint)!r}, "int8", {str(tmp_path / "a.pcache")!r})
+    hf.sentence_transformer({str(checkpoint)!r}, "int4", {str(tmp_path / "b.pcache")!r})
+print(sorted(m for m in sys.modules if m.startswith("packcache.fleet")))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

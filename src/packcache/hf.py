@@ -247,8 +247,6 @@ def _named(
         RemoteError: the fetch failed.
     """
     options = {k: v for k, v in options.items() if v not in (None, (), [], False)}
-    from .fleet.names import fetch_name
-
     remote = options.get("remote")
     if remote is None and options:
         raise ValueError(f"{sorted(options)} given without remote=URL: they are for a published name's store")
@@ -264,6 +262,8 @@ def _named(
         # pinned by tests/test_hub.py::test_a_hub_id_loads_from_the_local_hub_cache_offline
         return found.path, None
     assert remote is not None  # only a store makes a name a published one
+    from .fleet.names import fetch_name  # here: a load from a local path imports nothing of the fleet layer
+
     report = fetch_name(
         remote, found.given, cache_dir=options.get("cache_dir"),
         trusted_keys=options.get("trusted_keys", ()), allow_unsigned=bool(options.get("allow_unsigned", False)),

@@ -33,7 +33,6 @@ from . import format as fmt
 from ._paths import default_cache_dir
 from .bundle import Bundle, is_cache_file
 from .cache import WeightCache
-from .fleet.platform import differences
 from .kernels import default_scheme
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
@@ -241,6 +240,8 @@ def open_model_file(
     recipe = resolve(record.scheme, record.group_size)
     here = fmt.canonical_key(recipe.platform())
     if bundle.platform != here:
+        from .fleet.platform import differences  # only to word the refusal: a local load imports no fleet module
+
         found = differences(bundle.platform, here)
         shown = "; ".join(f"{d.field}: file {d.file!r}, here {d.here!r}" for d in found[:4]) or "the fingerprint"
         raise ValueError(
