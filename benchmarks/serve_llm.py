@@ -1,4 +1,4 @@
-"""LLM serving: ``packcache serve`` against llama-cpp-python's server and ``transformers serve``, streaming clients.
+"""LLM serving: ``packcache serve`` against llama.cpp (its own server, llama-cpp-python's) and transformers serve.
 
 Method (printed first when run):
 
@@ -16,6 +16,12 @@ Method (printed first when run):
   at a time: every request takes one lock for its whole stream (``llama_cpp/server/app.py``,
   ``llama_outer_lock``/``llama_inner_lock``), so concurrent clients queue; ``--interrupt_requests False``
   keeps its default from cancelling a running stream when the next request arrives;
+  ``llama-server-Q8_0`` / ``llama-server-Q4_0`` (not in the default set): llama.cpp's own server, built by
+  ``setup_decode.sh`` from the same vendored tree and flags, ``llama-server --model gguf/model-Q8_0.gguf
+  --threads 2 --threads-batch 2 --parallel 16 --ctx-size 65536 --cont-batching`` (16 slots of 4096 tokens:
+  packcache serve's default sequences and context per sequence; ready: ``GET /health`` 200). It closes a
+  kept-alive connection after each streamed answer without saying so: the client sends the next request
+  again on a new connection (counted as "reconnects"), as HTTP clients do for an idle connection;
   ``transformers-bf16``: ``transformers serve model/ --device cpu --dtype bfloat16`` (one inference
   thread: requests run one after another; ready: ``GET /health`` 200); ``transformers-cb-bf16`` (not in
   the default set) adds ``--continuous-batching`` with a KV cache of 16 x 128 tokens.
@@ -43,7 +49,8 @@ Method (printed first when run):
   sampled every 0.2 s during the window with the most clients; the peak of each sum.
 * ``--rounds`` rounds (default 1), the order of the systems rotated each round; medians over rounds.
   Ratios are of figures measured in the same run: packcache against llama.cpp at the matching
-  quantisation (int8 - Q8_0, int4 - Q4_0) and against transformers bf16, and every system against its
+  quantisation (int8 - Q8_0, int4 - Q4_0; llama-cpp-python's server and llama-server each), and against
+  transformers bf16, and every system against its
   own single-client rate. The client threads run on the same 2 cores as the server. "others' CPU":
   the share of the CPUs that processes other than this one and the server's tree took during the window
   (``/proc/stat`` less both; above ~0.05 the window was contended: the machine is shared).
@@ -86,10 +93,14 @@ sys.path.insert(0, str(HERE))
 import core  # noqa: E402  (benchmarks/core.py: cpu_model)
 
 SYSTEMS = ("packcache-int8", "packcache-int4", "llamacpp-Q8_0", "llamacpp-Q4_0", "transformers-bf16",
-           "transformers-cb-bf16")  # fmt: skip
+           "transformers-cb-bf16", "llama-server-Q8_0", "llama-server-Q4_0")  # fmt: skip
 DEFAULT_SYSTEMS = SYSTEMS[:5]
-#: packcache's scheme -> llama.cpp's matching quantisation.
+#: packcache's scheme -> llama.cpp's matching quantisation: llama-cpp-python's server, and llama.cpp's own.
 MATCHING = {"packcache-int8": "llamacpp-Q8_0", "packcache-int4": "llamacpp-Q4_0"}
+MATCHING_SERVER = {"packcache-int8": "llama-server-Q8_0", "packcache-int4": "llama-server-Q4_0"}
+#: llama-server's slots (``-np``) and context per slot: packcache serve's defaults (``LLM_MAX_SEQS`` sequences of
+#: ``LLM_MAX_MODEL_LEN`` tokens), so both hold the same context per sequence.
+LLAMA_SERVER_SLOTS, LLAMA_SERVER_SLOT_CONTEXT = 16, 4096
 CLIENTS, QUICK_CLIENTS = (1, 4, 16), (1, 4)
 #: Requests per client by client count (full, quick).
 REQUESTS = {1: (3, 2), 4: (2, 1), 16: (1, 1)}
@@ -167,6 +178,7 @@ class Tally:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     done_marker: bool = False
+    reconnects: int = 0  # times the request was sent again on a new connection (:func:`stream`)
 
     def feed(self, event: dict[str, Any] | None, now: float) -> None:
         """Take one event from :func:`sse_events` (``None``: the ``[DONE]`` marker).
@@ -342,6 +354,15 @@ def command(system: str, work: Path, python: str, port: int, workers: int = 1) -
         cache = work / f"model-{system.split('-')[1]}.pcache"
         argv = [python, "-m", "packcache", "serve", "--model", str(cache), *host, "--workers", str(workers)]
         return argv, "/healthz", cache.stem, cache
+    if system.startswith("llama-server-"):
+        gguf = work / "gguf" / f"model-{system.split('-')[2]}.gguf"
+        # setup_decode.sh builds it beside the environment whose python this is: ENV/venv/bin/python
+        binary = Path(python).resolve().parents[2] / "llama-server" / "bin" / "llama-server"
+        context = LLAMA_SERVER_SLOTS * LLAMA_SERVER_SLOT_CONTEXT
+        argv = [str(binary), "--model", str(gguf), *host, "--threads", str(THREADS), "--threads-batch", str(THREADS),
+                "--parallel", str(LLAMA_SERVER_SLOTS), "--ctx-size", str(context), "--cont-batching",
+                "--no-webui"]  # fmt: skip
+        return argv, "/health", str(gguf), gguf
     if system.startswith("llamacpp-"):
         gguf = work / "gguf" / f"model-{system.split('-')[1]}.gguf"
         argv = [python, "-m", "llama_cpp.server", "--model", str(gguf), *host, "--n_threads", str(THREADS),
@@ -416,15 +437,30 @@ def request(port: int, method: str, path: str, body: bytes | None = None, timeou
 
 
 def stream(conn: http.client.HTTPConnection, body: bytes) -> Tally:
-    """One streamed completion on ``conn``.
+    """One streamed completion on ``conn``. A kept-alive connection the server closed after its previous answer
+    without saying so (llama-server does, after every streamed answer) fails before any byte of the response: the
+    request is sent again once, on a new connection (``Tally.reconnects``), as HTTP clients do for an idle
+    connection. A failure on a new connection, or after the status line, is the server's.
 
     Raises:
         RuntimeError: the server answered other than 200 or streamed an error.
         OSError, http.client.HTTPException: the connection failed.
     """
-    tally = Tally(sent=time.perf_counter())
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "Accept": "text/event-stream"})
-    response = conn.getresponse()
+    reconnects = 0
+    while True:
+        reused = conn.sock is not None
+        tally = Tally(sent=time.perf_counter(), reconnects=reconnects)
+        try:
+            conn.request("POST", "/v1/completions", body,
+                         {"Content-Type": "application/json", "Accept": "text/event-stream"})  # fmt: skip
+            response = conn.getresponse()
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            conn.close()
+            if not reused or reconnects:
+                raise
+            reconnects += 1
+            continue
+        break
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
     for event in sse_events(iter(response.readline, b"")):
@@ -515,6 +551,7 @@ def summarise(tallies: list[Tally], max_tokens: int, began: float) -> dict[str, 
         "tokens_from": sorted({source for _, source in counted}),
         "finish_reasons": dict(Counter(str(t.finish_reason) for t in tallies)),
         "full_length": sum(n == max_tokens for n, _ in counted),
+        "reconnects": sum(t.reconnects for t in tallies),
     }
 
 
@@ -631,7 +668,12 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         for system in rotated:
             if system in skipped:
                 continue
-            server = start(system, work, args.python, args.packcache_src, logs)
+            try:
+                server = start(system, work, args.python, args.packcache_src, logs)
+            except OSError as exc:  # no such program: llama-server before setup_decode.sh built it, say
+                skipped[system] = f"cannot start: {exc} (run benchmarks/setup_decode.sh)"
+                print(f"  {system}: {skipped[system]}", flush=True)
+                continue
             try:
                 try:
                     wait_ready(server)
@@ -674,6 +716,7 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         row: dict[str, Any] = {"system": system, "clients": count, **med, "rounds": found,
                                "full_length": sum(f["full_length"] for f in found),
                                "requests": sum(f["requests"] for f in found),
+                               "reconnects": sum(f.get("reconnects", 0) for f in found),
                                "tokens_from": sorted({s for f in found for s in f["tokens_from"]})}  # fmt: skip
         peaks = [f["peak"] for f in found if "peak" in f]
         if peaks:
@@ -685,7 +728,9 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         single = by.get((row["system"], min(args.clients)))
         if single and single["tok_s"]:
             row["vs_single"] = row["tok_s"] / single["tok_s"]
-        for key, peer in (("vs_llamacpp", MATCHING.get(row["system"])), ("vs_transformers", "transformers-bf16")):
+        for key, peer in (("vs_llamacpp", MATCHING.get(row["system"])),
+                          ("vs_llama_server", MATCHING_SERVER.get(row["system"])),
+                          ("vs_transformers", "transformers-bf16")):  # fmt: skip
             base = by.get((peer, row["clients"])) if peer and row["system"].startswith("packcache") else None
             if base and base["tok_s"]:
                 row[key] = row["tok_s"] / base["tok_s"]
@@ -700,6 +745,17 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         ):
             goals.append({"what": f"{system} at {most} clients {what}", "value": top.get(key),
                           "met": _met(top.get(key), goal)})  # fmt: skip
+        # against llama.cpp's own server (continuous batching): at every client count
+        for count in args.clients:
+            row = by.get((system, count))
+            if row is not None and (MATCHING_SERVER[system], count) in by:
+                goals.append(
+                    {
+                        "what": f"{system} at {count} clients >= 1x {MATCHING_SERVER[system]}",
+                        "value": row.get("vs_llama_server"),
+                        "met": _met(row.get("vs_llama_server"), 1.0),
+                    }
+                )
     rows.sort(key=lambda r: (r["clients"], SYSTEMS.index(r["system"])))
     return {"rows": rows, "servers": servers, "skipped": skipped, "goals": goals, "prompt_tokens": PROMPT_TOKENS,
             "max_tokens": args.max_tokens, "requests_per_client": args.requests, "rounds": args.rounds}  # fmt: skip
@@ -725,16 +781,16 @@ def _x(row: dict[str, Any], key: str) -> str:
 def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['prompt_tokens']}-token prompts, max_tokens {result['max_tokens']}, requests per client "
           f"{result['requests_per_client']}, {result['rounds']} round(s)\n")  # fmt: skip
-    print("| clients | system | tok/s | vs own 1 client | vs llama.cpp (same quant) | vs transformers bf16 "
-          "| TTFT p50 | TTFT p99 | full length | tokens from | peak tree RSS MiB | peak tree PSS MiB "
-          "| others' CPU |")  # fmt: skip
-    print("|" + "---|" * 13)
+    print("| clients | system | tok/s | vs own 1 client | vs llama.cpp (same quant) | vs llama-server (same quant) "
+          "| vs transformers bf16 | TTFT p50 | TTFT p99 | full length | tokens from | peak tree RSS MiB "
+          "| peak tree PSS MiB | others' CPU | reconnects |")  # fmt: skip
+    print("|" + "---|" * 15)
     for r in result["rows"]:
         peak = ("-", "-") if "peak_rss_mib" not in r else (f"{r['peak_rss_mib']:.0f}", f"{r['peak_pss_mib']:.0f}")
         print(f"| {r['clients']} | {r['system']} | {r['tok_s']:.2f} | {_x(r, 'vs_single')} | {_x(r, 'vs_llamacpp')} "
-              f"| {_x(r, 'vs_transformers')} | {_s(r['ttft_p50_s'])} | {_s(r['ttft_p99_s'])} "
-              f"| {r['full_length']}/{r['requests']} | {','.join(r['tokens_from'])} "
-              f"| {peak[0]} | {peak[1]} | {r['others_cpu_share']:.2f} |")  # fmt: skip
+              f"| {_x(r, 'vs_llama_server')} | {_x(r, 'vs_transformers')} | {_s(r['ttft_p50_s'])} "
+              f"| {_s(r['ttft_p99_s'])} | {r['full_length']}/{r['requests']} | {','.join(r['tokens_from'])} "
+              f"| {peak[0]} | {peak[1]} | {r['others_cpu_share']:.2f} | {r.get('reconnects', 0)} |")  # fmt: skip
     print("\n| system | ready s | prompt tokens (usage) | usage in stream | idle tree RSS MiB | idle tree PSS MiB |")
     print("|---|---|---|---|---|---|")
     for system, infos in result["servers"].items():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decode benchmark's own environment (benchmarks/decode.py): packcache with its hf extra, plus
+# The decode benchmark's own environment (benchmarks/decode.py, benchmarks/serve_llm.py): packcache with its hf extra, plus
 # llama-cpp-python built from its PyPI sdist (no prebuilt wheel: llama.cpp compiled for this CPU,
 # GGML_NATIVE) and the llama.cpp tree that sdist vendors, whose convert_hf_to_gguf.py makes the GGUF
 # files from the same checkpoint. 7-10 minutes on 2 cores here (the issue guessed 15-25), so never in CI; idempotent.
@@ -38,8 +38,8 @@ case "$AMX" in
 esac
 build="llama-cpp-python $LLAMA_CPP_PYTHON GGML_NATIVE=ON amx=$AMX"
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$(cat "$stamp")" = "$build" ]; then
-    echo "$ENV ready ($build)"; exit 0
-fi
+    echo "$ENV ready ($build)"
+else
 "$py" -m pip install --quiet --upgrade pip
 # torch==2.13.0 is the CPU build on local disk; the constraint keeps every other resolution on it.
 "$py" -m pip install --quiet -c <(echo torch==2.13.0) -e '.[hf,serve]' sentencepiece==0.2.3
@@ -58,3 +58,24 @@ CFLAGS="$ARCH_FLAGS" CXXFLAGS="$ARCH_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) 
     >"$ENV/build.log" 2>&1 || { tail -40 "$ENV/build.log"; exit 1; }
 echo "$build" >"$stamp"
 echo "$ENV ready ($build; build log: $ENV/build.log)"
+fi
+
+# llama.cpp's own server (benchmarks/serve_llm.py's llama-server systems: continuous batching over -np slots),
+# built from the same vendored tree with the same flags, into $ENV/llama-server/bin. Its own stamp.
+tree="$ENV/src/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp"
+server_stamp="$ENV/llama-server/.built"
+server_build="llama-server from llama-cpp-python $LLAMA_CPP_PYTHON's llama.cpp GGML_NATIVE=ON amx=$AMX"
+if [ -x "$ENV/llama-server/bin/llama-server" ] && [ "$(cat "$server_stamp" 2>/dev/null)" = "$server_build" ]; then
+    echo "llama-server ready ($server_build)"; exit 0
+fi
+rm -rf "$ENV/llama-server"
+mkdir -p "$ENV/llama-server"
+{
+    CFLAGS="$ARCH_FLAGS" CXXFLAGS="$ARCH_FLAGS" cmake -S "$tree" -B "$ENV/llama-server/build" \
+        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+        -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$(pwd)/$ENV/llama-server/bin"
+    cmake --build "$ENV/llama-server/build" --target llama-server -j "$(nproc)"
+} >"$ENV/llama-server/build.log" 2>&1 || { tail -40 "$ENV/llama-server/build.log"; exit 1; }
+echo "$server_build" >"$server_stamp"
+echo "llama-server ready: $ENV/llama-server/bin/llama-server ($server_build; build log: $ENV/llama-server/build.log)"

@@ -1,9 +1,13 @@
-"""benchmarks/serve_llm.py's pure parts: the command line, SSE and usage parsing of recorded streams, percentiles."""
+"""benchmarks/serve_llm.py's pure parts: the command line, SSE and usage parsing of recorded streams, percentiles;
+and its client against a real socket that closes a kept-alive connection as llama-server does."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from serve_llm import Tally, completion_body, parse_args, percentile, sse_events
+from serve_llm import Tally, command, completion_body, parse_args, percentile, sse_events, stream
 
 #: llama-cpp-python 0.3.36's server (sse-starlette: CRLF lines, a ping comment), max_tokens 3: one event per
 #: token, text empty (the random model's tokens are outside its tokenizer), no usage in the stream.
@@ -157,3 +161,73 @@ def test_ttft_counts_only_streams_that_showed_every_token() -> None:
     assert r["ttft_measured"] == 1 and r["ttft_p50_s"] == 1.0 and r["token_events_per_token"] == 0.2
     assert r["full_length"] == 0 and r["finish_reasons"] == {"stop": 1, "length": 1}
     assert summarise([late], 64, began=0.0)["ttft_p50_s"] is None
+
+
+def _silent_closer(answers: int) -> tuple[socket.socket, list[int]]:
+    """A listener on 127.0.0.1 that answers ``answers`` requests, each on its own accepted connection, with an
+    HTTP/1.1 stream that does not say it closes (no ``Connection: close``), then closes the socket: what
+    llama-server does after every streamed answer. The list counts the connections it accepted."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[int] = []
+
+    def serve() -> None:
+        for _ in range(answers):
+            conn, _ = listener.accept()
+            accepted.append(1)
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))  # fmt: skip
+                while len(body) < length:
+                    body += conn.recv(65536)
+                chunk = OPENAI
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + b"%x\r\n" % len(chunk) + chunk + b"\r\n0\r\n\r\n")  # fmt: skip
+            # the socket is closed here, without a word to the client
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, accepted
+
+
+def test_the_client_reconnects_when_a_kept_alive_connection_was_closed_silently() -> None:
+    listener, accepted = _silent_closer(3)
+    port = listener.getsockname()[1]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = completion_body("m", "a prompt", 2)
+    try:
+        tallies = [stream(conn, body) for _ in range(3)]
+    finally:
+        conn.close()
+        listener.close()
+    assert [t.tokens(2)[0] for t in tallies] == [2, 2, 2]
+    assert [t.reconnects for t in tallies] == [0, 1, 1] and len(accepted) == 3
+
+
+def test_a_fresh_connection_that_fails_is_the_servers_failure_not_retried() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def refuse() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()  # no answer at all
+
+    threading.Thread(target=refuse, daemon=True).start()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        with pytest.raises(http.client.RemoteDisconnected):
+            stream(conn, completion_body("m", "a prompt", 2))
+    finally:
+        conn.close()
+        listener.close()
+
+
+def test_llama_server_runs_with_packcaches_slots_and_context_per_sequence(tmp_path: Path) -> None:
+    python = tmp_path / "env" / "venv" / "bin" / "python"
+    argv, ready, _, weights = command("llama-server-Q8_0", tmp_path, str(python), 8123)
+    assert argv[0] == str(tmp_path / "env" / "llama-server" / "bin" / "llama-server")
+    assert argv[argv.index("--parallel") + 1] == "16" and argv[argv.index("--ctx-size") + 1] == str(16 * 4096)
+    assert "--cont-batching" in argv and ready == "/health" and weights == tmp_path / "gguf" / "model-Q8_0.gguf"
