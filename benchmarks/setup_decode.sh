@@ -69,13 +69,12 @@ if [ -x "$ENV/llama-server/bin/llama-server" ] && [ "$(cat "$server_stamp" 2>/de
     echo "llama-server ready ($server_build)"; exit 0
 fi
 rm -rf "$ENV/llama-server"
-mkdir -p "$ENV/llama-server"
 {
-    CFLAGS="$ARCH_FLAGS" CXXFLAGS="$ARCH_FLAGS" cmake -S "$tree" -B "$ENV/llama-server/build" \
+    # the build tree is $ENV/llama-server: llama.cpp puts its programs in the tree's bin/
+    CFLAGS="$ARCH_FLAGS" CXXFLAGS="$ARCH_FLAGS" cmake -S "$tree" -B "$ENV/llama-server" \
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
-        -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$(pwd)/$ENV/llama-server/bin"
-    cmake --build "$ENV/llama-server/build" --target llama-server -j "$(nproc)"
-} >"$ENV/llama-server/build.log" 2>&1 || { tail -40 "$ENV/llama-server/build.log"; exit 1; }
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    cmake --build "$ENV/llama-server" --target llama-server -j "$(nproc)"
+} >"$ENV/build-llama-server.log" 2>&1 || { tail -40 "$ENV/build-llama-server.log"; exit 1; }
 echo "$server_build" >"$server_stamp"
-echo "llama-server ready: $ENV/llama-server/bin/llama-server ($server_build; build log: $ENV/llama-server/build.log)"
+echo "llama-server ready: $ENV/llama-server/bin/llama-server ($server_build; build log: $ENV/build-llama-server.log)"
