@@ -357,7 +357,8 @@ def command(system: str, work: Path, python: str, port: int, workers: int = 1) -
     if system.startswith("llama-server-"):
         gguf = work / "gguf" / f"model-{system.split('-')[2]}.gguf"
         # setup_decode.sh builds it beside the environment whose python this is: ENV/venv/bin/python
-        binary = Path(python).resolve().parents[2] / "llama-server" / "bin" / "llama-server"
+        # (not resolved: the venv's python is a link to the interpreter it was made from)
+        binary = Path(os.path.abspath(python)).parents[2] / "llama-server" / "bin" / "llama-server"
         context = LLAMA_SERVER_SLOTS * LLAMA_SERVER_SLOT_CONTEXT
         argv = [str(binary), "--model", str(gguf), *host, "--threads", str(THREADS), "--threads-batch", str(THREADS),
                 "--parallel", str(LLAMA_SERVER_SLOTS), "--ctx-size", str(context), "--cont-batching",

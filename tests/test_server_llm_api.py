@@ -77,11 +77,23 @@ def test_greedy_completions_whole_and_streamed_are_generates_text_with_usage(mod
         assert whole.choices[0].finish_reason in ("length", "stop")
         assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens <= 24
         assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
-        text, usage, finish = _stream_text(client.completions.create(
+        chunks = list(client.completions.create(
             model=model.name, prompt="the river city", max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
         ))  # fmt: skip
+        text, usage, finish = _stream_text(chunks)
         assert (text, finish) == (expected, whole.choices[0].finish_reason)
         assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+        # an event per generated token, whatever its text, the last one too: here the EOS that ends the text, a
+        # token with no text (usage counts it), whose event came only with the finish reason before
+        chunks = list(client.completions.create(
+            model=model.name, prompt="The weather is nice", max_tokens=40, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        ))  # fmt: skip
+        text, usage, finish = _stream_text(chunks)
+        assert finish == "stop" and usage is not None and usage.completion_tokens < 40, (finish, usage)
+        token_events = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
+        assert len(token_events) == usage.completion_tokens, [c.choices[0].text for c in token_events]
 
         messages = [{"role": "user", "content": "Where is the nearest train station?"}]
         chat = client.chat.completions.create(model=model.name, messages=messages, max_tokens=16, temperature=0)

@@ -117,6 +117,7 @@ class Completion:
     first: float | None = None  # when the first generated token came (time to first token)
     counted: int = 0  # completion tokens already counted on /metrics
     _sent_role: bool = False
+    _tokens_sent: int = 0  # generated tokens the stream has sent an event for
 
     @property
     def chat(self) -> bool:
@@ -159,8 +160,10 @@ class Completion:
             self._sent_role = True
             before = Output("", output.prompt_tokens, 0, None)  # the usage before the first token
             out += _event(self._chunk({"role": "assistant", "content": ""}, None, before))
-        if output.text or output.finish_reason is None:
-            # one event per step, empty text included (llama.cpp's server does the same): a client sees each token
+        if output.text or output.finish_reason is None or output.completion_tokens > self._tokens_sent:
+            # an event per generated token, empty text included (llama.cpp's server does the same), the last one
+            # too (the final chunk after it carries only the finish reason): a client sees each token
+            self._tokens_sent = output.completion_tokens
             out += _event(self._chunk({"content": output.text} if self.chat else output.text, None, output))
         if output.finish_reason is None:
             return out
