@@ -771,13 +771,17 @@ def test_casting_a_packed_model_leaves_its_packed_operands_as_the_file_holds_the
     model = hf.from_pretrained(tiny_bert(tmp_path / "ckpt", seed=4), scheme, tmp_path / "c.pcache")
     packed = [m for m in model.modules() if isinstance(m, PackedLinear | PackedEmbedding)]
     assert any(isinstance(m, PackedEmbedding) for m in packed) or scheme == "fp32"
-    before = {(id(m), name): (b.data_ptr(), b.dtype) for m in packed for name, b in m._buffers.items() if b is not None}
+
+    def operands() -> dict[tuple[int, str], tuple[int, torch.dtype]]:
+        return {(id(m), n): (b.data_ptr(), b.dtype) for m in packed for n, b in m._buffers.items() if b is not None}
+
+    before = operands()
     ids = torch.tensor([[101, 2054, 2003, 1037, 3231, 102]])
     with torch.inference_mode():
         expected = model(input_ids=ids).last_hidden_state
         assert model.to(torch.bfloat16) is model
         got = model(input_ids=ids).last_hidden_state
-    after = {(id(m), name): (b.data_ptr(), b.dtype) for m in packed for name, b in m._buffers.items() if b is not None}
+    after = operands()
     assert after == before  # the same tensors over the mapping, in the packer's dtypes
     assert got.dtype == torch.bfloat16 and model.embeddings.LayerNorm.weight.dtype == torch.bfloat16
     cosine = torch.nn.functional.cosine_similarity(got.float().flatten(), expected.flatten(), dim=0)
@@ -785,9 +789,7 @@ def test_casting_a_packed_model_leaves_its_packed_operands_as_the_file_holds_the
     assert model.float() is model  # and back: float32 again, over the same operands
     with torch.inference_mode():
         back = model(input_ids=ids).last_hidden_state
-    assert back.dtype == torch.float32 and after == {
-        (id(m), name): (b.data_ptr(), b.dtype) for m in packed for name, b in m._buffers.items() if b is not None
-    }
+    assert back.dtype == torch.float32 and operands() == before
     assert float(torch.nn.functional.cosine_similarity(back.flatten(), expected.flatten(), dim=0)) > 0.99
     # (as any failed move, one that stops part of the way leaves the modules before it moved: load a fresh model)
     with pytest.raises(RuntimeError, match="computes on the CPU over its cache file's mapping; it cannot move to meta"):

@@ -473,6 +473,11 @@ def _probed_weight(layer: PackedLinear) -> torch.Tensor:
     return torch.cat(blocks).t().contiguous()
 
 
+#: Whether the compiled dense product runs for a number of rows here (its knobs: ``NATIVE_MAX_ROWS["dense"]``,
+#: ``NATIVE_ISAS``), asked by :class:`FloatLinear` at every forward: one packer, not one per call.
+_DENSE_GATE = LinearFloat32()
+
+
 class FloatLinear(nn.Linear):
     """An ``nn.Linear`` a packer left unpacked (``ConversionReport.ineligible``: an int4 head of 30522 outputs, a
     float32 head tied to the embeddings), whose forward gives every row the same bits alone and in any batch.
@@ -498,7 +503,7 @@ class FloatLinear(nn.Linear):
             x.dtype == weight.dtype and weight.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
             and x.shape[-1] == self.in_features and x.numel() > 0 and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and LinearFloat32()._use_native(x.numel() // self.in_features, self.in_features)
+            and _DENSE_GATE._use_native(x.numel() // self.in_features, self.in_features)
         )  # fmt: skip
 
     def _bound(self) -> native.Bound:
@@ -508,8 +513,7 @@ class FloatLinear(nn.Linear):
         if cached is not None and cached[0] is weight and cached[1] is bias:
             return cached[2]  # type: ignore[no-any-return]
         wide = None if bias is None else bias.detach().float().contiguous()
-        spec = {"weight": (weight.dtype, tuple(weight.shape)), "bias": (torch.float32, (self.out_features,))}
-        bound = native.bind(spec, {"weight": weight.detach(), "bias": wide}, optional=("bias",), name="FloatLinear")
+        bound = native.bind_dense(weight.detach(), wide, name="FloatLinear")
         self.__dict__["_binding"] = (weight, bias, bound)
         return bound
 

@@ -69,8 +69,8 @@ import torch
 from .errors import PackResultError
 
 __all__ = ["BFLOAT16", "FLOAT32", "ISAS", "NATIVE_ENV", "Bound", "NativeError", "NativeStatus", "Spec",
-           "bf16_product", "bind", "dense_product", "int4_product", "int8_product", "k_multiple", "max_rows", "misfit",
-           "status", "stream"]  # fmt: skip
+           "bf16_product", "bind", "bind_dense", "dense_product", "int4_product", "int8_product", "k_multiple",
+           "max_rows", "misfit", "status", "stream"]  # fmt: skip
 
 logger = logging.getLogger("packcache.native")
 
@@ -423,6 +423,17 @@ C-contiguous: the cache holds a pack that does not fit this layer
         assert isinstance(tensor, torch.Tensor)
         checked[part] = tensor
     return Bound(_BIND, specs, checked, frozenset(optional), name)
+
+
+def bind_dense(weight: torch.Tensor, bias: torch.Tensor | None = None, *, name: str = "") -> Bound:
+    """:func:`bind` a float32 or bfloat16 ``weight [n, k]`` and an optional float32 ``bias [n]`` for
+    :func:`dense_product`: a float weight no packer packed (an unpacked layer, an int4 weight dequantised per call).
+
+    Raises:
+        PackResultError: as :func:`bind` (an int8 weight: it needs its scales, which a pack's layout binds).
+    """
+    n, k = weight.shape
+    return bind(_dense_reads(weight.dtype)(n, k, 0), {"weight": weight, "bias": bias}, optional=("bias",), name=name)
 
 
 def _int8_reads(n: int, k: int, group: int) -> dict[str, Spec]:

@@ -940,9 +940,7 @@ class Int4WeightOnly(TorchPacker):
         if self._use_dense(in_features, out_features):
             # float32 [out, in], as exact as dequantised_t's float32; the bias the bound operands' float32 one
             dense = self.dequantized_t(weight, scales_and_zeros, input_scales, torch.float32).t().contiguous()
-            tensors = {"weight": dense, "bias": operands.bound["bias"]}
-            spec = {"weight": (torch.float32, (out_features, in_features)), "bias": (torch.float32, (out_features,))}
-            bound = native.bind(spec, tensors, optional=("bias",))
+            bound = native.bind_dense(dense, operands.bound["bias"])
             return native.dense_product(x, bound, torch.get_num_threads())
         dtype = activation_dtype(path)
         if self._fused(path, x.shape[0]):
