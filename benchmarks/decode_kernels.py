@@ -13,15 +13,16 @@ Method (printed first when run):
   weight, per-channel bf16 scales), ``_weight_int4pack_mm_for_cpu`` (torch's int4 layout, group
   32, bf16 scales and zeros), ``_int_mm`` (int8 activations quantised per call x int8 weight:
   the W8A8 alternative), and packcache's compiled kernels (``packcache.native``) on the
-  same operand layouts: ``packcache int8``, ``packcache int4`` (torch's int4 layout), ``packcache
-  bf16``, and ``packcache int8`` on a 32-row prefill; ``packcache dense`` (what the packed fp32, bf16 and
-  int8 layers run, one sum order at every row count: float32 activations, each weight widened exactly) on
-  int8, bf16 and float32 weights, and on int8 for the 32-row prefill. Threads: ``--threads`` (2); ``--kernel``
-  (repeated) runs only the kernels named.
+  operands of packcache's packs: ``packcache int8`` (int8 codes with a bfloat16 scale per block of 32, what
+  the int8 layers run), ``packcache int4`` (torch's int4 layout), ``packcache bf16``, and ``packcache int8``
+  on a 32-row prefill; ``packcache dense`` (what the packed fp32 and bf16 layers run, one sum order at every
+  row count: float32 activations, each weight widened exactly) on int8 (a float32 scale per row: what int8
+  layers ran before its blocks), bf16 and float32 weights, and on int8 for the 32-row prefill. Threads:
+  ``--threads`` (2); ``--kernel`` (repeated) runs only the kernels named.
 * A prefill's int8 layers (32 rows; the 16 layers, not the head, which a prefill runs on its last
   row only): each weight converted to bf16 whole per call and multiplied (packcache before issue
-  22), against ``packers_torch._blocked_linear`` (``DEQUANT_BLOCK_BYTES`` at a time, what
-  ``Int8WeightOnly`` does now). GiB/s there counts the int8 bytes.
+  22), against the weight converted 8 MiB of output channels at a time (what ``Int8WeightOnly`` did without
+  its compiled product before its blocks). GiB/s there counts the int8 bytes.
 * ``--isa avx2`` runs the same in a child with ``ATEN_CPU_CAPABILITY=avx2``, ``PACKCACHE_NATIVE=avx2`` and
   ``ONEDNN_MAX_CPU_ISA=AVX2``: torch's and oneDNN's AVX2 code on this CPU, a stand-in for a CPU
   without AVX512 (same memory system, so only the compute-bound kernels move).
@@ -68,8 +69,13 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
     nbytes = 0
     prefill = "prefill" in kernel
     for n, k in SHAPES[:-1] if prefill else SHAPES:
-        if kernel in ("packcache int8", "packcache int8 prefill 32 rows", "packcache dense int8",
-                      "packcache dense int8 prefill 32 rows"):  # fmt: skip
+        if kernel in ("packcache int8", "packcache int8 prefill 32 rows"):
+            rows = PREFILL_ROWS if prefill else 1
+            weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+            scales = (torch.rand(n, k // 32, generator=generator) / 100).bfloat16()
+            layers.append((weight, scales, torch.randn(rows, k), torch.empty(rows, n)))
+            nbytes += n * k + scales.numel() * 2
+        elif kernel in ("packcache dense int8", "packcache dense int8 prefill 32 rows"):
             rows = PREFILL_ROWS if prefill else 1
             weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
             layers.append((weight, torch.rand(n), torch.randn(rows, k), torch.empty(rows, n)))
@@ -123,6 +129,10 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
                     "input_scales": torch.ones(layer[2].shape[1]),
                 }
                 bound.append((Int4WeightOnly(32).bind(parts), layer[2]))
+            elif kernel.startswith("packcache dense int8"):  # a float32 scale per row
+                n, k = layer[0].shape
+                spec = {"weight": (torch.int8, (n, k)), "scales": (torch.float32, (n,))}
+                bound.append((native.bind(spec, {"weight": layer[0], "scales": layer[1]}), layer[2]))
             else:
                 bound.append((Int8WeightOnly().bind({"weight": layer[0], "scales": layer[1]}), layer[2]))
         layers = bound
@@ -153,10 +163,13 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
             return torch.nn.functional.linear(layer[2], layer[0].to(torch.bfloat16)).mul_(layer[1])
 
     elif kernel == "int8 prefill 32 rows, blocks":
-        from packcache.packers_torch import _blocked_linear
 
         def call(layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return _blocked_linear(layer[2], layer[0], None).mul_(layer[1])
+            weight, x = layer[0], layer[2]
+            block = max(16, (8 << 20) // (weight.shape[1] * x.element_size()))
+            starts = range(0, len(weight), block)
+            parts = [torch.nn.functional.linear(x, weight[i : i + block].to(x.dtype)) for i in starts]
+            return torch.cat(parts, dim=1).mul_(layer[1])
 
     elif kernel == "_int_mm (W8A8)":
 

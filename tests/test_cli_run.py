@@ -88,8 +88,8 @@ def test_run_twice_stores_then_maps(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert second["embeddings_shape"] == [3, 384] and second["load_seconds"] > 0
     assert second["scheme"] == minilm.default_scheme() and second["scheme_chosen"] == "auto"
     assert second["kernel_path"] == cpu_kernels().default_path and second["cpu"] == cpu_kernels().flags()
-    # The int8 kernel: packcache's compiled one where this CPU runs it (every row count), else torch's fused.
-    few = "packcache dense" if native.status().isa is not None else "_weight_int8pack_mm"
+    # The default scheme's kernel: packcache's int8 product where this CPU runs it (every row count), else fp32.
+    few = "packcache int8" if native.status().isa is not None else "linear(float32)"
     assert second["kernels"] and few in second["kernels"]
     # Per kind of linear layer: BERT's query, key, value and the three dense layers.
     assert set(second["kernels_by_layer"]) == {"query", "key", "value", "dense"}

@@ -376,7 +376,7 @@ def test_read_only_false_writes_even_when_the_process_is_read_only(tmp_path: Pat
 
 @pytest.fixture
 def other_default(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Make the machine's default scheme one it is not (bf16 is never ``kernels.default_scheme()``): a caller
+    """Make the machine's default scheme one it is not (bf16 is never ``native.default_scheme()``): a caller
     that resolves ``auto`` by any other route than the loader's then names the wrong scheme."""
     monkeypatch.setattr(loader, "default_scheme", lambda: "bf16")
     return "bf16"

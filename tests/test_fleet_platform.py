@@ -103,7 +103,7 @@ def test_the_platform_class_is_byte_identical_across_paths_users_hosts_ranks_and
     assert fields["torch"] == torch.__version__ and fields["packcache.packers"] == 1
     # int4 stores its embedding tables as int8 rows (torch.int8wo); the platform says which packer does.
     assert sorted(p["id"] for p in fields["packers"]) == ["np.f32", "torch.int4wo", "torch.int8wo"]
-    assert fields["embeddings"] == {"id": "torch.int8wo", "version": 2, "params": {}}
+    assert fields["embeddings"] == {"id": "torch.int8wo", "version": 3, "params": {}}
     # Nothing of where or who it ran: no path, user, host or rank appears anywhere in it.
     text = json.dumps(
         {**fields, "packers": [{k: v for k, v in p.items() if k != "fingerprint"} for p in fields["packers"]]}
@@ -167,7 +167,7 @@ def test_the_text_output_is_the_class_then_one_field_per_line(capsys: pytest.Cap
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == platform_class(fmt.canonical_key(minilm.platform("int8")))
     assert f"cpu_capability: {HERE_CAPABILITY}" in lines and "format_version: 2" in lines
-    assert f"torch: {torch.__version__}" in lines and "packers[torch.int8wo].version: 2" in lines
+    assert f"torch: {torch.__version__}" in lines and "packers[torch.int8wo].version: 3" in lines
     assert all(": " in line for line in lines[1:])
 
 

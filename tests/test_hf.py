@@ -36,8 +36,8 @@ from packcache.torch import FloatLinear, PackedEmbedding, PackedLinear
 THRESHOLDS = {"fp32": 0.99999, "bf16": 0.999, "int8": 0.99, "int4": 0.95}
 #: How close a plain model over a packed model's saved float weights comes to the packed model: its float weight is
 #: exactly what the packed product multiplies by, but int4's product also rounds the activations to int8 per 32
-#: (as llama.cpp's Q4_0 x Q8_0 does), which the plain model does not.
-RELOADED = {"fp32": 0.99999, "bf16": 0.99999, "int8": 0.99999, "int4": 0.997}
+#: (as llama.cpp's Q4_0 x Q8_0 does), and int8's per 4 (0.99997-0.99998 measured), which the plain model does not.
+RELOADED = {"fp32": 0.99999, "bf16": 0.99999, "int8": 0.9999, "int4": 0.997}
 CAUSAL = "AutoModelForCausalLM"
 TEXTS = ["a sentence", "", "The quick brown fox jumps over the lazy dog.", "Packed weights are mapped from a file."]
 
@@ -172,7 +172,7 @@ def test_a_tied_head_and_its_embedding_read_one_int8_pack_of_the_one_source_tens
     assert "lm_head" not in report.ineligible
     embedding_name = "model.embed_tokens.weight" if arch == "qwen2" else "transformer.wte.weight"
     assert report.packed_ties == {"lm_head": [embedding_name]}
-    few = "packcache dense" if native.status().isa is not None else "_weight_int8pack_mm"
+    few = "packcache int8" if native.status().isa is not None else "int8 weight to float32 per call"
     assert few in report.kernels["lm_head"]  # reported per layer kind, the head among them
     assert model.lm_head.tied_weight is embeddings and embeddings.dtype == torch.float32
     table = model.get_input_embeddings()

@@ -145,7 +145,7 @@ def test_no_packed_layer_falls_back_to_a_reference_kernel(
         if native:
             assert all(set(dtypes) == {torch.bfloat16} for _, dtypes in gemms), (gemms, rows)
         assert seen.of(WEIGHT_ONLY_KERNELS) or gemms, f"no kernel observed for {rows} rows"
-    if isinstance(packer, (Int8WeightOnly, Int4WeightOnly)) and vectorised and not compiled:
+    if isinstance(packer, Int4WeightOnly) and vectorised and not compiled:  # torch has no kernel for int8's blocks
         assert weight_only_seen > 0, "few rows must take torch's fused kernel"
 
 
@@ -166,8 +166,9 @@ def test_every_forced_path_runs_the_ops_it_reports(packer: TorchPacker, path: st
         seen = _run(layer, rows)
         expected_dtype = packer.kernel_input_dtype(path, rows)
         if layer.kernel(rows).startswith("packcache "):  # the compiled kernel: no torch op
-            # int4's quantises the activations to int8; dense (int8, bf16) reads the path's, widened to float32
-            assert expected_dtype == (torch.int8 if isinstance(packer, Int4WeightOnly) else activation_dtype(path))
+            # int8's and int4's quantise the activations to int8; dense (bf16) reads the path's, widened to float32
+            quantising = isinstance(packer, (Int8WeightOnly, Int4WeightOnly))
+            assert expected_dtype == (torch.int8 if quantising else activation_dtype(path))
             assert not seen.of(WEIGHT_ONLY_KERNELS) and not seen.of(GEMMS)
         elif layer.kernel(rows).startswith("_weight_"):
             (call,) = seen.of(WEIGHT_ONLY_KERNELS)
@@ -507,19 +508,24 @@ def test_serve_with_an_explicit_kernel_path_boots_its_workers_whatever_the_envir
 
 
 @pytest.mark.parametrize("path", ["bf16", "fp32"])
-def test_a_large_int8_weight_is_converted_block_by_block_with_the_same_answer(path: str) -> None:
+def test_a_large_int8_weight_is_converted_block_by_block_with_the_same_answer(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 22: a prefill converted each whole int8 weight to the activations' dtype per call (32 MiB of bf16 for
-    an 8192x2048 layer), 1.7x slower than converting blocks of output channels that are used at once. A weight
-    above ``DEQUANT_BLOCK_BYTES`` is never converted whole, and the product is the whole conversion's."""
+    an 8192x2048 layer), 1.7x slower than converting blocks of output channels that are used at once. Where the
+    compiled kernels do not run, a weight above ``DEQUANT_BLOCK_BYTES`` is never converted whole, and the product
+    is the whole conversion's."""
     from packcache.packers_torch import DEQUANT_BLOCK_BYTES
 
+    monkeypatch.setitem(NATIVE_ISAS, "int8", ())
+    monkeypatch.setitem(NATIVE_ISAS, "dense", ())
     out_features, in_features = 4096, 1280
     assert out_features * in_features * 2 > DEQUANT_BLOCK_BYTES  # past the budget in bf16 and in float32
     packer = Int8WeightOnly()
     weight = np.random.default_rng(0).standard_normal((out_features, in_features)).astype(np.float32)
     bias = np.random.default_rng(1).standard_normal(out_features).astype(np.float32)
     layer = PackedLinear.from_parts(packer, packer.checked_pack(weight, "F32"), bias, kernel_path=path)
-    for rows in (300, 2000):  # the scales on the output, then (rows >= in_features) folded into the weight
+    for rows in (1, 300):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
         seen = _produced(layer, rows)
         whole = [out for out in seen.outputs if out[2] == (out_features, in_features)]

@@ -16,7 +16,7 @@ import pytest
 import packcache.torch
 from packcache import WeightCache, _defaults, loader
 from packcache.format import canonical_key
-from packcache.kernels import default_scheme
+from packcache.native import default_scheme
 from packcache.packers import SCHEMES, Float32, platform_for
 from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 

@@ -139,6 +139,8 @@ def test_every_scheme_declares_the_layout_of_its_packs_and_its_compiled_product_
         x = torch.ones(1, in_features)
         if packer.native_op == "dense":
             y = native.dense_product(x, bound, 1)
+        elif packer.native_op == "int8":
+            y = native.int8_product(x, bound, 1)
         else:
             layout_int4 = int4_layout()
             assert layout_int4 is not None

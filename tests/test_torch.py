@@ -124,9 +124,9 @@ def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(
 ) -> None:
     """``state_dict()`` of a converted module has exactly the keys, shapes and dtypes of the float module, each
     packed layer's weight the float32 weight its forward multiplies by: a plain module loads it (strict) and
-    gives the packed module's answers on the dequantising path (enough rows that no fused kernel runs; int4 with
-    its compiled product off, which rounds the activations to int8 per block of 32 and the plain module does not),
-    through ``torch.save`` and ``torch.load(weights_only=True)`` too."""
+    gives the packed module's answers on the dequantising path (enough rows that no fused kernel runs; int8 and int4
+    with their compiled products off, which round the activations to int8 and the plain module does not), through
+    ``torch.save`` and ``torch.load(weights_only=True)`` too."""
     model = _toy()
     layout = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     convert(model, _cache(None, packer), packer, model_id="toy-v1", kernel_path="fp32")
@@ -139,6 +139,10 @@ def test_state_dict_holds_every_packed_weight_as_the_float_weight_it_computes(
         monkeypatch.setitem(NATIVE_ISAS, "int4", ())
         monkeypatch.setitem(NATIVE_ISAS, "dense", ())
         assert "per call + addmm(float32)" in model.up.kernel(256)
+    if isinstance(packer, Int8WeightOnly):
+        monkeypatch.setitem(NATIVE_ISAS, "int8", ())
+        monkeypatch.setitem(NATIVE_ISAS, "dense", ())
+        assert "per call + linear(float32)" in model.up.kernel(256)
     with torch.no_grad():
         packed, plain = model(rows), reloaded(rows)
     # The bf16 scheme rounds the activations to bfloat16 on every path (its weight is never widened): ~2^-8.

@@ -73,7 +73,7 @@ __all__ = [
 # --------------------------------------------------------------------------- loading a model
 
 #: The weight scheme of the linear layers: ``"auto"`` is the one fast on this CPU
-#: (:func:`packcache.kernels.default_scheme`: int8 with torch's vectorised kernels, else fp32).
+#: (:func:`packcache.native.default_scheme`: int8 where packcache's compiled kernels run, else fp32).
 SCHEME = "auto"
 
 #: Input features per scale of the int4 scheme. Ignored by the other schemes.

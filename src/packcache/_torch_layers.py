@@ -22,7 +22,7 @@ from torch import nn
 from . import native
 from .kernels import activation_dtype, int4_layout
 from .packers import Packer, Parts
-from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
+from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, dequantize_rows
 
 __all__ = [
     "_READ_ONLY_HOOK",
@@ -213,8 +213,8 @@ class PackedLinear(nn.Module):
         >>> from packcache.packers_torch import Int8WeightOnly
         >>> weight = np.array([[1.0, -2.0], [0.5, 0.25]], np.float32)
         >>> layer = PackedLinear.from_parts(Int8WeightOnly(), Int8WeightOnly().pack(weight, "F32"), None)
-        >>> layer.float_weight().tolist()  # int8 codes times each row's scale: 2/127 and 0.5/127
-        [[1.0078740119934082, -2.0], [0.5, 0.25196850299835205]]
+        >>> layer.float_weight().tolist()  # int8 codes times each block's bfloat16 scale: ~2/127 and ~0.5/127
+        [[1.0078125, -1.9998779296875], [0.499969482421875, 0.251953125]]
         """
         with torch.no_grad():
             return _float_weight(self)
@@ -307,7 +307,8 @@ class _SharedFloat:
 
 class PackedEmbedding(nn.Module):
     """An ``nn.Embedding`` whose table ``[num_embeddings, embedding_dim]`` is stored in the scheme's form: bf16, or
-    int8 rows with per-row scales (:data:`packcache.loader.EMBEDDING_PACKERS`), zero-copy over the cache mapping.
+    int8 rows with a scale per block of 32 (:data:`packcache.loader.EMBEDDING_PACKERS`), zero-copy over the cache
+    mapping.
 
     A lookup returns float32 rows, what the model's float32 forward expects: it gathers only the rows it reads
     from the packed parts and widens (and scales) only those (:meth:`TorchPacker.rows
@@ -439,7 +440,7 @@ def _float_weight(layer: PackedLinear) -> torch.Tensor:
     if kind is LinearBFloat16:
         return operand("weight").float()
     if kind is Int8WeightOnly:
-        return operand("weight").float().mul_(operand("scales")[:, None])
+        return dequantize_rows(operand("weight"), operand("scales"), torch.float32)
     if kind is Int4WeightOnly and isinstance(packer, Int4WeightOnly) and int4_layout() is not None:
         weight_t = packer.dequantized_t(
             operand("weight"), operand("scales_and_zeros"), operand("input_scales"), torch.float32

@@ -6,10 +6,11 @@ path is a hit on the other. There are two:
 
 ``bf16``
     Activations in bfloat16. Float weights go to oneDNN's bf16 GEMM (AMX or
-    AVX512-BF16 instructions); a weight-only int8/int4 layer calls torch's fused
-    kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``, whose only
-    vectorised variant takes bf16 activations) for a few rows, and for more rows
-    dequantises its weight to bf16 once per call and uses the bf16 GEMM.
+    AVX512-BF16 instructions); a weight-only int4 layer calls torch's fused
+    kernel (``_weight_int4pack_mm_for_cpu``, whose only vectorised variant takes bf16
+    activations) for a few rows, and for more rows (and an int8 layer always) dequantises
+    its weight to bf16 once per call and uses the bf16 GEMM. (Where packcache's compiled
+    kernels run, :mod:`packcache.native`, the packed layers run those instead, on either path.)
 ``fp32``
     Activations in float32 everywhere. Quantised weights are dequantised to float32
     once per call and multiplied by MKL's float32 GEMM. torch's fused weight-only
@@ -51,7 +52,6 @@ __all__ = [
     "Int4Layout",
     "activation_dtype",
     "cpu_kernels",
-    "default_scheme",
     "int4_layout",
     "requested_path",
 ]
@@ -127,19 +127,6 @@ def _probe(name: str) -> bool:
         return bool(probe()) if probe is not None else False
     except RuntimeError:
         return False
-
-
-def default_scheme() -> str:
-    """The scheme that is fast on this machine: ``int8`` where torch has its vectorised
-    weight-only kernels (an AVX2 or AVX512 CPU: on either kernel path int8 runs as fast as
-    the float schemes, measured in ``docs/BENCHMARKS.md``, from the smallest fast cache),
-    else ``fp32`` (without them every int8/int4 product is dequantised first).
-    What ``--scheme auto`` means on the command line.
-
-    >>> default_scheme() in ("int8", "fp32")
-    True
-    """
-    return "int8" if cpu_kernels().fused_weight_only else "fp32"
 
 
 @functools.cache

@@ -4,7 +4,7 @@
 all take it from here, so they cannot disagree (on the default scheme, say):
 
 1. :func:`resolve_scheme`: a scheme name, or ``None``/``"auto"`` (the default,
-   :data:`packcache._defaults.SCHEME`) for the one fast on this CPU (:func:`packcache.kernels.default_scheme`).
+   :data:`packcache._defaults.SCHEME`) for the one fast on this CPU (:func:`packcache.native.default_scheme`).
    A cache file named after its scheme is named after this resolved scheme, never ``auto``.
 2. :func:`resolve`: the :class:`Recipe` of a scheme: the packer of its linear layers (:func:`scheme_packer`),
    of its embedding tables (:data:`EMBEDDING_PACKERS`: the scheme's form, ``None`` for fp32) and of every other
@@ -33,7 +33,7 @@ from . import format as fmt
 from ._paths import default_cache_dir
 from .bundle import Bundle, is_cache_file
 from .cache import WeightCache
-from .kernels import default_scheme
+from .native import default_scheme
 from .packers import SCHEMES, Float32, Packer, platform_for
 from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker
 
@@ -45,8 +45,8 @@ __all__ = [
 
 def resolve_scheme(scheme: str | None = None) -> str:
     """The scheme a load packs with: ``scheme`` itself (one of :data:`packcache.packers.SCHEMES`), or for
-    ``None`` and ``"auto"`` the one fast on this machine: ``int8`` where torch has its vectorised int8/int4
-    kernels, else ``fp32`` (:func:`packcache.kernels.default_scheme`).
+    ``None`` and ``"auto"`` the one fast on this machine: ``int8`` where packcache's compiled kernels run, else
+    ``fp32`` (:func:`packcache.native.default_scheme`).
 
     >>> resolve_scheme("bf16"), resolve_scheme() in SCHEMES
     ('bf16', True)
@@ -88,8 +88,8 @@ _SCHEME_PACKERS: Mapping[str, Callable[[int], TorchPacker]] = {
 
 
 #: Scheme name -> the packer of its embedding tables (``nn.Embedding`` weights), or ``None``: float32, as every
-#: other parameter. bf16 stores them as bf16; int8 and int4 as int8 rows with per-row scales, which *is*
-#: per-output-channel int8 (:class:`~packcache.packers_torch.Int8WeightOnly`), so a head tied to the embeddings
+#: other parameter. bf16 stores them as bf16; int8 and int4 as int8 rows with a scale per block of 32, which *is*
+#: the int8 linear layers' pack (:class:`~packcache.packers_torch.Int8WeightOnly`), so a head tied to the embeddings
 #: is packed once and both read that one pack (int4 too: its tied head runs the int8 kernel, ``docs/TORCH.md``).
 EMBEDDING_PACKERS: Mapping[str, Callable[[], TorchPacker] | None] = {
     "fp32": None,

@@ -5,22 +5,25 @@ without a C compiler succeeds without it). It holds products over packed weights
 mapping:
 
 ``dense``
-    float32, bfloat16 and int8 (``torch.linear.fp32``, ``torch.linear.bf16``, ``torch.int8wo``) packs, for any
-    number of rows. Float32 activations (bfloat16 ones widened); each weight widened to float32 exactly; every
-    output summed in an order fixed by ``in_features`` alone, so a row gets the same bits alone and inside any
-    batch (:func:`dense_product`). The AVX2 code, on either ISA level: what the packed layers of those schemes run.
+    float32 and bfloat16 (``torch.linear.fp32``, ``torch.linear.bf16``) packs, and an int8 weight with a float32
+    scale per row, for any number of rows. Float32 activations (bfloat16 ones widened); each weight widened to
+    float32 exactly; every output summed in an order fixed by ``in_features`` alone, so a row gets the same bits
+    alone and inside any batch (:func:`dense_product`). The AVX2 code, on either ISA level: what the packed layers
+    of the fp32 and bf16 schemes run.
+``int8``
+    ``torch.int8wo`` packs (int8 codes ``[out, in]``, a bfloat16 scale per row and block of 32 input features:
+    llama.cpp's Q8_0 weights). The activations are quantised per row in blocks of 4 features to int8 with a
+    float32 scale per block (one per int32 lane of the dot product); int8 dot products on AVX2 (``vpmaddubsw``);
+    any number of rows, a row's bits the same alone and inside any batch (:func:`int8_product`). The AVX2 code, on
+    either ISA level: what the packed int8 layers run.
 ``int4``
     ``torch.int4wo`` packs in torch's CPU layout, bfloat16 scales and zeros per group; activations quantised per
-    row as for ``int8`` below; any number of rows, a row's bits the same alone and inside any batch
+    row in blocks of 32 features; any number of rows, a row's bits the same alone and inside any batch
     (:func:`int4_product`). The AVX2 code, on either ISA level: what the packed int4 layers run.
 
-The two products below take at most :func:`max_rows` rows, and a row's bits depend only on the code level, not on
-the rows beside it; no packed layer runs them any more, and ``benchmarks/decode_kernels.py`` compares them:
+The product below takes at most :func:`max_rows` rows, and a row's bits depend only on the code level, not on
+the rows beside it; no packed layer runs it any more, and ``benchmarks/decode_kernels.py`` compares it:
 
-``int8``
-    ``torch.int8wo`` packs (int8 ``[out, in]``, a float32 scale per output row). The activations are
-    quantised per row in blocks of 32 features to int8 with a float32 scale per block (llama.cpp's Q8_0
-    activations); int8 dot products on VNNI (``vpdpbusd``) or AVX2 (``vpmaddubsw``).
 ``bf16``
     ``torch.linear.bf16`` packs. Activations rounded to bfloat16 (as torch's bf16 ``linear`` does), products
     accumulated in float32: ``vdpbf16ps`` on AVX512-BF16, widening and FMA on AVX2.
@@ -69,8 +72,8 @@ import torch
 from .errors import PackResultError
 
 __all__ = ["BFLOAT16", "FLOAT32", "ISAS", "NATIVE_ENV", "Bound", "NativeError", "NativeStatus", "Spec",
-           "bf16_product", "bind", "bind_dense", "dense_product", "int4_product", "int8_product", "k_multiple",
-           "max_rows", "misfit", "status", "stream"]  # fmt: skip
+           "bf16_product", "bind", "bind_dense", "default_scheme", "dense_product", "int4_product", "int8_product",
+           "k_multiple", "max_rows", "misfit", "status", "stream"]  # fmt: skip
 
 logger = logging.getLogger("packcache.native")
 
@@ -80,7 +83,7 @@ NATIVE_ENV = "PACKCACHE_NATIVE"
 ISAS = {2: "avx512", 1: "avx2"}
 _LEVELS = {name: level for level, name in ISAS.items()}
 #: The ``pc_abi_version()`` this module calls: a stale build of another version is not loaded.
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: Operand dtypes of the library's calls.
 FLOAT32, BFLOAT16 = 0, 1
 _OPS = {"int8": 0, "bf16": 1, "int4": 2, "dense": 3}
@@ -114,7 +117,8 @@ class NativeStatus:
     @property
     def batch_invariant(self) -> tuple[str, ...]:
         """The schemes whose packed linear layers give a row the same bits alone and inside any batch in this
-        process: where the compiled kernels run, fp32, bf16 and int8 (:func:`dense_product`) and int4
+        process: where the compiled kernels run, fp32 and bf16 (:func:`dense_product`), int8 (:func:`int8_product`,
+        or the dense product over a weight it cannot take, dequantised) and int4
         (:func:`int4_product`, or the dense product over a weight it cannot take, dequantised), every row count;
         none without them (torch's kernels change with the row count). int4 needs torch's int4 layout to be one
         packcache reads (:func:`packcache.kernels.int4_layout`); it always was on the CPUs measured."""
@@ -130,6 +134,19 @@ class NativeStatus:
             "native_isa": self.isa, "native_cpu": self.cpu, "native_reason": self.reason,
             "native_batch_invariant": list(self.batch_invariant),
         }  # fmt: skip
+
+
+def default_scheme() -> str:
+    """The scheme that is fast on this machine: ``int8`` where the compiled int8 product runs (:func:`status`: an
+    x86 CPU with AVX2 and the compiled part installed; int8 then runs as fast as the float schemes or faster, from
+    the smallest fast cache, ``docs/BENCHMARKS.md``), else ``fp32`` (without it every int8 product dequantises its
+    weight first: torch's int8 kernel reads one scale per row, not int8's blocks). What ``--scheme auto`` means on
+    the command line.
+
+    >>> default_scheme() in ("int8", "fp32")
+    True
+    """
+    return "int8" if status().isa is not None else "fp32"
 
 
 def _find() -> str | None:
@@ -221,8 +238,8 @@ def _level() -> int:
 
 @functools.cache
 def max_rows() -> int:
-    """The most activation rows one ``int8`` or ``bf16`` product takes (0 without the compiled part);
-    :func:`dense_product` and :func:`int4_product` take any number."""
+    """The most activation rows one ``bf16`` product takes (0 without the compiled part); :func:`dense_product`,
+    :func:`int8_product` and :func:`int4_product` take any number."""
     return int(_library().pc_max_rows()) if status().isa is not None else 0
 
 
@@ -437,7 +454,8 @@ def bind_dense(weight: torch.Tensor, bias: torch.Tensor | None = None, *, name: 
 
 
 def _int8_reads(n: int, k: int, group: int) -> dict[str, Spec]:
-    return {"weight": (torch.int8, (n, k)), "scales": (torch.float32, (n,)), "bias": (torch.float32, (n,))}
+    blocks = k // 32  # the product takes k % 32 == 0 (k_multiple)
+    return {"weight": (torch.int8, (n, k)), "scales": (torch.bfloat16, (n, blocks)), "bias": (torch.float32, (n,))}
 
 
 def _bf16_reads(n: int, k: int, group: int) -> dict[str, Spec]:
@@ -502,9 +520,13 @@ def _call(op: str, x: torch.Tensor, operands: Bound, threads: int, group: int = 
 
 
 def int8_product(x: torch.Tensor, operands: Bound, threads: int) -> torch.Tensor:
-    """``x[rows, k] @ (weight * scales[:, None])^T + bias`` over ``operands`` bound (:func:`bind`) to an int8
-    ``weight [n, k]``, float32 ``scales [n]`` and optionally a float32 ``bias [n]``; ``x`` float32 or bfloat16, the
-    result ``[rows, n]`` in its dtype.
+    """``x[rows, k] @ W^T + bias`` over ``operands`` bound (:func:`bind`) to int8 codes ``weight [n, k]``, bfloat16
+    ``scales [n, k / 32]`` (W = code * the scale of its row and block of 32) and optionally a float32 ``bias [n]``;
+    ``x`` float32 or bfloat16, any number of rows, the result ``[rows, n]`` in its dtype; ``k`` a multiple of
+    ``k_multiple("int8")`` (32).
+
+    Each row's activations are rounded to int8 per block of 4 on their own and its sums taken in one order, so a
+    row's bits are the same alone and among any rows.
 
     Raises:
         NativeError: no compiled part; ``x`` or the operands' layout is not what it reads; a call it does not take.

@@ -6,7 +6,8 @@ store; :func:`tensor_to_numpy` refuses anything that is not self-contained bytes
 
 - ``torch.linear.f32``: weight f32 ``[out, in]``; kernel ``torch.nn.functional.linear``.
 - ``torch.linear.bf16``: weight bf16 ``[out, in]`` (stored as uint16 bits); ``linear`` on bf16 activations.
-- ``torch.int8wo``: weight int8 ``[out, in]``, scales f32 ``[out]``; ``torch._weight_int8pack_mm``.
+- ``torch.int8wo``: weight int8 ``[out, in]``, scales bf16 ``[out, in/32]`` (stored as uint16 bits): Q8_0's
+  blocks; packcache's compiled int8 product (:func:`packcache.native.int8_product`).
 - ``torch.int4wo``: weight uint8 in the kernel's layout, scales_and_zeros bf16 ``[in/g, out, 2]`` (stored as
   uint16 bits: the dtype the kernel takes), input_scales f32 ``[in]``; ``torch._weight_int4pack_mm_for_cpu``.
 
@@ -24,8 +25,8 @@ nor the platform fingerprint.
 
 >>> import numpy as np
 >>> parts = Int8WeightOnly().pack(np.ones((2, 4), np.float32), "F32")
->>> parts["weight"].dtype, parts["scales"].tolist()
-(dtype('int8'), [0.007874015718698502, 0.007874015718698502])
+>>> parts["weight"].dtype, parts["scales"].shape, parts["scales"].dtype  # bfloat16 bits, one per block of 32
+(dtype('int8'), (2, 1), dtype('uint16'))
 """
 
 from __future__ import annotations
@@ -53,7 +54,14 @@ from .packers import (
     non_finite_source,
     to_float32,
 )
-from .quantize import dequantize_int4, quantize_int4_activation_aware, quantize_int4_groups, quantize_int8_rows
+from .quantize import (
+    INT8_BLOCK,
+    dequantize_int4,
+    dequantize_int8_blocks,
+    quantize_int4_activation_aware,
+    quantize_int4_groups,
+    quantize_int8_blocks,
+)
 
 __all__ = [
     "Int4WeightOnly",
@@ -65,6 +73,7 @@ __all__ = [
     "STORAGE_DTYPES",
     "TorchPacker",
     "as_tensor",
+    "dequantize_rows",
     "tensor_to_numpy",
 ]
 
@@ -75,19 +84,18 @@ Operands = Mapping[str, "torch.Tensor | None"]
 #: Per kernel path, the rows up to which torch's fused weight-only kernels beat dequantising the
 #: weight per call and using the path's GEMM: the crossover measured on MiniLM's layer shapes
 #: (384x384, 384x1536, 1536x384) on an AVX512-BF16/AMX Xeon, 2 threads (``docs/TORCH.md``).
-FUSED_MAX_ROWS_INT8 = {"bf16": 16, "fp32": 32}
 FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
 #: Per compiled operation (:mod:`packcache.native`), the most rows it is called for (``None``: every row count).
-#: Both run for every row count: one sum order whatever the batch, so a row's answer does not depend on the rows
-#: beside it. ``dense`` (fp32, bf16, int8) keeps up with torch's dequantise and float32 GEMM at a MiniLM batch or a
-#: prefill; int4's kernel unpacks each block once for 64 rows at a time and beats torch's AVX2 kernel at 1-512 rows
-#: (``docs/TORCH.md``, "Compiled kernels").
-NATIVE_MAX_ROWS: dict[str, int | None] = {"dense": None, "int4": None}
-#: Per compiled operation, the codes (``native.status().isa``) it is used on: both are AVX2 code, run on both levels
+#: Each runs for every row count: one sum order whatever the batch, so a row's answer does not depend on the rows
+#: beside it. ``dense`` (fp32, bf16) keeps up with torch's float32 GEMM at a MiniLM batch or a prefill; ``int8``
+#: multiplies int8 activations by the int8 codes at every row count; int4's kernel unpacks each block once for 64
+#: rows at a time and beats torch's AVX2 kernel at 1-512 rows (``docs/TORCH.md``, "Compiled kernels").
+NATIVE_MAX_ROWS: dict[str, int | None] = {"dense": None, "int4": None, "int8": None}
+#: Per compiled operation, the codes (``native.status().isa``) it is used on: all are AVX2 code, run on both levels
 #: (the same numbers on every x86 CPU with AVX2 and FMA). int4's 256-bit VNNI variant streamed ~21 GiB/s on an
 #: AVX512 Xeon where torch's AVX512 kernel streamed ~26 and, on the same Xeon, the AVX2 code decoded faster than
 #: torch's AVX512 kernel (``benchmarks/decode_kernels.py``, ``docs/BENCHMARKS.md``).
-NATIVE_ISAS = {"dense": ("avx512", "avx2"), "int4": ("avx512", "avx2")}
+NATIVE_ISAS = {"dense": ("avx512", "avx2"), "int4": ("avx512", "avx2"), "int8": ("avx512", "avx2")}
 
 #: torch dtypes a pack may hold, with the numpy dtype that stores their bytes.
 #: bfloat16 has no numpy dtype: its bits are stored as uint16 and read back as bfloat16.
@@ -284,10 +292,10 @@ class TorchPacker(Packer):
         >>> parts = packer.pack(np.ones((2, 32), np.float32), "F32")
         >>> sorted(packer.bind(parts))
         ['bias', 'scales', 'weight']
-        >>> packer.bind({**parts, "scales": parts["scales"].astype(np.float16)}, name="fc")
+        >>> packer.bind({**parts, "scales": parts["scales"].view(np.float16)}, name="fc")
         Traceback (most recent call last):
-        packcache.errors.PackResultError: layer 'fc': packed operand 'scales' is float16 [2]; the layer needs \
-float32 [2], C-contiguous: the cache holds a pack that does not fit this layer
+        packcache.errors.PackResultError: layer 'fc': packed operand 'scales' is float16 [2, 1]; the layer needs \
+bfloat16 [2, 1], C-contiguous: the cache holds a pack that does not fit this layer
         """
         if dims is None:
             try:
@@ -412,6 +420,8 @@ def _native_kernel(op: str) -> str:
     """How :meth:`TorchPacker.kernel` names a compiled operation."""
     if op == "dense":
         return "packcache dense (avx2 code: weights widened to float32, FMA, one sum order at every row count)"
+    if op == "int8":
+        return "packcache int8 (avx2 code: activations int8 per 4, vpmaddubsw, one sum order at every row count)"
     # int4, the other operation a packer runs
     return "packcache int4 (avx2 code: activations int8 per 32, vpmaddubsw, one sum order at every row count)"
 
@@ -663,124 +673,131 @@ class LinearBFloat16(TorchPacker):
 
 
 class Int8WeightOnly(TorchPacker):
-    """Per-channel symmetric int8, the operands of ``torch._weight_int8pack_mm(x, weight, scales)``.
+    """Symmetric int8 in blocks of 32 input features, llama.cpp's Q8_0 weights: parts ``weight`` (int8 codes
+    ``[out, in]``) and ``scales`` (bfloat16 ``[out, ceil(in / 32)]``, stored as uint16 bits), weight = code *
+    scale (:func:`packcache.quantize.quantize_int8_blocks`).
 
-    Version 2: a pack of version 1 may hold a NaN row packed as an all-zero channel (version 2 refuses
-    NaN and ±Inf), so a cache of version 1 is rebuilt once; finite packs are the same bytes.
+    Version 3: one scale per block of 32, where versions 1 and 2 had one per output row. A row's largest weight set
+    the step of all its others, and a 1 B Llama's logits came out at cosine 0.99694 against float32, below
+    llama.cpp Q8_0's 0.99809 (docs/TORCH.md, "int8"). A cache of version 2 is rebuilt once.
 
-    Up to :attr:`fused_max_rows` rows that fused kernel, on bf16 activations (its only vectorised
-    variant; it also needs ``in_features % 16 == 0``); for more rows the weight is converted to the
-    path's dtype once per call (bf16 on path ``bf16``, float32 on path ``fp32``) for ``linear``,
-    with the scales applied to the output or to the weight, whichever is smaller.
+    Where the compiled kernels run (:mod:`packcache.native`, ``in_features % 32 == 0``), every row count runs
+    :func:`packcache.native.int8_product`: activations quantised to int8 per row in blocks of 4 features, integer
+    dot products, one sum order whatever the batch. A layer whose ``in_features`` it does not take runs the
+    compiled dense product over its weight dequantised per call (the same at every row count too). Without the
+    compiled kernels the weight is dequantised per call, a block of output channels at a time, for the path's
+    ``linear``: torch has no kernel of its own for per-block int8 scales.
     """
 
     id = "torch.int8wo"
-    version = 2
+    version = 3
     parts = ("weight", "scales")
-    fused_max_rows = FUSED_MAX_ROWS_INT8
 
     def eligible(self, shape: tuple[int, ...]) -> str | None:
         return _two_d(shape)
 
     def layout(self, out_features: int, in_features: int) -> dict[str, native.Spec]:
-        return {"weight": (torch.int8, (out_features, in_features)), "scales": (torch.float32, (out_features,))}
+        blocks = -(-in_features // INT8_BLOCK)
+        return {"weight": (torch.int8, (out_features, in_features)), "scales": (torch.bfloat16, (out_features, blocks))}
+
+    def part_dtypes(self) -> dict[str, torch.dtype]:
+        return {"scales": torch.bfloat16}
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
-        weight, scales = quantize_int8_rows(finite_float32(source, dtype))
+        weight, scales = quantize_int8_blocks(finite_float32(source, dtype))
         return {
             "weight": tensor_to_numpy(torch.from_numpy(weight), f"{self.id}:weight"),
-            "scales": tensor_to_numpy(torch.from_numpy(scales), f"{self.id}:scales"),
+            "scales": tensor_to_numpy(
+                torch.from_numpy(scales.view(np.int16)).view(torch.bfloat16), f"{self.id}:scales"
+            ),
         }
 
     def intended(
         self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None
     ) -> np.ndarray[Any, Any]:
-        weight, scales = quantize_int8_rows(to_float32(source, dtype))
-        result: np.ndarray[Any, Any] = weight.astype(np.float32) * scales[:, None]
-        return result
+        return dequantize_int8_blocks(*quantize_int8_blocks(to_float32(source, dtype)))
 
-    def prepare(self, operands: Operands, path: str) -> dict[str, torch.Tensor | None]:
-        prepared = super().prepare(operands, path)
-        scales = _tensor(prepared, "scales")
-        prepared["scales"] = scales.to(activation_dtype(path))
-        prepared["scales_bf16"] = scales.to(torch.bfloat16)  # the fused kernel's dtype, on every path
-        return prepared
+    def tolerance(self, path: str = "fp32", rows: int = 1) -> float:
+        # int8 activations in blocks of 4 err by ~0.2 % of a block's largest value; a misread layout by ~the output
+        return 1.0 if self._use_native(rows, NATIVE_PROBE_SHAPE[1]) else super().tolerance(path, rows)
 
-    def _fused(self, path: str, rows: int, in_features: int) -> bool:
-        # The vectorised kernel reads 16 (AVX512) or 8 (AVX2) input features at a time.
-        return self._use_fused(path, rows) and in_features % 16 == 0
+    native_op = "int8"
 
-    native_op = "dense"
+    def _use_dense(self, in_features: int) -> bool:
+        """Whether a layer the int8 product does not take (``in_features`` not a multiple of 32) runs the compiled
+        dense product over its weight dequantised per call."""
+        return (
+            native.status().isa in NATIVE_ISAS["dense"] and in_features % native.k_multiple("int8") != 0
+            and in_features % native.k_multiple("dense") == 0
+        )  # fmt: skip
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
-        weight, bias = _tensor(operands, "weight"), operands.get("bias")
+        weight, scales, bias = _tensor(operands, "weight"), _tensor(operands, "scales"), operands.get("bias")
         rows, in_features = x.shape
         if self._use_native(rows, in_features):
-            return _native_product("dense", x, operands)
-        if self._fused(path, rows, in_features):
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, _tensor(operands, "scales_bf16")).to(x.dtype)
-            return y if bias is None else y.add_(bias)
-        # The int8 -> float conversion is one vectorised pass (multiplying int8 by a float tensor
-        # directly is several times slower); the per-channel scale then goes on whichever is
-        # smaller, the output [rows, out] or the weight [out, in].
-        scales = _tensor(operands, "scales")
-        fold = rows >= in_features
-        if weight.shape[0] * in_features * x.element_size() > DEQUANT_BLOCK_BYTES:
-            y = _blocked_linear(x, weight, scales if fold else None)
-        elif fold:
-            return F.linear(x, weight.to(x.dtype).mul_(scales[:, None]), bias)
-        else:
-            y = F.linear(x, weight.to(x.dtype))
-        if fold:
-            return y if bias is None else y.add_(bias)
-        return y.mul_(scales) if bias is None else torch.addcmul(bias, y, scales)
+            return native.int8_product(x, operands.bound, torch.get_num_threads())
+        if self._use_dense(in_features):
+            bound = native.bind_dense(dequantize_rows(weight, scales, torch.float32), operands.bound["bias"])
+            return native.dense_product(x, bound, torch.get_num_threads())
+        out_features = weight.shape[0]
+        block = max(16, DEQUANT_BLOCK_BYTES // max(1, in_features * x.element_size()))
+        if out_features <= block:
+            return F.linear(x, dequantize_rows(weight, scales, x.dtype), bias)
+        out_t = torch.empty(out_features, rows, dtype=x.dtype)
+        for start in range(0, out_features, block):
+            part = dequantize_rows(weight[start : start + block], scales[start : start + block], x.dtype)
+            torch.mm(part, x.t(), out=out_t[start : start + block])
+        y = out_t.t().contiguous()
+        return y if bias is None else y.add_(bias)
 
     def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
         if self._use_native(rows, in_features):
-            return _native_kernel("dense")
-        if self._fused(path, rows, in_features):
-            return "_weight_int8pack_mm(bfloat16)"
+            return _native_kernel("int8")
+        if self._use_dense(in_features):
+            return f"int8 weight to float32 per call + {_native_kernel('dense')}"
         dtype = "bfloat16" if path == "bf16" else "float32"
         return f"int8 weight to {dtype} per call + linear({dtype})"
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
-        if self._use_native(rows, 1 << 12):
-            return activation_dtype(path)  # widened to float32 inside the compiled kernel
-        return torch.bfloat16 if self._fused(path, rows, 16) else activation_dtype(path)
+        # quantised per block of 4 inside the compiled kernel
+        return torch.int8 if self._use_native(rows, 1 << 12) else activation_dtype(path)
 
     embeds = True
 
     def rows(self, operands: Operands, ids: torch.Tensor) -> torch.Tensor:
-        # Per-row int8 is per-output-channel int8: the rows of a [num, dim] table, each with its scale.
+        # The rows of a [num, dim] table, each row's blocks with their scales.
         bound = self._bound(operands)
-        codes = F.embedding(ids, _tensor(bound, "weight")).float()
-        return codes.mul_(F.embedding(ids, _tensor(bound, "scales")[:, None]))
+        flat = ids.reshape(-1)
+        rows = dequantize_rows(_tensor(bound, "weight")[flat], _tensor(bound, "scales")[flat], torch.float32)
+        return rows.view(*ids.shape, -1)
 
     def dequantized(self, operands: Operands) -> torch.Tensor:
         bound = self._bound(operands)
-        return _tensor(bound, "weight").float().mul_(_tensor(bound, "scales")[:, None])
+        return dequantize_rows(_tensor(bound, "weight"), _tensor(bound, "scales"), torch.float32)
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of int8 ``codes [rows, in]`` and bfloat16 block ``scales [rows, ceil(in / 32)]`` in ``dtype``:
+    code * scale, computed in float32 (exact: an int8 times a bfloat16 has at most 15 significant bits), contiguous.
+
+    >>> dequantize_rows(torch.tensor([[2, -3]], dtype=torch.int8), torch.tensor([[0.5]], dtype=torch.bfloat16),
+    ...                 torch.float32).tolist()
+    [[1.0, -1.5]]
+    """
+    rows, in_features = codes.shape
+    blocks = scales.shape[1]
+    padded = in_features if in_features == blocks * INT8_BLOCK else blocks * INT8_BLOCK
+    wide = codes.float() if padded == in_features else F.pad(codes.float(), (0, padded - in_features))
+    weight = wide.view(rows, blocks, INT8_BLOCK).mul_(scales.float()[:, :, None]).view(rows, padded)
+    weight = weight if padded == in_features else weight[:, :in_features].contiguous()
+    return weight if dtype == torch.float32 else weight.to(dtype)
 
 
 #: The most bytes of a weight converted to the activations' dtype at once: a larger weight is converted and
 #: multiplied block by block of output channels. A whole 8192x2048 weight converted per call (32 MiB of bf16) made a
 #: 32-row prefill of a 1 B model's layers 1.7x slower than 8 MiB blocks (``docs/TORCH.md``, "Kernel paths").
 DEQUANT_BLOCK_BYTES = 8 << 20
-
-
-def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, fold: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T`` for an int8 ``weight`` converted to ``x``'s dtype :data:`DEQUANT_BLOCK_BYTES` at a time, each
-    block times ``fold[:, None]`` (per-channel scales) when given; returns ``[rows, out]`` contiguous."""
-    out_features, in_features = weight.shape
-    block = max(16, DEQUANT_BLOCK_BYTES // (in_features * x.element_size()))
-    out_t = torch.empty(out_features, x.shape[0], dtype=x.dtype)
-    x_t = x.t()
-    for start in range(0, out_features, block):
-        converted = weight[start : start + block].to(x.dtype)
-        if fold is not None:
-            converted.mul_(fold[start : start + block, None])
-        torch.mm(converted, x_t, out=out_t[start : start + block])
-    return out_t.t().contiguous()
 
 
 class Int4WeightOnly(TorchPacker):

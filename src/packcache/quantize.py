@@ -1,10 +1,12 @@
-"""Quantisation, torch-free: int8 per row, and the int4 group search (plain and activation-aware).
+"""Quantisation, torch-free: int8 per row or per block, and the int4 group search (plain and activation-aware).
 
 What the quantising packers (:class:`packcache.packers.Int8PerChannel`, and
 :mod:`packcache.packers_torch`'s int8 and int4) compute their bytes with, each function
 deterministic: the same input gives the same bytes whatever the chunks or threads it runs on.
 
 - :func:`quantize_int8_rows`: symmetric int8, one scale per output row.
+- :func:`quantize_int8_blocks`: symmetric int8, one bfloat16 scale per row and block of 32 input features
+  (llama.cpp's Q8_0 weights).
 - :func:`quantize_int4_groups`: asymmetric 4-bit codes in groups along the input, each group's scale
   and offset found by a weighted least-squares search over clipping ranges.
 - :func:`quantize_int4_activation_aware`: the same search under per-input-feature scales chosen from
@@ -29,11 +31,14 @@ from .errors import NonFiniteWeightError
 
 __all__ = [
     "AWQ_EXPONENTS",
+    "INT8_BLOCK",
     "INT4_RANGE_STEPS",
     "INT4_RANGE_STEPS_CLOSED",
     "dequantize_int4",
     "quantize_int4_activation_aware",
     "quantize_int4_groups",
+    "dequantize_int8_blocks",
+    "quantize_int8_blocks",
     "quantize_int8_rows",
     "round_bfloat16",
 ]
@@ -57,6 +62,60 @@ def quantize_int8_rows(w: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], n
     scales = np.where(step > 0, step, np.float32(1.0)).astype(np.float32)
     q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
     return q, scales
+
+
+#: Input features per scale of :func:`quantize_int8_blocks`.
+INT8_BLOCK = 32
+
+
+def quantize_int8_blocks(w: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Round-to-nearest symmetric int8 of float32 ``w [out, in]`` in blocks of :data:`INT8_BLOCK` input features
+    (the last block of a row may be shorter): ``(int8 codes [out, in], bfloat16 scales as uint16 bits
+    [out, ceil(in / 32)])``.
+
+    A block's scale is its largest magnitude over 127, rounded to bfloat16 (nearest, ties to even), and its codes
+    are rounded against that stored scale and clipped to ±127: the weight the file stands for is exactly
+    code * scale, what every kernel computes with, and the clip (the scale rounded down by at most 2^-9) moves the
+    largest weight by at most a quarter step. An all-zero block (or one of subnormals whose step rounds to 0) gets
+    scale 0 and codes 0.
+
+    Raises:
+        NonFiniteWeightError: ``w`` holds NaN or ±Inf.
+
+    >>> codes, scales = quantize_int8_blocks(np.array([[1.0] * 32 + [0.5, -0.25]], np.float32))
+    >>> codes[0, [0, 32, 33]].tolist(), scales.shape
+    ([127, 127, -64], (1, 2))
+    """
+    rows, cols = w.shape
+    blocks = -(-cols // INT8_BLOCK)
+    padded = np.zeros((rows, blocks * INT8_BLOCK), np.float32)
+    padded[:, :cols] = w
+    amax = np.abs(padded.reshape(rows, blocks, INT8_BLOCK)).max(axis=2) if cols else np.zeros((rows, 0), np.float32)
+    if not np.isfinite(amax).all():
+        raise non_finite_source(w)
+    step = (amax / np.float32(127.0)).astype(np.float32)
+    bits = step.view(np.uint32)
+    # to the nearest bfloat16, ties to even (positive finite steps below 2.7e36: no carry into an Inf)
+    high = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    scales = high.astype(np.uint16)
+    stored = (high.astype(np.uint32) << 16).view(np.float32)
+    inverse = np.divide(np.float32(1.0), stored, out=np.zeros_like(stored), where=stored > 0)
+    codes = np.rint(padded.reshape(rows, blocks, INT8_BLOCK) * inverse[..., None])
+    q = np.clip(codes, -127, 127).astype(np.int8).reshape(rows, blocks * INT8_BLOCK)[:, :cols]
+    return np.ascontiguousarray(q), scales
+
+
+def dequantize_int8_blocks(codes: np.ndarray[Any, Any], scales: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The float32 weight ``[out, in]`` of :func:`quantize_int8_blocks`' ``(codes, scales)``: code * scale.
+
+    >>> dequantize_int8_blocks(*quantize_int8_blocks(np.array([[0.5, -1.0]], np.float32))).tolist()
+    [[0.50390625, -0.99993896484375]]
+    """
+    cols = codes.shape[1]
+    stored = (scales.astype(np.uint32) << 16).view(np.float32)
+    per_feature = np.repeat(stored, INT8_BLOCK, axis=1)[:, :cols]
+    result: np.ndarray[Any, Any] = codes.astype(np.float32) * per_feature
+    return result
 
 
 #: Candidate code ranges tried per group by :func:`quantize_int4_groups`, as a

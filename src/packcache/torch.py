@@ -4,7 +4,7 @@ This module's one idea is the conversion; it is also the public face of the torc
 :func:`convert` walks a module, replaces every eligible ``nn.Linear`` by a :class:`PackedLinear` whose operands
 are tensors over the cache's read-only mapping (``torch.frombuffer``, no copy), given an ``embedding`` packer
 every ``nn.Embedding`` by a :class:`PackedEmbedding` over its table in that packer's form (bf16, or int8 rows
-with per-row scales), and gives every other parameter the same treatment (as float32). Ineligible layers
+with a scale per block of 32), and gives every other parameter the same treatment (as float32). Ineligible layers
 (shapes the kernel cannot take) stay ``nn.Linear`` and are listed in the :class:`ConversionReport`.
 
 Sources are lazy. The pack keys come from names, shapes, dtypes, the packer's

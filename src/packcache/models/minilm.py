@@ -10,7 +10,7 @@ checkpoint of the same shape of files (``model_path``); tokenisation uses the
 
 The skeleton is built on the ``meta`` device, so no weight is materialised from
 the checkpoint: every linear layer is packed by the scheme's packer, the embedding
-tables in the scheme's form (bf16; int8 rows with per-row scales for int8 and int4;
+tables in the scheme's form (bf16; int8 rows with a scale per block of 32 for int8 and int4;
 float32 for fp32) and every other weight (layer norms, biases) as float32, all through
 the cache, and all served as zero-copy tensors over its mapping. A warm launch
 reads only the safetensors header (for shapes and dtypes), never a tensor byte.
@@ -20,7 +20,7 @@ Schemes (the packer of the linear layers; the embedding tables as the module doc
 =========  =================================================================
 ``fp32``   float32 weights, ``torch.nn.functional.linear``
 ``bf16``   bfloat16 weights and activations, ``linear``
-``int8``   per-channel int8 weight-only, ``torch._weight_int8pack_mm``
+``int8``   int8 weight-only in blocks of 32 (llama.cpp's Q8_0), packcache's int8 product
 ``int4``   grouped int4 weight-only (group 32 by default),
            ``torch._weight_int4pack_mm_for_cpu``; scales from a least-squares
            clipping search (see ``docs/TORCH.md``)
@@ -230,7 +230,7 @@ def platform(scheme: str | None = None, group_size: int = GROUP_SIZE) -> dict[st
 
 def default_scheme() -> str:
     """The scheme that is fast on this machine, what ``scheme=None`` and ``"auto"`` mean
-    (:func:`packcache.loader.resolve_scheme`, :func:`packcache.kernels.default_scheme`).
+    (:func:`packcache.loader.resolve_scheme`, :func:`packcache.native.default_scheme`).
 
     >>> default_scheme() in SCHEMES
     True
