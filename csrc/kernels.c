@@ -202,36 +202,44 @@ static inline float hsum256(__m256 v) {
 /* int8 on AVX2 (run on both ISA levels): W int8 codes [N, K] with a bfloat16 scale per row and block of 32 input
  * features (ws [N, K/32]: llama.cpp's Q8_0 weights), x quantised per row to int8 in blocks of 4 features
  * (quantize_row4: one scale per int32 lane of the dot product). A tile of NR weight rows x MR activation rows over
- * bytes [k0, k1), 32 weight bytes (one block) per step: vpmaddubsw takes unsigned x signed bytes, so |w| and the
- * activation codes carrying w's sign (vpsignb); pairs fit int16 (|w|, |q| <= 127) and vpmaddwd sums each lane's
- * four products exactly. Each output (activation row i, weight row j) then adds, per step, its eight lane sums
- * times (lane scales * the block's weight scale) in one fused multiply-add per lane: acc_io[i * NR + j]. Every
- * output's operations are the same in every tile and chunk, so a row's bits do not depend on the rows beside it. */
+ * bytes [k0, k1) of one chunk, 32 weight bytes (one block) per step: vpmaddubsw takes unsigned x signed bytes, so |w|
+ * and the activation codes carrying w's sign (vpsignb); pairs fit int16 (|w|, |q| <= 127) and vpmaddwd sums each
+ * lane's four products exactly. Each output (activation row i, weight row j) then adds, per step, its eight lane sums
+ * times (lane scales * the block's weight scale) in one fused multiply-add per lane: acc_io[i * NR + j]. The block
+ * scales come as float32 (wsf: the chunk's, INT8_K_CHUNK / 32 per weight row), widened once per chunk rather than
+ * at every step of every activation row. Every output's operations are the same in every tile and chunk, so a row's
+ * bits do not depend on the rows beside it. Only a one-row tile (a decode step, which streams the weight from
+ * memory) prefetches: the others reread a chunk already in L1. */
+/* Input bytes a weight tile passes its activation rows in before the next chunk: 2 weight rows and 4 activation
+ * rows (codes and lane scales) of 1 KiB stay in L1 whatever K is. */
+#define INT8_K_CHUNK 1024
 #define INT8_TILE(NR, MR)                                                                                         \
     __attribute__((target("avx2,fma,f16c"))) static void int8_tile_##NR##x##MR(                                  \
-        const int8_t *w, const uint16_t *ws, size_t K, size_t k0, size_t k1, const int8_t *q, const float *ls,   \
+        const int8_t *w, const float *wsf, size_t K, size_t k0, size_t k1, const int8_t *q, const float *ls,     \
         __m256 *acc_io) {                                                                                        \
         const __m256i ones = _mm256_set1_epi16(1);                                                               \
-        const size_t blocks = K / QBLOCK;                                                                        \
         __m256 acc[MR][NR];                                                                                      \
         for (int i = 0; i < MR; i++)                                                                             \
             for (int j = 0; j < NR; j++) acc[i][j] = acc_io[i * NR + j];                                         \
+        const size_t qs = K, ss = K / 4;                                                                         \
         for (size_t k = k0; k < k1; k += QBLOCK) {                                                               \
-            const size_t ahead = k + PREFETCH < K ? k + PREFETCH : k + PREFETCH + (NR - 1) * K;                  \
             __m256i wv[NR], wabs[NR];                                                                            \
-            __m256 wscale[NR];                                                                                   \
             for (int j = 0; j < NR; j++) {                                                                       \
-                if (!(k & 63)) _mm_prefetch((const char *)(w + j * K + ahead), _MM_HINT_T0);                     \
+                if (MR == 1 && !(k & 63)) {                                                                      \
+                    const size_t ahead = k + PREFETCH < K ? k + PREFETCH : k + PREFETCH + (NR - 1) * K;          \
+                    _mm_prefetch((const char *)(w + j * K + ahead), _MM_HINT_T0);                                \
+                }                                                                                                \
                 wv[j] = _mm256_loadu_si256((const __m256i *)(w + j * K + k));                                    \
                 wabs[j] = _mm256_sign_epi8(wv[j], wv[j]);                                                        \
-                wscale[j] = _mm256_set1_ps(bf16_float(ws[j * blocks + k / QBLOCK]));                             \
             }                                                                                                    \
+            const float *wsk = wsf + (k - k0) / QBLOCK;                                                          \
             for (int i = 0; i < MR; i++) {                                                                       \
-                const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + i * K + k));                         \
-                const __m256 s = _mm256_loadu_ps(ls + i * (K / 4) + k / 4);                                      \
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + i * qs + k));                        \
+                const __m256 s = _mm256_loadu_ps(ls + i * ss + k / 4);                                           \
                 for (int j = 0; j < NR; j++) {                                                                   \
                     __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[j], _mm256_sign_epi8(qv, wv[j])), ones); \
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, wscale[j]), acc[i][j]); \
+                    const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(wsk + j * (INT8_K_CHUNK / QBLOCK))); \
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][j]);                      \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
@@ -248,16 +256,13 @@ INT8_TILE(1, 2)
 INT8_TILE(1, 3)
 INT8_TILE(1, 4)
 
-/* Input bytes a weight tile passes its activation rows in before the next chunk: 2 weight rows and 4 activation
- * rows (codes and lane scales) of 1 KiB stay in L1 whatever K is. */
-#define INT8_K_CHUNK 1024
 /* Activation rows a weight tile passes before the next tile: 48 rows' codes and lane scales of a chunk (96 KiB)
  * stay in L2. */
 #define INT8_M_BLOCK 48
 
 /* Output columns [n0, n1) for the M rows of quantised x. One row (a decode step): one weight row after the other,
- * the weight read as one sequential stream (on an AVX2 Zen 3, 5-8 % faster than 2 rows at a time and ~15 % faster
- * than 4: each row is a stream the prefetchers must find). More rows: blocks of INT8_M_BLOCK rows, and in each,
+ * the weight read as one sequential stream (on an AVX2 Zen 3, 0-7 % faster than 2 rows at a time over a 1.24 B
+ * Llama's layers, three alternating runs: each row is a stream the prefetchers must find). More rows: blocks of INT8_M_BLOCK rows, and in each,
  * tiles of 2 weight rows (the last n1 - n0 mod 2 one at a time) passing the block's rows 4 at a time, a chunk of
  * K at a time. */
 __attribute__((target("avx2,fma,f16c")))
@@ -275,20 +280,24 @@ static void int8_columns(const int8_t *W, const uint16_t *ws, const float *bias,
             for (int i = 0; i < mrows * nr; i++) acc[i] = _mm256_setzero_ps();
             for (size_t k0 = 0; k0 < (size_t)K; k0 += INT8_K_CHUNK) {
                 const size_t k1 = k0 + INT8_K_CHUNK < (size_t)K ? k0 + INT8_K_CHUNK : (size_t)K;
+                float wsf[2 * (INT8_K_CHUNK / QBLOCK)];
+                for (int j = 0; j < nr; j++)
+                    for (size_t b = k0 / QBLOCK; b < k1 / QBLOCK; b++)
+                        wsf[j * (INT8_K_CHUNK / QBLOCK) + b - k0 / QBLOCK] = bf16_float(wsn[j * blocks + b]);
                 for (int m0 = 0; m0 < mrows; m0 += 4) {
                     const int mc = mrows - m0 < 4 ? mrows - m0 : 4;
                     const int8_t *qm = q + (size_t)(mb + m0) * K;
                     const float *lm = lane_scale + (size_t)(mb + m0) * (K / 4);
                     __m256 *am = acc + (size_t)m0 * nr;
                     switch (nr * 8 + mc) {
-                        case 17: int8_tile_2x1(w, wsn, K, k0, k1, qm, lm, am); break;
-                        case 18: int8_tile_2x2(w, wsn, K, k0, k1, qm, lm, am); break;
-                        case 19: int8_tile_2x3(w, wsn, K, k0, k1, qm, lm, am); break;
-                        case 20: int8_tile_2x4(w, wsn, K, k0, k1, qm, lm, am); break;
-                        case 9: int8_tile_1x1(w, wsn, K, k0, k1, qm, lm, am); break;
-                        case 10: int8_tile_1x2(w, wsn, K, k0, k1, qm, lm, am); break;
-                        case 11: int8_tile_1x3(w, wsn, K, k0, k1, qm, lm, am); break;
-                        default: int8_tile_1x4(w, wsn, K, k0, k1, qm, lm, am); break;
+                        case 17: int8_tile_2x1(w, wsf, K, k0, k1, qm, lm, am); break;
+                        case 18: int8_tile_2x2(w, wsf, K, k0, k1, qm, lm, am); break;
+                        case 19: int8_tile_2x3(w, wsf, K, k0, k1, qm, lm, am); break;
+                        case 20: int8_tile_2x4(w, wsf, K, k0, k1, qm, lm, am); break;
+                        case 9: int8_tile_1x1(w, wsf, K, k0, k1, qm, lm, am); break;
+                        case 10: int8_tile_1x2(w, wsf, K, k0, k1, qm, lm, am); break;
+                        case 11: int8_tile_1x3(w, wsf, K, k0, k1, qm, lm, am); break;
+                        default: int8_tile_1x4(w, wsf, K, k0, k1, qm, lm, am); break;
                     }
                 }
             }

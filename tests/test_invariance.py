@@ -206,7 +206,7 @@ def test_all_minilm_int8_through_sentence_transformers_keeps_its_quality_floor_o
     together = model.encode(reference["sentences"], batch_size=len(reference["sentences"]))
     assert alone.tobytes() == together.astype(np.float64).tobytes()
     cosines = (alone * expected).sum(1) / (np.linalg.norm(alone, axis=1) * np.linalg.norm(expected, axis=1))
-    assert cosines.min() >= 0.995, cosines.min()
+    assert cosines.min() >= 0.998, cosines.min()  # 0.99936 measured; the floor is 0.995
 
 
 def test_per_sequence_attention_computes_what_sdpa_computes_and_leaves_other_models_alone(tmp_path: Path) -> None:

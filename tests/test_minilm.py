@@ -41,7 +41,7 @@ from packcache.safetensors import SafetensorsFile
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text(encoding="utf-8"))
 SENTENCES: list[str] = REFERENCE["sentences"]
-MIN_COSINE_VS_FP32 = {"bf16": 0.999, "int8": 0.995, "int4": 0.95}
+MIN_COSINE_VS_FP32 = {"bf16": 0.999, "int8": 0.998, "int4": 0.95}
 #: What a warm launch may add to a process's anonymous memory: its own objects, never a copy of the weights.
 ANONYMOUS_SLACK = 1 << 20
 #: ``launches`` loads every scheme three times (int4's search included): one xdist worker makes it (tests/conftest.py).
