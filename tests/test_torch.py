@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import packcache
@@ -41,7 +42,14 @@ from harness.serve import TEXTS, assert_embeddings, call, embed, loaded_workers,
 from packcache import hf
 from packcache.models import minilm
 from packcache.packers import SCHEMES, Float32, platform_for
-from packcache.packers_torch import NATIVE_ISAS, Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
+from packcache.packers_torch import (
+    NATIVE_ISAS,
+    Int4WeightOnly,
+    Int8WeightOnly,
+    LinearBFloat16,
+    LinearFloat32,
+    TorchPacker,
+)
 from packcache.safetensors import SafetensorsFile
 from packcache.torch import FloatLinear, PackedEmbedding, PackedLinear, as_tensor, convert, scheme_packer
 
@@ -672,6 +680,20 @@ def test_a_packed_table_looks_up_exactly_its_dequantised_rows_and_saves_them_as_
         assert report.kernels["head"] == Int8WeightOnly().kernels(model.head.kernel_path), report.kernels["head"]
     assert names == sorted([*parts, "norm.bias:np.f32:weight", "norm.weight:np.f32:weight"]), names
     assert report.packed_ties == {"head": ["embed.weight"]}
+
+
+@pytest.mark.parametrize("packer", [Int8WeightOnly(), LinearBFloat16()], ids=lambda p: p.id)
+def test_a_lookup_of_an_id_out_of_range_is_an_error_as_for_the_float_table(packer: TorchPacker) -> None:
+    # The int8 table gathers codes and block scales itself: a negative id must not wrap round to the last rows.
+    parts = packer.pack(np.random.default_rng(0).standard_normal((10, 64)).astype(np.float32), "F32")
+    operands: dict[str, torch.Tensor | None] = {p: as_tensor(a, packer.part_dtypes().get(p)) for p, a in parts.items()}
+    operands["bias"] = None
+    assert packer.rows(operands, torch.tensor([[9, 0]])).shape == (1, 2, 64)
+    for ids in (torch.tensor([-1]), torch.tensor([10])):
+        with pytest.raises(IndexError):
+            packer.rows(operands, ids)
+        with pytest.raises(IndexError):
+            F.embedding(ids, torch.zeros(10, 64))  # what the float table does
 
 
 def test_the_fp32_scheme_keeps_its_tables_float32_parameters(tmp_path: Path) -> None:
