@@ -129,20 +129,16 @@ static inline void store(void *y, size_t i, float v, int ydtype) {
         ((float *)y)[i] = v;
 }
 
-static inline float load_x(const void *x, size_t i, int xdtype) {
-    if (!xdtype) return ((const float *)x)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* A bfloat16's bits as the float32 they are (exact). */
 static inline float bf16_float(uint16_t bits) {
     uint32_t u = (uint32_t)bits << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+static inline float load_x(const void *x, size_t i, int xdtype) {
+    return xdtype ? bf16_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
 /* The first lines of the next weight row (bytes at next): the hardware prefetcher needs a few misses to find a

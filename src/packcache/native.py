@@ -454,7 +454,7 @@ def bind_dense(weight: torch.Tensor, bias: torch.Tensor | None = None, *, name: 
 
 
 def _int8_reads(n: int, k: int, group: int) -> dict[str, Spec]:
-    blocks = k // 32  # the product takes k % 32 == 0 (k_multiple)
+    blocks = k // 32  # the product takes k % 32 == 0 (k_multiple); quantize.INT8_BLOCK sits a layer above
     return {"weight": (torch.int8, (n, k)), "scales": (torch.bfloat16, (n, blocks)), "bias": (torch.float32, (n,))}
 
 

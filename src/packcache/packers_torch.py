@@ -416,6 +416,18 @@ bfloat16 [2, 1], C-contiguous: the cache holds a pack that does not fit this lay
         return (most is None or rows <= min(most, native.max_rows())) and in_features % native.k_multiple(op) == 0
 
 
+def _dense_runs(in_features: int) -> bool:
+    """Whether the compiled dense product runs here for a layer of ``in_features``: what a quantised layer its own
+    product does not take falls back to, over its weight dequantised per call."""
+    return native.status().isa in NATIVE_ISAS["dense"] and in_features % native.k_multiple("dense") == 0
+
+
+def _dense_over(x: torch.Tensor, weight: torch.Tensor, operands: Prepared) -> torch.Tensor:
+    """``x @ weight.T + bias`` by the compiled dense product over a float32 ``weight [out, in]`` dequantised per
+    call, with the layer's bound (checked, float32) bias."""
+    return native.dense_product(x, native.bind_dense(weight, operands.bound["bias"]), torch.get_num_threads())
+
+
 def _native_kernel(op: str) -> str:
     """How :meth:`TorchPacker.kernel` names a compiled operation."""
     if op == "dense":
@@ -722,10 +734,7 @@ class Int8WeightOnly(TorchPacker):
     def _use_dense(self, in_features: int) -> bool:
         """Whether a layer the int8 product does not take (``in_features`` not a multiple of 32) runs the compiled
         dense product over its weight dequantised per call."""
-        return (
-            native.status().isa in NATIVE_ISAS["dense"] and in_features % native.k_multiple("int8") != 0
-            and in_features % native.k_multiple("dense") == 0
-        )  # fmt: skip
+        return _dense_runs(in_features) and in_features % native.k_multiple("int8") != 0
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
@@ -734,8 +743,7 @@ class Int8WeightOnly(TorchPacker):
         if self._use_native(rows, in_features):
             return native.int8_product(x, operands.bound, torch.get_num_threads())
         if self._use_dense(in_features):
-            bound = native.bind_dense(dequantize_rows(weight, scales, torch.float32), operands.bound["bias"])
-            return native.dense_product(x, bound, torch.get_num_threads())
+            return _dense_over(x, dequantize_rows(weight, scales, torch.float32), operands)
         out_features = weight.shape[0]
         block = max(16, DEQUANT_BLOCK_BYTES // max(1, in_features * x.element_size()))
         if out_features <= block:
@@ -784,7 +792,7 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     """
     rows, in_features = codes.shape
     blocks = scales.shape[1]
-    padded = in_features if in_features == blocks * INT8_BLOCK else blocks * INT8_BLOCK
+    padded = blocks * INT8_BLOCK
     wide = codes.float() if padded == in_features else F.pad(codes.float(), (0, padded - in_features))
     weight = wide.view(rows, blocks, INT8_BLOCK).mul_(scales.float()[:, :, None]).view(rows, padded)
     weight = weight if padded == in_features else weight[:, :in_features].contiguous()
@@ -936,10 +944,7 @@ class Int4WeightOnly(TorchPacker):
         """Whether a layer the int4 product does not take (``out_features`` not a multiple of 64, a layout without
         halves) runs the compiled dense product over its weight dequantised per call: one sum order at every row
         count for it too, where the compiled kernels run."""
-        return (
-            int4_layout() is not None and not self._takes(in_features, out_features)
-            and native.status().isa in NATIVE_ISAS["dense"] and in_features % native.k_multiple("dense") == 0
-        )  # fmt: skip
+        return int4_layout() is not None and not self._takes(in_features, out_features) and _dense_runs(in_features)
 
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
@@ -952,10 +957,9 @@ class Int4WeightOnly(TorchPacker):
             assert layout is not None
             return _native_product("int4", x, operands, self.group_size, layout.block)
         if self._use_dense(in_features, out_features):
-            # float32 [out, in], as exact as dequantised_t's float32; the bias the bound operands' float32 one
+            # float32 [out, in], as exact as dequantised_t's float32
             dense = self.dequantized_t(weight, scales_and_zeros, input_scales, torch.float32).t().contiguous()
-            bound = native.bind_dense(dense, operands.bound["bias"])
-            return native.dense_product(x, bound, torch.get_num_threads())
+            return _dense_over(x, dense, operands)
         dtype = activation_dtype(path)
         if self._fused(path, x.shape[0]):
             # bf16 in: the kernel's only vectorised variant (a float32 input runs its scalar reference loop).

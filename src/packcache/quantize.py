@@ -93,12 +93,9 @@ def quantize_int8_blocks(w: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any],
     amax = np.abs(padded.reshape(rows, blocks, INT8_BLOCK)).max(axis=2) if cols else np.zeros((rows, 0), np.float32)
     if not np.isfinite(amax).all():
         raise non_finite_source(w)
-    step = (amax / np.float32(127.0)).astype(np.float32)
-    bits = step.view(np.uint32)
-    # to the nearest bfloat16, ties to even (positive finite steps below 2.7e36: no carry into an Inf)
-    high = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
-    scales = high.astype(np.uint16)
-    stored = (high.astype(np.uint32) << 16).view(np.float32)
+    # the step to the nearest bfloat16 (finite and below 2.7e36: never an Inf), its bits what the file stores
+    stored = round_bfloat16(amax / np.float32(127.0))
+    scales = (stored.view(np.uint32) >> 16).astype(np.uint16)
     inverse = np.divide(np.float32(1.0), stored, out=np.zeros_like(stored), where=stored > 0)
     codes = np.rint(padded.reshape(rows, blocks, INT8_BLOCK) * inverse[..., None])
     q = np.clip(codes, -127, 127).astype(np.int8).reshape(rows, blocks * INT8_BLOCK)[:, :cols]
