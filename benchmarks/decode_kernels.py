@@ -14,10 +14,10 @@ Method (printed first when run):
   32, bf16 scales and zeros), ``_int_mm`` (int8 activations quantised per call x int8 weight:
   the W8A8 alternative), and packcache's compiled kernels (``packcache.native``) on the
   operands of packcache's packs: ``packcache int8`` (int8 codes with a bfloat16 scale per block of 32, what
-  the int8 layers run), ``packcache int4`` (torch's int4 layout), ``packcache bf16``, and ``packcache int8``
-  on a 32-row prefill; ``packcache dense`` (what the packed fp32 and bf16 layers run, one sum order at every
-  row count: float32 activations, each weight widened exactly) on int8 (a float32 scale per row: what int8
-  layers ran before its blocks), bf16 and float32 weights, and on int8 for the 32-row prefill. Threads:
+  the int8 layers run), ``packcache int4`` (its row-major int4 layout, group 32), ``packcache bf16``, and
+  ``packcache int8`` on a 32-row prefill; ``packcache dense`` (what the packed fp32 and bf16 layers run, one sum
+  order at every row count: float32 activations, each weight widened exactly) on int8 (a float32 scale per row:
+  what int8 layers ran before its blocks), bf16 and float32 weights, and on int8 for the 32-row prefill. Threads:
   ``--threads`` (2); ``--kernel`` (repeated) runs only the kernels named.
 * A prefill's int8 layers (32 rows; the 16 layers, not the head, which a prefill runs on its last
   row only): each weight converted to bf16 whole per call and multiplied (packcache before issue
@@ -99,22 +99,24 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
             rows = PREFILL_ROWS if prefill else 1
             layers.append((weight, torch.rand(n).bfloat16(), torch.randn(rows, k).bfloat16(), torch.rand(n)))
             nbytes += n * k + n * 2
-        else:
+        elif kernel == "packcache int4":  # packcache's row-major layout (pack_int4_rows)
+            packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+            scales_and_zeros = torch.rand(n, k // 32, 2).bfloat16()
+            layers.append((packed, scales_and_zeros, torch.randn(1, k), torch.empty(1, n)))
+            nbytes += packed.numel() + scales_and_zeros.numel() * 2
+        else:  # torch's own int4 layout and kernel
             codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
             packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
             scales_and_zeros = torch.rand(k // 32, n, 2).bfloat16()
-            x = torch.randn(1, k) if kernel == "packcache int4" else torch.randn(1, k).bfloat16()
-            layers.append((packed, scales_and_zeros, x, torch.empty(1, n)))
+            layers.append((packed, scales_and_zeros, torch.randn(1, k).bfloat16(), torch.empty(1, n)))
             nbytes += packed.numel() + scales_and_zeros.numel() * 2
     call: Callable[[tuple[Any, ...]], Any]
     if kernel.startswith("packcache"):
         from packcache import native
-        from packcache.kernels import int4_layout
         from packcache.packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32
 
         if native.status().isa is None:
             sys.exit(f"{kernel}: no compiled kernels in this process ({native.status().reason})")
-        block = int4_layout().block if int4_layout() is not None else 0
         # Each layer's operands bound (checked) once, as a packed layer's are; a call checks only its activations.
         bound: list[tuple[Any, ...]] = []
         for layer in layers:
@@ -144,7 +146,7 @@ def measure(kernel: str, threads: int, passes: int = 5) -> dict[str, Any]:
             if kernel == "packcache bf16":
                 return native.bf16_product(x, operands, threads)
             if kernel == "packcache int4":
-                return native.int4_product(x, operands, 32, block, threads, input_scales=False)
+                return native.int4_product(x, operands, 32, threads, input_scales=False)
             return native.int8_product(x, operands, threads)
 
     elif kernel.startswith("linear"):

@@ -20,8 +20,8 @@ with what broke it:
   tokenizer and vocabulary), each scheme. A greedy request of 40 prompt tokens runs alone, then among three others
   (prompts of 9-60 tokens, one joining while it decodes) with 32 tokens a step, so its prompt is read over other
   steps than alone; each of its 12 steps' logits, as the sampler sees them, counts when it differs in any bit.
-  The vocabulary (30522) is not a multiple of 16, so int4 does not pack the output head: it stays torch's
-  ``nn.Linear``, whose product changes with the row count (what a real model of that vocabulary gets).
+  The vocabulary (30522) is not a multiple of 16, which torch's int4 layout needed; packcache's own (version 3 of
+  ``torch.int4wo``) takes it, so int4 packs the output head too.
 
 Usage: python benchmarks/invariance.py [--what linear,embed,generate] [--schemes fp32,bf16,int8,int4] [--json FILE]
 """

@@ -7,8 +7,8 @@ Method (printed first when run):
   kernel path; bias none.
 * Per row count (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64: continuous batching's decode steps, one row per
   running sequence), ``packer.linear`` on random activations, twice: with ``packers_torch.NATIVE_MAX_ROWS`` of
-  the scheme's compiled operation (int8: ``dense``; int4: ``int4``) set to 0 (torch's path: its fused weight-only
-  kernel up to ``FUSED_MAX_ROWS``, above that the weight dequantised per call and the GEMM) and to ``None``
+  the scheme's compiled operation (``int8``, ``int4``) set to 0 (torch's path: the weight dequantised per call, a
+  block of output channels at a time, and the GEMM) and to ``None``
   (packcache's compiled product at every row count, what a packed layer runs, on the code ``native.status()``
   picks; ``--native-isas`` also on a code ``NATIVE_ISAS`` leaves out).
 * Each call timed alone for ``--seconds`` per point after a warm-up; reported: the 10th percentile ms per call
@@ -49,7 +49,7 @@ def measure(scheme: str, shapes: list[tuple[int, int]], rows_list: list[int], ar
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     isa = native.status().isa
     packer = {"int8": P.Int8WeightOnly(), "int4": P.Int4WeightOnly(32)}[scheme]
-    op = packer.native_op  # the knobs are per compiled operation: int8 runs "dense"
+    op = packer.native_op  # the knobs are per compiled operation
     assert op is not None
     if args.native_isas and isa is not None:
         P.NATIVE_ISAS[op] = (isa,)

@@ -9,6 +9,12 @@
  *            layout: llama.cpp's Q8_0 weights). x is quantised per row in blocks of 4 input features to int8
  *            (symmetric, round to nearest, a float32 scale per block: one per int32 lane of the dot product), and
  *            the int8 dot products run on AVX2 (vpmaddubsw + vpmaddwd) at every row count, on both ISA levels.
+ *   pc_int4  W int4 codes [N, K/2 bytes], row-major in units of 64 input features, with bfloat16 (scale, zero) pairs
+ *            per row and group (packcache's torch.int4wo layout, version 3). x is quantised per row in blocks of 32
+ *            (llama.cpp's Q8_0 activations); the
+ *            codes times the activation codes on AVX2 (vpmaddubsw + vpmaddwd), the zeros against exact group sums
+ *            of x, at every row count, on both ISA levels.
+ *   pc_dense W float32, bfloat16 or int8 [N, K], x widened to float32, FMA: the fallback of every scheme.
  *   pc_bf16  W bfloat16 [N, K] (packcache's torch.linear.bf16 layout). x is rounded to bfloat16
  *            (round to nearest even, as torch does), products accumulate in float32: vdpbf16ps on
  *            AVX512-BF16, widening + FMA on AVX2.
@@ -51,37 +57,9 @@ PC_API int pc_isa(void) {
     return 0;
 }
 
-PC_API int pc_abi_version(void) { return 4; }
+PC_API int pc_abi_version(void) { return 5; }
 
 /* ------------------------------------------------------------------ activation quantisation (scalar) */
-
-/* One row of x [K] to int8 codes q [K] and, per 4-feature lane, the block's scale (lane_scale [K/4]): the int4
- * product's activations.
- * Per block of 32: scale = amax / 127, codes = round half to even (the default MXCSR mode, as lrintf) of
- * x / scale, clipped to +-127. AVX2 (every CPU the kernels run on has it). */
-__attribute__((target("avx2,fma,f16c")))
-static void quantize_row(const float *x, int K, int8_t *q, float *lane_scale) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int b = 0; b < K; b += QBLOCK) {
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + b + 8 * i);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        float scale = _mm_cvtss_f32(h) / 127.0f;
-        const __m256 inv = _mm256_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
-        __m256i c[4];
-        for (int i = 0; i < 4; i++)
-            c[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), top), bottom);
-        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-        _mm256_storeu_si256((__m256i *)(q + b), _mm256_permutevar8x32_epi32(packed, order));
-        for (int l = b / 4; l < (b + QBLOCK) / 4; l++) lane_scale[l] = scale;
-    }
-}
 
 /* One row of x [K] (K a multiple of 32) to int8 codes q [K] and lane_scale [K/4]: per block of 4 features (one
  * int32 lane of the int8 dot product), scale = amax / 127 and codes = round half to even (the default MXCSR mode)
@@ -348,175 +326,339 @@ static void widen_x_avx2(const uint16_t *xb, int K, float *xw) {
         }
 }
 
-/* ------------------------------------------------------------------ int4 (torch's CPU layout) */
+/* ------------------------------------------------------------------ int4 (packcache's row-major layout) */
 
-/* torch._convert_weight_to_int4pack_for_cpu cuts the rows into blocks of B (64 on AVX512 builds, 32 on AVX2) and
- * stores, per block and input feature k, B/2 bytes: byte j's low nibble is row j, its high nibble row j + B/2.
- * Codes 0..15; weight = (code - 8) * scale + zero with bf16 (scale, zero) pairs per group of input features and
- * row ([K/group, N, 2]). The kernel takes 64 rows at a time as four sets of 16: (low or high nibble) x (first or
- * second 16-byte lane). With B = 64 the lanes are the two halves of a block's 32 bytes per k; with B = 32 they are
- * the 16 bytes per k of two neighbouring blocks. Four k at a time, byte and word unpacks turn the four 16-byte rows
- * of codes into 32-bit lanes of (k, k+1, k+2, k+3) codes of one row: what vpdpbusd (or vpmaddubsw + vpmaddwd)
- * multiplies by four int8 activation codes broadcast to every lane. Per block of 32 input features the int32 sums
- * are scaled back: y += sum * activation scale * scale + (zero - 8 * scale) * (sum of the block's activations). */
+/* torch.int4wo version 3: the codes 0..15 of W [N, K], row-major, 4 bits each. Each row is cut into units of 64
+ * input features (32 bytes) whose byte j holds feature j in its low nibble and feature j + 32 in its high nibble;
+ * where K % 64 == 32 the row ends in a unit of 32 features (16 bytes) laid out alike (features j and j + 16).
+ * Masking a unit's low nibbles gives its first block of 32 codes in feature order, shifting down 4 and masking its
+ * second: two instructions per block and no shuffles, where torch's layout took 16 unpacks per 128 bytes. Weight =
+ * code * scale + offset, offset = zero - 8 * scale, with a bfloat16 (scale, zero) pair per row and group of input
+ * features (sz [N, K/group, 2]), so a decode step reads the codes and the pairs as two sequential streams.
+ *
+ * x is quantised per row in blocks of 32 (quantize_row32: llama.cpp's Q8_0 activations, which its Q4_0 product
+ * multiplies; the int4 weights' own error is some 20 times the activations'), and each block's exact float32 sum is
+ * kept (bsum, in feature order). Output (activation row i, weight row n) is then, per block b of 32 features:
+ *   T_b = the exact int32 sum of code x activation code over the block (vpmaddubsw: unsigned codes times signed
+ *         activations, every partial sum fits its integer lanes exactly),
+ *   P_{b % 8} = fma(offset_{n,b}, bsum_{i,b}, fma(float(T_b), scale_{n,b} * ascale_{i,b}, P_{b % 8})),
+ * eight float32 partials P_0 .. P_7 (from +0, blocks in increasing order), the output ((P0 + P4) + (P2 + P6)) +
+ * ((P1 + P5) + (P3 + P7)) (hsum256's order), plus the bias. One row or a few (int4_row) reach the T_b by adding
+ * a block's lanes and keep P in the lanes of one vector; more rows (the tiles) reach them with eight outputs per
+ * vector and keep P in memory: the same operations on the same values, so a row's bits do not depend on the rows beside it. */
+
+/* One row of x [K] (K a multiple of 32) to int8 codes q [K], a scale per block of 32 (scale [K/32]) and the block's
+ * exact sum (sum [K/32], features in order): scale = amax / 127, codes = round half to even (the default MXCSR mode)
+ * of x * (1 / scale), clipped to +-127 (an all-zero block: scale 0, codes 0). */
+__attribute__((target("avx2,fma,f16c")))
+static void quantize_row32(const float *x, int K, int8_t *q, float *scale, float *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < K; b += QBLOCK) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + b + 8 * i);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float s = _mm_cvtss_f32(h) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(s > 0 ? 1.0f / s : 0.0f);
+        __m256i c[4];
+        for (int i = 0; i < 4; i++)
+            c[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), top), bottom);
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        _mm256_storeu_si256((__m256i *)(q + b), _mm256_permutevar8x32_epi32(packed, order));
+        float total = 0.0f;
+        for (int k = b; k < b + QBLOCK; k++) total += x[k];
+        scale[b / QBLOCK] = s;
+        sum[b / QBLOCK] = total;
+    }
+}
+
+#define INT4_LOW _mm256_set1_epi8(0x0f)
+#define INT4_FIRST(v) _mm256_and_si256(v, INT4_LOW)
+#define INT4_SECOND(v) _mm256_and_si256(_mm256_srli_epi16(v, 4), INT4_LOW)
+/* The 32 codes of a row's last unit of 32 features (16 bytes at p). */
+#define INT4_HALF_UNIT(p)                                                                                         \
+    _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p))),       \
+                                             _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(p)), 4), 1),        \
+                     INT4_LOW)
+
+/* Block b's 32 codes (feature order) of a weight row w of K features. */
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256i int4_block_codes(const uint8_t *w, size_t K, size_t b) {
+    const size_t unit = b >> 1;
+    if ((unit + 1) * 64 > K) return INT4_HALF_UNIT(w + unit * 32); /* the row's last 32 features */
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + unit * 32));
+    return b & 1 ? INT4_SECOND(v) : INT4_FIRST(v);
+}
+
+/* The exact totals of eight blocks' int32 lane sums d[0..7] (eight lanes each): lane t of the result is block t's. */
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256i int4_totals(const __m256i d[8]) {
+    __m256i a[4], b[2];
+    for (int t = 0; t < 4; t++)
+        a[t] = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2 * t], d[2 * t + 1]), _mm256_unpackhi_epi32(d[2 * t], d[2 * t + 1]));
+    for (int t = 0; t < 2; t++)
+        b[t] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * t], a[2 * t + 1]), _mm256_unpackhi_epi64(a[2 * t], a[2 * t + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
+}
+
+/* Eight (scale, zero) pairs (lane: scale bits | zero bits << 16) as the scales and the offsets zero - 8 * scale (one
+ * rounding). */
+#define INT4_SCALES(p) _mm256_castsi256_ps(_mm256_slli_epi32(p, 16))
+#define INT4_OFFSETS(p)                                                                                           \
+    _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), INT4_SCALES(p),                                                        \
+                     _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32((int)0xffff0000u))))
+
+/* One weight row (w, its pairs szn) times one activation row (q, block scales as, block sums bs): a decode step's
+ * product, each weight row read as a sequential stream. Eight blocks (256 features) at a time: their exact int32
+ * totals (int4_totals), converted and multiplied-added with their scale products onto eight lanes, then the offsets
+ * times the block sums (lane t takes the blocks b % 8 == t), the lanes added as hsum256 does. comb and ofs: scratch
+ * for K/32 rounded up to 8 floats each, the scale products and offsets where the loop does not make them (groups
+ * past 32, the last span; zero past the last block: those lanes then add fma(0, 0, P) = P). */
+__attribute__((target("avx2,fma,f16c")))
+static float int4_row(const uint8_t *w, const uint16_t *szn, size_t K, int per_group_log2, const int8_t *q,
+                      const float *as, const float *bs, float *comb, float *ofs) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const size_t blocks = K / QBLOCK, spans = (blocks + 7) / 8;
+    /* group 32: whole spans make their scale products and offsets from the pairs in the loop below */
+    for (size_t b = per_group_log2 == 0 ? blocks / 8 * 8 : 0; b < spans * 8; b++) {
+        if (b >= blocks) {
+            comb[b] = ofs[b] = 0.0f;
+            continue;
+        }
+        const size_t g = b >> per_group_log2;
+        const __m256i p = _mm256_set1_epi32((int)((uint32_t)szn[2 * g] | (uint32_t)szn[2 * g + 1] << 16));
+        comb[b] = _mm256_cvtss_f32(_mm256_mul_ps(INT4_SCALES(p), _mm256_set1_ps(as[b])));
+        ofs[b] = _mm256_cvtss_f32(INT4_OFFSETS(p));
+    }
+    __m256 acc = _mm256_setzero_ps();
+    for (size_t s = 0; s < spans; s++) {
+        __m256i d[8];
+        const size_t k = s * 256;
+        if (k + 256 <= K) { /* four whole units */
+            _mm_prefetch((const char *)(w + k / 2) + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + k / 2) + PREFETCH + 64, _MM_HINT_T0);
+            for (int u = 0; u < 4; u++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + k / 2 + 32 * u));
+                d[2 * u] = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(INT4_FIRST(v), _mm256_loadu_si256((const __m256i *)(q + k + 64 * u))), ones);
+                d[2 * u + 1] = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(INT4_SECOND(v), _mm256_loadu_si256((const __m256i *)(q + k + 64 * u + 32))),
+                    ones);
+            }
+        } else { /* the row's last blocks */
+            for (int t = 0; t < 8; t++) {
+                const size_t bt = s * 8 + t;
+                d[t] = bt < blocks ? _mm256_madd_epi16(_mm256_maddubs_epi16(int4_block_codes(w, K, bt),
+                                                                            _mm256_loadu_si256((const __m256i *)(q + bt * QBLOCK))),
+                                                       ones)
+                                   : _mm256_setzero_si256();
+            }
+        }
+        __m256 scale, offset, sums;
+        if (s * 8 + 8 <= blocks) {
+            sums = _mm256_loadu_ps(bs + s * 8);
+            if (per_group_log2 == 0) {
+                const __m256i p = _mm256_loadu_si256((const __m256i *)(szn + 16 * s));
+                scale = _mm256_mul_ps(INT4_SCALES(p), _mm256_loadu_ps(as + s * 8));
+                offset = INT4_OFFSETS(p);
+            } else {
+                scale = _mm256_loadu_ps(comb + s * 8);
+                offset = _mm256_loadu_ps(ofs + s * 8);
+            }
+        } else { /* the last blocks, zeros past them */
+            float tail[8] = {0};
+            memcpy(tail, bs + s * 8, (blocks - s * 8) * sizeof(float));
+            sums = _mm256_loadu_ps(tail);
+            scale = _mm256_loadu_ps(comb + s * 8);
+            offset = _mm256_loadu_ps(ofs + s * 8);
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int4_totals(d)), scale, acc);
+        acc = _mm256_fmadd_ps(offset, sums, acc);
+    }
+    return hsum256(acc);
+}
+/* The most activation rows that walk the weight rows as a decode step does, int4_row for each row in turn: past them
+ * the tiles (below) are faster, their codes transposed once per block for all the rows; at 2-3 rows that costs more
+ * than it saves (8192x2048, one thread: 2 rows 1.1 against 1.7 ms, 3 rows 1.7 against 2.1). */
+#define INT4_FEW_ROWS 3
+
+/* Several activation rows: a tile of up to INT4_TILE_VECTORS * 8 weight rows (64 outputs), eight per vector, the
+ * lanes of each vector eight outputs. Per block the tile's codes are laid out once (int4_tile_codes: vector (kq, v) holds,
+ * in lane r, the four codes of features 4 kq .. 4 kq + 3 of output 8 v + r), and its scales and offsets gathered;
+ * then each activation row multiplies the codes by its four codes of each kq broadcast (vpmaddubsw, int16 sums,
+ * then one vpmaddwd): the block's exact totals T_b for eight outputs per vector, and the partials P [rows][8][v]
+ * take int4_row's two fused multiply-adds, lane for lane. */
+#define INT4_TILE_VECTORS 8
+#define INT4_TILE_ROWS (8 * INT4_TILE_VECTORS)
+
+/* Block b's codes of weight rows [n, n + 8 * nv) (rows past N as zeros) as 8 x nv vectors: codes[kq * nv + v]. */
+__attribute__((target("avx2,fma,f16c")))
+static void int4_tile_codes(const uint8_t *W, size_t K, int N, int n, int nv, size_t b, __m256i *codes) {
+    for (int v = 0; v < nv; v++) {
+        __m256i r[8], t[8], u[8];
+        for (int i = 0; i < 8; i++) {
+            const int row = n + 8 * v + i;
+            r[i] = row < N ? int4_block_codes(W + (size_t)row * (K / 2), K, b) : _mm256_setzero_si256();
+        }
+        /* an 8 x 8 transpose of 32-bit lanes: lane i of result kq is r[i]'s lane kq */
+        for (int i = 0; i < 4; i++) {
+            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 2; i++) {
+            u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for (int kq = 0; kq < 4; kq++) {
+            codes[kq * nv + v] = _mm256_permute2x128_si256(u[kq], u[4 + kq], 0x20);
+            codes[(kq + 4) * nv + v] = _mm256_permute2x128_si256(u[kq], u[4 + kq], 0x31);
+        }
+    }
+}
+
+/* One block of a tile of NV vectors of outputs for mrows activation rows (codes; the outputs' scales ws and offsets
+ * os; the rows' codes q, block scales as and block sums bs, a row's K, K/32 and K/32 apart; the partials of block
+ * b % 8, part, a row's 8 * NV vectors apart). A row at a time: each broadcast of its four codes serves NV vectors. */
+#define INT4_TILE_BLOCK(NV)                                                                                       \
+    __attribute__((target("avx2,fma,f16c"))) static void int4_tile_block_##NV(                                    \
+        const __m256i *codes, const __m256 *ws, const __m256 *os, const int8_t *q, const float *as,               \
+        const float *bs, size_t K, size_t blocks, int mrows, __m256 *part) {                                      \
+        const __m256i ones = _mm256_set1_epi16(1);                                                               \
+        for (int m = 0; m < mrows; m++) {                                                                        \
+            /* the codes are read from L1 at each use: left free, the compiler hoists all 8 x NV out of the loop \
+             * and, short of registers, spills them to the stack */                                              \
+            const __m256i *cm = codes;                                                                           \
+            __asm__("" : "+r"(cm));                                                                              \
+            /* int16 sums over the block's eight kq: each vpmaddubsw lane is at most 2 * 15 * 127 = 3810, eight of \
+             * them 30480, so they fit int16 exactly, and one vpmaddwd makes the int32 totals */                 \
+            __m256i sum[NV];                                                                                     \
+            for (int v = 0; v < NV; v++) sum[v] = _mm256_setzero_si256();                                        \
+            for (int kq = 0; kq < 8; kq++) {                                                                     \
+                int32_t four;                                                                                    \
+                memcpy(&four, q + (size_t)m * K + 4 * kq, 4);                                                    \
+                const __m256i act = _mm256_set1_epi32(four);                                                     \
+                for (int v = 0; v < NV; v++) {                                                                   \
+                    sum[v] = _mm256_add_epi16(sum[v], _mm256_maddubs_epi16(_mm256_load_si256(cm + kq * NV + v), act)); \
+                    /* each step's sum kept in a register as it goes: left free, the compiler computes all the   \
+                     * products first and spills them (integer adds may be reordered) */                         \
+                    __asm__("" : "+x"(sum[v]));                                                                  \
+                }                                                                                                \
+            }                                                                                                    \
+            const __m256 a = _mm256_set1_ps(as[(size_t)m * blocks]), s = _mm256_set1_ps(bs[(size_t)m * blocks]); \
+            __m256 *p = part + (size_t)m * 8 * NV;                                                               \
+            for (int v = 0; v < NV; v++) {                                                                       \
+                const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[v], ones)),            \
+                                                 _mm256_mul_ps(ws[v], a), p[v]);                                 \
+                p[v] = _mm256_fmadd_ps(os[v], s, t);                                                             \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+INT4_TILE_BLOCK(1)
+INT4_TILE_BLOCK(2)
+INT4_TILE_BLOCK(3)
+INT4_TILE_BLOCK(4)
+INT4_TILE_BLOCK(5)
+INT4_TILE_BLOCK(6)
+INT4_TILE_BLOCK(7)
+INT4_TILE_BLOCK(8)
+
+/* Activation rows a tile passes before the next tile: 48 rows' partials (48 x 8 x 8 vectors, 96 KiB) stay in L2. */
+#define INT4_M_BLOCK 48
+/* Weight rows ahead whose scale pairs a decode step prefetches: each row starts by reading its pairs (a second
+ * stream, a quarter of the codes' bytes), and a demand miss there stalls the row. */
+#define INT4_SZ_AHEAD 4
 
 typedef struct {
-    const uint8_t *lane[2]; /* the two 16-byte lanes' bytes for k = 0 */
-    int kstride;            /* bytes from one k to the next within a lane */
-    int rows[4];            /* first row of each set, from base: (low, lane 0), (low, lane 1), (high, lane 0), (high, lane 1) */
-    int base;               /* the unit's first row */
-} int4_unit;
+    float *comb, *ofs; /* a few rows: K/32 rounded up to 8 each */
+    __m256 *part;      /* more rows: INT4_M_BLOCK * 8 * INT4_TILE_VECTORS */
+    __m256i *codes;    /* 8 * INT4_TILE_VECTORS */
+} int4_scratch;
 
-#define INT4_UNIT(NAME, TARGET, DOT)                                                                              \
-    TARGET static void NAME(const int4_unit *u, int K, int group, int N, const int8_t *q, const float *ascale,     \
-                            const float *bsum, const uint16_t *sz, float *out) {                                  \
-        const __m256i low = _mm256_set1_epi8(0x0f), high16 = _mm256_set1_epi32((int)0xffff0000u);                \
-        const uint8_t *lane0 = u->lane[0], *lane1 = u->lane[1];                                                   \
-        const size_t kstride = (size_t)u->kstride;                                                                \
-        const int contiguous = lane1 == lane0 + 16 && kstride == 32; /* block 64: one 32-byte load per k */        \
-        const int per_group = group / QBLOCK;                                                                     \
-        __m256 y[8];                                                                                              \
-        for (int i = 0; i < 8; i++) y[i] = _mm256_setzero_ps();                                                   \
-        for (int b = 0; b < K; b += QBLOCK) {                                                                     \
-            __m256i acc[8];                                                                                       \
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();                                          \
-            for (int k = b; k < b + QBLOCK; k += 4) {                                                             \
-                __m256i v[4];                                                                                     \
-                for (int t = 0; t < 4; t++) {                                                                     \
-                    size_t off = (size_t)(k + t) * kstride;                                                      \
-                    v[t] = contiguous ? _mm256_loadu_si256((const __m256i *)(lane0 + off))                       \
-                                      : _mm256_inserti128_si256(                                                  \
-                                            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(lane0 + off))), \
-                                            _mm_loadu_si128((const __m128i *)(lane1 + off)), 1);                  \
-                }                                                                                                 \
-                _mm_prefetch((const char *)(lane0 + k * kstride) + PREFETCH, _MM_HINT_T0);                       \
-                if (!contiguous) _mm_prefetch((const char *)(lane1 + k * kstride) + PREFETCH, _MM_HINT_T0);      \
-                int32_t four;                                                                                     \
-                memcpy(&four, q + k, 4);                                                                          \
-                const __m256i act = _mm256_set1_epi32(four);                                                      \
-                for (int h = 0; h < 2; h++) {                                                                     \
-                    __m256i c[4];                                                                                 \
-                    for (int t = 0; t < 4; t++)                                                                   \
-                        c[t] = h ? _mm256_and_si256(_mm256_srli_epi16(v[t], 4), low) : _mm256_and_si256(v[t], low); \
-                    __m256i a01 = _mm256_unpacklo_epi8(c[0], c[1]), b01 = _mm256_unpackhi_epi8(c[0], c[1]);      \
-                    __m256i a23 = _mm256_unpacklo_epi8(c[2], c[3]), b23 = _mm256_unpackhi_epi8(c[2], c[3]);      \
-                    acc[4 * h + 0] = DOT(acc[4 * h + 0], _mm256_unpacklo_epi16(a01, a23), act);                   \
-                    acc[4 * h + 1] = DOT(acc[4 * h + 1], _mm256_unpackhi_epi16(a01, a23), act);                   \
-                    acc[4 * h + 2] = DOT(acc[4 * h + 2], _mm256_unpacklo_epi16(b01, b23), act);                   \
-                    acc[4 * h + 3] = DOT(acc[4 * h + 3], _mm256_unpackhi_epi16(b01, b23), act);                   \
-                }                                                                                                 \
-            }                                                                                                     \
-            const uint16_t *szg = sz + (size_t)(b / QBLOCK / per_group) * N * 2;                                  \
-            const __m256 as = _mm256_set1_ps(ascale[b / QBLOCK]), bs = _mm256_set1_ps(bsum[b / QBLOCK]);        \
-            for (int h = 0; h < 2; h++)                                                                           \
-                for (int i = 0; i < 4; i++) {                                                                     \
-                    /* acc[4h+i]: rows 4i..4i+3 of set (h, lane 0), then of set (h, lane 1) */                     \
-                    __m256i pairs = _mm256_inserti128_si256(                                                      \
-                        _mm256_castsi128_si256(                                                                   \
-                            _mm_loadu_si128((const __m128i *)(szg + (size_t)(u->base + u->rows[2 * h] + 4 * i) * 2))),       \
-                        _mm_loadu_si128((const __m128i *)(szg + (size_t)(u->base + u->rows[2 * h + 1] + 4 * i) * 2)), 1);    \
-                    __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));                             \
-                    __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(pairs, high16));                           \
-                    __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);                         \
-                    y[4 * h + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[4 * h + i]), _mm256_mul_ps(scale, as),  \
-                                                   y[4 * h + i]);                                                 \
-                    y[4 * h + i] = _mm256_fmadd_ps(offset, bs, y[4 * h + i]);                                     \
-                }                                                                                                 \
-        }                                                                                                         \
-        for (int h = 0; h < 2; h++)                                                                               \
-            for (int i = 0; i < 4; i++) {                                                                         \
-                _mm_storeu_ps(out + u->rows[2 * h] + 4 * i, _mm256_castps256_ps128(y[4 * h + i]));                \
-                _mm_storeu_ps(out + u->rows[2 * h + 1] + 4 * i, _mm256_extractf128_ps(y[4 * h + i], 1));          \
-            }                                                                                                     \
+/* Output columns [n0, n1) for the M rows of quantised x (block scales as and block sums bs, [M, K/32] each). One row
+ * (a decode step) or up to INT4_FEW_ROWS: int4_row for one weight row after the other. More: blocks of
+ * INT4_M_BLOCK rows, and in each tiles of INT4_TILE_ROWS weight rows, a block of 32 features at a time. */
+__attribute__((target("avx2,fma,f16c")))
+static void int4_columns(const uint8_t *W, const uint16_t *sz, const float *bias, int K, int group, int M,
+                         const int8_t *q, const float *as, const float *bs, const int4_scratch *sc, void *y,
+                         int ydtype, int N, int n0, int n1) {
+    const size_t groups = (size_t)K / group, half_k = (size_t)K / 2, blocks = (size_t)K / QBLOCK;
+    const int per_group_log2 = __builtin_ctz((unsigned)(group / QBLOCK)); /* blocks per group: 1, 2, 4 */
+    if (M <= INT4_FEW_ROWS) {
+        for (int n = n0; n < n1; n++) {
+            const uint16_t *szn = sz + (size_t)n * groups * 2;
+            const uint8_t *w = W + (size_t)n * half_k;
+            if (n + 1 < n1) prefetch_next_row(w + half_k);
+            if (n + INT4_SZ_AHEAD < n1) {
+                const char *ahead = (const char *)(szn + (size_t)INT4_SZ_AHEAD * groups * 2);
+                for (size_t b = 0; b < groups * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            }
+            for (int m = 0; m < M; m++) { /* the second and third rows read the weight row from L1 */
+                const float v = int4_row(w, szn, (size_t)K, per_group_log2, q + (size_t)m * K, as + (size_t)m * blocks,
+                                         bs + (size_t)m * blocks, sc->comb, sc->ofs);
+                store(y, (size_t)m * N + n, bias ? v + bias[n] : v, ydtype);
+            }
+        }
+        return;
     }
-
-/* The unit for M activation rows (out [M, 64]): per block of 32 input features the nibbles are unpacked once (into
- * codes, 2 KiB: L1) and the scales and offsets computed once, then each row runs only its vpdpbusd (or vpmaddubsw +
- * vpmaddwd) over them; the unit above redoes the 16 unpacks per 128 bytes for every row. Each row's numbers are the
- * unit's, bit for bit (the same int32 sums, the same float operations in the same order). */
-#define INT4_ROWS(NAME, TARGET, DOT)                                                                              \
-    TARGET static void NAME(const int4_unit *u, int K, int group, int N, int M, const int8_t *q,                  \
-                            const float *ascale, const float *bsum, const uint16_t *sz, float *out) {             \
-        const __m256i low = _mm256_set1_epi8(0x0f), high16 = _mm256_set1_epi32((int)0xffff0000u);                \
-        const uint8_t *lane0 = u->lane[0], *lane1 = u->lane[1];                                                   \
-        const size_t kstride = (size_t)u->kstride;                                                                \
-        const int contiguous = lane1 == lane0 + 16 && kstride == 32;                                              \
-        const int per_group = group / QBLOCK, blocks = K / QBLOCK;                                                \
-        __m256 y[MAX_ROWS][8];                                                                                    \
-        for (int m = 0; m < M; m++)                                                                               \
-            for (int i = 0; i < 8; i++) y[m][i] = _mm256_setzero_ps();                                            \
-        for (int b = 0; b < K; b += QBLOCK) {                                                                     \
-            __m256i codes[QBLOCK / 4][8];                                                                         \
-            for (int k = b; k < b + QBLOCK; k += 4) {                                                             \
-                __m256i v[4];                                                                                     \
-                for (int t = 0; t < 4; t++) {                                                                     \
-                    size_t off = (size_t)(k + t) * kstride;                                                      \
-                    v[t] = contiguous ? _mm256_loadu_si256((const __m256i *)(lane0 + off))                       \
-                                      : _mm256_inserti128_si256(                                                  \
-                                            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(lane0 + off))), \
-                                            _mm_loadu_si128((const __m128i *)(lane1 + off)), 1);                  \
-                }                                                                                                 \
-                _mm_prefetch((const char *)(lane0 + k * kstride) + PREFETCH, _MM_HINT_T0);                       \
-                if (!contiguous) _mm_prefetch((const char *)(lane1 + k * kstride) + PREFETCH, _MM_HINT_T0);      \
-                __m256i *c4 = codes[(k - b) / 4];                                                                 \
-                for (int h = 0; h < 2; h++) {                                                                     \
-                    __m256i c[4];                                                                                 \
-                    for (int t = 0; t < 4; t++)                                                                   \
-                        c[t] = h ? _mm256_and_si256(_mm256_srli_epi16(v[t], 4), low) : _mm256_and_si256(v[t], low); \
-                    __m256i a01 = _mm256_unpacklo_epi8(c[0], c[1]), b01 = _mm256_unpackhi_epi8(c[0], c[1]);      \
-                    __m256i a23 = _mm256_unpacklo_epi8(c[2], c[3]), b23 = _mm256_unpackhi_epi8(c[2], c[3]);      \
-                    c4[4 * h + 0] = _mm256_unpacklo_epi16(a01, a23);                                              \
-                    c4[4 * h + 1] = _mm256_unpackhi_epi16(a01, a23);                                              \
-                    c4[4 * h + 2] = _mm256_unpacklo_epi16(b01, b23);                                              \
-                    c4[4 * h + 3] = _mm256_unpackhi_epi16(b01, b23);                                              \
-                }                                                                                                 \
-            }                                                                                                     \
-            const uint16_t *szg = sz + (size_t)(b / QBLOCK / per_group) * N * 2;                                  \
-            __m256 scale[8], offset[8];                                                                           \
-            for (int h = 0; h < 2; h++)                                                                           \
-                for (int i = 0; i < 4; i++) {                                                                     \
-                    __m256i pairs = _mm256_inserti128_si256(                                                      \
-                        _mm256_castsi128_si256(                                                                   \
-                            _mm_loadu_si128((const __m128i *)(szg + (size_t)(u->base + u->rows[2 * h] + 4 * i) * 2))),       \
-                        _mm_loadu_si128((const __m128i *)(szg + (size_t)(u->base + u->rows[2 * h + 1] + 4 * i) * 2)), 1);    \
-                    scale[4 * h + i] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));                         \
-                    offset[4 * h + i] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale[4 * h + i],                  \
-                                                         _mm256_castsi256_ps(_mm256_and_si256(pairs, high16)));   \
-                }                                                                                                 \
-            for (int m = 0; m < M; m++) {                                                                         \
-                const int8_t *qm = q + (size_t)m * K;                                                             \
-                __m256i acc[8];                                                                                   \
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();                                      \
-                for (int k = b; k < b + QBLOCK; k += 4) {                                                         \
-                    int32_t four;                                                                                 \
-                    memcpy(&four, qm + k, 4);                                                                     \
-                    const __m256i act = _mm256_set1_epi32(four);                                                  \
-                    const __m256i *c4 = codes[(k - b) / 4];                                                       \
-                    for (int i = 0; i < 8; i++) acc[i] = DOT(acc[i], c4[i], act);                                 \
-                }                                                                                                 \
-                const __m256 as = _mm256_set1_ps(ascale[(size_t)m * blocks + b / QBLOCK]),                        \
-                             bs = _mm256_set1_ps(bsum[(size_t)m * blocks + b / QBLOCK]);                          \
-                for (int i = 0; i < 8; i++) {                                                                     \
-                    __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(scale[i], as), y[m][i]); \
-                    y[m][i] = _mm256_fmadd_ps(offset[i], bs, t);                                                  \
-                }                                                                                                 \
-            }                                                                                                     \
-        }                                                                                                         \
-        for (int m = 0; m < M; m++)                                                                               \
-            for (int h = 0; h < 2; h++)                                                                           \
-                for (int i = 0; i < 4; i++) {                                                                     \
-                    _mm_storeu_ps(out + m * 64 + u->rows[2 * h] + 4 * i, _mm256_castps256_ps128(y[m][4 * h + i])); \
-                    _mm_storeu_ps(out + m * 64 + u->rows[2 * h + 1] + 4 * i, _mm256_extractf128_ps(y[m][4 * h + i], 1)); \
-                }                                                                                                 \
+    for (int mb = 0; mb < M; mb += INT4_M_BLOCK) {
+        const int mrows = M - mb < INT4_M_BLOCK ? M - mb : INT4_M_BLOCK;
+        for (int n = n0; n < n1; n += INT4_TILE_ROWS) {
+            const int nv = (n1 - n < INT4_TILE_ROWS ? n1 - n + 7 : INT4_TILE_ROWS) / 8;
+            for (int i = 0; i < mrows * 8 * nv; i++) sc->part[i] = _mm256_setzero_ps();
+            __m256i first_pair[INT4_TILE_VECTORS]; /* each vector's rows' first pair index (rows past n1: row n's) */
+            for (int v = 0; v < nv; v++) {
+                int rows[8];
+                for (int i = 0; i < 8; i++) rows[i] = (n + 8 * v + i < n1 ? n + 8 * v + i : n) * (int)groups;
+                first_pair[v] = _mm256_loadu_si256((const __m256i *)rows);
+            }
+            for (size_t b = 0; b < blocks; b++) {
+                int4_tile_codes(W, (size_t)K, n1, n, nv, b, sc->codes);
+                __m256 ws[INT4_TILE_VECTORS], os[INT4_TILE_VECTORS];
+                for (int v = 0; v < nv; v++) {
+                    const __m256i index = _mm256_add_epi32(first_pair[v], _mm256_set1_epi32((int)(b >> per_group_log2)));
+                    const __m256i p = _mm256_i32gather_epi32((const int *)sz, index, 4);
+                    ws[v] = INT4_SCALES(p);
+                    os[v] = INT4_OFFSETS(p);
+                }
+                const int8_t *qb = q + (size_t)mb * K + b * QBLOCK;
+                const float *ab = as + (size_t)mb * blocks + b, *sb = bs + (size_t)mb * blocks + b;
+                __m256 *pb = sc->part + (b & 7) * nv;
+                switch (nv) {
+                    case 8: int4_tile_block_8(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 7: int4_tile_block_7(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 6: int4_tile_block_6(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 5: int4_tile_block_5(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 4: int4_tile_block_4(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 3: int4_tile_block_3(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 2: int4_tile_block_2(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    default: int4_tile_block_1(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                }
+            }
+            for (int m = 0; m < mrows; m++)
+                for (int v = 0; v < nv; v++) {
+                    const __m256 *p = sc->part + (size_t)m * 8 * nv + v;
+                    /* hsum256's order over the partials */
+                    const __m256 total = _mm256_add_ps(
+                        _mm256_add_ps(_mm256_add_ps(p[0 * nv], p[4 * nv]), _mm256_add_ps(p[2 * nv], p[6 * nv])),
+                        _mm256_add_ps(_mm256_add_ps(p[1 * nv], p[5 * nv]), _mm256_add_ps(p[3 * nv], p[7 * nv])));
+                    float out[8];
+                    _mm256_storeu_ps(out, total);
+                    for (int i = 0; i < 8 && n + 8 * v + i < n1; i++) {
+                        const int col = n + 8 * v + i;
+                        store(y, (size_t)(mb + m) * N + col, bias ? out[i] + bias[col] : out[i], ydtype);
+                    }
+                }
+        }
     }
-
-/* vpmaddubsw cannot saturate here (two products of a code 0..15 and an int8 code: at most 3810), so its int32 sums
- * are exact, as vpdpbusd's would be: the AVX2 code runs on both ISA levels. On a Xeon with AVX512-VNNI it decoded
- * faster than torch's AVX512 int4 kernel, and the 256-bit vpdpbusd variant it replaces slower. */
-#define DOT_AVX2(acc, codes, act) \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, act), _mm256_set1_epi16(1)))
-INT4_UNIT(int4_unit_avx2, __attribute__((target("avx2,fma,f16c"))), DOT_AVX2)
-INT4_ROWS(int4_rows_avx2, __attribute__((target("avx2,fma,f16c"))), DOT_AVX2)
+}
 
 /* ------------------------------------------------------------------ threads */
 
@@ -674,61 +816,53 @@ typedef struct {
     const uint8_t *W;
     const uint16_t *sz;
     const float *bias;
-    int K, N, M, block, group, ydtype;
+    int K, group, M, N, ydtype;
     const int8_t *q;
-    const float *bscale, *bsum;
+    const float *as, *bs;
     void *y;
+    int failed; /* a thread could not allocate its scratch */
 } int4_job;
+
+/* 32-byte aligned scratch of at least bytes (rounded up to 32, as aligned_alloc needs). */
+static void *aligned_scratch(size_t bytes) { return aligned_alloc(32, (bytes + 31) / 32 * 32); }
 
 static void int4_task(void *p, int n0, int n1) {
     int4_job *j = p;
-    size_t half_k = (size_t)j->K / 2;
-    for (int base = n0; base < n1; base += 64) {
-        int4_unit u = {.base = base};
-        const uint8_t *first = j->W + (size_t)base * half_k;
-        if (j->block == 64) {
-            u = (int4_unit){{first, first + 16}, 32, {0, 16, 32, 48}, base};
-        } else { /* blocks base / 32 and base / 32 + 1 */
-            u = (int4_unit){{first, first + 32 * half_k}, 16, {0, 32, 16, 48}, base};
-        }
-        /* MAX_ROWS activation rows at a time, each row's numbers the same in any of them (INT4_ROWS) */
-        for (int m0 = 0; m0 < j->M; m0 += MAX_ROWS) {
-            const int rows = j->M - m0 < MAX_ROWS ? j->M - m0 : MAX_ROWS;
-            const size_t blocks = (size_t)j->K / QBLOCK;
-            const int8_t *q = j->q + (size_t)m0 * j->K;
-            const float *bscale = j->bscale + m0 * blocks, *bsum = j->bsum + m0 * blocks;
-            float out[MAX_ROWS * 64];
-            if (rows > 1)
-                int4_rows_avx2(&u, j->K, j->group, j->N, rows, q, bscale, bsum, j->sz, out);
-            else
-                int4_unit_avx2(&u, j->K, j->group, j->N, q, bscale, bsum, j->sz, out);
-            for (int m = 0; m < rows; m++)
-                for (int r = 0; r < 64; r++)
-                    store(j->y, (size_t)(m0 + m) * j->N + base + r,
-                          j->bias ? out[m * 64 + r] + j->bias[base + r] : out[m * 64 + r], j->ydtype);
-        }
+    const size_t padded = ((size_t)j->K / QBLOCK + 7) / 8 * 8;
+    const int many = j->M > INT4_FEW_ROWS;
+    int4_scratch sc = {
+        .comb = many ? NULL : malloc(padded * sizeof(float)),
+        .ofs = many ? NULL : malloc(padded * sizeof(float)),
+        .part = many ? aligned_scratch(INT4_M_BLOCK * 8 * INT4_TILE_VECTORS * sizeof(__m256)) : NULL,
+        .codes = many ? aligned_scratch(8 * INT4_TILE_VECTORS * sizeof(__m256i)) : NULL,
+    };
+    if (many ? !sc.part || !sc.codes : !sc.comb || !sc.ofs) {
+#pragma omp atomic write
+        j->failed = 1;
+    } else {
+        int4_columns(j->W, j->sz, j->bias, j->K, j->group, j->M, j->q, j->as, j->bs, &sc, j->y, j->ydtype, j->N, n0, n1);
     }
+    free(sc.comb), free(sc.ofs), free(sc.part), free(sc.codes);
 }
 
-/* y [M, N] = (x [M, K] * in_scales [K]) @ W^T + bias [N] for an int4 pack in torch's CPU layout with halves
- * (block 64 or 32: torch.int4wo on AVX512 or AVX2 builds), bf16 (scale, zero) pairs sz [K/group, N, 2]. x and y
- * float32 (0) or bfloat16 (1); in_scales and bias (each may be NULL) float32. The activations are quantised per row
- * in blocks of 32 (quantize_row), each row on its own. N % 64 == 0, K % group == 0, group % 32 == 0, any M >= 1: a row's
- * bits are the same alone and among any rows (one answer per input). The AVX2 code runs on either ISA level.
- * Returns as pc_int8. */
+/* y [M, N] = (x [M, K] * in_scales [K]) @ W^T + bias [N] for an int4 pack in packcache's row-major layout (W uint8
+ * [N, K/2], see "int4" above) with bf16 (scale, zero) pairs sz [N, K/group, 2]. x and y float32 (0) or bfloat16 (1);
+ * in_scales and bias (each may be NULL) float32. The activations are quantised per row in blocks of 32
+ * (quantize_row32), each row on its own. K % group == 0, group a power of 2 >= 32, any M, N >= 1: a row's bits are
+ * the same alone and among any rows (one answer per input). The AVX2 code runs on either ISA level. Returns as
+ * pc_int8. */
 PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, const uint16_t *sz, int N, int group,
-                   int block, const float *in_scales, const float *bias, void *y, int ydtype, int isa) {
+                   const float *in_scales, const float *bias, void *y, int ydtype, int isa) {
     if (isa < 1 || isa > pc_isa()) return -ENOTSUP;
-    if (M < 1 || N < 64 || N % 64 || group < QBLOCK || group % QBLOCK || K < group || K % group ||
-        (block != 32 && block != 64) || (xdtype != 0 && xdtype != 1) || (ydtype != 0 && ydtype != 1) ||
-        (size_t)M * K > ((size_t)1 << 40))
+    if (M < 1 || N < 1 || group < QBLOCK || (group & (group - 1)) || K < group || K % group || (xdtype != 0 && xdtype != 1) ||
+        (ydtype != 0 && ydtype != 1) || (size_t)M * K > ((size_t)1 << 40) || (size_t)N * (K / group) > INT32_MAX)
         return -EINVAL;
-    int blocks = K / QBLOCK;
+    const size_t blocks = (size_t)K / QBLOCK;
     int8_t *q = malloc((size_t)M * K);
-    float *bscale = malloc((size_t)M * blocks * sizeof(float)), *bsum = malloc((size_t)M * blocks * sizeof(float));
-    float *row = malloc((size_t)K * sizeof(float)), *lane = malloc((size_t)(K / 4) * sizeof(float));
-    if (!q || !bscale || !bsum || !row || !lane) {
-        free(q), free(bscale), free(bsum), free(row), free(lane);
+    float *as = malloc((size_t)M * blocks * sizeof(float)), *bs = malloc((size_t)M * blocks * sizeof(float));
+    float *row = malloc((size_t)K * sizeof(float));
+    if (!q || !as || !bs || !row) {
+        free(q), free(as), free(bs), free(row);
         return -ENOMEM;
     }
     for (int m = 0; m < M; m++) {
@@ -736,19 +870,13 @@ PC_API int pc_int4(const void *x, int xdtype, int M, int K, const uint8_t *W, co
             float v = load_x(x, (size_t)m * K + k, xdtype);
             row[k] = in_scales ? v * in_scales[k] : v;
         }
-        quantize_row(row, K, q + (size_t)m * K, lane);
-        for (int b = 0; b < blocks; b++) {
-            float sum = 0.0f;
-            for (int k = b * QBLOCK; k < (b + 1) * QBLOCK; k++) sum += row[k];
-            bscale[(size_t)m * blocks + b] = lane[b * (QBLOCK / 4)];
-            bsum[(size_t)m * blocks + b] = sum;
-        }
+        quantize_row32(row, K, q + (size_t)m * K, as + (size_t)m * blocks, bs + (size_t)m * blocks);
     }
-    int4_job job = {.W = W, .sz = sz, .bias = bias, .K = K, .N = N, .M = M, .block = block, .group = group,
-                    .ydtype = ydtype, .q = q, .bscale = bscale, .bsum = bsum, .y = y};
-    run(int4_task, &job, N, 64);
-    free(q), free(bscale), free(bsum), free(row), free(lane);
-    return 0;
+    int4_job job = {.W = W, .sz = sz, .bias = bias, .K = K, .group = group, .M = M, .N = N, .ydtype = ydtype, .q = q,
+                    .as = as, .bs = bs, .y = y, .failed = 0};
+    run(int4_task, &job, N, 8);
+    free(q), free(as), free(bs), free(row);
+    return job.failed ? -ENOMEM : 0;
 }
 
 /* ------------------------------------------------------------------ one family for every row count */

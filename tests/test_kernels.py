@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import packcache
 from harness import save_safetensors
-from packcache.kernels import KERNEL_PATH_ENV, activation_dtype, cpu_kernels, int4_layout
+from packcache.kernels import KERNEL_PATH_ENV, activation_dtype, cpu_kernels
 from packcache.packers import Float32, platform_for
 from packcache.packers_torch import (
     NATIVE_ISAS,
@@ -35,7 +35,9 @@ from packcache.packers_torch import (
     LinearBFloat16,
     LinearFloat32,
     TorchPacker,
+    dequantize_int4_rows,
 )
+from packcache.quantize import pack_int4_rows
 from packcache.safetensors import SafetensorsFile
 from packcache.torch import PackedLinear, check_kernels, convert
 
@@ -110,8 +112,6 @@ def test_the_rule_follows_the_cpu_flags() -> None:
     native = ("avx512_bf16" in flags or "amx_bf16" in flags) and cpu.onednn_bf16
     assert cpu.native_bf16 == native
     assert cpu.default_path == ("bf16" if native else "fp32")
-    # torch's vectorised weight-only kernels exist for its AVX2 and AVX512 dispatch.
-    assert cpu.fused_weight_only == (cpu.capability in ("AVX2", "AVX512"))
     assert set(cpu.flags()) >= {"cpu_capability", "native_bf16", "default_path"}
 
 
@@ -122,7 +122,8 @@ def test_no_packed_layer_falls_back_to_a_reference_kernel(
     packer: TorchPacker, compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not compiled:
-        # What a CPU the compiled kernels do not run on gets: torch's fused kernel for the few rows they took over.
+        # What a CPU the compiled kernels do not run on gets: the path's GEMM over the weight dequantised per call
+        # (torch has no kernel for int8's blocks nor int4's row-major layout).
         for op in NATIVE_ISAS:
             monkeypatch.setitem(NATIVE_ISAS, op, ())
     flags = _cpu_flags()
@@ -132,7 +133,7 @@ def test_no_packed_layer_falls_back_to_a_reference_kernel(
         assert layer.kernel_path == "bf16", "native bf16 flags, yet the packed layer does not run bf16"
     vectorised = "avx2" in flags  # torch dispatches its AVX2 or AVX512 kernels on such a CPU
     weight_only_seen = 0
-    for rows in (1, 7, 300):  # the fused kernel for few rows, dequantise + GEMM for many (int8/int4)
+    for rows in (1, 7, 300):
         seen = _run(layer, rows)
         if layer.kernel(rows).startswith("packcache "):  # the compiled kernel (packcache.native): no torch op at all
             assert not seen.of(WEIGHT_ONLY_KERNELS) and not seen.of(GEMMS), (layer.kernel(rows), rows)
@@ -145,8 +146,8 @@ def test_no_packed_layer_falls_back_to_a_reference_kernel(
         if native:
             assert all(set(dtypes) == {torch.bfloat16} for _, dtypes in gemms), (gemms, rows)
         assert seen.of(WEIGHT_ONLY_KERNELS) or gemms, f"no kernel observed for {rows} rows"
-    if isinstance(packer, Int4WeightOnly) and vectorised and not compiled:  # torch has no kernel for int8's blocks
-        assert weight_only_seen > 0, "few rows must take torch's fused kernel"
+    if not compiled and isinstance(packer, (Int8WeightOnly, Int4WeightOnly)):
+        assert weight_only_seen == 0, "torch's weight-only kernels read neither int8's blocks nor int4's layout"
 
 
 def test_the_dispatch_check_sees_a_reference_call() -> None:
@@ -235,17 +236,17 @@ def test_a_cache_built_on_one_path_is_a_hit_on_the_other(tmp_path: Path, packer:
 # ------------------------------------------------------------------ int4 layout
 
 
-@pytest.mark.parametrize("shape", [(80, 64), (1536, 384), (384, 1536), (48, 32), (16, 128)])
-def test_int4_codes_are_read_back_from_torchs_layout(shape: tuple[int, int]) -> None:
-    layout = int4_layout()
-    if cpu_kernels().capability in ("AVX2", "AVX512"):
-        assert layout is not None, "torch's AVX2/AVX512 int4 layouts are known"
-    if layout is None:
-        assert "_weight_int4pack_mm_for_cpu" in Int4WeightOnly().kernel("fp32", 10_000)  # only torch's kernel reads it
-        return
-    codes = torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(1), dtype=torch.int32)
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    assert torch.equal(layout.codes_t(packed, *shape).t().to(torch.int32), codes)
+@pytest.mark.parametrize("shape", [(80, 64), (1536, 384), (384, 1536), (48, 32), (16, 96)])
+def test_int4_weights_are_read_back_from_the_row_major_layout(shape: tuple[int, int]) -> None:
+    # torch's unpacking (the per-call dequantisation, float_weight) reads what pack_int4_rows wrote, a half unit too
+    rng = np.random.default_rng(shape[0])
+    codes = rng.integers(0, 16, shape, dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (shape[0], shape[1] // 32)).astype(np.float32)
+    zeros = rng.uniform(-0.1, 0.1, (shape[0], shape[1] // 32)).astype(np.float32)
+    pairs = torch.from_numpy(np.stack([scales, zeros], axis=-1)).to(torch.bfloat16)
+    got = dequantize_int4_rows(torch.from_numpy(pack_int4_rows(codes)), pairs, None, torch.float32)
+    scale, zero = (np.repeat(pairs[..., i].float().numpy(), 32, axis=1) for i in (0, 1))
+    np.testing.assert_allclose(got.numpy(), (codes.astype(np.float64) - 8) * scale + zero, rtol=0, atol=1e-6)
 
 
 def test_derived_operands_wait_for_the_first_forward() -> None:
@@ -259,7 +260,7 @@ def test_derived_operands_wait_for_the_first_forward() -> None:
     _run(layer, 2)
     prepared = layer._prepared
     assert prepared is not None and prepared["input_scales"] is not None
-    assert prepared["input_scales"].dtype == torch.bfloat16
+    assert prepared["input_scales"].dtype == torch.float32
     assert prepared["weight"] is layer.get_buffer("weight")  # the packed bytes themselves, not a copy
     assert prepared["scales_and_zeros"] is layer.get_buffer("scales_and_zeros")  # stored as the kernel takes them
 
@@ -306,18 +307,18 @@ def test_the_bf16_scheme_never_widens_its_weight_per_call(path: str, rows: int) 
 @pytest.mark.parametrize("path", ["bf16", "fp32"])
 def test_an_int4_decode_call_converts_neither_its_scales_nor_its_input(path: str) -> None:
     """Issue 22: the float32 scales were converted to bf16 at every call (11 % of a 1 B model's decode) and the
-    activations multiplied by all-ones input scales. Version 2 stores bf16 scales, the kernel's dtype."""
+    activations multiplied by all-ones input scales. Versions 2 and 3 store bf16 scales, which the kernel reads."""
     layer = _layer(Int4WeightOnly(32), path)
     assert layer.get_buffer("scales_and_zeros").dtype == torch.bfloat16
     seen = _produced(layer, 1)
-    scales_sized = [out for out in seen.outputs if out[2] == (128 // 32, 64, 2)]
+    scales_sized = [out for out in seen.outputs if out[2] == (64, 128 // 32, 2)]
     assert not scales_sized, scales_sized
     assert not [out for out in seen.outputs if out[0] == "mul"], seen.outputs
-    fused = [op for op, _, _ in seen.outputs if op.startswith("_weight_int4pack")]
-    if layer.kernel(1).startswith("packcache int4"):  # the compiled kernel: no torch op
-        assert not fused
-    elif cpu_kernels().fused_weight_only:
-        assert fused == ["_weight_int4pack_mm_for_cpu"]
+    if layer.kernel(1).startswith("packcache int4"):  # the compiled kernel: no torch kernel, no weight-sized tensor
+        assert not [out for out in seen.outputs if out[0].startswith("_weight_int4pack")], seen.outputs
+        assert not [out for out in seen.outputs if out[2] in ((64, 128), (128, 64), (64, 64))], seen.outputs
+    else:
+        assert layer.kernel(1).startswith("int4 weight to")
 
 
 class _MisreadInt8(Int8WeightOnly):
@@ -368,9 +369,9 @@ def test_a_kernel_that_misreads_the_layout_fails_loudly_on_the_path_that_runs(
 def test_the_self_check_reuses_the_fingerprints_pack() -> None:
     """A process's first fingerprint packs the fingerprint input once (the determinism check waits for a
     real pack) and no more: the kernel self-check runs on that pack, it does not pack it again (where a compiled
-    kernel runs it also packs its own 64-row probe once, ``packers_torch.NATIVE_PROBE_SHAPE``)."""
+    kernel runs it also packs its own probe once, the first of ``packers_torch.NATIVE_PROBE_SHAPES`` it takes)."""
     from packcache.packers import FINGERPRINT_SHAPE
-    from packcache.packers_torch import NATIVE_PROBE_SHAPE
+    from packcache.packers_torch import NATIVE_PROBE_SHAPES
 
     calls: list[tuple[int, ...]] = []
 
@@ -385,7 +386,7 @@ def test_the_self_check_reuses_the_fingerprints_pack() -> None:
     packer.fingerprint()
     assert calls == [FINGERPRINT_SHAPE]
     check_kernels(nn.Sequential(PackedLinear.from_parts(packer, packer.fingerprint_pack(), None, kernel_path="fp32")))
-    native_probe = [NATIVE_PROBE_SHAPE] if packer.kernel("fp32", 1).startswith("packcache ") else []
+    native_probe = [NATIVE_PROBE_SHAPES[0]] if packer.kernel("fp32", 1).startswith("packcache ") else []
     assert calls == [FINGERPRINT_SHAPE, *native_probe]
 
 

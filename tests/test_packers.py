@@ -315,8 +315,11 @@ FINGERPRINTS = {
     "torch.linear.f32": "b663132fdcddfaf81daf890f94100ac06ce9110e1881478c910ed2cf84806ad8",
     "torch.linear.bf16": "b13068b554e1328272243c00715a0a34f612b2263afa32f9ab9e017bd16d9490",
     "torch.int8wo": "113e65b7c6cfee8358ae36653ae864333a98b8a1ae0345d4b2745b22e3594f48",
+    # version 3, packcache's row-major layout: the same bytes on every CPU (versions 1 and 2 were torch's, per CPU
+    # capability). The weight-only packer's: the last of the two int4 packers of _torch_packers, which share an id.
+    "torch.int4wo": "6576b9b851026f11575a0d46ba7eccffc1f488516900972199c35bbea65f72bf",
 }
-#: The int4 codes, scales and zeros before torch lays them out (the layout depends on the CPU).
+#: The int4 codes, scales and zeros before they are laid out.
 INT4_QUANTIZED = {
     "lsq-clip": "161bce403ff23ca8e1578837ddd2de0b65f277e8a111a7e63b5e9f1fbdff1271",
     "awq-lsq-clip": "0121ed90720fc3306b784781d70f517899b3f380788c49d9bd0ba3ea27a657a2",

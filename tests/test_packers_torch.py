@@ -23,8 +23,8 @@ def test_torch_packers_run_their_kernel_to_the_intended_weight_on_every_path() -
         parts = packer.checked_pack(w, "F32")
         for path in packer.paths:
             layer = PackedLinear.from_parts(packer, parts, bias=np.full(64, 0.5, np.float32), kernel_path=path)
-            # A few rows (the fused kernel where there is one) and more than the packer's threshold (dequantise + GEMM).
-            for rows in sorted({5, packer.fused_max_rows.get(path, 0) + 1}):
+            # One row (a decode step's own loop in the compiled kernels), a few and more than a tile block of rows.
+            for rows in (1, 5, 97):
                 x = torch.from_numpy(fingerprint_input((rows, 256)))
                 expected = x @ torch.from_numpy(packer.intended(w, "F32")).T + 0.5
                 with torch.inference_mode():
@@ -57,7 +57,7 @@ def test_torch_platform_names_torch_version_and_cpu_capability() -> None:
 def test_int4_refuses_shapes_its_kernel_cannot_take() -> None:
     from packcache.packers_torch import Int4WeightOnly
 
-    assert Int4WeightOnly(32).eligible((24, 64)) is not None  # out_features not a multiple of 16
+    assert Int4WeightOnly(32).eligible((24, 64)) is None  # any out_features: the layout is row-major
     assert Int4WeightOnly(64).eligible((32, 96)) is not None  # in_features not a multiple of the group
     assert Int4WeightOnly(32).eligible((32, 96)) is None
     with pytest.raises(ValueError, match="group_size"):
@@ -118,7 +118,6 @@ def test_every_scheme_declares_the_layout_of_its_packs_and_its_compiled_product_
     import torch
 
     from packcache import native
-    from packcache.kernels import int4_layout
     from packcache.loader import scheme_packer
     from packcache.packers import SCHEMES
     from packcache.packers_torch import Int4WeightOnly
@@ -142,7 +141,5 @@ def test_every_scheme_declares_the_layout_of_its_packs_and_its_compiled_product_
         elif packer.native_op == "int8":
             y = native.int8_product(x, bound, 1)
         else:
-            layout_int4 = int4_layout()
-            assert layout_int4 is not None
-            y = native.int4_product(x, bound, packer.params["group_size"], layout_int4.block, 1)
+            y = native.int4_product(x, bound, packer.params["group_size"], 1)
         assert y.shape == (1, out_features) and bool(y.isfinite().all()), packer

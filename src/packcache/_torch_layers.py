@@ -20,9 +20,17 @@ import torch
 from torch import nn
 
 from . import native
-from .kernels import activation_dtype, int4_layout
+from .kernels import activation_dtype
 from .packers import Packer, Parts
-from .packers_torch import Int4WeightOnly, Int8WeightOnly, LinearBFloat16, LinearFloat32, TorchPacker, dequantize_rows
+from .packers_torch import (
+    Int4WeightOnly,
+    Int8WeightOnly,
+    LinearBFloat16,
+    LinearFloat32,
+    TorchPacker,
+    dequantize_int4_rows,
+    dequantize_rows,
+)
 
 __all__ = [
     "_READ_ONLY_HOOK",
@@ -441,12 +449,11 @@ def _float_weight(layer: PackedLinear) -> torch.Tensor:
         return operand("weight").float()
     if kind is Int8WeightOnly:
         return dequantize_rows(operand("weight"), operand("scales"), torch.float32)
-    if kind is Int4WeightOnly and isinstance(packer, Int4WeightOnly) and int4_layout() is not None:
-        weight_t = packer.dequantized_t(
+    if kind is Int4WeightOnly:  # Int4WeightOnly.linear's per-call dequantisation
+        return dequantize_int4_rows(
             operand("weight"), operand("scales_and_zeros"), operand("input_scales"), torch.float32
-        )  # Int4WeightOnly.linear's per-call dequantisation
-        return weight_t.t().contiguous()
-    return _probed_weight(layer)  # a packer packcache does not know, or an int4 layout it cannot read
+        )
+    return _probed_weight(layer)  # a packer packcache does not know
 
 
 def _operand(layer: PackedLinear, name: str) -> torch.Tensor:
@@ -458,13 +465,13 @@ def _operand(layer: PackedLinear, name: str) -> torch.Tensor:
 
 def _probed_weight(layer: PackedLinear) -> torch.Tensor:
     """The weight of any packer's layer: its forward, without bias, on the unit vectors (``I @ W.T = W.T``), in
-    blocks of rows, past the packer's fused-kernel rows (its dequantising path, on ``fp32`` where it has it)."""
+    blocks of rows (on ``fp32`` where the packer has it)."""
     packer = layer.packer
     path = "fp32" if "fp32" in packer.paths else layer.kernel_path
     operands: dict[str, torch.Tensor | None] = {name: _operand(layer, name) for name in packer.parts}
     operands["bias"] = None
     prepared = packer.prepare(operands, path)
-    rows = max(256, packer.fused_max_rows.get(path, 0) + 1)
+    rows = 256
     blocks = []
     for start in range(0, layer.in_features, rows):
         count = min(rows, layer.in_features - start)

@@ -6,16 +6,12 @@ path is a hit on the other. There are two:
 
 ``bf16``
     Activations in bfloat16. Float weights go to oneDNN's bf16 GEMM (AMX or
-    AVX512-BF16 instructions); a weight-only int4 layer calls torch's fused
-    kernel (``_weight_int4pack_mm_for_cpu``, whose only vectorised variant takes bf16
-    activations) for a few rows, and for more rows (and an int8 layer always) dequantises
-    its weight to bf16 once per call and uses the bf16 GEMM. (Where packcache's compiled
-    kernels run, :mod:`packcache.native`, the packed layers run those instead, on either path.)
+    AVX512-BF16 instructions); an int8 or int4 layer dequantises its weight to bf16 once
+    per call and uses the bf16 GEMM. (Where packcache's compiled kernels run,
+    :mod:`packcache.native`, the packed layers run those instead, on either path.)
 ``fp32``
     Activations in float32 everywhere. Quantised weights are dequantised to float32
-    once per call and multiplied by MKL's float32 GEMM. torch's fused weight-only
-    kernels are never given float32 activations: for those they run a scalar
-    reference loop, 30-60x slower than the GEMM.
+    once per call and multiplied by MKL's float32 GEMM.
 
 **The rule** (:func:`cpu_kernels`): ``bf16`` when the CPU computes bfloat16 natively
 (torch's cpuinfo reports AVX512-BF16 or AMX tiles) and torch's oneDNN runs bf16 on
@@ -49,10 +45,8 @@ __all__ = [
     "KERNEL_PATHS",
     "KERNEL_PATH_ENV",
     "CpuKernels",
-    "Int4Layout",
     "activation_dtype",
     "cpu_kernels",
-    "int4_layout",
     "requested_path",
 ]
 
@@ -82,8 +76,8 @@ class CpuKernels:
 
     Attributes:
         capability: ``torch.backends.cpu.get_cpu_capability()`` (``AVX512``, ``AVX2``, ``DEFAULT``, ...):
-            the ISA torch's own kernels were dispatched to. It also decides torch's int4 weight
-            layout, which is why it is in the platform fingerprint of int4 caches.
+            the ISA torch's own kernels were dispatched to (in the platform fingerprint of every torch
+            packer's caches: the float GEMMs a pack is checked against run on it).
         avx512_bf16: the CPU has AVX512-BF16 (``torch.cpu._is_avx512_bf16_supported``).
         amx_tile: the CPU has AMX tiles (``torch.cpu._is_amx_tile_supported``; every such CPU has AMX-BF16).
         onednn_bf16: torch's oneDNN is built in and runs bf16 on this CPU.
@@ -98,11 +92,6 @@ class CpuKernels:
     def native_bf16(self) -> bool:
         """Whether bfloat16 GEMMs run on native instructions (AVX512-BF16 or AMX) through oneDNN."""
         return (self.avx512_bf16 or self.amx_tile) and self.onednn_bf16
-
-    @property
-    def fused_weight_only(self) -> bool:
-        """Whether torch's fused int8/int4 weight-only kernels have their vectorised (bf16) variant here."""
-        return self.capability in ("AVX2", "AVX512")
 
     @property
     def default_path(self) -> str:
@@ -170,63 +159,3 @@ def requested_path(requested: str | None) -> str | None:
     if requested not in KERNEL_PATHS:
         raise ValueError(f"kernel_path={requested!r}: expected one of {', '.join(KERNEL_PATHS)} or 'auto'")
     return requested
-
-
-# --------------------------------------------------------------------------- int4 layout
-
-
-@dataclass(frozen=True)
-class Int4Layout:
-    """How ``torch._convert_weight_to_int4pack_for_cpu`` lays out codes ``[N, K]`` as bytes ``[N, K/2]``.
-
-    Rows are cut into blocks of ``block`` output channels; a block holds, for each input
-    feature k, ``block/2`` bytes. In a full block with ``halves`` the low nibble of byte j
-    is row j and the high nibble row ``j + block/2``; otherwise (a short last block, or
-    no vectorised layout) the low nibble is row 2j and the high nibble row 2j + 1.
-    """
-
-    block: int
-    halves: bool
-
-    def codes_t(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-        """The codes (0..15) as uint8 ``[in_features, out_features]``: the transposed weight, ready for ``x @ W.T``."""
-        n, k, block = out_features, in_features, self.block
-        out = torch.empty(k, n, dtype=torch.uint8)
-        flat = packed.reshape(-1)
-        full = n // block
-        if full:
-            src = flat[: full * k * block // 2].view(full, k, block // 2).permute(1, 0, 2)
-            dst = out[:, : full * block].view(k, full, block)
-            if self.halves:
-                low, high = dst[..., : block // 2], dst[..., block // 2 :]
-            else:
-                low, high = dst[..., 0::2], dst[..., 1::2]
-            torch.bitwise_and(src, 15, out=low)
-            torch.bitwise_right_shift(src, 4, out=high)
-        rest = n - full * block
-        if rest:
-            src = flat[full * k * block // 2 :].view(k, rest // 2)
-            dst = out[:, full * block :]
-            torch.bitwise_and(src, 15, out=dst[:, 0::2])
-            torch.bitwise_right_shift(src, 4, out=dst[:, 1::2])
-        return out
-
-
-#: Probe shape: one full block at every block size (32 or 64) and a short one of 16 rows.
-_PROBE_SHAPE = (80, 64)
-
-
-@functools.cache
-def int4_layout() -> Int4Layout | None:
-    """The int4 layout of this torch on this CPU, checked once per process by packing a probe
-    and reading it back; ``None`` if packcache cannot read it (then int4 layers always call
-    the fused kernel, never the per-call dequantisation)."""
-    capability = cpu_kernels().capability
-    # torch's block is Vectorized<float>::size() * 4: 64 on AVX512, else 32; only the AVX builds split halves.
-    layout = Int4Layout(64, True) if capability == "AVX512" else Int4Layout(32, capability == "AVX2")
-    n, k = _PROBE_SHAPE
-    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    if tuple(packed.shape) != (n, k // 2) or not torch.equal(layout.codes_t(packed, n, k).t().to(torch.int32), codes):
-        return None
-    return layout

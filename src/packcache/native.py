@@ -17,9 +17,10 @@ mapping:
     any number of rows, a row's bits the same alone and inside any batch (:func:`int8_product`). The AVX2 code, on
     either ISA level: what the packed int8 layers run.
 ``int4``
-    ``torch.int4wo`` packs in torch's CPU layout, bfloat16 scales and zeros per group; activations quantised per
-    row in blocks of 32 features; any number of rows, a row's bits the same alone and inside any batch
-    (:func:`int4_product`). The AVX2 code, on either ISA level: what the packed int4 layers run.
+    ``torch.int4wo`` packs (codes row-major, 4 bits each, in units of 64 input features; a bfloat16 scale and zero
+    per row and group). The activations are quantised as for int8; any number of rows, a row's bits the same alone
+    and inside any batch (:func:`int4_product`). The AVX2 code, on either ISA level: what the packed int4 layers
+    run.
 
 The product below takes at most :func:`max_rows` rows, and a row's bits depend only on the code level, not on
 the rows beside it; no packed layer runs it any more, and ``benchmarks/decode_kernels.py`` compares it:
@@ -83,7 +84,7 @@ NATIVE_ENV = "PACKCACHE_NATIVE"
 ISAS = {2: "avx512", 1: "avx2"}
 _LEVELS = {name: level for level, name in ISAS.items()}
 #: The ``pc_abi_version()`` this module calls: a stale build of another version is not loaded.
-ABI_VERSION = 4
+ABI_VERSION = 5
 #: Operand dtypes of the library's calls.
 FLOAT32, BFLOAT16 = 0, 1
 _OPS = {"int8": 0, "bf16": 1, "int4": 2, "dense": 3}
@@ -119,14 +120,8 @@ class NativeStatus:
         """The schemes whose packed linear layers give a row the same bits alone and inside any batch in this
         process: where the compiled kernels run, fp32 and bf16 (:func:`dense_product`), int8 (:func:`int8_product`,
         or the dense product over a weight it cannot take, dequantised) and int4
-        (:func:`int4_product`, or the dense product over a weight it cannot take, dequantised), every row count;
-        none without them (torch's kernels change with the row count). int4 needs torch's int4 layout to be one
-        packcache reads (:func:`packcache.kernels.int4_layout`); it always was on the CPUs measured."""
-        if self.isa is None:
-            return ()
-        from .kernels import int4_layout  # torch's layout, probed once per process
-
-        return ("fp32", "bf16", "int8", "int4") if int4_layout() is not None else ("fp32", "bf16", "int8")
+        (:func:`int4_product`), every row count; none without them (torch's kernels change with the row count)."""
+        return ("fp32", "bf16", "int8", "int4") if self.isa is not None else ()
 
     def flags(self) -> dict[str, object]:
         """As a JSON-able mapping (for reports)."""
@@ -162,7 +157,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pc_k_multiple.argtypes, lib.pc_k_multiple.restype = [i, i], i
     lib.pc_int8.argtypes = [p, i, i, i, p, p, i, p, p, i, i]
     lib.pc_bf16.argtypes = [p, i, i, i, p, i, p, p, i, i]
-    lib.pc_int4.argtypes = [p, i, i, i, p, p, i, i, i, p, p, p, i, i]
+    lib.pc_int4.argtypes = [p, i, i, i, p, p, i, i, p, p, p, i, i]
     lib.pc_dense.argtypes = [p, i, i, i, p, i, p, i, p, p, i, i]
     lib.pc_int8.restype = lib.pc_bf16.restype = lib.pc_int4.restype = lib.pc_dense.restype = i
     lib.pc_stream.argtypes, lib.pc_stream.restype = [p, ctypes.c_size_t], ctypes.c_uint64
@@ -472,7 +467,7 @@ def _dense_reads(dtype: torch.dtype) -> Any:
 
 def _int4_reads(n: int, k: int, group: int) -> dict[str, Spec]:
     return {
-        "weight": (torch.uint8, (n, k // 2)), "scales_and_zeros": (torch.bfloat16, (k // max(group, 1), n, 2)),
+        "weight": (torch.uint8, (n, k // 2)), "scales_and_zeros": (torch.bfloat16, (n, k // max(group, 1), 2)),
         "input_scales": (torch.float32, (k,)), "bias": (torch.float32, (n,)),
     }  # fmt: skip
 
@@ -588,17 +583,17 @@ def dense_product(x: torch.Tensor, operands: Bound, threads: int) -> torch.Tenso
 
 
 def int4_product(
-    x: torch.Tensor, operands: Bound, group: int, block: int, threads: int, *, input_scales: bool = True
+    x: torch.Tensor, operands: Bound, group: int, threads: int, *, input_scales: bool = True
 ) -> torch.Tensor:
     """``(x * input_scales) @ W^T + bias`` for a ``torch.int4wo`` pack: ``operands`` bound to ``weight`` (uint8
-    ``[n, k/2]`` in torch's CPU layout with halves, ``block`` 64 or 32: :class:`packcache.kernels.Int4Layout`),
-    bfloat16 ``scales_and_zeros [k/group, n, 2]``, float32 ``input_scales [k]`` (not read when ``input_scales`` is
-    false: all ones) and optionally a float32 ``bias [n]``. ``n % 64 == 0``, ``group`` a multiple of 32 dividing
+    ``[n, k/2]``, packcache's row-major layout: :func:`packcache.quantize.pack_int4_rows`), bfloat16
+    ``scales_and_zeros [n, k/group, 2]`` (W = (code - 8) * scale + zero), float32 ``input_scales [k]`` (not read when
+    ``input_scales`` is false: all ones) and optionally a float32 ``bias [n]``. ``group`` a multiple of 32 dividing
     ``k``; ``x`` and the result as :func:`int8_product`, any number of rows.
 
-    Each row's activations are rounded to int8 per block of 32 on their own and its sums taken in one order, so
-    row ``i`` of the result has the same bits whatever the other rows are and however many (the AVX2 code, on
-    either ISA level).
+    Each row's activations are rounded to int8 per block of 4 on their own and its sums taken in one order, so row
+    ``i`` of the result has the same bits whatever the other rows are and however many (the AVX2 code, on either
+    ISA level).
 
     Raises:
         NativeError: as :func:`int8_product`. TypeError: ``operands`` did not come from :func:`bind`.
@@ -607,7 +602,7 @@ def int4_product(
     if rows:
         a = operands._addresses
         scales = a.get("input_scales") if input_scales else None
-        rc = lib.pc_int4(x.data_ptr(), code, rows, k, a["weight"], a["scales_and_zeros"], n, group, block, scales,
+        rc = lib.pc_int4(x.data_ptr(), code, rows, k, a["weight"], a["scales_and_zeros"], n, group, scales,
                          a.get("bias"), y.data_ptr(), code, _level())  # fmt: skip
         _check(rc, "int4")
     return y

@@ -8,12 +8,13 @@ store; :func:`tensor_to_numpy` refuses anything that is not self-contained bytes
 - ``torch.linear.bf16``: weight bf16 ``[out, in]`` (stored as uint16 bits); ``linear`` on bf16 activations.
 - ``torch.int8wo``: weight int8 ``[out, in]``, scales bf16 ``[out, in/32]`` (stored as uint16 bits): Q8_0's
   blocks; packcache's compiled int8 product (:func:`packcache.native.int8_product`).
-- ``torch.int4wo``: weight uint8 in the kernel's layout, scales_and_zeros bf16 ``[in/g, out, 2]`` (stored as
-  uint16 bits: the dtype the kernel takes), input_scales f32 ``[in]``; ``torch._weight_int4pack_mm_for_cpu``.
+- ``torch.int4wo``: weight uint8 ``[out, in/2]`` row-major (:func:`packcache.quantize.pack_int4_rows`),
+  scales_and_zeros bf16 ``[out, in/g, 2]`` (stored as uint16 bits), input_scales f32 ``[in]``; packcache's
+  compiled int4 product (:func:`packcache.native.int4_product`).
 
 Their :meth:`~packcache.packers.Packer.platform_tags` name the torch version and
-``torch.backends.cpu.get_cpu_capability()``: the int4 layout is blocked differently
-per CPU capability, and the behavioural fingerprint catches a layout change in a new torch.
+``torch.backends.cpu.get_cpu_capability()``, and the behavioural fingerprint catches a kernel that reads a layout
+differently.
 
 Every packer refuses a source holding NaN or ±Inf, or a finite value its scheme would turn
 into one (:class:`~packcache.errors.NonFiniteWeightError`, see :mod:`packcache.packers`).
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from . import native
 from ._defaults import GROUP_SIZE
 from .errors import NonFiniteWeightError, PackResultError
-from .kernels import KERNEL_PATHS, activation_dtype, cpu_kernels, int4_layout, requested_path
+from .kernels import KERNEL_PATHS, activation_dtype, cpu_kernels, requested_path
 from .packers import (
     Packer,
     Parts,
@@ -55,9 +56,11 @@ from .packers import (
     to_float32,
 )
 from .quantize import (
+    INT4_UNIT,
     INT8_BLOCK,
     dequantize_int4,
     dequantize_int8_blocks,
+    pack_int4_rows,
     quantize_int4_activation_aware,
     quantize_int4_groups,
     quantize_int8_blocks,
@@ -73,6 +76,7 @@ __all__ = [
     "STORAGE_DTYPES",
     "TorchPacker",
     "as_tensor",
+    "dequantize_int4_rows",
     "dequantize_rows",
     "tensor_to_numpy",
 ]
@@ -81,20 +85,14 @@ __all__ = [
 #: views) plus ``"bias"`` (or ``None``) and whatever :meth:`TorchPacker.prepare` derives.
 Operands = Mapping[str, "torch.Tensor | None"]
 
-#: Per kernel path, the rows up to which torch's fused weight-only kernels beat dequantising the
-#: weight per call and using the path's GEMM: the crossover measured on MiniLM's layer shapes
-#: (384x384, 384x1536, 1536x384) on an AVX512-BF16/AMX Xeon, 2 threads (``docs/TORCH.md``).
-FUSED_MAX_ROWS_INT4 = {"bf16": 96, "fp32": 192}
 #: Per compiled operation (:mod:`packcache.native`), the most rows it is called for (``None``: every row count).
 #: Each runs for every row count: one sum order whatever the batch, so a row's answer does not depend on the rows
 #: beside it. ``dense`` (fp32, bf16) keeps up with torch's float32 GEMM at a MiniLM batch or a prefill; ``int8``
-#: multiplies int8 activations by the int8 codes at every row count; int4's kernel unpacks each block once for 64
-#: rows at a time and beats torch's AVX2 kernel at 1-512 rows (``docs/TORCH.md``, "Compiled kernels").
+#: and ``int4`` multiply int8 activations by their codes at every row count (``docs/TORCH.md``, "Compiled kernels").
 NATIVE_MAX_ROWS: dict[str, int | None] = {"dense": None, "int4": None, "int8": None}
 #: Per compiled operation, the codes (``native.status().isa``) it is used on: all are AVX2 code, run on both levels
-#: (the same numbers on every x86 CPU with AVX2 and FMA). int4's 256-bit VNNI variant streamed ~21 GiB/s on an
-#: AVX512 Xeon where torch's AVX512 kernel streamed ~26 and, on the same Xeon, the AVX2 code decoded faster than
-#: torch's AVX512 kernel (``benchmarks/decode_kernels.py``, ``docs/BENCHMARKS.md``).
+#: (the same numbers on every x86 CPU with AVX2 and FMA). On an AVX512 Xeon the AVX2 code decoded faster than
+#: the AVX512 variants it replaced (``benchmarks/decode_kernels.py``, ``docs/BENCHMARKS.md``).
 NATIVE_ISAS = {"dense": ("avx512", "avx2"), "int4": ("avx512", "avx2"), "int8": ("avx512", "avx2")}
 
 #: torch dtypes a pack may hold, with the numpy dtype that stores their bytes.
@@ -189,11 +187,6 @@ class TorchPacker(Packer):
 
     #: Kernel paths (:mod:`packcache.kernels`) this packer runs.
     paths: ClassVar[tuple[str, ...]] = KERNEL_PATHS
-    #: Per path, the most rows for which torch's fused weight-only kernel is called (on bf16
-    #: activations, its only vectorised variant); with more rows the weight is dequantised once
-    #: per call and fed to the path's GEMM, which is faster from there (measured in
-    #: ``docs/TORCH.md``). Empty: this packer has no fused kernel.
-    fused_max_rows: ClassVar[dict[str, int]] = {}
 
     def platform_tags(self) -> dict[str, Any]:
         return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
@@ -383,10 +376,8 @@ bfloat16 [2, 1], C-contiguous: the cache holds a pack that does not fit this lay
 
     def kernels(self, path: str) -> str:
         """Every op this packer runs on ``path``, with the row ranges: e.g. for ``repr``."""
-        limits = {self.fused_max_rows.get(path, 0)}
         most = NATIVE_MAX_ROWS[self.native_op] if self.native_op is not None else None
-        if most is not None:
-            limits.add(most)
+        limits = {most} if most is not None else set()
         ranges: list[tuple[str, int]] = []  # (op, the most rows it runs for)
         for limit in sorted(n for n in limits if n > 0):
             op = self.kernel(path, limit)
@@ -399,10 +390,6 @@ bfloat16 [2, 1], C-contiguous: the cache holds a pack that does not fit this lay
             ranges.pop()
         shown = [f"{op} up to {rows} row{'s' if rows > 1 else ''}" for op, rows in ranges]
         return ", ".join([*shown, f"else {large}"]) if ranges else large
-
-    def _use_fused(self, path: str, rows: int) -> bool:
-        """Whether :meth:`linear` calls torch's fused weight-only kernel for ``rows`` rows on ``path``."""
-        return rows <= self.fused_max_rows.get(path, 0) and cpu_kernels().fused_weight_only
 
     #: The compiled operation (:mod:`packcache.native`) of this packer's packs, if it has one.
     native_op: ClassVar[str | None] = None
@@ -483,41 +470,30 @@ def _shape(parts: Mapping[str, Any], part: str, ndim: int) -> tuple[int, ...]:
     return tuple(int(n) for n in value.shape)
 
 
-def _native_product(op: str, x: torch.Tensor, operands: Prepared, group: int = 0, block: int = 0) -> torch.Tensor:
-    """``x @ W.T + bias`` by the compiled ``op`` over a layer's operands from :meth:`TorchPacker.prepare`: it reads
-    only their :attr:`Prepared.bound`, checked when they were bound (``int4``: ``weight`` in torch's layout of
-    ``block`` rows, ``scales_and_zeros`` per ``group``, the input scales unless ``prepare`` found them all ones);
-    ``x`` contiguous float32 or bfloat16, the result in its dtype.
-    """
-    threads = torch.get_num_threads()
-    if op == "dense":
-        return native.dense_product(x, operands.bound, threads)
-    scaled = operands.get("input_scales") is not None  # int4, the other operation a packer runs
-    return native.int4_product(x, operands.bound, group, block, threads, input_scales=scaled)
-
-
 #: (packer class, id, version, params, kernel path) whose kernel self-check passed in this process.
 _CHECKED: set[tuple[str, str, int, str, str]] = set()
 
 
 def _self_check(packer: TorchPacker, path: str) -> None:
-    """Run kernel ``path`` (both the fused kernel and the per-call dequantisation where the path has
-    both) on the fingerprint pack and compare with the intended weight: a torch whose kernel reads
-    the layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers.
-    Where a compiled kernel runs (:mod:`packcache.native`), also on a pack of :data:`NATIVE_PROBE_SHAPE`
-    (the int4 kernel takes 64 rows at a time: more than the fingerprint's 32)."""
+    """Run kernel ``path`` on the fingerprint pack and compare with the intended weight: a kernel that reads the
+    layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers. Where a compiled
+    kernel runs (:mod:`packcache.native`), also on a pack of :data:`NATIVE_PROBE_SHAPE` (more rows and input
+    features than the fingerprint's: whole units of the int4 layout and more than one tile of output rows)."""
     source = fingerprint_input()
     stats = fingerprint_stats() if packer.uses_stats else None
     parts = packer.fingerprint_pack()  # the pack the fingerprint hashed: not packed again
-    # 1 row: the compiled kernels' (decode's) case, where they apply; 3 and past the fused limit: torch's kernels
-    _check_rows(packer, path, parts, source, stats, sorted({1, 3, packer.fused_max_rows.get(path, 0) + 1}))
+    # 1 row: decode's case (where the compiled kernels run, a path of its own); 3: the tiles of several rows
+    _check_rows(packer, path, parts, source, stats, [1, 3])
     if packer.native_op is not None and native.status().isa in NATIVE_ISAS[packer.native_op]:
-        probe = fingerprint_input(NATIVE_PROBE_SHAPE)
-        _check_rows(packer, path, packer.pack(probe, "F32", stats), probe, stats, [1])
+        shape = next(shape for shape in NATIVE_PROBE_SHAPES if packer.eligible(shape) is None)
+        probe = fingerprint_input(shape)
+        probe_stats = fingerprint_stats(shape[1]) if packer.uses_stats else None
+        _check_rows(packer, path, packer.pack(probe, "F32", probe_stats), probe, probe_stats, [1, 3])
 
 
-#: The shape of the extra pack :func:`_self_check` runs a compiled kernel on.
-NATIVE_PROBE_SHAPE = (64, 256)
+#: The shapes of the extra pack :func:`_self_check` runs a compiled kernel on, the first the packer takes: 288 input
+#: features end in the half unit of the int4 layout (a group size of 64 or 128 takes only the second).
+NATIVE_PROBE_SHAPES = ((40, 288), (40, 256))
 
 
 def _check_rows(
@@ -593,7 +569,7 @@ class LinearFloat32(TorchPacker):
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
         if self._use_native(x.shape[0], x.shape[1]):
-            return _native_product("dense", x, operands)
+            return native.dense_product(x, operands.bound, torch.get_num_threads())
         return F.linear(x, _tensor(operands, "weight"), operands.get("bias"))
 
     def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
@@ -659,7 +635,7 @@ class LinearBFloat16(TorchPacker):
         weight = _tensor(operands, "weight")
         rows, in_features = x.shape
         if self._use_native(rows, in_features):
-            return _native_product("dense", x, operands)
+            return native.dense_product(x, operands.bound, torch.get_num_threads())
         if path == "bf16":
             return F.linear(x, weight, operands.get("bias"))
         y = F.linear(x.to(torch.bfloat16), weight).float()
@@ -744,16 +720,9 @@ class Int8WeightOnly(TorchPacker):
             return native.int8_product(x, operands.bound, torch.get_num_threads())
         if self._use_dense(in_features):
             return _dense_over(x, dequantize_rows(weight, scales, torch.float32), operands)
-        out_features = weight.shape[0]
-        block = max(16, DEQUANT_BLOCK_BYTES // max(1, in_features * x.element_size()))
-        if out_features <= block:
-            return F.linear(x, dequantize_rows(weight, scales, x.dtype), bias)
-        out_t = torch.empty(out_features, rows, dtype=x.dtype)
-        for start in range(0, out_features, block):
-            part = dequantize_rows(weight[start : start + block], scales[start : start + block], x.dtype)
-            torch.mm(part, x.t(), out=out_t[start : start + block])
-        y = out_t.t().contiguous()
-        return y if bias is None else y.add_(bias)
+        return _dequantized_linear(
+            x, bias, weight.shape[0], lambda part, dtype: dequantize_rows(weight[part], scales[part], dtype)
+        )
 
     def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
         if self._use_native(rows, in_features):
@@ -805,32 +774,44 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 DEQUANT_BLOCK_BYTES = 8 << 20
 
 
+def _dequantized_linear(
+    x: torch.Tensor, bias: torch.Tensor | None, out_features: int, rows: Callable[[slice, torch.dtype], torch.Tensor]
+) -> torch.Tensor:
+    """``x @ W.T + bias`` with the weight dequantised for this call only, ``rows(part, dtype)`` giving rows ``part``
+    of it in ``x``'s dtype: a weight larger than :data:`DEQUANT_BLOCK_BYTES` a block of output channels at a time,
+    so no call holds more than that of it."""
+    in_features = x.shape[1]
+    block = max(16, DEQUANT_BLOCK_BYTES // max(1, in_features * x.element_size()))
+    if out_features <= block:
+        return F.linear(x, rows(slice(None), x.dtype), bias)
+    out_t = torch.empty(out_features, x.shape[0], dtype=x.dtype)
+    for start in range(0, out_features, block):
+        torch.mm(rows(slice(start, start + block), x.dtype), x.t(), out=out_t[start : start + block])
+    y = out_t.t().contiguous()
+    return y if bias is None else y.add_(bias)
+
+
 class Int4WeightOnly(TorchPacker):
-    """Grouped asymmetric int4 for ``torch._weight_int4pack_mm_for_cpu`` (float32 activations).
+    """Grouped asymmetric int4, row-major: parts ``weight`` (uint8 ``[out, in / 2]``, two codes per byte in units of
+    64 input features: :func:`packcache.quantize.pack_int4_rows`), ``scales_and_zeros`` (bfloat16 ``[out, in / g,
+    2]``, stored as uint16 bits; weight = (code - 8) * scale + zero) and ``input_scales`` (float32 ``[in]``, all ones
+    without statistics).
 
-    Without statistics, codes, scales and zeros come from
-    :func:`packcache.quantize.quantize_int4_groups` (a per-group least-squares search
-    over clipping ranges, weight-only). With ``stats`` (``E[x x^T]`` of the layer input on
-    calibration texts) and ``activation_aware=True``, from
-    :func:`packcache.quantize.quantize_int4_activation_aware`, which also picks a
-    per-input-feature scale the layer applies to its input. The codes are laid out by
-    ``torch._convert_weight_to_int4pack_for_cpu``.
+    Without statistics, codes, scales and zeros come from :func:`packcache.quantize.quantize_int4_groups` (a
+    per-group least-squares search over clipping ranges, weight-only). With ``stats`` (``E[x x^T]`` of the layer
+    input on calibration texts) and ``activation_aware=True``, from
+    :func:`packcache.quantize.quantize_int4_activation_aware`, which also picks a per-input-feature scale the layer
+    applies to its input. The scales and zeros are bfloat16, with the codes rounded against those values.
 
-    Parts: ``weight`` (uint8, the kernel's blocked layout, ``[out, in/2]``),
-    ``scales_and_zeros`` (bfloat16 ``[in/g, out, 2]``, stored as uint16 bits; weight = (code - 8)*scale + zero)
-    and ``input_scales`` (float32 ``[in]``, all ones without statistics).
-
-    The scales and zeros are stored in bfloat16, the dtype the fused kernel takes, with the codes rounded
-    against those bf16 values: stored as float32, every call would convert them to bf16 again (243 MB of
-    conversions per token of a 1 B model, 11 % of its decode). Version 1 stored float32.
+    Version 3 lays each row out on its own (a decode step reads the codes and the scale pairs as two sequential
+    streams, a block of 32 codes unpacked by two instructions), where versions 1 and 2 stored
+    ``torch._convert_weight_to_int4pack_for_cpu``'s layout: blocked by output channels, different on AVX512 and AVX2
+    builds, and 16 unpacks per 128 bytes to read. A cache of version 2 is rebuilt once.
 
     Forward: with the compiled kernels, packcache's int4 product (:func:`packcache.native.int4_product`,
-    activations int8 per block of 32) at every row count, one sum order per row; a layer it cannot take
-    (``out_features`` not a multiple of 64) the dense product over its weight dequantised per call.
-    Without them, path ``bf16`` calls torch's fused kernel on bf16 activations for up to
-    :attr:`fused_max_rows` rows; with more rows, and on path ``fp32``, the codes are read out
-    of the kernel's layout (:func:`packcache.kernels.int4_layout`, checked against torch once
-    per process) and dequantised once per call into the path's dtype for ``addmm``.
+    activations int8 per block of 4) at every row count, one sum order per row. Without them the weight is
+    dequantised per call, a block of output channels at a time, for the path's ``linear``: torch has no kernel
+    for this layout.
 
     Args:
         group_size: 32, 64 or 128 input features per scale.
@@ -838,11 +819,10 @@ class Int4WeightOnly(TorchPacker):
     """
 
     id = "torch.int4wo"
-    version = 2
+    version = 3
     parts = ("weight", "scales_and_zeros", "input_scales")
     uses_stats = True
     GROUP_SIZES = (32, 64, 128)
-    fused_max_rows = FUSED_MAX_ROWS_INT4
 
     def __init__(self, group_size: int = GROUP_SIZE, activation_aware: bool = True) -> None:
         if group_size not in self.GROUP_SIZES:
@@ -854,14 +834,12 @@ class Int4WeightOnly(TorchPacker):
     def params(self) -> dict[str, Any]:
         # /2: candidates judged by the closed-form error, against the bf16 scales (version 1 was neither).
         method = "awq-lsq-clip/2" if self.activation_aware else "lsq-clip/2"
-        return {"group_size": self.group_size, "inner_k_tiles": 1, "method": method}
+        return {"group_size": self.group_size, "method": method}
 
     def eligible(self, shape: tuple[int, ...]) -> str | None:
         if len(shape) != 2:
             return f"needs a 2-d weight, got shape {list(shape)}"
-        out_features, in_features = shape
-        if out_features % 16:
-            return f"out_features {out_features} is not a multiple of 16 (torch's int4 CPU layout)"
+        in_features = shape[1]
         if in_features % self.group_size:
             return f"in_features {in_features} is not a multiple of the group size {self.group_size}"
         return None
@@ -884,12 +862,11 @@ class Int4WeightOnly(TorchPacker):
 
     def pack(self, source: np.ndarray[Any, Any], dtype: str, stats: np.ndarray[Any, Any] | None = None) -> Parts:
         codes, scales, zeros, input_scales = self._quantize(source, dtype, stats)
-        packed = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes.astype(np.int32)), 1)
         # bf16-representable float32 values (the quantiser rounded them): the conversion is exact.
-        scales_and_zeros = torch.from_numpy(np.stack([scales, zeros], axis=-1)).to(torch.bfloat16)
+        pairs = torch.from_numpy(np.stack([scales.T, zeros.T], axis=-1)).to(torch.bfloat16)
         return {
-            "weight": tensor_to_numpy(packed, f"{self.id}:weight"),
-            "scales_and_zeros": tensor_to_numpy(scales_and_zeros.contiguous(), f"{self.id}:scales_and_zeros"),
+            "weight": tensor_to_numpy(torch.from_numpy(pack_int4_rows(codes)), f"{self.id}:weight"),
+            "scales_and_zeros": tensor_to_numpy(pairs.contiguous(), f"{self.id}:scales_and_zeros"),
             "input_scales": tensor_to_numpy(torch.from_numpy(input_scales), f"{self.id}:input_scales"),
         }
 
@@ -901,13 +878,13 @@ class Int4WeightOnly(TorchPacker):
         return weight.astype(np.float32)
 
     def dims(self, parts: Mapping[str, Any]) -> tuple[int, int]:
-        groups, out_features, _ = _shape(parts, "scales_and_zeros", 3)
+        out_features, groups, _ = _shape(parts, "scales_and_zeros", 3)
         return out_features, groups * self.group_size
 
     def layout(self, out_features: int, in_features: int) -> dict[str, native.Spec]:
         return {
             "weight": (torch.uint8, (out_features, in_features // 2)),
-            "scales_and_zeros": (torch.bfloat16, (in_features // self.group_size, out_features, 2)),
+            "scales_and_zeros": (torch.bfloat16, (out_features, in_features // self.group_size, 2)),
             "input_scales": (torch.float32, (in_features,)),
         }
 
@@ -918,97 +895,64 @@ class Int4WeightOnly(TorchPacker):
         prepared = super().prepare(operands, path)
         input_scales = _tensor(prepared, "input_scales")
         # All ones without calibration statistics (every hf model): then no per-call multiply of the activations.
-        ones = bool(torch.all(input_scales == 1))
-        prepared["input_scales"] = None if ones else input_scales.to(activation_dtype(path))
-        if not cpu_kernels().fused_weight_only:  # the fused kernel's reference loop takes the activations' dtype
-            prepared["scales_and_zeros"] = _tensor(prepared, "scales_and_zeros").to(activation_dtype(path))
+        prepared["input_scales"] = None if bool(torch.all(input_scales == 1)) else input_scales
         return prepared
-
-    def _fused(self, path: str, rows: int) -> bool:
-        if int4_layout() is None:
-            return True  # packcache cannot read this layout: only torch's kernel can
-        return self._use_fused(path, rows)
 
     native_op = "int4"
 
-    def _takes(self, in_features: int, out_features: int) -> bool:
-        """Whether the compiled int4 product takes a layer of this shape: it reads torch's layouts with halves
-        (AVX512 and AVX2 builds), 64 output features at a time."""
-        layout = int4_layout()
-        return layout is not None and layout.halves and out_features % 64 == 0 and in_features % self.group_size == 0
-
-    def _use_native(self, rows: int, in_features: int, out_features: int = 64) -> bool:
-        return self._takes(in_features, out_features) and super()._use_native(rows, in_features)
-
-    def _use_dense(self, in_features: int, out_features: int) -> bool:
-        """Whether a layer the int4 product does not take (``out_features`` not a multiple of 64, a layout without
-        halves) runs the compiled dense product over its weight dequantised per call: one sum order at every row
-        count for it too, where the compiled kernels run."""
-        return int4_layout() is not None and not self._takes(in_features, out_features) and _dense_runs(in_features)
-
     def linear(self, operands: Operands, x: torch.Tensor, path: str) -> torch.Tensor:
         operands = _prepared(operands)
-        weight, scales_and_zeros = _tensor(operands, "weight"), _tensor(operands, "scales_and_zeros")
-        bias, input_scales = operands.get("bias"), operands.get("input_scales")
-        rows, in_features = x.shape
-        out_features = scales_and_zeros.shape[1]
-        if self._use_native(rows, in_features, out_features):
-            layout = int4_layout()
-            assert layout is not None
-            return _native_product("int4", x, operands, self.group_size, layout.block)
-        if self._use_dense(in_features, out_features):
-            # float32 [out, in], as exact as dequantised_t's float32
-            dense = self.dequantized_t(weight, scales_and_zeros, input_scales, torch.float32).t().contiguous()
-            return _dense_over(x, dense, operands)
-        dtype = activation_dtype(path)
-        if self._fused(path, x.shape[0]):
-            # bf16 in: the kernel's only vectorised variant (a float32 input runs its scalar reference loop).
-            fused_dtype = torch.bfloat16 if cpu_kernels().fused_weight_only else dtype
-            scaled = (x if input_scales is None else x * input_scales).to(fused_dtype)
-            y = torch._weight_int4pack_mm_for_cpu(scaled, weight, self.group_size, scales_and_zeros).to(dtype)
-            return y if bias is None else y.add_(bias)
-        weight_t = self.dequantized_t(weight, scales_and_zeros, input_scales, dtype)
-        return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
-
-    def dequantized_t(
-        self,
-        weight: torch.Tensor,
-        scales_and_zeros: torch.Tensor,
-        input_scales: torch.Tensor | None,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """The transposed weight ``[in, out]`` a pack computes, in ``dtype``: ``(code - 8) * scale + zero`` per group,
-        the codes read out of torch's layout (:func:`packcache.kernels.int4_layout`, which must read it), and the
-        input scales (``None``: all ones) on its rows. The per-call dequantisation of :meth:`linear`, and what
-        :meth:`packcache.torch.PackedLinear.float_weight` saves."""
-        layout = int4_layout()
-        assert layout is not None
-        groups, out_features, _ = scales_and_zeros.shape
-        codes = layout.codes_t(weight, out_features, groups * self.group_size).view(groups, self.group_size, -1)
-        scale = scales_and_zeros[..., 0].float()
-        offset = scales_and_zeros[..., 1].float() - 8 * scale  # (code - 8) * scale + zero = code * scale + offset
-        # One pass over the codes: [in/g, g, out] * scale + offset, broadcast per group; transposed weight [in, out].
-        weight_t = torch.addcmul(offset.to(dtype)[:, None, :], codes, scale.to(dtype)[:, None, :])
-        weight_t = weight_t.view(-1, out_features)
-        if input_scales is not None:  # on the weight's rows, not on the (usually larger) activations
-            weight_t.mul_(input_scales[:, None])
-        return weight_t
+        if self._use_native(x.shape[0], x.shape[1]):
+            scaled = operands.get("input_scales") is not None
+            return native.int4_product(x, operands.bound, self.group_size, torch.get_num_threads(), input_scales=scaled)
+        weight, pairs = _tensor(operands, "weight"), _tensor(operands, "scales_and_zeros")
+        input_scales = operands.get("input_scales")
+        return _dequantized_linear(
+            x, operands.get("bias"), weight.shape[0],
+            lambda part, dtype: dequantize_int4_rows(weight[part], pairs[part], input_scales, dtype),
+        )  # fmt: skip
 
     def kernel(self, path: str, rows: int, *, out_features: int = 64, in_features: int = 1 << 12) -> str:
-        if self._use_native(rows, in_features, out_features):
+        if self._use_native(rows, in_features):
             return _native_kernel("int4")
-        if self._use_dense(in_features, out_features):
-            return f"int4 weight to float32 per call + {_native_kernel('dense')}"
         dtype = "bfloat16" if path == "bf16" else "float32"
-        if self._fused(path, rows):
-            return f"_weight_int4pack_mm_for_cpu({'bfloat16' if cpu_kernels().fused_weight_only else dtype})"
-        return f"int4 weight to {dtype} per call + addmm({dtype})"
+        return f"int4 weight to {dtype} per call + linear({dtype})"
 
     def kernel_input_dtype(self, path: str, rows: int) -> torch.dtype:
-        if self._use_native(rows, 1 << 12):
-            return torch.int8  # quantised per block of 32 inside the compiled kernel
-        if self._use_dense(1 << 12, 64):
-            return activation_dtype(path)
-        if self._fused(path, rows) and cpu_kernels().fused_weight_only:
-            return torch.bfloat16
-        return activation_dtype(path)
+        # quantised per block of 4 inside the compiled kernel
+        return torch.int8 if self._use_native(rows, 1 << 12) else activation_dtype(path)
+
+
+def dequantize_int4_rows(
+    weight: torch.Tensor, scales_and_zeros: torch.Tensor, input_scales: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight ``[rows, in]`` of a ``torch.int4wo`` pack's rows in ``dtype``: ``code * scale + (zero - 8 *
+    scale)`` per group (as the compiled product computes it: the offset in one rounding, then one multiply-add per
+    code, in float32), the codes read out of :func:`packcache.quantize.pack_int4_rows`'s layout, then times the
+    input scales (``None``: all ones) on its columns. The per-call dequantisation of :meth:`Int4WeightOnly.linear`
+    and what :meth:`packcache.torch.PackedLinear.float_weight` saves.
+
+    >>> from packcache.quantize import pack_int4_rows
+    >>> codes = torch.from_numpy(pack_int4_rows(np.full((1, 32), 9, np.uint8)))
+    >>> pairs = torch.tensor([[[0.5, 1.0]]], dtype=torch.bfloat16)
+    >>> dequantize_int4_rows(codes, pairs, None, torch.float32)[0, :2].tolist()
+    [1.5, 1.5]
+    """
+    rows, half = weight.shape
+    in_features = 2 * half
+    groups = scales_and_zeros.shape[1]
+    codes = torch.empty(rows, in_features, dtype=torch.uint8)
+    body = in_features // INT4_UNIT * INT4_UNIT
+    units, view = weight[:, : body // 2].reshape(rows, -1, INT4_UNIT // 2), codes[:, :body].view(rows, -1, INT4_UNIT)
+    torch.bitwise_and(units, 15, out=view[:, :, : INT4_UNIT // 2])
+    torch.bitwise_right_shift(units, 4, out=view[:, :, INT4_UNIT // 2 :])
+    if body < in_features:  # the last 32 features: a unit of half the size
+        tail = weight[:, body // 2 :]
+        torch.bitwise_and(tail, 15, out=codes[:, body : body + 16])
+        torch.bitwise_right_shift(tail, 4, out=codes[:, body + 16 :])
+    scale = scales_and_zeros[..., 0].float()
+    offset = scales_and_zeros[..., 1].float() - 8 * scale  # 8 * scale is exact: one rounding, as fnmadd's
+    out = torch.addcmul(offset[:, :, None], codes.view(rows, groups, -1), scale[:, :, None]).view(rows, in_features)
+    if input_scales is not None:
+        out.mul_(input_scales.float())
+    return out if dtype == torch.float32 else out.to(dtype)

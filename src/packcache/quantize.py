@@ -34,7 +34,10 @@ __all__ = [
     "INT8_BLOCK",
     "INT4_RANGE_STEPS",
     "INT4_RANGE_STEPS_CLOSED",
+    "INT4_UNIT",
     "dequantize_int4",
+    "pack_int4_rows",
+    "unpack_int4_rows",
     "quantize_int4_activation_aware",
     "quantize_int4_groups",
     "dequantize_int8_blocks",
@@ -184,7 +187,8 @@ def quantize_int4_groups(
 
     Returns ``(codes uint8 [out, in], scales float32 [in/g, out], zeros float32
     [in/g, out])`` with ``x ~ (q - zero_code) * scale + zero``: ``zero_code=8`` is
-    the convention of torch's int4 CPU kernel. The final codes are rounded against
+    the convention of ``torch.int4wo`` (torch's int4 CPU kernel's, which its versions 1 and 2 used). The final codes
+    are rounded against
     the scale and zero actually stored: with ``scale_dtype="bfloat16"`` those are the search's
     float32 values rounded to bfloat16 (:func:`round_bfloat16`), still returned as float32 arrays,
     for a kernel that reads bfloat16 scales and zeros.
@@ -534,6 +538,65 @@ def dequantize_int4(
     weight *= scales.T.astype(np.float64)[:, :, None]
     weight += zeros.T.astype(np.float64)[:, :, None]
     return weight.reshape(out_features, in_features)
+
+
+#: Input features per unit of packcache's row-major int4 layout (:func:`pack_int4_rows`).
+INT4_UNIT = 64
+
+
+def pack_int4_rows(codes: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """int4 ``codes [out, in]`` (0..15, ``in`` a multiple of 32) as packcache's row-major bytes ``[out, in / 2]``.
+
+    Each row in units of :data:`INT4_UNIT` (64) input features, 32 bytes each: byte ``j`` of a unit holds feature
+    ``j`` in its low nibble and feature ``j + 32`` in its high nibble. Where ``in % 64 == 32`` the row ends in a unit
+    of 32 features (16 bytes) laid out alike: features ``j`` and ``j + 16``. A unit's low nibbles are its first 32
+    codes in order and its high nibbles the next 32, so the compiled product unpacks a block of 32 codes with two
+    instructions.
+
+    Raises:
+        ValueError: a code outside 0..15, or ``in`` not a multiple of 32.
+
+    >>> pack_int4_rows(np.arange(32, dtype=np.uint8)[None, :] % 16)[0, :3].tolist()
+    [0, 17, 34]
+    """
+    out_features, in_features = codes.shape
+    if in_features % 32:
+        raise ValueError(f"int4 rows pack 32 input features at a time; got {in_features}")
+    if codes.size and int(codes.max()) > 15:
+        raise ValueError(f"int4 codes are 0..15; got {int(codes.max())}")
+    codes = codes.astype(np.uint8, copy=False)
+    packed = np.empty((out_features, in_features // 2), np.uint8)
+    body = in_features // INT4_UNIT * INT4_UNIT
+    units = codes[:, :body].reshape(out_features, -1, 2, INT4_UNIT // 2)
+    packed[:, : body // 2] = (units[:, :, 0] | (units[:, :, 1] << 4)).reshape(out_features, -1)
+    if body < in_features:  # the last 32 features: a unit of half the size
+        tail = codes[:, body:]
+        packed[:, body // 2 :] = tail[:, :16] | (tail[:, 16:] << 4)
+    return packed
+
+
+def unpack_int4_rows(packed: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The codes ``[out, in]`` (uint8, 0..15) of :func:`pack_int4_rows`'s bytes ``[out, in / 2]``.
+
+    >>> codes = np.arange(96 * 2, dtype=np.uint8).reshape(2, 96) % 16
+    >>> bool((unpack_int4_rows(pack_int4_rows(codes)) == codes).all())
+    True
+    """
+    out_features, half = packed.shape
+    in_features = 2 * half
+    if in_features % 32:
+        raise ValueError(f"int4 rows pack 32 input features at a time; got {in_features}")
+    codes = np.empty((out_features, in_features), np.uint8)
+    body = in_features // INT4_UNIT * INT4_UNIT
+    units = packed[:, : body // 2].reshape(out_features, -1, INT4_UNIT // 2)
+    view = codes[:, :body].reshape(out_features, -1, 2, INT4_UNIT // 2)
+    view[:, :, 0] = units & 15
+    view[:, :, 1] = units >> 4
+    if body < in_features:
+        tail = packed[:, body // 2 :]
+        codes[:, body : body + 16] = tail & 15
+        codes[:, body + 16 :] = tail >> 4
+    return codes
 
 
 def quantize_int4_activation_aware(

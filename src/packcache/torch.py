@@ -138,8 +138,8 @@ class ConversionReport:
 
 
 class _KernelNames(Mapping[str, str]):
-    """:attr:`ConversionReport.kernels`, worded when first read: naming an int4 layer's ops probes torch's int4
-    layout (a kernel call, milliseconds), which a load that never reads the report must not pay."""
+    """:attr:`ConversionReport.kernels`, worded when first read: naming a layer's ops may load the compiled part
+    (milliseconds), which a load that never reads the report must not pay."""
 
     def __init__(self) -> None:
         self._kinds: dict[str, tuple[TorchPacker, str] | str] = {}

@@ -22,7 +22,7 @@ Schemes (the packer of the linear layers; the embedding tables as the module doc
 ``bf16``   bfloat16 weights and activations, ``linear``
 ``int8``   int8 weight-only in blocks of 32 (llama.cpp's Q8_0), packcache's int8 product
 ``int4``   grouped int4 weight-only (group 32 by default),
-           ``torch._weight_int4pack_mm_for_cpu``; scales from a least-squares
+           packcache's int4 product; scales from a least-squares
            clipping search (see ``docs/TORCH.md``)
 =========  =================================================================
 
