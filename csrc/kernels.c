@@ -343,9 +343,9 @@ static void widen_x_avx2(const uint16_t *xb, int K, float *xw) {
  *         activations, every partial sum fits its integer lanes exactly),
  *   P_{b % 8} = fma(offset_{n,b}, bsum_{i,b}, fma(float(T_b), scale_{n,b} * ascale_{i,b}, P_{b % 8})),
  * eight float32 partials P_0 .. P_7 (from +0, blocks in increasing order), the output ((P0 + P4) + (P2 + P6)) +
- * ((P1 + P5) + (P3 + P7)) (hsum256's order), plus the bias. One row or a few (int4_row) reach the T_b by adding
- * a block's lanes and keep P in the lanes of one vector; more rows (the tiles) reach them with eight outputs per
- * vector and keep P in memory: the same operations on the same values, so a row's bits do not depend on the rows beside it. */
+ * ((P1 + P5) + (P3 + P7)) (hsum256's order), plus the bias. One row (int4_row) reaches the T_b by adding a block's
+ * lanes and keeps P in the lanes of one vector; more rows (the tiles) reach them with eight outputs per vector and
+ * keep P in memory: the same operations on the same values, so a row's bits do not depend on the rows beside it. */
 
 /* One row of x [K] (K a multiple of 32) to int8 codes q [K], a scale per block of 32 (scale [K/32]) and the block's
  * exact sum (sum [K/32], features in order): scale = amax / 127, codes = round half to even (the default MXCSR mode)
@@ -482,10 +482,6 @@ static float int4_row(const uint8_t *w, const uint16_t *szn, size_t K, int per_g
     }
     return hsum256(acc);
 }
-/* The most activation rows that walk the weight rows as a decode step does, int4_row for each row in turn: past them
- * the tiles (below) are faster, their codes transposed once per block for all the rows; at 2-3 rows that costs more
- * than it saves (8192x2048, one thread: 2 rows 1.1 against 1.7 ms, 3 rows 1.7 against 2.1). */
-#define INT4_FEW_ROWS 3
 
 /* Several activation rows: a tile of up to INT4_TILE_VECTORS * 8 weight rows (64 outputs), eight per vector, the
  * lanes of each vector eight outputs. Per block the tile's codes are laid out once (int4_tile_codes: vector (kq, v) holds,
@@ -496,30 +492,59 @@ static float int4_row(const uint8_t *w, const uint16_t *szn, size_t K, int per_g
 #define INT4_TILE_VECTORS 8
 #define INT4_TILE_ROWS (8 * INT4_TILE_VECTORS)
 
-/* Block b's codes of weight rows [n, n + 8 * nv) (rows past N as zeros) as 8 x nv vectors: codes[kq * nv + v]. */
+/* An 8 x 8 transpose of 32-bit lanes: lane i of t[kq] becomes r[i]'s lane kq. */
+__attribute__((target("avx2,fma,f16c")))
+static inline void int4_transpose(const __m256i r[8], __m256i out[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int kq = 0; kq < 4; kq++) {
+        out[kq] = _mm256_permute2x128_si256(u[kq], u[4 + kq], 0x20);
+        out[kq + 4] = _mm256_permute2x128_si256(u[kq], u[4 + kq], 0x31);
+    }
+}
+
+/* Both blocks of a whole unit (features 64 unit .. 64 unit + 63) of weight rows [n, n + 8 * nv) (rows past N as
+ * zeros) as 8 x nv vectors each, first[kq * nv + v] and second[kq * nv + v]: the unit's bytes are transposed once, and
+ * the low nibbles of a transposed lane are its first block's four codes, the high nibbles its second block's. */
+__attribute__((target("avx2,fma,f16c")))
+static void int4_tile_unit_codes(const uint8_t *W, size_t K, int N, int n, int nv, size_t unit, __m256i *first,
+                                 __m256i *second) {
+    for (int v = 0; v < nv; v++) {
+        __m256i r[8], t[8];
+        for (int i = 0; i < 8; i++) {
+            const int row = n + 8 * v + i;
+            r[i] = row < N ? _mm256_loadu_si256((const __m256i *)(W + (size_t)row * (K / 2) + unit * 32))
+                           : _mm256_setzero_si256();
+        }
+        int4_transpose(r, t);
+        for (int kq = 0; kq < 8; kq++) {
+            first[kq * nv + v] = INT4_FIRST(t[kq]);
+            second[kq * nv + v] = INT4_SECOND(t[kq]);
+        }
+    }
+}
+
+/* Block b's codes of weight rows [n, n + 8 * nv) (rows past N as zeros) as 8 x nv vectors: codes[kq * nv + v]. For
+ * a row's last 32 features, a half unit. */
 __attribute__((target("avx2,fma,f16c")))
 static void int4_tile_codes(const uint8_t *W, size_t K, int N, int n, int nv, size_t b, __m256i *codes) {
     for (int v = 0; v < nv; v++) {
-        __m256i r[8], t[8], u[8];
+        __m256i r[8], t[8];
         for (int i = 0; i < 8; i++) {
             const int row = n + 8 * v + i;
             r[i] = row < N ? int4_block_codes(W + (size_t)row * (K / 2), K, b) : _mm256_setzero_si256();
         }
-        /* an 8 x 8 transpose of 32-bit lanes: lane i of result kq is r[i]'s lane kq */
-        for (int i = 0; i < 4; i++) {
-            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 2; i++) {
-            u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-            u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-        }
-        for (int kq = 0; kq < 4; kq++) {
-            codes[kq * nv + v] = _mm256_permute2x128_si256(u[kq], u[4 + kq], 0x20);
-            codes[(kq + 4) * nv + v] = _mm256_permute2x128_si256(u[kq], u[4 + kq], 0x31);
-        }
+        int4_transpose(r, t);
+        for (int kq = 0; kq < 8; kq++) codes[kq * nv + v] = t[kq];
     }
 }
 
@@ -577,21 +602,21 @@ INT4_TILE_BLOCK(8)
 #define INT4_SZ_AHEAD 4
 
 typedef struct {
-    float *comb, *ofs; /* a few rows: K/32 rounded up to 8 each */
+    float *comb, *ofs; /* one row: K/32 rounded up to 8 each */
     __m256 *part;      /* more rows: INT4_M_BLOCK * 8 * INT4_TILE_VECTORS */
-    __m256i *codes;    /* 8 * INT4_TILE_VECTORS */
+    __m256i *codes;    /* a unit's two blocks: 2 * 8 * INT4_TILE_VECTORS */
 } int4_scratch;
 
 /* Output columns [n0, n1) for the M rows of quantised x (block scales as and block sums bs, [M, K/32] each). One row
- * (a decode step) or up to INT4_FEW_ROWS: int4_row for one weight row after the other. More: blocks of
- * INT4_M_BLOCK rows, and in each tiles of INT4_TILE_ROWS weight rows, a block of 32 features at a time. */
+ * (a decode step): int4_row for one weight row after the other. More: blocks of INT4_M_BLOCK rows, and in each
+ * tiles of INT4_TILE_ROWS weight rows, a block of 32 features at a time (two rows cost the same either way). */
 __attribute__((target("avx2,fma,f16c")))
 static void int4_columns(const uint8_t *W, const uint16_t *sz, const float *bias, int K, int group, int M,
                          const int8_t *q, const float *as, const float *bs, const int4_scratch *sc, void *y,
                          int ydtype, int N, int n0, int n1) {
     const size_t groups = (size_t)K / group, half_k = (size_t)K / 2, blocks = (size_t)K / QBLOCK;
     const int per_group_log2 = __builtin_ctz((unsigned)(group / QBLOCK)); /* blocks per group: 1, 2, 4 */
-    if (M <= INT4_FEW_ROWS) {
+    if (M == 1) {
         for (int n = n0; n < n1; n++) {
             const uint16_t *szn = sz + (size_t)n * groups * 2;
             const uint8_t *w = W + (size_t)n * half_k;
@@ -600,11 +625,8 @@ static void int4_columns(const uint8_t *W, const uint16_t *sz, const float *bias
                 const char *ahead = (const char *)(szn + (size_t)INT4_SZ_AHEAD * groups * 2);
                 for (size_t b = 0; b < groups * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
             }
-            for (int m = 0; m < M; m++) { /* the second and third rows read the weight row from L1 */
-                const float v = int4_row(w, szn, (size_t)K, per_group_log2, q + (size_t)m * K, as + (size_t)m * blocks,
-                                         bs + (size_t)m * blocks, sc->comb, sc->ofs);
-                store(y, (size_t)m * N + n, bias ? v + bias[n] : v, ydtype);
-            }
+            const float v = int4_row(w, szn, (size_t)K, per_group_log2, q, as, bs, sc->comb, sc->ofs);
+            store(y, (size_t)n, bias ? v + bias[n] : v, ydtype);
         }
         return;
     }
@@ -613,18 +635,42 @@ static void int4_columns(const uint8_t *W, const uint16_t *sz, const float *bias
         for (int n = n0; n < n1; n += INT4_TILE_ROWS) {
             const int nv = (n1 - n < INT4_TILE_ROWS ? n1 - n + 7 : INT4_TILE_ROWS) / 8;
             for (int i = 0; i < mrows * 8 * nv; i++) sc->part[i] = _mm256_setzero_ps();
-            __m256i first_pair[INT4_TILE_VECTORS]; /* each vector's rows' first pair index (rows past n1: row n's) */
-            for (int v = 0; v < nv; v++) {
-                int rows[8];
-                for (int i = 0; i < 8; i++) rows[i] = (n + 8 * v + i < n1 ? n + 8 * v + i : n) * (int)groups;
-                first_pair[v] = _mm256_loadu_si256((const __m256i *)rows);
-            }
+            /* the tile's (scale, zero) pairs of eight groups from group base, transposed: pairs[j * nv + v] holds group
+             * base + j of the eight rows of vector v (rows past n1 and groups past the last: zeros) */
+            __m256i pairs[8 * INT4_TILE_VECTORS];
+            size_t base = SIZE_MAX;
             for (size_t b = 0; b < blocks; b++) {
-                int4_tile_codes(W, (size_t)K, n1, n, nv, b, sc->codes);
+                const __m256i *codes = sc->codes;
+                if ((b / 2 + 1) * 64 > (size_t)K) /* the row's last 32 features, a half unit */
+                    int4_tile_codes(W, (size_t)K, n1, n, nv, b, sc->codes);
+                else if (b & 1) /* the unit's second block, laid out with its first */
+                    codes = sc->codes + 8 * INT4_TILE_VECTORS;
+                else
+                    int4_tile_unit_codes(W, (size_t)K, n1, n, nv, b / 2, sc->codes, sc->codes + 8 * INT4_TILE_VECTORS);
+                const size_t g = b >> per_group_log2;
+                if (g < base || g >= base + 8) {
+                    base = g / 8 * 8;
+                    for (int v = 0; v < nv; v++) {
+                        __m256i r[8], t[8];
+                        for (int i = 0; i < 8; i++) {
+                            const int row = n + 8 * v + i;
+                            if (row >= n1) {
+                                r[i] = _mm256_setzero_si256();
+                            } else if (base + 8 <= groups) {
+                                r[i] = _mm256_loadu_si256((const __m256i *)(sz + ((size_t)row * groups + base) * 2));
+                            } else { /* the row's last groups */
+                                uint16_t last[16] = {0};
+                                memcpy(last, sz + ((size_t)row * groups + base) * 2, (groups - base) * 4);
+                                r[i] = _mm256_loadu_si256((const __m256i *)last);
+                            }
+                        }
+                        int4_transpose(r, t);
+                        for (int j = 0; j < 8; j++) pairs[j * nv + v] = t[j];
+                    }
+                }
                 __m256 ws[INT4_TILE_VECTORS], os[INT4_TILE_VECTORS];
                 for (int v = 0; v < nv; v++) {
-                    const __m256i index = _mm256_add_epi32(first_pair[v], _mm256_set1_epi32((int)(b >> per_group_log2)));
-                    const __m256i p = _mm256_i32gather_epi32((const int *)sz, index, 4);
+                    const __m256i p = pairs[(g - base) * nv + v];
                     ws[v] = INT4_SCALES(p);
                     os[v] = INT4_OFFSETS(p);
                 }
@@ -632,14 +678,14 @@ static void int4_columns(const uint8_t *W, const uint16_t *sz, const float *bias
                 const float *ab = as + (size_t)mb * blocks + b, *sb = bs + (size_t)mb * blocks + b;
                 __m256 *pb = sc->part + (b & 7) * nv;
                 switch (nv) {
-                    case 8: int4_tile_block_8(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
-                    case 7: int4_tile_block_7(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
-                    case 6: int4_tile_block_6(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
-                    case 5: int4_tile_block_5(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
-                    case 4: int4_tile_block_4(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
-                    case 3: int4_tile_block_3(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
-                    case 2: int4_tile_block_2(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
-                    default: int4_tile_block_1(sc->codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 8: int4_tile_block_8(codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 7: int4_tile_block_7(codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 6: int4_tile_block_6(codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 5: int4_tile_block_5(codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 4: int4_tile_block_4(codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 3: int4_tile_block_3(codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    case 2: int4_tile_block_2(codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
+                    default: int4_tile_block_1(codes, ws, os, qb, ab, sb, (size_t)K, blocks, mrows, pb); break;
                 }
             }
             for (int m = 0; m < mrows; m++)
@@ -829,12 +875,12 @@ static void *aligned_scratch(size_t bytes) { return aligned_alloc(32, (bytes + 3
 static void int4_task(void *p, int n0, int n1) {
     int4_job *j = p;
     const size_t padded = ((size_t)j->K / QBLOCK + 7) / 8 * 8;
-    const int many = j->M > INT4_FEW_ROWS;
+    const int many = j->M > 1;
     int4_scratch sc = {
         .comb = many ? NULL : malloc(padded * sizeof(float)),
         .ofs = many ? NULL : malloc(padded * sizeof(float)),
         .part = many ? aligned_scratch(INT4_M_BLOCK * 8 * INT4_TILE_VECTORS * sizeof(__m256)) : NULL,
-        .codes = many ? aligned_scratch(8 * INT4_TILE_VECTORS * sizeof(__m256i)) : NULL,
+        .codes = many ? aligned_scratch(2 * 8 * INT4_TILE_VECTORS * sizeof(__m256i)) : NULL,
     };
     if (many ? !sc.part || !sc.codes : !sc.comb || !sc.ofs) {
 #pragma omp atomic write

@@ -477,7 +477,7 @@ _CHECKED: set[tuple[str, str, int, str, str]] = set()
 def _self_check(packer: TorchPacker, path: str) -> None:
     """Run kernel ``path`` on the fingerprint pack and compare with the intended weight: a kernel that reads the
     layout differently (same bytes, new meaning) must fail loudly here, never give wrong answers. Where a compiled
-    kernel runs (:mod:`packcache.native`), also on a pack of :data:`NATIVE_PROBE_SHAPE` (more rows and input
+    kernel runs (:mod:`packcache.native`), also on a pack of :data:`NATIVE_PROBE_SHAPES` (more rows and input
     features than the fingerprint's: whole units of the int4 layout and more than one tile of output rows)."""
     source = fingerprint_input()
     stats = fingerprint_stats() if packer.uses_stats else None
