@@ -575,9 +575,14 @@ def test_the_loader_rule_keeps_the_minilm_fast_path_for_checkpoints_of_its_shape
     for name in ("xlm-roberta", "mpnet", "bert-dense", "xlm-roberta-plain"):
         assert choose_loader(str(st_models[name])) == "hf", name
 
+    # Links to a copy of its own: a hard link to the installed model moves that file's ctime, and a server of another
+    # test reading it at that moment refused it as changed since its header was read (its workers failed to boot).
+    private = tmp_path / "installed-copy"
+    shutil.copytree(minilm.default_model_path(), private)
+
     def shaped(edit: Any) -> str:
         target = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(minilm.default_model_path(), target, copy_function=os.link)
+        shutil.copytree(private, target, copy_function=os.link)
         edit(target)
         return choose_loader(str(target))
 
