@@ -56,7 +56,6 @@ from .packers import (
     to_float32,
 )
 from .quantize import (
-    INT4_UNIT,
     INT8_BLOCK,
     dequantize_int4,
     dequantize_int8_blocks,
@@ -64,6 +63,7 @@ from .quantize import (
     quantize_int4_activation_aware,
     quantize_int4_groups,
     quantize_int8_blocks,
+    unpack_int4_rows,
 )
 
 __all__ = [
@@ -809,7 +809,7 @@ class Int4WeightOnly(TorchPacker):
     builds, and 16 unpacks per 128 bytes to read. A cache of version 2 is rebuilt once.
 
     Forward: with the compiled kernels, packcache's int4 product (:func:`packcache.native.int4_product`,
-    activations int8 per block of 4) at every row count, one sum order per row. Without them the weight is
+    activations int8 per block of 32) at every row count, one sum order per row. Without them the weight is
     dequantised per call, a block of output channels at a time, for the path's ``linear``: torch has no kernel
     for this layout.
 
@@ -941,15 +941,7 @@ def dequantize_int4_rows(
     rows, half = weight.shape
     in_features = 2 * half
     groups = scales_and_zeros.shape[1]
-    codes = torch.empty(rows, in_features, dtype=torch.uint8)
-    body = in_features // INT4_UNIT * INT4_UNIT
-    units, view = weight[:, : body // 2].reshape(rows, -1, INT4_UNIT // 2), codes[:, :body].view(rows, -1, INT4_UNIT)
-    torch.bitwise_and(units, 15, out=view[:, :, : INT4_UNIT // 2])
-    torch.bitwise_right_shift(units, 4, out=view[:, :, INT4_UNIT // 2 :])
-    if body < in_features:  # the last 32 features: a unit of half the size
-        tail = weight[:, body // 2 :]
-        torch.bitwise_and(tail, 15, out=codes[:, body : body + 16])
-        torch.bitwise_right_shift(tail, 4, out=codes[:, body + 16 :])
+    codes = torch.from_numpy(unpack_int4_rows(weight.numpy()))  # the layout's one reader, over the bytes in place
     scale = scales_and_zeros[..., 0].float()
     offset = scales_and_zeros[..., 1].float() - 8 * scale  # 8 * scale is exact: one rounding, as fnmadd's
     out = torch.addcmul(offset[:, :, None], codes.view(rows, groups, -1), scale[:, :, None]).view(rows, in_features)
